@@ -1,0 +1,98 @@
+//! Store URLs: one syntax for naming a store everywhere.
+
+use super::{FileStore, HttpStore, Store};
+use crate::error::{Error, Result};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The environment variable holding the default store URL.
+pub const STORE_ENV: &str = "FERROGLOO_STORE";
+
+/// A parsed store URL.
+///
+/// - `file:DIR` (also `file://DIR`): a [`FileStore`] in `DIR`.
+/// - `http://HOST:PORT/SCOPE`: an [`HttpStore`] on that server, with `SCOPE` as the scope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreUrl {
+    /// A directory for a [`FileStore`].
+    File(PathBuf),
+    /// An HTTP rendezvous server.
+    Http {
+        /// `http://HOST:PORT`.
+        base: String,
+        /// The scope every key lives in.
+        scope: String,
+    },
+}
+
+impl StoreUrl {
+    /// Parses `file:DIR` or `http://HOST:PORT/SCOPE`.
+    pub fn parse(url: &str) -> Result<Self> {
+        if let Some(rest) = url.strip_prefix("file:") {
+            let path = rest.strip_prefix("//").unwrap_or(rest);
+            if path.is_empty() {
+                return Err(Error::invalid(format!("store URL {url:?} names no directory")));
+            }
+            return Ok(StoreUrl::File(PathBuf::from(path)));
+        }
+        if let Some(rest) = url.strip_prefix("http://") {
+            let (host, scope) = rest.split_once('/').unwrap_or((rest, ""));
+            let scope = scope.trim_end_matches('/');
+            if host.is_empty() || scope.is_empty() {
+                return Err(Error::invalid(format!(
+                    "store URL {url:?} must look like http://HOST:PORT/SCOPE"
+                )));
+            }
+            return Ok(StoreUrl::Http { base: format!("http://{host}"), scope: scope.to_string() });
+        }
+        Err(Error::invalid(format!("unknown store URL {url:?}: expected file:DIR or http://HOST:PORT/SCOPE")))
+    }
+
+    /// Opens the store. `timeout` bounds each single store request (HTTP retries included).
+    pub fn open(&self, timeout: Duration) -> Result<Box<dyn Store>> {
+        Ok(match self {
+            StoreUrl::File(dir) => Box::new(FileStore::new(dir)?),
+            StoreUrl::Http { base, scope } => Box::new(HttpStore::new(base, scope, timeout)?),
+        })
+    }
+}
+
+impl std::fmt::Display for StoreUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreUrl::File(dir) => write!(f, "file:{}", dir.display()),
+            StoreUrl::Http { base, scope } => write!(f, "{base}/{scope}"),
+        }
+    }
+}
+
+/// Opens the store named by `url` (see [`StoreUrl`]), with a 30 s bound per request.
+pub fn open(url: &str) -> Result<Box<dyn Store>> {
+    StoreUrl::parse(url)?.open(Duration::from_secs(30))
+}
+
+/// Opens the store named by `$FERROGLOO_STORE`.
+pub fn open_from_env() -> Result<Box<dyn Store>> {
+    let url = std::env::var(STORE_ENV)
+        .map_err(|_| Error::invalid(format!("{STORE_ENV} is not set (expected file:DIR or http://HOST:PORT/SCOPE)")))?;
+    open(&url)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_both_forms_and_rejects_others() {
+        assert_eq!(StoreUrl::parse("file:/tmp/x").unwrap(), StoreUrl::File("/tmp/x".into()));
+        assert_eq!(StoreUrl::parse("file:///tmp/x").unwrap(), StoreUrl::File("/tmp/x".into()));
+        assert_eq!(
+            StoreUrl::parse("http://127.0.0.1:80/job/a").unwrap(),
+            StoreUrl::Http { base: "http://127.0.0.1:80".into(), scope: "job/a".into() }
+        );
+        for bad in ["", "file:", "http://host:1", "http:///scope", "ftp://x/y", "/tmp/x"] {
+            assert!(matches!(StoreUrl::parse(bad), Err(Error::InvalidArgument(_))), "{bad}");
+        }
+    }
+}
