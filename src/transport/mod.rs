@@ -1,0 +1,166 @@
+//! The Pair contract every transport backend meets, and its backends.
+//!
+//! A *pair* is the connection between this rank and one peer of a context. Algorithms (and
+//! point-to-point calls) talk to pairs only through [`Pair`], so they run unchanged on every
+//! backend. A backend promises:
+//!
+//! 1. **Posting never blocks.** `post_send` and `post_recv` queue the operation and return at
+//!    once; the backend completes it later (or right away) by calling
+//!    [`Completion::complete`].
+//! 2. **Ordering.** Two sends to one peer with the same tag are received in the order they were
+//!    posted; a receive matches the oldest unmatched message with its tag. Messages with
+//!    different tags are independent.
+//! 3. **Exact matching.** A message matches a receive only if the tag is equal; it is then
+//!    checked for equal byte length and equal `meta` word, and a difference completes the
+//!    receive with [`Error::Mismatch`] (the payload is discarded, the pair stays usable).
+//! 4. **Zero copy when posted.** A message whose receive is already posted lands directly in
+//!    the receive's buffer. A message that arrives first is held in a per-pair buffer of bounded
+//!    size (the *early-arrival budget*); once that is full the backend stops reading from the
+//!    peer until a matching receive is posted, so memory stays bounded.
+//! 5. **Buffers.** The backend reads a send buffer and writes a receive buffer only between the
+//!    post and the moment the completion is completed or [`Pair::cancel`] returns; never after.
+//! 6. **Failure.** When the connection fails (EOF, reset), every pending and future operation on
+//!    the pair completes with an error naming the peer ([`Error::PeerClosed`]); messages that
+//!    arrived completely before the failure can still be received.
+//! 7. **Cancellation.** `cancel` removes a pending operation. If a send had already been partly
+//!    written, the byte stream cannot continue, so the pair fails with [`Error::Aborted`].
+//!
+//! Backends: [`tcp`] (mio event loop; always built) and `ibverbs` (feature `ibverbs`).
+
+pub(crate) mod tcp;
+
+use crate::error::{Error, Result};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+/// A send buffer lent to a backend: raw because the backend's I/O thread reads it while the
+/// poster waits, with the lifetime guaranteed by the wait/cancel protocol (contract rule 5).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SendBuf {
+    pub(crate) ptr: *const u8,
+    pub(crate) len: usize,
+}
+
+/// A receive buffer lent to a backend (see [`SendBuf`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RecvBuf {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+}
+
+// SAFETY: the buffers are plain memory; whoever posts one guarantees (contract rule 5) that it
+// outlives the operation and that nothing else writes (SendBuf) or touches (RecvBuf) it
+// meanwhile, so handing the pointer to the I/O thread is sound.
+unsafe impl Send for SendBuf {}
+// SAFETY: as for `Send` above.
+unsafe impl Send for RecvBuf {}
+
+impl SendBuf {
+    pub(crate) fn from_slice(s: &[u8]) -> Self {
+        SendBuf { ptr: s.as_ptr(), len: s.len() }
+    }
+}
+
+impl RecvBuf {
+    pub(crate) fn from_slice(s: &mut [u8]) -> Self {
+        RecvBuf { ptr: s.as_mut_ptr(), len: s.len() }
+    }
+}
+
+/// A connection to one peer (see the module documentation for the contract).
+pub(crate) trait Pair: Send + Sync {
+    /// The peer's rank.
+    fn peer(&self) -> usize;
+
+    /// Queues a send of `buf` with `tag` and `meta`.
+    ///
+    /// # Safety
+    /// `buf` must stay valid, and must not be written, until `done` is completed or
+    /// [`Pair::cancel`] for `done` has returned.
+    unsafe fn post_send(&self, tag: u64, meta: u32, buf: SendBuf, done: &Arc<Completion>) -> Result<()>;
+
+    /// Queues a receive into `buf` of the next message with `tag`. Several pairs may be given
+    /// the same `done` (receive from any of several peers): the first message to claim it wins.
+    ///
+    /// # Safety
+    /// `buf` must stay valid, and must not be read or written by anyone else, until `done` is
+    /// completed or [`Pair::cancel`] for `done` has returned on every pair it was posted to.
+    unsafe fn post_recv(&self, tag: u64, meta: u32, buf: RecvBuf, done: &Arc<Completion>) -> Result<()>;
+
+    /// Withdraws every operation of `done` from this pair. After it returns the pair no longer
+    /// touches that operation's buffer.
+    fn cancel(&self, done: &Arc<Completion>);
+}
+
+/// The state of one posted operation, shared between the poster and the backend.
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    state: Mutex<CompletionState>,
+    cond: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct CompletionState {
+    /// A receive posted to several pairs is claimed by the first message that matches it.
+    claimed: bool,
+    /// `Some` once finished: the peer rank on success.
+    outcome: Option<Result<usize>>,
+}
+
+impl Completion {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CompletionState> {
+        // Updates are single assignments: a poisoned state is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Claims an unclaimed, unfinished operation for the caller. Exactly one caller wins.
+    pub(crate) fn try_claim(&self) -> bool {
+        let mut s = self.lock();
+        if s.claimed || s.outcome.is_some() {
+            return false;
+        }
+        s.claimed = true;
+        true
+    }
+
+    /// True while nobody has claimed or finished the operation.
+    pub(crate) fn is_open(&self) -> bool {
+        let s = self.lock();
+        !s.claimed && s.outcome.is_none()
+    }
+
+    /// Finishes the operation (the first outcome wins) and wakes its waiter.
+    pub(crate) fn complete(&self, outcome: Result<usize>) {
+        let mut s = self.lock();
+        if s.outcome.is_none() {
+            s.claimed = true;
+            s.outcome = Some(outcome);
+            drop(s);
+            self.cond.notify_all();
+        }
+    }
+
+    /// The outcome, if finished.
+    pub(crate) fn outcome(&self) -> Option<Result<usize>> {
+        self.lock().outcome.clone()
+    }
+
+    /// Waits until finished or `deadline`; `None` on timeout.
+    pub(crate) fn wait_until(&self, deadline: Instant) -> Option<Result<usize>> {
+        let mut s = self.lock();
+        loop {
+            if let Some(o) = &s.outcome {
+                return Some(o.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            s = self.cond.wait_timeout(s, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}

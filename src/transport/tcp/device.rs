@@ -1,0 +1,448 @@
+//! The TCP device: one listening socket and one mio event-loop thread that drives every pair of
+//! every context made on it.
+
+use super::handshake::{self, ACK_LEN, AUTH_LEN, Ack, ContextId, HELLO_LEN, Hello, Status};
+use super::pair::TcpPair;
+use crate::error::{Error, Result};
+use crate::transport::Pair;
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Registry, Token, Waker};
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const LISTENER: Token = Token(0);
+const WAKER: Token = Token(1);
+const FIRST_CONN: usize = 2;
+
+/// Tunables of a TCP device (set through [`TcpAttr`](crate::device::TcpAttr)).
+#[derive(Debug, Clone)]
+pub(crate) struct TcpOptions {
+    pub(crate) send_buffer: Option<usize>,
+    pub(crate) recv_buffer: Option<usize>,
+    pub(crate) early_budget: usize,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) max_pending: usize,
+}
+
+/// One context's entry in the device: where accepted connections go.
+pub(crate) struct Route {
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) secret: Option<Vec<u8>>,
+    /// Indexed by peer rank; `None` at our own rank.
+    pub(crate) pairs: Vec<Option<Arc<TcpPair>>>,
+    attached: Mutex<()>,
+    attached_cv: Condvar,
+}
+
+impl Route {
+    pub(crate) fn new(rank: usize, size: usize, secret: Option<Vec<u8>>, pairs: Vec<Option<Arc<TcpPair>>>) -> Arc<Self> {
+        Arc::new(Route { rank, size, secret, pairs, attached: Mutex::new(()), attached_cv: Condvar::new() })
+    }
+
+    fn notify(&self) {
+        let _g = self.attached.lock().unwrap_or_else(|p| p.into_inner());
+        self.attached_cv.notify_all();
+    }
+
+    /// Waits until the pairs to every rank in `peers` are attached; returns those still
+    /// missing at the deadline.
+    pub(crate) fn wait_attached(&self, peers: &[usize], deadline: Instant) -> Vec<usize> {
+        let mut g = self.attached.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let missing: Vec<usize> =
+                peers.iter().copied().filter(|&p| !self.pairs[p].as_ref().is_some_and(|x| x.is_attached())).collect();
+            let now = Instant::now();
+            if missing.is_empty() || now >= deadline {
+                return missing;
+            }
+            g = self.attached_cv.wait_timeout(g, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+/// State shared by the device handle, its event loop and its pairs.
+pub(crate) struct Shared {
+    pub(crate) registry: Arc<Registry>,
+    waker: Waker,
+    pub(crate) addr: SocketAddr,
+    pub(crate) opts: TcpOptions,
+    next_token: AtomicUsize,
+    pairs: Mutex<HashMap<Token, Arc<TcpPair>>>,
+    routes: Mutex<HashMap<ContextId, Arc<Route>>>,
+    stop: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Maps updated by single inserts/removes stay consistent across a panic.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Owns the event-loop thread; dropping the last handle stops and joins it.
+pub(crate) struct DeviceCore {
+    pub(crate) shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DeviceCore {
+    /// Binds `addr` (trying each port of `ports` in turn, or the address's own port) and starts
+    /// the event loop.
+    pub(crate) fn start(addrs: &[SocketAddr], opts: TcpOptions) -> Result<Self> {
+        let mut last_err = None;
+        let mut bound = None;
+        for a in addrs {
+            match TcpListener::bind(*a) {
+                Ok(l) => {
+                    bound = Some(l);
+                    break;
+                }
+                Err(e) => last_err = Some((a, e)),
+            }
+        }
+        let mut listener = match (bound, last_err) {
+            (Some(l), _) => l,
+            (None, Some((a, e))) => return Err(Error::io(format!("binding the device listener to {a}"), e)),
+            (None, None) => return Err(Error::invalid("no address to bind the device to")),
+        };
+        let addr = listener.local_addr().map_err(|e| Error::io("reading the listener address", e))?;
+        let poll = Poll::new().map_err(|e| Error::io("creating the event loop", e))?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)
+            .map_err(|e| Error::io("registering the listener", e))?;
+        let waker = Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the event-loop waker", e))?;
+        let registry = Arc::new(poll.registry().try_clone().map_err(|e| Error::io("cloning the poll registry", e))?);
+        let shared = Arc::new(Shared {
+            registry,
+            waker,
+            addr,
+            opts,
+            next_token: AtomicUsize::new(FIRST_CONN),
+            pairs: Mutex::default(),
+            routes: Mutex::default(),
+            stop: AtomicBool::new(false),
+        });
+        let loop_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ferrogloo-tcp-{}", addr.port()))
+            .spawn(move || EventLoop { poll, listener, shared: loop_shared, incoming: HashMap::new() }.run())
+            .map_err(|e| Error::io("spawning the event-loop thread", e))?;
+        Ok(DeviceCore { shared, thread: Some(thread) })
+    }
+}
+
+impl Drop for DeviceCore {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let _ = self.shared.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    fn token(&self) -> Token {
+        Token(self.next_token.fetch_add(1, Ordering::Relaxed))
+    }
+
+    pub(crate) fn add_route(&self, ctx: ContextId, route: Arc<Route>) -> Result<()> {
+        let mut routes = lock(&self.routes);
+        if routes.contains_key(&ctx) {
+            return Err(Error::invalid("a context with this id is already registered on the device"));
+        }
+        routes.insert(ctx, route);
+        Ok(())
+    }
+
+    /// Forgets a context: closes its pairs and stops routing connections to it.
+    pub(crate) fn remove_route(&self, ctx: &ContextId) {
+        let Some(route) = lock(&self.routes).remove(ctx) else { return };
+        let tokens: Vec<Token> = route.pairs.iter().flatten().filter_map(|p| p.token()).collect();
+        for p in route.pairs.iter().flatten() {
+            p.close();
+        }
+        let mut pairs = lock(&self.pairs);
+        for t in tokens {
+            pairs.remove(&t);
+        }
+    }
+
+    fn socket_options(&self, s: &socket2::SockRef<'_>) -> io::Result<()> {
+        s.set_tcp_nodelay(true)?;
+        if let Some(n) = self.opts.send_buffer {
+            s.set_send_buffer_size(n)?;
+        }
+        if let Some(n) = self.opts.recv_buffer {
+            s.set_recv_buffer_size(n)?;
+        }
+        Ok(())
+    }
+
+    /// Registers a connected stream for `pair` and attaches it.
+    fn attach(&self, pair: &Arc<TcpPair>, mut stream: TcpStream, token: Option<Token>) -> Result<()> {
+        let token = match token {
+            Some(t) => t,
+            None => {
+                let t = self.token();
+                self.registry
+                    .register(&mut stream, t, Interest::READABLE | Interest::WRITABLE)
+                    .map_err(|e| Error::io("registering a connection", e))?;
+                t
+            }
+        };
+        lock(&self.pairs).insert(token, pair.clone());
+        if let Err(mut stream) = pair.attach(stream, token) {
+            lock(&self.pairs).remove(&token);
+            let _ = self.registry.deregister(&mut stream);
+            return Err(Error::Protocol { peer: Some(pair.peer()), detail: "a second connection for one pair".into() });
+        }
+        Ok(())
+    }
+
+    /// Connects the pair of `route` to `peer` at `addr` and runs the connector's handshake.
+    /// Errors say why; the caller decides whether to retry (stale addresses fail here).
+    pub(crate) fn connect(&self, ctx: ContextId, route: &Route, peer: usize, addr: SocketAddr, deadline: Instant) -> Result<()> {
+        let pair = route.pairs.get(peer).and_then(|p| p.clone()).ok_or_else(|| Error::invalid(format!("no pair for rank {peer}")))?;
+        let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let io_err = |what: &str, e: io::Error| Error::io(format!("{what} rank {peer} at {addr}"), e);
+        let mut s = std::net::TcpStream::connect_timeout(&addr, left().min(self.opts.handshake_timeout))
+            .map_err(|e| io_err("connecting to", e))?;
+        self.socket_options(&socket2::SockRef::from(&s)).map_err(|e| io_err("configuring the socket to", e))?;
+        let hs_deadline = left().min(self.opts.handshake_timeout);
+        s.set_read_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
+        s.set_write_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
+        let secret = route.secret.as_deref();
+        let hello = Hello {
+            with_secret: secret.is_some(),
+            ctx,
+            from: route.rank as u32,
+            to: peer as u32,
+            size: route.size as u32,
+            nonce: handshake::random16(),
+        }
+        .encode();
+        s.write_all(&hello).map_err(|e| io_err("sending the handshake to", e))?;
+        let mut raw = [0u8; ACK_LEN];
+        s.read_exact(&mut raw).map_err(|e| io_err("reading the handshake answer of", e))?;
+        let ack = Ack::decode(&raw).map_err(|detail| Error::Protocol { peer: Some(peer), detail })?;
+        if ack.status != Status::Ok {
+            return Err(Error::Protocol { peer: Some(peer), detail: format!("handshake refused: {}", ack.status.describe()) });
+        }
+        if secret.is_some() {
+            let want = handshake::mac(secret, "ferrogloo-ack", &hello, &ack.nonce);
+            if !handshake::mac_eq(&want, &ack.mac) {
+                return Err(Error::Protocol { peer: Some(peer), detail: "the peer failed to prove the shared secret".into() });
+            }
+            let auth = handshake::mac(secret, "ferrogloo-auth", &hello, &ack.nonce);
+            s.write_all(&auth).map_err(|e| io_err("sending the handshake proof to", e))?;
+        }
+        s.set_nonblocking(true).map_err(|e| io_err("configuring the socket to", e))?;
+        self.attach(&pair, TcpStream::from_std(s), None)?;
+        route.notify();
+        Ok(())
+    }
+}
+
+/// An accepted connection still in its handshake.
+struct Incoming {
+    stream: TcpStream,
+    from: SocketAddr,
+    deadline: Instant,
+    buf: [u8; HELLO_LEN],
+    got: usize,
+    /// Set once the Hello is accepted and an Auth is awaited.
+    awaiting_auth: Option<(Hello, [u8; HELLO_LEN], [u8; 16], Arc<TcpPair>, Arc<Route>)>,
+}
+
+enum Progress {
+    More,
+    Done,
+    Drop(String),
+}
+
+struct EventLoop {
+    poll: Poll,
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    incoming: HashMap<Token, Box<Incoming>>,
+}
+
+impl EventLoop {
+    fn run(mut self) {
+        let mut events = Events::with_capacity(256);
+        while !self.shared.stop.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            let timeout = self.incoming.values().map(|i| i.deadline.saturating_duration_since(now)).min();
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                tracing::error!(error = %e, "ferrogloo event loop failed; the device stops");
+                break;
+            }
+            for ev in events.iter() {
+                match ev.token() {
+                    LISTENER => self.accept(),
+                    WAKER => {}
+                    t => {
+                        if self.incoming.contains_key(&t) {
+                            self.handshake_step(t);
+                        } else {
+                            let pair = lock(&self.shared.pairs).get(&t).cloned();
+                            if let Some(p) = pair {
+                                p.on_ready();
+                            }
+                        }
+                    }
+                }
+            }
+            self.expire();
+        }
+        lock(&self.shared.pairs).clear();
+    }
+
+    fn accept(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((mut stream, from)) => {
+                    if self.incoming.len() >= self.shared.opts.max_pending {
+                        tracing::warn!(%from, "refused connection: too many handshakes in progress");
+                        continue;
+                    }
+                    if let Err(e) = self.shared.socket_options(&socket2::SockRef::from(&stream)) {
+                        tracing::warn!(%from, error = %e, "refused connection: cannot configure socket");
+                        continue;
+                    }
+                    let token = self.shared.token();
+                    if let Err(e) = self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE) {
+                        tracing::warn!(%from, error = %e, "refused connection: cannot register socket");
+                        continue;
+                    }
+                    let deadline = Instant::now() + self.shared.opts.handshake_timeout;
+                    self.incoming.insert(token, Box::new(Incoming { stream, from, deadline, buf: [0; HELLO_LEN], got: 0, awaiting_auth: None }));
+                    // Bytes may already be there; edge-triggered readiness would not repeat.
+                    self.handshake_step(token);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of file descriptors and the like: the connection stays in the
+                    // backlog; report and retry at the next event.
+                    tracing::warn!(error = %e, "accept failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn drop_incoming(&mut self, token: Token, why: &str) {
+        if let Some(mut inc) = self.incoming.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut inc.stream);
+            tracing::warn!(from = %inc.from, reason = why, "refused connection");
+        }
+    }
+
+    fn expire(&mut self) {
+        let now = Instant::now();
+        let late: Vec<Token> = self.incoming.iter().filter(|(_, i)| i.deadline <= now).map(|(t, _)| *t).collect();
+        for t in late {
+            self.drop_incoming(t, "handshake not completed in time");
+        }
+    }
+
+    fn handshake_step(&mut self, token: Token) {
+        let Some(mut inc) = self.incoming.remove(&token) else { return };
+        match self.advance(&mut inc) {
+            Progress::More => {
+                self.incoming.insert(token, inc);
+            }
+            Progress::Drop(why) => {
+                self.incoming.insert(token, inc);
+                self.drop_incoming(token, &why);
+            }
+            Progress::Done => {
+                let Some((_, _, _, pair, route)) = inc.awaiting_auth else { return };
+                let peer = pair.peer();
+                match self.shared.attach(&pair, inc.stream, Some(token)) {
+                    Ok(()) => {
+                        tracing::debug!(from = %inc.from, peer, "pair connected");
+                        route.notify();
+                    }
+                    Err(e) => tracing::warn!(from = %inc.from, error = %e, "refused connection"),
+                }
+            }
+        }
+    }
+
+    /// Reads what the handshake still needs and acts on complete messages.
+    fn advance(&self, inc: &mut Incoming) -> Progress {
+        loop {
+            let need = if inc.awaiting_auth.is_some() { AUTH_LEN } else { HELLO_LEN };
+            while inc.got < need {
+                match inc.stream.read(&mut inc.buf[inc.got..need]) {
+                    Ok(0) => return Progress::Drop("closed during the handshake".into()),
+                    Ok(n) => inc.got += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Progress::More,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Progress::Drop(format!("read failed: {e}")),
+                }
+            }
+            if let Some((_, hello_raw, nonce, _, route)) = &inc.awaiting_auth {
+                let mut got = [0u8; 32];
+                got.copy_from_slice(&inc.buf[..AUTH_LEN]);
+                let want = handshake::mac(route.secret.as_deref(), "ferrogloo-auth", hello_raw, nonce);
+                if !handshake::mac_eq(&want, &got) {
+                    return Progress::Drop("wrong shared secret".into());
+                }
+                return Progress::Done;
+            }
+            let raw = inc.buf;
+            let hello = match Hello::decode(&raw) {
+                Ok(h) => h,
+                Err(why) => return Progress::Drop(why),
+            };
+            let (status, target) = self.check(&hello);
+            let nonce = handshake::random16();
+            let secret = target.as_ref().and_then(|(_, r)| r.secret.clone());
+            let mac = if status == Status::Ok { handshake::mac(secret.as_deref(), "ferrogloo-ack", &raw, &nonce) } else { [0; 32] };
+            let ack = Ack { status, nonce, mac }.encode();
+            // 64 bytes into an empty socket buffer: written whole or the connection is broken.
+            if !matches!(inc.stream.write(&ack), Ok(ACK_LEN)) {
+                return Progress::Drop("could not answer the handshake".into());
+            }
+            let Some((pair, route)) = target else {
+                return Progress::Drop(format!("{} (from rank {} for rank {})", status.describe(), hello.from, hello.to));
+            };
+            inc.got = 0;
+            inc.awaiting_auth = Some((hello, raw, nonce, pair, route));
+            if secret.is_none() {
+                return Progress::Done;
+            }
+        }
+    }
+
+    /// Whether a Hello is for a context and pair of this device that awaits it.
+    fn check(&self, h: &Hello) -> (Status, Option<(Arc<TcpPair>, Arc<Route>)>) {
+        let Some(route) = lock(&self.shared.routes).get(&h.ctx).cloned() else {
+            return (Status::UnknownContext, None);
+        };
+        let (from, to, size) = (h.from as usize, h.to as usize, h.size as usize);
+        // Connections always come from the higher rank.
+        if size != route.size || to != route.rank || from >= size || from <= to {
+            return (Status::BadRank, None);
+        }
+        if h.with_secret != route.secret.is_some() {
+            return (Status::SecretMismatch, None);
+        }
+        let Some(pair) = route.pairs[from].clone() else { return (Status::BadRank, None) };
+        if pair.is_attached() {
+            return (Status::Duplicate, None);
+        }
+        (Status::Ok, Some((pair, route)))
+    }
+}

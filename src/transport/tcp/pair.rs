@@ -1,0 +1,543 @@
+//! One TCP connection to one peer: framing, matching, early arrivals, failure.
+//!
+//! All state sits behind one mutex. Whoever holds it may make progress: the device's event
+//! loop on readiness events, and a posting thread (a send that fits in the socket buffer is
+//! written by the caller itself, with no hand-off to the loop).
+
+use super::frame::{FrameHeader, HEADER_LEN};
+use crate::error::{Error, Result};
+use crate::transport::{Completion, Pair, RecvBuf, SendBuf};
+use mio::Token;
+use mio::net::TcpStream;
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Staging buffer for small reads (headers and small payloads arrive many per syscall).
+const STAGING: usize = 64 << 10;
+/// A payload remainder at least this large is read straight into the user's buffer.
+const DIRECT_MIN: usize = 16 << 10;
+/// Most iovecs handed to one `sendmsg`.
+const MAX_IOV: usize = 64;
+
+struct SendOp {
+    hdr: [u8; HEADER_LEN],
+    buf: SendBuf,
+    /// Bytes of header + payload written so far.
+    off: usize,
+    done: Arc<Completion>,
+}
+
+impl SendOp {
+    fn total(&self) -> usize {
+        HEADER_LEN + self.buf.len
+    }
+}
+
+struct RecvOp {
+    tag: u64,
+    meta: u32,
+    buf: RecvBuf,
+    done: Arc<Completion>,
+}
+
+struct Early {
+    tag: u64,
+    meta: u32,
+    data: Vec<u8>,
+}
+
+/// Where the bytes coming in belong.
+enum Rx {
+    /// Expecting a frame header.
+    Header,
+    /// Payload for a posted receive.
+    Payload { op: RecvOp, filled: usize },
+    /// Payload that arrived before its receive; held within the budget.
+    Early { tag: u64, meta: u32, len: usize, data: Vec<u8> },
+    /// Payload nobody can take (mismatch, cancelled receive): read and dropped.
+    Discard { remaining: u64 },
+    /// A header whose payload fits neither a posted receive nor the budget: reading stops
+    /// (TCP back-pressure) until a receive for it is posted.
+    Stalled(FrameHeader),
+}
+
+enum Conn {
+    /// Mesh not yet formed.
+    Pending,
+    Open { stream: TcpStream, token: Token },
+    Closed(Error),
+}
+
+struct Inner {
+    conn: Conn,
+    sendq: VecDeque<SendOp>,
+    posted: VecDeque<RecvOp>,
+    early: VecDeque<Early>,
+    early_bytes: usize,
+    rx: Rx,
+    staging: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+/// The TCP pair.
+pub(crate) struct TcpPair {
+    peer: usize,
+    early_limit: usize,
+    registry: Arc<mio::Registry>,
+    inner: Mutex<Inner>,
+}
+
+/// What an I/O step asks of its caller.
+type Step = std::result::Result<(), Error>;
+
+impl TcpPair {
+    pub(crate) fn new(peer: usize, early_limit: usize, registry: Arc<mio::Registry>) -> Arc<Self> {
+        Arc::new(TcpPair {
+            peer,
+            early_limit,
+            registry,
+            inner: Mutex::new(Inner {
+                conn: Conn::Pending,
+                sendq: VecDeque::new(),
+                posted: VecDeque::new(),
+                early: VecDeque::new(),
+                early_bytes: 0,
+                rx: Rx::Header,
+                staging: vec![0u8; STAGING].into_boxed_slice(),
+                start: 0,
+                end: 0,
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every mutation keeps `Inner` consistent between statements that can panic (none do by
+        // design); a poisoned lock is therefore still usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// True once the connection is attached (or has failed).
+    pub(crate) fn is_attached(&self) -> bool {
+        !matches!(self.lock().conn, Conn::Pending)
+    }
+
+    /// Hands the pair its connected, registered stream and drains anything already received.
+    /// Returns false (and leaves `stream` to be dropped) when the pair already has one.
+    pub(crate) fn attach(&self, stream: TcpStream, token: Token) -> std::result::Result<(), TcpStream> {
+        let mut g = self.lock();
+        if !matches!(g.conn, Conn::Pending) {
+            return Err(stream);
+        }
+        g.conn = Conn::Open { stream, token };
+        self.drive(&mut g);
+        Ok(())
+    }
+
+    /// Event-loop entry: the socket became readable and/or writable.
+    pub(crate) fn on_ready(&self) {
+        let mut g = self.lock();
+        self.drive(&mut g);
+    }
+
+    /// Flushes pending sends and reads what has arrived; fails the pair on error.
+    fn drive(&self, g: &mut Inner) {
+        let r = self.flush(g).and_then(|()| self.read(g));
+        if let Err(e) = r {
+            self.fail_locked(g, e);
+        }
+    }
+
+    /// Closes the connection quietly (the context is going away).
+    pub(crate) fn close(&self) {
+        let mut g = self.lock();
+        self.fail_locked(&mut g, Error::Aborted { detail: format!("the context closed its connection to rank {}", self.peer) });
+    }
+
+    fn io_error(&self, e: io::Error, what: &str) -> Error {
+        match e.kind() {
+            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted => {
+                Error::PeerClosed { rank: self.peer, detail: format!("{what}: {e}") }
+            }
+            _ => Error::io(format!("{what} rank {}", self.peer), e),
+        }
+    }
+
+    fn fail_locked(&self, g: &mut Inner, err: Error) {
+        if let Conn::Closed(_) = g.conn {
+            return;
+        }
+        if let Conn::Open { mut stream, .. } = std::mem::replace(&mut g.conn, Conn::Closed(err.clone())) {
+            let _ = self.registry.deregister(&mut stream);
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        tracing::debug!(peer = self.peer, error = %err, "pair failed");
+        for op in g.sendq.drain(..) {
+            op.done.complete(Err(err.clone()));
+        }
+        for op in g.posted.drain(..) {
+            op.done.complete(Err(err.clone()));
+        }
+        match std::mem::replace(&mut g.rx, Rx::Header) {
+            Rx::Payload { op, .. } => op.done.complete(Err(err.clone())),
+            Rx::Early { len, .. } => g.early_bytes -= len,
+            _ => {}
+        }
+        g.start = 0;
+        g.end = 0;
+    }
+
+    fn closed_error(g: &Inner) -> Option<Error> {
+        match &g.conn {
+            Conn::Closed(e) => Some(e.clone()),
+            _ => None,
+        }
+    }
+
+    // ---------------------------------------------------------------- sending
+
+    /// Writes as much of the send queue as the socket takes.
+    fn flush(&self, g: &mut Inner) -> Step {
+        let Inner { conn, sendq, .. } = g;
+        let Conn::Open { stream, .. } = conn else { return Ok(()) };
+        while !sendq.is_empty() {
+            let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
+            let mut n_iov = 0;
+            for op in sendq.iter() {
+                if n_iov + 2 > MAX_IOV {
+                    break;
+                }
+                // SAFETY: the poster guarantees (Pair::post_send) that the buffer stays valid
+                // and unwritten until the completion is completed, which happens below only
+                // after the last byte is written.
+                let payload = unsafe { std::slice::from_raw_parts(op.buf.ptr, op.buf.len) };
+                if op.off < HEADER_LEN {
+                    iov[n_iov] = IoSlice::new(&op.hdr[op.off..]);
+                    n_iov += 1;
+                    if !payload.is_empty() {
+                        iov[n_iov] = IoSlice::new(payload);
+                        n_iov += 1;
+                    }
+                } else {
+                    iov[n_iov] = IoSlice::new(&payload[op.off - HEADER_LEN..]);
+                    n_iov += 1;
+                }
+            }
+            let sock = socket2::SockRef::from(&*stream);
+            match sock.send_vectored_with_flags(&iov[..n_iov], libc::MSG_NOSIGNAL) {
+                Ok(mut n) => {
+                    while n > 0 {
+                        let Some(op) = sendq.front_mut() else { break };
+                        let take = (op.total() - op.off).min(n);
+                        op.off += take;
+                        n -= take;
+                        if op.off == op.total() {
+                            if let Some(op) = sendq.pop_front() {
+                                op.done.complete(Ok(self.peer));
+                            }
+                        }
+                    }
+                    // Zero-length frames are complete once their header is out.
+                    while sendq.front().is_some_and(|op| op.off == op.total()) {
+                        if let Some(op) = sendq.pop_front() {
+                            op.done.complete(Ok(self.peer));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(e, "sending to")),
+            }
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- receiving
+
+    /// Reads until the socket is drained or reading must stall.
+    fn read(&self, g: &mut Inner) -> Step {
+        loop {
+            self.consume_staged(g)?;
+            if matches!(g.rx, Rx::Stalled(_)) {
+                return Ok(());
+            }
+            let Inner { conn, rx, staging, start, end, .. } = &mut *g;
+            let Conn::Open { stream, .. } = conn else { return Ok(()) };
+            let direct = match rx {
+                Rx::Payload { op, filled } if *start == *end && op.buf.len - *filled >= DIRECT_MIN => Some((op, filled)),
+                _ => None,
+            };
+            let res = match direct {
+                Some((op, filled)) => {
+                    // SAFETY: the poster lent this buffer exclusively until completion or
+                    // cancel (Pair::post_recv); both happen under the lock we hold.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(op.buf.ptr.add(*filled), op.buf.len - *filled) };
+                    stream.read(dst).map(|n| {
+                        *filled += n;
+                        n
+                    })
+                }
+                None => {
+                    if *start == *end {
+                        *start = 0;
+                        *end = 0;
+                    }
+                    stream.read(&mut staging[*end..]).map(|n| {
+                        *end += n;
+                        n
+                    })
+                }
+            };
+            match res {
+                Ok(0) => {
+                    return Err(Error::PeerClosed { rank: self.peer, detail: "connection closed (EOF)".into() });
+                }
+                Ok(_) => self.finish_payload(g),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(e, "receiving from")),
+            }
+        }
+    }
+
+    /// Completes a directly-read payload once full.
+    fn finish_payload(&self, g: &mut Inner) {
+        if let Rx::Payload { op, filled } = &g.rx {
+            if *filled == op.buf.len {
+                if let Rx::Payload { op, .. } = std::mem::replace(&mut g.rx, Rx::Header) {
+                    op.done.complete(Ok(self.peer));
+                }
+            }
+        }
+    }
+
+    /// Moves staged bytes to where they belong.
+    fn consume_staged(&self, g: &mut Inner) -> Step {
+        loop {
+            let avail = g.end - g.start;
+            match &mut g.rx {
+                Rx::Stalled(h) => {
+                    let h = *h;
+                    self.dispatch(g, h)?;
+                    if matches!(g.rx, Rx::Stalled(_)) {
+                        return Ok(());
+                    }
+                }
+                Rx::Header => {
+                    if avail < HEADER_LEN {
+                        if g.start > 0 && avail > 0 {
+                            g.staging.copy_within(g.start..g.end, 0);
+                        }
+                        if g.start > 0 {
+                            g.end = avail;
+                            g.start = 0;
+                        }
+                        return Ok(());
+                    }
+                    let mut raw = [0u8; HEADER_LEN];
+                    raw.copy_from_slice(&g.staging[g.start..g.start + HEADER_LEN]);
+                    g.start += HEADER_LEN;
+                    let h = FrameHeader::decode(&raw).map_err(|detail| Error::Protocol { peer: Some(self.peer), detail })?;
+                    self.dispatch(g, h)?;
+                }
+                _ if avail == 0 => return Ok(()),
+                Rx::Payload { op, filled } => {
+                    let n = avail.min(op.buf.len - *filled);
+                    // SAFETY: as in `read`: the buffer is lent to us until completion/cancel,
+                    // and `filled + n <= len`.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(op.buf.ptr.add(*filled), n) };
+                    dst.copy_from_slice(&g.staging[g.start..g.start + n]);
+                    *filled += n;
+                    g.start += n;
+                    self.finish_payload(g);
+                }
+                Rx::Early { len, data, .. } => {
+                    let n = avail.min(*len - data.len());
+                    data.extend_from_slice(&g.staging[g.start..g.start + n]);
+                    g.start += n;
+                    if data.len() == *len {
+                        self.finish_early(g);
+                    }
+                }
+                Rx::Discard { remaining } => {
+                    let n = (avail as u64).min(*remaining);
+                    *remaining -= n;
+                    g.start += n as usize;
+                    if *remaining == 0 {
+                        g.rx = Rx::Header;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decides where the payload of a fresh header goes.
+    fn dispatch(&self, g: &mut Inner, h: FrameHeader) -> Step {
+        // The oldest posted receive for this tag that nobody else has claimed.
+        while let Some(i) = g.posted.iter().position(|op| op.tag == h.tag) {
+            let Some(op) = g.posted.remove(i) else { break };
+            if !op.done.try_claim() {
+                continue; // taken by another pair (receive from any) or already finished
+            }
+            g.rx = self.deliver_to(op, h);
+            return Ok(());
+        }
+        let len = usize::try_from(h.len).unwrap_or(usize::MAX);
+        if len <= self.early_limit.saturating_sub(g.early_bytes) {
+            g.early_bytes += len;
+            g.rx = Rx::Early { tag: h.tag, meta: h.meta, len, data: Vec::with_capacity(len) };
+            if len == 0 {
+                self.finish_early(g);
+            }
+        } else {
+            g.rx = Rx::Stalled(h);
+        }
+        Ok(())
+    }
+
+    /// Checks a claimed receive against the header; the state the payload goes to.
+    fn deliver_to(&self, op: RecvOp, h: FrameHeader) -> Rx {
+        if let Some(detail) = mismatch(op.buf.len, op.meta, h.len, h.meta) {
+            op.done.complete(Err(Error::Mismatch { rank: self.peer, detail }));
+            return if h.len == 0 { Rx::Header } else { Rx::Discard { remaining: h.len } };
+        }
+        if h.len == 0 {
+            op.done.complete(Ok(self.peer));
+            return Rx::Header;
+        }
+        Rx::Payload { op, filled: 0 }
+    }
+
+    /// An early message is complete: hand it to a receive posted meanwhile, or keep it.
+    fn finish_early(&self, g: &mut Inner) {
+        let Rx::Early { tag, meta, data, .. } = std::mem::replace(&mut g.rx, Rx::Header) else { return };
+        let msg = Early { tag, meta, data };
+        while let Some(i) = g.posted.iter().position(|op| op.tag == tag) {
+            let Some(op) = g.posted.remove(i) else { break };
+            if op.done.try_claim() {
+                g.early_bytes -= msg.data.len();
+                self.copy_early(op, msg);
+                return;
+            }
+        }
+        g.early.push_back(msg);
+    }
+
+    fn copy_early(&self, op: RecvOp, msg: Early) {
+        if let Some(detail) = mismatch(op.buf.len, op.meta, msg.data.len() as u64, msg.meta) {
+            op.done.complete(Err(Error::Mismatch { rank: self.peer, detail }));
+            return;
+        }
+        // SAFETY: the receive buffer is lent to this pair until its completion, which follows;
+        // the lengths are equal (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), op.buf.ptr, msg.data.len()) };
+        op.done.complete(Ok(self.peer));
+    }
+}
+
+/// Describes how a message differs from the receive it matched, if it does.
+fn mismatch(want_len: usize, want_meta: u32, got_len: u64, got_meta: u32) -> Option<String> {
+    if got_meta != want_meta {
+        return Some(format!(
+            "message descriptor {got_meta:#010x} where {want_meta:#010x} was expected \
+             (different collective, element type or order)"
+        ));
+    }
+    if got_len != want_len as u64 {
+        return Some(format!("message of {got_len} bytes where the receive buffer holds {want_len}"));
+    }
+    None
+}
+
+impl Pair for TcpPair {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    unsafe fn post_send(&self, tag: u64, meta: u32, buf: SendBuf, done: &Arc<Completion>) -> Result<()> {
+        let mut g = self.lock();
+        if let Some(e) = Self::closed_error(&g) {
+            return Err(e);
+        }
+        let hdr = FrameHeader { meta, tag, len: buf.len as u64 }.encode();
+        g.sendq.push_back(SendOp { hdr, buf, off: 0, done: done.clone() });
+        if g.sendq.len() == 1 {
+            // Nothing queued ahead: write from this thread, no hand-off to the event loop.
+            if let Err(e) = self.flush(&mut g) {
+                self.fail_locked(&mut g, e);
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn post_recv(&self, tag: u64, meta: u32, buf: RecvBuf, done: &Arc<Completion>) -> Result<()> {
+        let mut g = self.lock();
+        if let Some(i) = g.early.iter().position(|m| m.tag == tag) {
+            if done.try_claim() {
+                if let Some(msg) = g.early.remove(i) {
+                    g.early_bytes -= msg.data.len();
+                    self.copy_early(RecvOp { tag, meta, buf, done: done.clone() }, msg);
+                }
+                // Budget freed: a stalled header may fit now.
+                if matches!(g.rx, Rx::Stalled(_)) {
+                    self.drive(&mut g);
+                }
+            }
+            return Ok(());
+        }
+        if let Some(e) = Self::closed_error(&g) {
+            return Err(e);
+        }
+        if !done.is_open() {
+            return Ok(()); // claimed elsewhere meanwhile (receive from any)
+        }
+        g.posted.push_back(RecvOp { tag, meta, buf, done: done.clone() });
+        if matches!(g.rx, Rx::Stalled(_)) {
+            self.drive(&mut g);
+        }
+        Ok(())
+    }
+
+    fn cancel(&self, done: &Arc<Completion>) {
+        let mut g = self.lock();
+        if let Some(i) = g.sendq.iter().position(|op| Arc::ptr_eq(&op.done, done)) {
+            if g.sendq[i].off > 0 {
+                let e = Error::Aborted {
+                    detail: format!(
+                        "a send to rank {} was cancelled after part of it was written; the connection cannot continue",
+                        self.peer
+                    ),
+                };
+                self.fail_locked(&mut g, e);
+            } else {
+                g.sendq.remove(i);
+            }
+        }
+        g.posted.retain(|op| !Arc::ptr_eq(&op.done, done));
+        if let Rx::Payload { op, filled } = &g.rx {
+            if Arc::ptr_eq(&op.done, done) {
+                g.rx = Rx::Discard { remaining: (op.buf.len - filled) as u64 };
+            }
+        }
+    }
+}
+
+impl Drop for TcpPair {
+    fn drop(&mut self) {
+        let g = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Conn::Open { stream, .. } = &mut g.conn {
+            let _ = self.registry.deregister(stream);
+        }
+    }
+}
+
+impl TcpPair {
+    /// The token the pair's socket is registered under, while open.
+    pub(crate) fn token(&self) -> Option<Token> {
+        match self.lock().conn {
+            Conn::Open { token, .. } => Some(token),
+            _ => None,
+        }
+    }
+}
