@@ -90,14 +90,15 @@ impl ContextBuilder {
             let route = new_route();
             shared.add_route(ctx, route.clone())?;
             if let Err(e) = rv.publish(0, &Entry { ctx, ..me }) {
-                shared.remove_route(&ctx);
+                shared.remove_route(&ctx, rank);
                 return Err(e);
             }
             (ctx, route)
         } else {
             let mut last: Option<Vec<u8>> = None;
+            let mut refused: Option<Error> = None;
             loop {
-                let raw = rv.next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)")?;
+                let raw = rv.next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)", refused.as_ref())?;
                 last = Some(raw.clone());
                 let Some(entry) = Entry::parse(&raw).filter(|e| e.size == size) else {
                     tracing::debug!(key = %key(0), "skipping an entry of another job or world size");
@@ -111,12 +112,13 @@ impl ContextBuilder {
                         // A stale entry (dead address, or a live one that does not know the id):
                         // wait for rank 0 to publish afresh.
                         tracing::debug!(error = %e, "rank 0's entry did not answer; waiting for a fresh one");
-                        shared.remove_route(&entry.ctx);
+                        shared.remove_route(&entry.ctx, rank);
+                        refused = Some(e);
                     }
                 }
             }
         };
-        let mut guard = RouteGuard { device, ctx, armed: true };
+        let mut guard = RouteGuard { device, ctx, rank, armed: true };
         if rank > 0 {
             rv.publish(rank, &Entry { ctx, ..me })?;
         }
@@ -125,7 +127,7 @@ impl ContextBuilder {
         for peer in 1..rank {
             let mut last: Option<Vec<u8>> = None;
             let entry = loop {
-                let raw = rv.next_value(peer, last.as_deref(), "its address")?;
+                let raw = rv.next_value(peer, last.as_deref(), "its address", None)?;
                 match Entry::parse(&raw) {
                     Some(e) if e.ctx == ctx && e.size == size => break e,
                     _ => last = Some(raw),
@@ -156,13 +158,14 @@ impl ContextBuilder {
 struct RouteGuard<'a> {
     device: &'a Device,
     ctx: ContextId,
+    rank: usize,
     armed: bool,
 }
 
 impl Drop for RouteGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.device.shared().remove_route(&self.ctx);
+            self.device.shared().remove_route(&self.ctx, self.rank);
         }
     }
 }
@@ -220,7 +223,8 @@ impl<S: Store + ?Sized> Rendezvous<'_, S> {
     }
 
     /// The value of `rank`'s key once it exists and differs from `old`.
-    fn next_value(&self, rank: usize, old: Option<&[u8]>, what: &str) -> Result<Vec<u8>> {
+    /// `refused` is why the previous value did not work, for the timeout message.
+    fn next_value(&self, rank: usize, old: Option<&[u8]>, what: &str, refused: Option<&Error>) -> Result<Vec<u8>> {
         let k = key(rank);
         let mut backoff = Backoff::new();
         loop {
@@ -230,7 +234,11 @@ impl<S: Store + ?Sized> Rendezvous<'_, S> {
                 }
             }
             if !backoff.sleep_until(self.deadline) {
-                let stale = if old.is_some() { " (only a stale entry from another job was found)" } else { "" };
+                let stale = match (old, refused) {
+                    (_, Some(e)) => format!(" (the entry found did not work: {e})"),
+                    (Some(_), None) => " (only a stale entry from another job was found)".to_string(),
+                    (None, None) => String::new(),
+                };
                 return Err(Error::Timeout {
                     op: format!("rendezvous (size {}): waiting for rank {rank}'s {what}{stale}", self.size),
                     ranks: vec![rank],
@@ -269,7 +277,7 @@ impl std::fmt::Debug for Context {
 impl Drop for Context {
     fn drop(&mut self) {
         if let Some(ctx) = self.ctx {
-            self.device.shared().remove_route(&ctx);
+            self.device.shared().remove_route(&ctx, self.rank);
         }
     }
 }

@@ -22,7 +22,7 @@ const STATUS_RETRIES: u32 = 4;
 /// | `set` | `PUT /<scope>/<key>` with the value as body (Content-Length) | 200 |
 /// | `try_get` | `GET /<scope>/<key>` | 200 with the bytes, 404 while missing |
 /// | `delete` | `DELETE /<scope>/<key>` | 200 |
-/// | `add` | `POST /<scope>/<key>` with the decimal delta | 200 with the new value |
+/// | `add` | `POST /<scope>/<key>` with the decimal delta | 200 with the new value, 409 if the value is not an integer |
 ///
 /// `get` and `wait` poll (the protocol has no blocking GET). Connection failures (a server
 /// restarting, say) are retried until the call's deadline; other unexpected statuses a few
@@ -159,10 +159,14 @@ impl Store for HttpStore {
             return self.emulated_add(key, delta);
         }
         let body = delta.to_string();
-        let reply = self.expect("POST", key, Some(body.as_bytes()), &[200, 400, 404, 405, 501])?;
-        if reply.status == 200 {
-            self.atomic_add.store(1, Ordering::Relaxed);
-            return parse_counter(key, &reply.body);
+        let reply = self.expect("POST", key, Some(body.as_bytes()), &[200, 404, 405, 409, 501])?;
+        match reply.status {
+            200 => {
+                self.atomic_add.store(1, Ordering::Relaxed);
+                return parse_counter(key, &reply.body);
+            }
+            409 => return Err(Error::store(key, String::from_utf8_lossy(&reply.body))),
+            _ => {}
         }
         tracing::debug!(status = reply.status, "store server has no atomic add; emulating it with GET + PUT");
         self.atomic_add.store(2, Ordering::Relaxed);

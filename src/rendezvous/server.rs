@@ -167,7 +167,8 @@ fn answer(req: &mut tiny_http::Request, data: &Data) -> (u16, Vec<u8>) {
                     map.insert(id, new.to_string().into_bytes());
                     (200, new.to_string().into_bytes())
                 }
-                Err(e) => (400, e.to_string().into_bytes()),
+                // 409: the key holds something add cannot apply to (the request itself is fine).
+                Err(e) => (409, e.to_string().into_bytes()),
             }
         }
         _ => (501, Vec::new()),

@@ -29,7 +29,7 @@
 
 pub(crate) mod tcp;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 

@@ -74,7 +74,8 @@ pub(crate) struct Shared {
     pub(crate) opts: TcpOptions,
     next_token: AtomicUsize,
     pairs: Mutex<HashMap<Token, Arc<TcpPair>>>,
-    routes: Mutex<HashMap<ContextId, Arc<Route>>>,
+    /// Keyed by context id and the local rank (ranks that are threads may share a device).
+    routes: Mutex<HashMap<(ContextId, usize), Arc<Route>>>,
     stop: AtomicBool,
 }
 
@@ -152,16 +153,17 @@ impl Shared {
 
     pub(crate) fn add_route(&self, ctx: ContextId, route: Arc<Route>) -> Result<()> {
         let mut routes = lock(&self.routes);
-        if routes.contains_key(&ctx) {
-            return Err(Error::invalid("a context with this id is already registered on the device"));
+        let key = (ctx, route.rank);
+        if routes.contains_key(&key) {
+            return Err(Error::invalid(format!("rank {} of this context is already registered on the device", route.rank)));
         }
-        routes.insert(ctx, route);
+        routes.insert(key, route);
         Ok(())
     }
 
     /// Forgets a context: closes its pairs and stops routing connections to it.
-    pub(crate) fn remove_route(&self, ctx: &ContextId) {
-        let Some(route) = lock(&self.routes).remove(ctx) else { return };
+    pub(crate) fn remove_route(&self, ctx: &ContextId, rank: usize) {
+        let Some(route) = lock(&self.routes).remove(&(*ctx, rank)) else { return };
         let tokens: Vec<Token> = route.pairs.iter().flatten().filter_map(|p| p.token()).collect();
         for p in route.pairs.iter().flatten() {
             p.close();
@@ -428,7 +430,7 @@ impl EventLoop {
 
     /// Whether a Hello is for a context and pair of this device that awaits it.
     fn check(&self, h: &Hello) -> (Status, Option<(Arc<TcpPair>, Arc<Route>)>) {
-        let Some(route) = lock(&self.shared.routes).get(&h.ctx).cloned() else {
+        let Some(route) = lock(&self.shared.routes).get(&(h.ctx, h.to as usize)).cloned() else {
             return (Status::UnknownContext, None);
         };
         let (from, to, size) = (h.from as usize, h.to as usize, h.size as usize);

@@ -1,0 +1,344 @@
+//! Full mesh, point-to-point and barrier with ranks as threads.
+
+mod common;
+
+use common::{TIMEOUT, all_ok, pattern, run_ranks, run_ranks_with};
+use ferrogloo::device::{Device, TcpAttr};
+use ferrogloo::rendezvous::{HashStore, PrefixStore};
+use ferrogloo::{Context, Error};
+use std::time::{Duration, Instant};
+
+/// Message length from `from` to `to`: covers 0, 1, odd and multi-segment sizes.
+fn len_for(from: usize, to: usize) -> usize {
+    match (from + 2 * to) % 5 {
+        0 => 0,
+        1 => 1,
+        2 => 7 + from,
+        3 => 1000 + 13 * to,
+        _ => 40_000 + from * 17, // above the direct-read threshold
+    }
+}
+
+#[test]
+fn every_pair_exchanges_distinct_payloads_sizes_1_to_9() {
+    for n in 1..=9 {
+        let store = HashStore::new();
+        let results = run_ranks(n, &store, |ctx| {
+            let me = ctx.rank();
+            let peers: Vec<usize> = (0..ctx.size()).filter(|&p| p != me).collect();
+            let outs: Vec<Vec<u32>> = peers.iter().map(|&p| pattern(me, p, len_for(me, p))).collect();
+            let mut ins: Vec<Vec<u32>> = peers.iter().map(|&p| vec![0u32; len_for(p, me)]).collect();
+            // Every send and receive in flight at once.
+            ctx.scope(|s| {
+                let sends = peers.iter().zip(&outs).map(|(&p, o)| s.isend(p, 9, o)).collect::<Result<Vec<_>, _>>()?;
+                let recvs = peers.iter().zip(ins.iter_mut()).map(|(&p, i)| s.irecv(p, 9, i)).collect::<Result<Vec<_>, _>>()?;
+                for r in recvs {
+                    r.wait()?;
+                }
+                for snd in sends {
+                    snd.wait()?;
+                }
+                Ok(())
+            })?;
+            ctx.barrier()?;
+            for (&p, got) in peers.iter().zip(&ins) {
+                assert_eq!(got, &pattern(p, me, len_for(p, me)), "rank {me} from {p} (n={n})");
+            }
+            Ok(ctx.size())
+        });
+        assert_eq!(all_ok(results), vec![n; n]);
+    }
+}
+
+#[test]
+fn ring_token_and_repeated_barriers() {
+    let store = HashStore::new();
+    let n = 5;
+    let results = run_ranks(n, &store, |ctx| {
+        let (r, n) = (ctx.rank(), ctx.size());
+        let mut token = [0u64; 3];
+        for lap in 0..20u64 {
+            if r == 0 {
+                token = [lap, 0, 0];
+                ctx.send(1, 1, &token)?;
+                ctx.recv(n - 1, 1, &mut token)?;
+                assert_eq!(token, [lap, (1..n as u64).sum(), n as u64 - 1]);
+            } else {
+                ctx.recv(r - 1, 1, &mut token)?;
+                token[1] += r as u64;
+                token[2] += 1;
+                ctx.send((r + 1) % n, 1, &token)?;
+            }
+            ctx.barrier()?;
+        }
+        Ok(token[0])
+    });
+    assert!(all_ok(results).iter().all(|&lap| lap == 19));
+}
+
+#[test]
+fn ranks_sharing_one_device_form_a_mesh() {
+    let store = HashStore::new();
+    let dev = Device::loopback().unwrap();
+    let n = 4;
+    let sums: Vec<u64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (store, dev) = (&store, &dev);
+                s.spawn(move || -> ferrogloo::Result<u64> {
+                    let ctx = Context::builder(rank, n).timeout(TIMEOUT).connect(store, dev)?;
+                    let mut total = rank as u64;
+                    for p in (0..n).filter(|&p| p != rank) {
+                        ctx.send(p, 0, &[rank as u64])?;
+                    }
+                    for p in (0..n).filter(|&p| p != rank) {
+                        let mut v = [0u64];
+                        ctx.recv(p, 0, &mut v)?;
+                        total += v[0];
+                    }
+                    Ok(total)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    assert_eq!(sums, vec![6; n]);
+}
+
+#[test]
+fn tags_keep_messages_apart_and_same_tag_keeps_order() {
+    let store = HashStore::new();
+    let results = run_ranks(2, &store, |ctx| {
+        if ctx.rank() == 0 {
+            ctx.send(1, 1, &[1u8; 100])?;
+            ctx.send(1, 2, &[2u8; 50])?;
+            for i in 0..10u16 {
+                ctx.send(1, 3, &[i; 8])?;
+            }
+        } else {
+            let mut b = [0u8; 50];
+            ctx.recv(0, 2, &mut b)?; // the later message first
+            assert_eq!(b, [2u8; 50]);
+            let mut a = [0u8; 100];
+            ctx.recv(0, 1, &mut a)?;
+            assert_eq!(a, [1u8; 100]);
+            for i in 0..10u16 {
+                let mut c = [0u16; 8];
+                ctx.recv(0, 3, &mut c)?;
+                assert_eq!(c, [i; 8], "same-tag messages arrive in order");
+            }
+        }
+        Ok(())
+    });
+    all_ok(results);
+}
+
+#[test]
+fn large_payload_beyond_the_early_budget_lands_when_posted() {
+    // A 1 KiB early budget: every large message must wait for its receive (back-pressure),
+    // and messages behind it still arrive once it is taken.
+    let store = HashStore::new();
+    let attr = TcpAttr { early_budget: 1024, ..TcpAttr::loopback() };
+    let big = 48 << 20; // 48 MiB
+    let results = run_ranks_with(2, &store, &attr, |b| b, |ctx| {
+        if ctx.rank() == 0 {
+            let data: Vec<u64> = (0..big as u64 / 8).collect();
+            ctx.send(1, 1, &data)?;
+            ctx.send(1, 2, &[42u32; 3])?;
+            ctx.send(1, 3, &data[..1000])?;
+        } else {
+            let mut small = [0u32; 3];
+            let mut data = vec![0u64; big / 8];
+            ctx.scope(|s| {
+                let second = s.irecv(0, 2, &mut small)?;
+                let first = s.irecv(0, 1, &mut data)?;
+                assert_eq!(second.wait()?, &[42; 3]);
+                first.wait()?;
+                Ok(())
+            })?;
+            assert!(data.iter().enumerate().all(|(i, &v)| v == i as u64));
+            let mut tail = vec![0u64; 1000];
+            ctx.recv(0, 3, &mut tail)?;
+            assert!(tail.iter().enumerate().all(|(i, &v)| v == i as u64));
+        }
+        Ok(())
+    });
+    all_ok(results);
+}
+
+#[test]
+fn recv_any_reports_the_sender() {
+    let store = HashStore::new();
+    let n = 6;
+    let results = run_ranks(n, &store, |ctx| {
+        let me = ctx.rank();
+        if me == 0 {
+            let peers: Vec<usize> = (1..ctx.size()).collect();
+            let mut seen = Vec::new();
+            for _ in &peers {
+                let mut buf = [0u32; 5];
+                let from = ctx.recv_any(&peers, 4, &mut buf)?;
+                assert_eq!(buf.to_vec(), pattern(from, 0, 5));
+                seen.push(from);
+            }
+            seen.sort();
+            assert_eq!(seen, peers);
+        } else {
+            ctx.send(0, 4, &pattern(me, 0, 5))?;
+        }
+        ctx.barrier()
+    });
+    all_ok(results);
+}
+
+#[test]
+fn a_length_mismatch_is_an_error_and_the_pair_stays_usable() {
+    let store = HashStore::new();
+    let results = run_ranks(2, &store, |ctx| {
+        if ctx.rank() == 0 {
+            ctx.send(1, 1, &[7u8; 10])?;
+            ctx.send(1, 1, &[8u8; 12])?;
+        } else {
+            let mut b = [0u8; 12];
+            match ctx.recv(0, 1, &mut b) {
+                Err(Error::Mismatch { rank: 0, detail }) => assert!(detail.contains("10 bytes"), "{detail}"),
+                other => panic!("expected a mismatch naming rank 0, got {other:?}"),
+            }
+            ctx.recv(0, 1, &mut b)?;
+            assert_eq!(b, [8u8; 12]);
+        }
+        Ok(())
+    });
+    all_ok(results);
+}
+
+#[test]
+fn a_receive_nobody_answers_times_out_naming_the_peer() {
+    let store = HashStore::new();
+    let results = run_ranks(3, &store, |ctx| {
+        if ctx.rank() == 0 {
+            let mut b = [0u8; 4];
+            let t = Instant::now();
+            let err = ctx.scope(|s| s.irecv(2, 77, &mut b)?.wait_timeout(Duration::from_millis(300)).map(drop)).unwrap_err();
+            let el = t.elapsed();
+            assert!(el >= Duration::from_millis(300) && el < Duration::from_secs(5), "{el:?}");
+            match err {
+                Error::Timeout { ranks, .. } => assert_eq!(ranks, vec![2]),
+                e => panic!("expected Timeout, got {e}"),
+            }
+        }
+        ctx.barrier()
+    });
+    all_ok(results);
+}
+
+#[test]
+fn requests_left_unwaited_are_finished_by_the_scope() {
+    let store = HashStore::new();
+    let results = run_ranks(2, &store, |ctx| {
+        let peer = 1 - ctx.rank();
+        let out = pattern(ctx.rank(), peer, 3000);
+        let mut inbox = vec![0u32; 3000];
+        ctx.scope(|s| {
+            let _ = s.isend(peer, 5, &out)?; // never waited here
+            let _ = s.irecv(peer, 5, &mut inbox)?;
+            Ok(())
+        })?;
+        assert_eq!(inbox, pattern(peer, ctx.rank(), 3000));
+        Ok(())
+    });
+    all_ok(results);
+}
+
+#[test]
+fn several_contexts_on_shared_devices_never_mix() {
+    let store = HashStore::new();
+    let n = 3;
+    let devs: Vec<Device> = (0..n).map(|_| Device::loopback().unwrap()).collect();
+    std::thread::scope(|s| {
+        let mut hs = Vec::new();
+        for job in 0..3u32 {
+            for rank in 0..n {
+                let (store, dev) = (&store, &devs[rank]);
+                hs.push(s.spawn(move || -> ferrogloo::Result<()> {
+                    let scoped = PrefixStore::new(format!("job{job}"), store);
+                    let ctx = Context::builder(rank, n).timeout(TIMEOUT).connect(&scoped, dev)?;
+                    for round in 0..10u32 {
+                        let msg = [job, rank as u32, round];
+                        for p in (0..n).filter(|&p| p != rank) {
+                            ctx.send(p, 0, &msg)?;
+                        }
+                        for p in (0..n).filter(|&p| p != rank) {
+                            let mut got = [0u32; 3];
+                            ctx.recv(p, 0, &mut got)?;
+                            assert_eq!(got, [job, p as u32, round]);
+                        }
+                    }
+                    ctx.barrier()
+                }));
+            }
+        }
+        for h in hs {
+            h.join().unwrap().unwrap();
+        }
+    });
+}
+
+#[test]
+fn shared_secret_authenticates_and_a_mismatch_is_refused() {
+    let store = HashStore::new();
+    let ok = run_ranks_with(3, &store, &TcpAttr::loopback(), |b| b.secret("s3cret"), |ctx| ctx.barrier());
+    all_ok(ok);
+
+    // Rank 1 has the wrong secret: it cannot join, and nobody hangs past the deadline.
+    let t = Instant::now();
+    let store2 = HashStore::new();
+    let results: Vec<ferrogloo::Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = &store2;
+                s.spawn(move || {
+                    let dev = Device::loopback()?;
+                    let b = Context::builder(rank, 2).timeout(Duration::from_secs(2));
+                    let b = if rank == 0 { b.secret("s3cret") } else { b.secret("wrong") };
+                    b.connect(store, &dev).map(drop)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results.iter().all(|r| r.as_ref().is_err_and(|e| e.is_timeout())), "{results:?}");
+    let msg = results[1].as_ref().unwrap_err().to_string();
+    assert!(msg.contains("shared secret"), "rank 1 should say why rank 0 refused it: {msg}");
+    assert!(t.elapsed() < Duration::from_secs(15));
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let store = HashStore::new();
+    let dev = Device::loopback().unwrap();
+    for (rank, size) in [(3, 3), (0, 0), (7, 2)] {
+        let e = Context::builder(rank, size).connect(&store, &dev).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    }
+    let ctx = Context::builder(0, 1).connect(&store, &dev).unwrap();
+    ctx.barrier().unwrap();
+    assert!(matches!(ctx.send(0, 0, &[1u8]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(ctx.send(5, 0, &[1u8]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(ctx.recv_any::<u8>(&[], 0, &mut []), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn ipv6_loopback_works_when_available() {
+    let attr = TcpAttr { family: ferrogloo::device::Family::V6, ..TcpAttr::loopback() };
+    if Device::new(&attr).is_err() {
+        eprintln!("SKIPPED: no IPv6 loopback on this machine");
+        return;
+    }
+    let store = HashStore::new();
+    let results = run_ranks_with(3, &store, &attr, |b| b, |ctx| {
+        assert!(ctx.device().local_addr().is_ipv6());
+        ctx.barrier()
+    });
+    all_ok(results);
+}
