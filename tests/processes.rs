@@ -1,0 +1,220 @@
+//! Ranks as real OS processes: this test binary re-executes itself as each rank (the ignored
+//! test `rank_worker`, selected with `--exact`), meeting through a FileStore or an HttpStore.
+
+mod common;
+
+use common::pattern;
+use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
+use ferrogloo::rendezvous::{FileStore, HttpStoreServer, STORE_ENV, Store};
+use ferrogloo::{Context, Error, device::Device};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SCENARIO_ENV: &str = "FERROGLOO_TEST_SCENARIO";
+const WORKER_TIMEOUT: Duration = Duration::from_secs(20);
+/// Deadline of the contexts in the kill test: survivors must report within it (+1 s).
+const KILL_TIMEOUT: Duration = Duration::from_secs(8);
+
+/// One rank. Does nothing unless started by a parent below with the rank variables set.
+#[test]
+#[ignore = "run as a child process by the other tests in this file"]
+fn rank_worker() {
+    let Some(env) = RankEnv::from_env() else { return };
+    let env = env.expect("rank environment");
+    let scenario = std::env::var(SCENARIO_ENV).unwrap_or_default();
+    let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
+    let dev = Device::loopback().expect("device");
+    let timeout = if scenario == "kill" { KILL_TIMEOUT } else { WORKER_TIMEOUT };
+    let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, &dev).expect("rendezvous");
+    match scenario.as_str() {
+        "mesh" => mesh(&ctx),
+        "kill" => kill(&ctx),
+        other => panic!("unknown scenario {other:?}"),
+    }
+    println!("DONE rank {}", env.rank);
+}
+
+/// Every pair exchanges a distinct payload, then a ring pass and barriers.
+fn mesh(ctx: &Context) {
+    let (me, n) = (ctx.rank(), ctx.size());
+    let len = |from: usize, to: usize| (from * 7919 + to * 104_729) % 70_000;
+    for p in (0..n).filter(|&p| p != me) {
+        ctx.send(p, 1, &pattern(me, p, len(me, p))).expect("send");
+    }
+    for p in (0..n).filter(|&p| p != me) {
+        let mut got = vec![0u32; len(p, me)];
+        ctx.recv(p, 1, &mut got).expect("recv");
+        assert_eq!(got, pattern(p, me, len(p, me)), "rank {me} from {p}");
+    }
+    let mut token = [0u64];
+    if me == 0 {
+        ctx.send(1, 2, &token).expect("send");
+        ctx.recv(n - 1, 2, &mut token).expect("recv");
+        assert_eq!(token[0], (1..n as u64).sum::<u64>());
+    } else {
+        ctx.recv(me - 1, 2, &mut token).expect("recv");
+        token[0] += me as u64;
+        ctx.send((me + 1) % n, 2, &token).expect("send");
+    }
+    for _ in 0..3 {
+        ctx.barrier().expect("barrier");
+    }
+}
+
+/// The last rank is killed by the parent once it says READY; the others wait on it.
+fn kill(ctx: &Context) {
+    let victim = ctx.size() - 1;
+    ctx.barrier().expect("barrier before the kill");
+    if ctx.rank() == victim {
+        println!("READY");
+        // The parent kills this process; the bounded wait only matters if it never does.
+        std::thread::sleep(WORKER_TIMEOUT);
+        std::process::exit(3);
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    match ctx.recv(victim, 9, &mut buf) {
+        Err(Error::PeerClosed { rank, .. }) => {
+            assert_eq!(rank, victim);
+            // Once a peer is known dead, sends to it fail at once too.
+            match ctx.send(victim, 9, &buf) {
+                Err(Error::PeerClosed { rank, .. }) => assert_eq!(rank, victim),
+                other => panic!("expected PeerClosed from a send to the dead rank, got {other:?}"),
+            }
+        }
+        Err(Error::Timeout { ranks, .. }) => assert_eq!(ranks, vec![victim]),
+        other => panic!("expected PeerClosed or Timeout naming rank {victim}, got {other:?}"),
+    }
+}
+
+/// Starts `n` rank processes of `scenario` against `store_url`, with stdout piped.
+fn spawn(n: usize, scenario: &str, store_url: &str) -> Vec<Child> {
+    let exe = std::env::current_exe().unwrap();
+    (0..n)
+        .map(|rank| {
+            Command::new(&exe)
+                .args(["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"])
+                .env(RANK_ENV, rank.to_string())
+                .env(SIZE_ENV, n.to_string())
+                .env(STORE_ENV, store_url)
+                .env(SCENARIO_ENV, scenario)
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Waits for a child with a deadline, killing it if it overruns; returns (success, output).
+fn finish(mut child: Child, deadline: Instant) -> (bool, String) {
+    let out = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default());
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return (st.success(), reader.join().unwrap());
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return (false, format!("KILLED AT DEADLINE\n{}", reader.join().unwrap()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn run_job(n: usize, scenario: &str, store_url: &str) {
+    let deadline = Instant::now() + WORKER_TIMEOUT * 2;
+    let children = spawn(n, scenario, store_url);
+    for (rank, c) in children.into_iter().enumerate() {
+        let (ok, out) = finish(c, deadline);
+        assert!(ok && out.contains(&format!("DONE rank {rank}")), "rank {rank} of {n} failed:\n{out}");
+    }
+}
+
+#[test]
+fn mesh_over_file_store_2_3_4_8_processes() {
+    for n in [2, 3, 4, 8] {
+        let dir = tempfile::tempdir().unwrap();
+        run_job(n, "mesh", &format!("file:{}", dir.path().display()));
+    }
+}
+
+#[test]
+fn mesh_over_http_store_with_embedded_server() {
+    let server = HttpStoreServer::start("127.0.0.1:0").unwrap();
+    run_job(4, "mesh", &server.store_url("job-a"));
+    // A second job on the same server under another scope.
+    run_job(3, "mesh", &server.store_url("job-b"));
+}
+
+#[test]
+fn a_store_directory_left_by_earlier_jobs_is_harmless() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file:{}", dir.path().display());
+    // An earlier job of another size left its entries, then one of the same size did.
+    run_job(3, "mesh", &url);
+    run_job(4, "mesh", &url);
+    // Plant entries that point at a dead port with a foreign context id, for every rank.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let store = FileStore::new(dir.path()).unwrap();
+    for r in 0..4 {
+        let v = format!("ferrogloo-v1 {} 4 {dead}", "ab".repeat(16));
+        store.set(&format!("ferrogloo.rank.{r}"), v.as_bytes()).unwrap();
+    }
+    let t = Instant::now();
+    run_job(4, "mesh", &url);
+    assert!(t.elapsed() < WORKER_TIMEOUT, "stale entries slowed the job to {:?}", t.elapsed());
+}
+
+#[test]
+fn survivors_of_a_killed_peer_fail_within_the_deadline() {
+    for n in [2, 4] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut children = spawn(n, "kill", &format!("file:{}", dir.path().display()));
+        let mut victim = children.pop().unwrap();
+        // The test harness prints its own lines first; READY comes after the barrier.
+        let mut lines = BufReader::new(victim.stdout.take().unwrap()).lines();
+        let ready = lines.by_ref().map_while(Result::ok).any(|l| l.ends_with("READY"));
+        assert!(ready, "victim did not reach the kill point");
+        victim.kill().unwrap(); // SIGKILL
+        let killed_at = Instant::now();
+        victim.wait().unwrap();
+        for (rank, c) in children.into_iter().enumerate() {
+            let (ok, out) = finish(c, killed_at + KILL_TIMEOUT + Duration::from_secs(10));
+            let took = killed_at.elapsed();
+            assert!(ok && out.contains(&format!("DONE rank {rank}")), "survivor {rank} of {n}:\n{out}");
+            assert!(took < KILL_TIMEOUT + Duration::from_secs(1), "survivor {rank} took {took:?} to report");
+        }
+    }
+}
+
+#[test]
+fn launch_spawn_local_runs_a_job_and_reports_failures() {
+    // The library's own launcher, run in a child process (it re-executes its binary).
+    let run = |scenario: &str| {
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "launcher_parent", "--nocapture", "--test-threads=1"])
+            .env("FERROGLOO_TEST_LAUNCH", scenario)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+    };
+    assert!(run("mesh").success(), "spawn_local failed on a good job");
+    assert!(!run("bogus").success(), "spawn_local must report a failing rank");
+}
+
+/// Runs `spawn_local` in a process of its own (it re-executes the current binary).
+#[test]
+#[ignore = "run as a child process by launch_spawn_local_runs_a_job_and_reports_failures"]
+fn launcher_parent() {
+    let Ok(scenario) = std::env::var("FERROGLOO_TEST_LAUNCH") else { return };
+    let args: Vec<String> = ["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"].map(String::from).to_vec();
+    // SAFETY: single-threaded at this point of the child process; the variable is read by the
+    // grandchildren only.
+    unsafe { std::env::set_var(SCENARIO_ENV, &scenario) };
+    if let Err(e) = ferrogloo::launch::spawn_local(3, &args, WORKER_TIMEOUT) {
+        eprintln!("{e}");
+        std::process::exit(1);
+    }
+}
