@@ -52,7 +52,8 @@ pub struct TcpAttr {
     /// Time a new connection has to complete its handshake (default 10 s); a silent
     /// connection is closed after it and never blocks the listener meanwhile.
     pub handshake_timeout: Duration,
-    /// Most handshakes in progress at once (default 1024); more are refused.
+    /// Most handshakes in progress at once (default 1024); a new connection beyond it evicts
+    /// the oldest one still in its handshake.
     pub max_pending: usize,
 }
 

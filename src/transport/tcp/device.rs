@@ -313,8 +313,12 @@ impl EventLoop {
             match self.listener.accept() {
                 Ok((mut stream, from)) => {
                     if self.incoming.len() >= self.shared.opts.max_pending {
-                        tracing::warn!(%from, "refused connection: too many handshakes in progress");
-                        continue;
+                        // Make room by dropping the oldest handshake: silent connections cannot
+                        // lock real peers out, since a peer sends its hello at once.
+                        let oldest = self.incoming.iter().min_by_key(|(_, i)| i.deadline).map(|(t, _)| *t);
+                        if let Some(t) = oldest {
+                            self.drop_incoming(t, "evicted: too many handshakes in progress");
+                        }
                     }
                     if let Err(e) = self.shared.socket_options(&socket2::SockRef::from(&stream)) {
                         tracing::warn!(%from, error = %e, "refused connection: cannot configure socket");

@@ -1,0 +1,137 @@
+//! Strangers at the listener are refused while the mesh forms and works.
+
+mod common;
+
+use common::{TIMEOUT, all_ok};
+use ferrogloo::Context;
+use ferrogloo::device::{Device, TcpAttr};
+use ferrogloo::rendezvous::HashStore;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+/// A handshake opening (see src/transport/tcp/handshake.rs for the layout).
+fn hello(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, size: u32) -> Vec<u8> {
+    let mut b = vec![0u8; 64];
+    b[0..4].copy_from_slice(magic);
+    b[4..6].copy_from_slice(&version.to_le_bytes());
+    b[8..24].copy_from_slice(&ctx);
+    b[24..28].copy_from_slice(&from.to_le_bytes());
+    b[28..32].copy_from_slice(&to.to_le_bytes());
+    b[32..36].copy_from_slice(&size.to_le_bytes());
+    b
+}
+
+/// Reads until EOF or error; returns the bytes received and whether the peer closed in time.
+fn drain(mut s: TcpStream, within: Duration) -> (Vec<u8>, bool) {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return (got, true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return (got, true),
+            Err(_) => return (got, false),
+        }
+    }
+}
+
+fn strangers(addr: SocketAddr) -> Vec<(&'static str, TcpStream)> {
+    let mut out = Vec::new();
+    let mut send = |name, bytes: &[u8]| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(bytes).unwrap();
+        out.push((name, s));
+    };
+    let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    send("random bytes", &noise);
+    send("http request", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    send("wrong magic", &hello(b"GLOO", 1, [1; 16], 1, 0, 2));
+    send("wrong version", &hello(b"FGLO", 99, [1; 16], 1, 0, 2));
+    send("wrong context id", &hello(b"FGLO", 1, [0xEE; 16], 1, 0, 2));
+    send("short handshake then silence", &hello(b"FGLO", 1, [1; 16], 1, 0, 2)[..10]);
+    out.push(("silent", TcpStream::connect(addr).unwrap()));
+    out
+}
+
+#[test]
+fn strangers_are_refused_and_the_mesh_still_forms() {
+    let n = 4;
+    let attr = TcpAttr { handshake_timeout: Duration::from_millis(1500), ..TcpAttr::loopback() };
+    let devs: Vec<Device> = (0..n).map(|_| Device::new(&attr).unwrap()).collect();
+    // Strangers arrive at every listener before and while the ranks meet.
+    let early: Vec<_> = devs.iter().map(|d| strangers(d.local_addr())).collect();
+    let store = HashStore::new();
+    let t = Instant::now();
+    let results: Vec<ferrogloo::Result<u64>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (store, dev) = (&store, &devs[rank]);
+                s.spawn(move || {
+                    let ctx = Context::builder(rank, n).timeout(TIMEOUT).connect(store, dev)?;
+                    // More strangers during traffic.
+                    let late = strangers(dev.local_addr());
+                    let mut sum = 0u64;
+                    for round in 0..50u64 {
+                        for p in (0..n).filter(|&p| p != rank) {
+                            ctx.send(p, 1, &[round * 100 + rank as u64])?;
+                        }
+                        for p in (0..n).filter(|&p| p != rank) {
+                            let mut v = [0u64];
+                            ctx.recv(p, 1, &mut v)?;
+                            assert_eq!(v[0], round * 100 + p as u64);
+                            sum += v[0];
+                        }
+                    }
+                    ctx.barrier()?;
+                    drop(late);
+                    Ok(sum)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let sums = all_ok(results);
+    assert_eq!(sums.len(), n);
+    // The silent connections did not hold the mesh up until their handshake deadline.
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+
+    // Every stranger was closed by the device, the silent ones by the handshake deadline.
+    for conns in early {
+        for (name, s) in conns {
+            let (reply, closed) = drain(s, Duration::from_secs(5));
+            assert!(closed, "{name}: connection left open");
+            if name == "wrong context id" {
+                // A well-formed hello for an unknown context gets an explicit refusal.
+                assert_eq!(reply.len(), 64, "{name}");
+                assert_eq!(&reply[0..4], b"FGLO");
+                assert_eq!(u16::from_le_bytes([reply[6], reply[7]]), 1, "status: unknown context");
+            } else {
+                assert!(reply.is_empty(), "{name}: got {} bytes", reply.len());
+            }
+        }
+    }
+}
+
+#[test]
+fn many_silent_connections_do_not_block_the_listener() {
+    let attr = TcpAttr { handshake_timeout: Duration::from_secs(30), max_pending: 64, ..TcpAttr::loopback() };
+    let devs: Vec<Device> = (0..2).map(|_| Device::new(&attr).unwrap()).collect();
+    // More silent connections than the handshake table holds, on both listeners.
+    let _silent: Vec<TcpStream> =
+        devs.iter().flat_map(|d| (0..100).map(move |_| TcpStream::connect(d.local_addr()).unwrap())).collect();
+    let store = HashStore::new();
+    let t = Instant::now();
+    let results: Vec<ferrogloo::Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (store, dev) = (&store, &devs[rank]);
+                s.spawn(move || Context::builder(rank, 2).timeout(TIMEOUT).connect(store, dev)?.barrier())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    all_ok(results);
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
