@@ -98,7 +98,8 @@ impl ContextBuilder {
             let mut last: Option<Vec<u8>> = None;
             let mut refused: Option<Error> = None;
             loop {
-                let raw = rv.next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)", refused.as_ref())?;
+                let raw =
+                    rv.next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)", refused.as_ref())?;
                 last = Some(raw.clone());
                 let Some(entry) = Entry::parse(&raw).filter(|e| e.size == size) else {
                     tracing::debug!(key = %key(0), "skipping an entry of another job or world size");
@@ -150,7 +151,15 @@ impl ContextBuilder {
         guard.armed = false;
         let pairs = route.pairs.iter().map(|p| p.clone().map(|p| p as Arc<dyn Pair>)).collect();
         tracing::debug!(rank, size, "context connected");
-        Ok(Context { rank, size, timeout, device: device.clone(), ctx: Some(ctx), pairs, collective_seq: Mutex::default() })
+        Ok(Context {
+            rank,
+            size,
+            timeout,
+            device: device.clone(),
+            ctx: Some(ctx),
+            pairs,
+            collective_seq: Mutex::default(),
+        })
     }
 }
 
@@ -228,10 +237,10 @@ impl<S: Store + ?Sized> Rendezvous<'_, S> {
         let k = key(rank);
         let mut backoff = Backoff::new();
         loop {
-            if let Some(v) = self.store.try_get(&k)? {
-                if old != Some(v.as_slice()) {
-                    return Ok(v);
-                }
+            if let Some(v) = self.store.try_get(&k)?
+                && old != Some(v.as_slice())
+            {
+                return Ok(v);
             }
             if !backoff.sleep_until(self.deadline) {
                 let stale = match (old, refused) {
@@ -361,7 +370,10 @@ impl Context {
     /// # }
     /// # Ok::<(), ferrogloo::Error>(())
     /// ```
-    pub fn scope<'env, R>(&'env self, f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>) -> Result<R> {
+    pub fn scope<'env, R>(
+        &'env self,
+        f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,
+    ) -> Result<R> {
         let scope = Scope { ctx: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
         let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
         let leftover: Vec<Op> = scope.ops.lock().unwrap_or_else(|p| p.into_inner()).drain(..).flatten().collect();
@@ -503,7 +515,14 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     }
 
     /// Starts a send with a raw wire tag and descriptor word.
-    pub(crate) fn isend_wire(&'scope self, peer: usize, wire: u64, meta: u32, buf: &'scope [u8], what: &'static str) -> Result<usize> {
+    pub(crate) fn isend_wire(
+        &'scope self,
+        peer: usize,
+        wire: u64,
+        meta: u32,
+        buf: &'scope [u8],
+        what: &'static str,
+    ) -> Result<usize> {
         let pair = self.ctx.pair(peer)?.clone();
         let done = Completion::new();
         // SAFETY: `buf` is borrowed for 'scope, and the scope finishes or cancels the operation
@@ -513,7 +532,14 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     }
 
     /// Starts a receive with a raw wire tag and descriptor word from any of `peers`.
-    pub(crate) fn irecv_wire(&'scope self, peers: &[usize], wire: u64, meta: u32, buf: &'scope mut [u8], what: &'static str) -> Result<usize> {
+    pub(crate) fn irecv_wire(
+        &'scope self,
+        peers: &[usize],
+        wire: u64,
+        meta: u32,
+        buf: &'scope mut [u8],
+        what: &'static str,
+    ) -> Result<usize> {
         if peers.is_empty() {
             return Err(Error::invalid("receive from an empty set of ranks"));
         }
@@ -543,12 +569,22 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 
     /// Starts receiving the next message with `tag` from `peer` into `buf`; see
     /// [`Context::recv`].
-    pub fn irecv<T: Pod>(&'scope self, peer: usize, tag: u32, buf: &'scope mut [T]) -> Result<RecvRequest<'scope, 'env, T>> {
+    pub fn irecv<T: Pod>(
+        &'scope self,
+        peer: usize,
+        tag: u32,
+        buf: &'scope mut [T],
+    ) -> Result<RecvRequest<'scope, 'env, T>> {
         self.irecv_any(&[peer], tag, buf)
     }
 
     /// Starts receiving the next message with `tag` from whichever of `peers` sends first.
-    pub fn irecv_any<T: Pod>(&'scope self, peers: &[usize], tag: u32, buf: &'scope mut [T]) -> Result<RecvRequest<'scope, 'env, T>> {
+    pub fn irecv_any<T: Pod>(
+        &'scope self,
+        peers: &[usize],
+        tag: u32,
+        buf: &'scope mut [T],
+    ) -> Result<RecvRequest<'scope, 'env, T>> {
         let ptr: *mut [T] = buf;
         // SAFETY: reborrow of the same 'scope-long exclusive borrow: the byte view is handed to
         // the transport, the typed pointer is only turned back into a slice after the operation

@@ -38,11 +38,16 @@ impl RankEnv {
             let num = |name: &str, v: &str| {
                 v.parse::<usize>().map_err(|_| Error::invalid(format!("{name}={v:?} is not a number")))
             };
-            let size = std::env::var(SIZE_ENV).map_err(|_| Error::invalid(format!("{RANK_ENV} is set but {SIZE_ENV} is not")))?;
-            let store = std::env::var(STORE_ENV).map_err(|_| Error::invalid(format!("{RANK_ENV} is set but {STORE_ENV} is not")))?;
+            let size = std::env::var(SIZE_ENV)
+                .map_err(|_| Error::invalid(format!("{RANK_ENV} is set but {SIZE_ENV} is not")))?;
+            let store = std::env::var(STORE_ENV)
+                .map_err(|_| Error::invalid(format!("{RANK_ENV} is set but {STORE_ENV} is not")))?;
             let env = RankEnv { rank: num(RANK_ENV, &rank)?, size: num(SIZE_ENV, &size)?, store };
             if env.rank >= env.size {
-                return Err(Error::invalid(format!("{RANK_ENV}={} is out of range for {SIZE_ENV}={}", env.rank, env.size)));
+                return Err(Error::invalid(format!(
+                    "{RANK_ENV}={} is out of range for {SIZE_ENV}={}",
+                    env.rank, env.size
+                )));
             }
             Ok(env)
         })())
@@ -110,12 +115,12 @@ fn wait_all(children: &mut [Child], timeout: Duration) -> Vec<Option<ExitStatus>
     let mut poll = Duration::from_millis(1);
     loop {
         for (c, s) in children.iter_mut().zip(statuses.iter_mut()) {
-            if s.is_none() {
-                if let Ok(Some(st)) = c.try_wait() {
-                    *s = Some(st);
-                    if !st.success() {
-                        deadline = deadline.min(Instant::now() + GRACE);
-                    }
+            if s.is_none()
+                && let Ok(Some(st)) = c.try_wait()
+            {
+                *s = Some(st);
+                if !st.success() {
+                    deadline = deadline.min(Instant::now() + GRACE);
                 }
             }
         }

@@ -31,7 +31,8 @@ fn every_pair_exchanges_distinct_payloads_sizes_1_to_9() {
             // Every send and receive in flight at once.
             ctx.scope(|s| {
                 let sends = peers.iter().zip(&outs).map(|(&p, o)| s.isend(p, 9, o)).collect::<Result<Vec<_>, _>>()?;
-                let recvs = peers.iter().zip(ins.iter_mut()).map(|(&p, i)| s.irecv(p, 9, i)).collect::<Result<Vec<_>, _>>()?;
+                let recvs =
+                    peers.iter().zip(ins.iter_mut()).map(|(&p, i)| s.irecv(p, 9, i)).collect::<Result<Vec<_>, _>>()?;
                 for r in recvs {
                     r.wait()?;
                 }
@@ -140,29 +141,35 @@ fn large_payload_beyond_the_early_budget_lands_when_posted() {
     let store = HashStore::new();
     let attr = TcpAttr { early_budget: 1024, ..TcpAttr::loopback() };
     let big = 48 << 20; // 48 MiB
-    let results = run_ranks_with(2, &store, &attr, |b| b, |ctx| {
-        if ctx.rank() == 0 {
-            let data: Vec<u64> = (0..big as u64 / 8).collect();
-            ctx.send(1, 1, &data)?;
-            ctx.send(1, 2, &[42u32; 3])?;
-            ctx.send(1, 3, &data[..1000])?;
-        } else {
-            let mut small = [0u32; 3];
-            let mut data = vec![0u64; big / 8];
-            ctx.scope(|s| {
-                let second = s.irecv(0, 2, &mut small)?;
-                let first = s.irecv(0, 1, &mut data)?;
-                assert_eq!(second.wait()?, &[42; 3]);
-                first.wait()?;
-                Ok(())
-            })?;
-            assert!(data.iter().enumerate().all(|(i, &v)| v == i as u64));
-            let mut tail = vec![0u64; 1000];
-            ctx.recv(0, 3, &mut tail)?;
-            assert!(tail.iter().enumerate().all(|(i, &v)| v == i as u64));
-        }
-        Ok(())
-    });
+    let results = run_ranks_with(
+        2,
+        &store,
+        &attr,
+        |b| b,
+        |ctx| {
+            if ctx.rank() == 0 {
+                let data: Vec<u64> = (0..big as u64 / 8).collect();
+                ctx.send(1, 1, &data)?;
+                ctx.send(1, 2, &[42u32; 3])?;
+                ctx.send(1, 3, &data[..1000])?;
+            } else {
+                let mut small = [0u32; 3];
+                let mut data = vec![0u64; big / 8];
+                ctx.scope(|s| {
+                    let second = s.irecv(0, 2, &mut small)?;
+                    let first = s.irecv(0, 1, &mut data)?;
+                    assert_eq!(second.wait()?, &[42; 3]);
+                    first.wait()?;
+                    Ok(())
+                })?;
+                assert!(data.iter().enumerate().all(|(i, &v)| v == i as u64));
+                let mut tail = vec![0u64; 1000];
+                ctx.recv(0, 3, &mut tail)?;
+                assert!(tail.iter().enumerate().all(|(i, &v)| v == i as u64));
+            }
+            Ok(())
+        },
+    );
     all_ok(results);
 }
 
@@ -219,7 +226,8 @@ fn a_receive_nobody_answers_times_out_naming_the_peer() {
         if ctx.rank() == 0 {
             let mut b = [0u8; 4];
             let t = Instant::now();
-            let err = ctx.scope(|s| s.irecv(2, 77, &mut b)?.wait_timeout(Duration::from_millis(300)).map(drop)).unwrap_err();
+            let err =
+                ctx.scope(|s| s.irecv(2, 77, &mut b)?.wait_timeout(Duration::from_millis(300)).map(drop)).unwrap_err();
             let el = t.elapsed();
             assert!(el >= Duration::from_millis(300) && el < Duration::from_secs(5), "{el:?}");
             match err {
@@ -258,8 +266,8 @@ fn several_contexts_on_shared_devices_never_mix() {
     std::thread::scope(|s| {
         let mut hs = Vec::new();
         for job in 0..3u32 {
-            for rank in 0..n {
-                let (store, dev) = (&store, &devs[rank]);
+            for (rank, dev) in devs.iter().enumerate() {
+                let store = &store;
                 hs.push(s.spawn(move || -> ferrogloo::Result<()> {
                     let scoped = PrefixStore::new(format!("job{job}"), store);
                     let ctx = Context::builder(rank, n).timeout(TIMEOUT).connect(&scoped, dev)?;
@@ -336,9 +344,15 @@ fn ipv6_loopback_works_when_available() {
         return;
     }
     let store = HashStore::new();
-    let results = run_ranks_with(3, &store, &attr, |b| b, |ctx| {
-        assert!(ctx.device().local_addr().is_ipv6());
-        ctx.barrier()
-    });
+    let results = run_ranks_with(
+        3,
+        &store,
+        &attr,
+        |b| b,
+        |ctx| {
+            assert!(ctx.device().local_addr().is_ipv6());
+            ctx.barrier()
+        },
+    );
     all_ok(results);
 }

@@ -209,7 +209,8 @@ fn launch_spawn_local_runs_a_job_and_reports_failures() {
 #[ignore = "run as a child process by launch_spawn_local_runs_a_job_and_reports_failures"]
 fn launcher_parent() {
     let Ok(scenario) = std::env::var("FERROGLOO_TEST_LAUNCH") else { return };
-    let args: Vec<String> = ["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"].map(String::from).to_vec();
+    let args: Vec<String> =
+        ["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"].map(String::from).to_vec();
     // SAFETY: single-threaded at this point of the child process; the variable is read by the
     // grandchildren only.
     unsafe { std::env::set_var(SCENARIO_ENV, &scenario) };

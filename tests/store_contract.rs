@@ -30,7 +30,7 @@ fn contract(store: &dyn Store, atomic_add: bool) {
     let el = t.elapsed();
     assert!(el >= Duration::from_millis(300) && el < Duration::from_secs(3), "{el:?}");
     match err {
-        Error::Timeout { keys, .. } => assert_eq!(keys.len(), 1) ,
+        Error::Timeout { keys, .. } => assert_eq!(keys.len(), 1),
         e => panic!("expected Timeout, got {e}"),
     }
     assert!(store.try_get("never-set").unwrap().is_none());
@@ -61,8 +61,9 @@ fn contract(store: &dyn Store, atomic_add: bool) {
         let threads = 4;
         let per = 25;
         let mut seen: Vec<i64> = std::thread::scope(|s| {
-            let hs: Vec<_> =
-                (0..threads).map(|_| s.spawn(|| (0..per).map(|_| store.add("race", 1).unwrap()).collect::<Vec<_>>())).collect();
+            let hs: Vec<_> = (0..threads)
+                .map(|_| s.spawn(|| (0..per).map(|_| store.add("race", 1).unwrap()).collect::<Vec<_>>()))
+                .collect();
             hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
         });
         seen.sort();
@@ -160,7 +161,8 @@ fn http_store_against_horovod_protocol_server() {
         eprintln!("SKIPPED: python3 is not available to run the Horovod-protocol server");
         return;
     };
-    let store = HttpStore::new(&format!("http://127.0.0.1:{}", server.port), "ferrogloo", Duration::from_secs(10)).unwrap();
+    let store =
+        HttpStore::new(&format!("http://127.0.0.1:{}", server.port), "ferrogloo", Duration::from_secs(10)).unwrap();
     // No atomic add there: the emulated add is correct for a single client, not concurrent ones.
     contract(&store, false);
 }

@@ -124,7 +124,9 @@ impl TcpAttr {
                 .ok_or_else(|| Error::invalid(format!("network interface {name:?} has no {:?} address", self.family)));
         }
         if let Some(host) = &self.hostname {
-            let addrs = (host.as_str(), 0).to_socket_addrs().map_err(|e| Error::io(format!("resolving host name {host:?}"), e))?;
+            let addrs = (host.as_str(), 0)
+                .to_socket_addrs()
+                .map_err(|e| Error::io(format!("resolving host name {host:?}"), e))?;
             return addrs
                 .map(|a| a.ip())
                 .find(|ip| self.wants(ip))

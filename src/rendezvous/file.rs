@@ -45,8 +45,7 @@ impl FileStore {
     pub fn new(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         let shown = dir.display().to_string();
-        fs::create_dir_all(&dir)
-            .map_err(|e| Error::store(&shown, format!("cannot create store directory: {e}")))?;
+        fs::create_dir_all(&dir).map_err(|e| Error::store(&shown, format!("cannot create store directory: {e}")))?;
         let store = FileStore { dir };
         // Prove the directory is writable now rather than at the first `set`.
         let probe = store.temp_path();

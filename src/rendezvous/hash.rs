@@ -52,11 +52,7 @@ impl HashStore {
                     if now >= deadline {
                         return Err(missing_keys(op, missing, timeout));
                     }
-                    map = self
-                        .changed
-                        .wait_timeout(map, deadline - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    map = self.changed.wait_timeout(map, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
                 }
             }
         }

@@ -40,9 +40,7 @@ impl StoreUrl {
             let (host, scope) = rest.split_once('/').unwrap_or((rest, ""));
             let scope = scope.trim_end_matches('/');
             if host.is_empty() || scope.is_empty() {
-                return Err(Error::invalid(format!(
-                    "store URL {url:?} must look like http://HOST:PORT/SCOPE"
-                )));
+                return Err(Error::invalid(format!("store URL {url:?} must look like http://HOST:PORT/SCOPE")));
             }
             return Ok(StoreUrl::Http { base: format!("http://{host}"), scope: scope.to_string() });
         }

@@ -41,7 +41,12 @@ pub(crate) struct Route {
 }
 
 impl Route {
-    pub(crate) fn new(rank: usize, size: usize, secret: Option<Vec<u8>>, pairs: Vec<Option<Arc<TcpPair>>>) -> Arc<Self> {
+    pub(crate) fn new(
+        rank: usize,
+        size: usize,
+        secret: Option<Vec<u8>>,
+        pairs: Vec<Option<Arc<TcpPair>>>,
+    ) -> Arc<Self> {
         Arc::new(Route { rank, size, secret, pairs, attached: Mutex::new(()), attached_cv: Condvar::new() })
     }
 
@@ -155,7 +160,10 @@ impl Shared {
         let mut routes = lock(&self.routes);
         let key = (ctx, route.rank);
         if routes.contains_key(&key) {
-            return Err(Error::invalid(format!("rank {} of this context is already registered on the device", route.rank)));
+            return Err(Error::invalid(format!(
+                "rank {} of this context is already registered on the device",
+                route.rank
+            )));
         }
         routes.insert(key, route);
         Ok(())
@@ -208,8 +216,19 @@ impl Shared {
 
     /// Connects the pair of `route` to `peer` at `addr` and runs the connector's handshake.
     /// Errors say why; the caller decides whether to retry (stale addresses fail here).
-    pub(crate) fn connect(&self, ctx: ContextId, route: &Route, peer: usize, addr: SocketAddr, deadline: Instant) -> Result<()> {
-        let pair = route.pairs.get(peer).and_then(|p| p.clone()).ok_or_else(|| Error::invalid(format!("no pair for rank {peer}")))?;
+    pub(crate) fn connect(
+        &self,
+        ctx: ContextId,
+        route: &Route,
+        peer: usize,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<()> {
+        let pair = route
+            .pairs
+            .get(peer)
+            .and_then(|p| p.clone())
+            .ok_or_else(|| Error::invalid(format!("no pair for rank {peer}")))?;
         let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let io_err = |what: &str, e: io::Error| Error::io(format!("{what} rank {peer} at {addr}"), e);
         let mut s = std::net::TcpStream::connect_timeout(&addr, left().min(self.opts.handshake_timeout))
@@ -233,12 +252,18 @@ impl Shared {
         s.read_exact(&mut raw).map_err(|e| io_err("reading the handshake answer of", e))?;
         let ack = Ack::decode(&raw).map_err(|detail| Error::Protocol { peer: Some(peer), detail })?;
         if ack.status != Status::Ok {
-            return Err(Error::Protocol { peer: Some(peer), detail: format!("handshake refused: {}", ack.status.describe()) });
+            return Err(Error::Protocol {
+                peer: Some(peer),
+                detail: format!("handshake refused: {}", ack.status.describe()),
+            });
         }
         if secret.is_some() {
             let want = handshake::mac(secret, "ferrogloo-ack", &hello, &ack.nonce);
             if !handshake::mac_eq(&want, &ack.mac) {
-                return Err(Error::Protocol { peer: Some(peer), detail: "the peer failed to prove the shared secret".into() });
+                return Err(Error::Protocol {
+                    peer: Some(peer),
+                    detail: "the peer failed to prove the shared secret".into(),
+                });
             }
             let auth = handshake::mac(secret, "ferrogloo-auth", &hello, &ack.nonce);
             s.write_all(&auth).map_err(|e| io_err("sending the handshake proof to", e))?;
@@ -257,8 +282,16 @@ struct Incoming {
     deadline: Instant,
     buf: [u8; HELLO_LEN],
     got: usize,
-    /// Set once the Hello is accepted and an Auth is awaited.
-    awaiting_auth: Option<(Hello, [u8; HELLO_LEN], [u8; 16], Arc<TcpPair>, Arc<Route>)>,
+    /// Set once the Hello is accepted (and an Auth is awaited when a secret is in use).
+    accepted: Option<Accepted>,
+}
+
+/// A Hello that passed the checks: the pair it is for, and what the Auth is checked against.
+struct Accepted {
+    hello: [u8; HELLO_LEN],
+    nonce: [u8; 16],
+    pair: Arc<TcpPair>,
+    route: Arc<Route>,
 }
 
 enum Progress {
@@ -325,12 +358,17 @@ impl EventLoop {
                         continue;
                     }
                     let token = self.shared.token();
-                    if let Err(e) = self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE) {
+                    if let Err(e) =
+                        self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
+                    {
                         tracing::warn!(%from, error = %e, "refused connection: cannot register socket");
                         continue;
                     }
                     let deadline = Instant::now() + self.shared.opts.handshake_timeout;
-                    self.incoming.insert(token, Box::new(Incoming { stream, from, deadline, buf: [0; HELLO_LEN], got: 0, awaiting_auth: None }));
+                    self.incoming.insert(
+                        token,
+                        Box::new(Incoming { stream, from, deadline, buf: [0; HELLO_LEN], got: 0, accepted: None }),
+                    );
                     // Bytes may already be there; edge-triggered readiness would not repeat.
                     self.handshake_step(token);
                 }
@@ -372,7 +410,7 @@ impl EventLoop {
                 self.drop_incoming(token, &why);
             }
             Progress::Done => {
-                let Some((_, _, _, pair, route)) = inc.awaiting_auth else { return };
+                let Some(Accepted { pair, route, .. }) = inc.accepted else { return };
                 let peer = pair.peer();
                 match self.shared.attach(&pair, inc.stream, Some(token)) {
                     Ok(()) => {
@@ -388,7 +426,7 @@ impl EventLoop {
     /// Reads what the handshake still needs and acts on complete messages.
     fn advance(&self, inc: &mut Incoming) -> Progress {
         loop {
-            let need = if inc.awaiting_auth.is_some() { AUTH_LEN } else { HELLO_LEN };
+            let need = if inc.accepted.is_some() { AUTH_LEN } else { HELLO_LEN };
             while inc.got < need {
                 match inc.stream.read(&mut inc.buf[inc.got..need]) {
                     Ok(0) => return Progress::Drop("closed during the handshake".into()),
@@ -398,10 +436,10 @@ impl EventLoop {
                     Err(e) => return Progress::Drop(format!("read failed: {e}")),
                 }
             }
-            if let Some((_, hello_raw, nonce, _, route)) = &inc.awaiting_auth {
+            if let Some(a) = &inc.accepted {
                 let mut got = [0u8; 32];
                 got.copy_from_slice(&inc.buf[..AUTH_LEN]);
-                let want = handshake::mac(route.secret.as_deref(), "ferrogloo-auth", hello_raw, nonce);
+                let want = handshake::mac(a.route.secret.as_deref(), "ferrogloo-auth", &a.hello, &a.nonce);
                 if !handshake::mac_eq(&want, &got) {
                     return Progress::Drop("wrong shared secret".into());
                 }
@@ -412,20 +450,30 @@ impl EventLoop {
                 Ok(h) => h,
                 Err(why) => return Progress::Drop(why),
             };
-            let (status, target) = self.check(&hello);
+            let target = self.check(&hello);
+            let status = target.as_ref().err().copied().unwrap_or(Status::Ok);
             let nonce = handshake::random16();
-            let secret = target.as_ref().and_then(|(_, r)| r.secret.clone());
-            let mac = if status == Status::Ok { handshake::mac(secret.as_deref(), "ferrogloo-ack", &raw, &nonce) } else { [0; 32] };
+            let secret = target.as_ref().ok().and_then(|(_, r)| r.secret.clone());
+            let mac = if status == Status::Ok {
+                handshake::mac(secret.as_deref(), "ferrogloo-ack", &raw, &nonce)
+            } else {
+                [0; 32]
+            };
             let ack = Ack { status, nonce, mac }.encode();
             // 64 bytes into an empty socket buffer: written whole or the connection is broken.
             if !matches!(inc.stream.write(&ack), Ok(ACK_LEN)) {
                 return Progress::Drop("could not answer the handshake".into());
             }
-            let Some((pair, route)) = target else {
-                return Progress::Drop(format!("{} (from rank {} for rank {})", status.describe(), hello.from, hello.to));
+            let Ok((pair, route)) = target else {
+                return Progress::Drop(format!(
+                    "{} (from rank {} for rank {})",
+                    status.describe(),
+                    hello.from,
+                    hello.to
+                ));
             };
             inc.got = 0;
-            inc.awaiting_auth = Some((hello, raw, nonce, pair, route));
+            inc.accepted = Some(Accepted { hello: raw, nonce, pair, route });
             if secret.is_none() {
                 return Progress::Done;
             }
@@ -433,22 +481,22 @@ impl EventLoop {
     }
 
     /// Whether a Hello is for a context and pair of this device that awaits it.
-    fn check(&self, h: &Hello) -> (Status, Option<(Arc<TcpPair>, Arc<Route>)>) {
+    fn check(&self, h: &Hello) -> std::result::Result<(Arc<TcpPair>, Arc<Route>), Status> {
         let Some(route) = lock(&self.shared.routes).get(&(h.ctx, h.to as usize)).cloned() else {
-            return (Status::UnknownContext, None);
+            return Err(Status::UnknownContext);
         };
         let (from, to, size) = (h.from as usize, h.to as usize, h.size as usize);
         // Connections always come from the higher rank.
         if size != route.size || to != route.rank || from >= size || from <= to {
-            return (Status::BadRank, None);
+            return Err(Status::BadRank);
         }
         if h.with_secret != route.secret.is_some() {
-            return (Status::SecretMismatch, None);
+            return Err(Status::SecretMismatch);
         }
-        let Some(pair) = route.pairs[from].clone() else { return (Status::BadRank, None) };
+        let Some(pair) = route.pairs[from].clone() else { return Err(Status::BadRank) };
         if pair.is_attached() {
-            return (Status::Duplicate, None);
+            return Err(Status::Duplicate);
         }
-        (Status::Ok, Some((pair, route)))
+        Ok((pair, route))
     }
 }

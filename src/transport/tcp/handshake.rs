@@ -127,7 +127,14 @@ impl Hello {
         ctx.copy_from_slice(&b[8..24]);
         let mut nonce = [0u8; 16];
         nonce.copy_from_slice(&b[36..52]);
-        Ok(Hello { with_secret: flags & FLAG_SECRET != 0, ctx, from: u32_at(24), to: u32_at(28), size: u32_at(32), nonce })
+        Ok(Hello {
+            with_secret: flags & FLAG_SECRET != 0,
+            ctx,
+            from: u32_at(24),
+            to: u32_at(28),
+            size: u32_at(32),
+            nonce,
+        })
     }
 }
 

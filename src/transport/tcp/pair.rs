@@ -65,7 +65,10 @@ enum Rx {
 enum Conn {
     /// Mesh not yet formed.
     Pending,
-    Open { stream: TcpStream, token: Token },
+    Open {
+        stream: TcpStream,
+        token: Token,
+    },
     Closed(Error),
 }
 
@@ -152,7 +155,10 @@ impl TcpPair {
     /// Closes the connection quietly (the context is going away).
     pub(crate) fn close(&self) {
         let mut g = self.lock();
-        self.fail_locked(&mut g, Error::Aborted { detail: format!("the context closed its connection to rank {}", self.peer) });
+        self.fail_locked(
+            &mut g,
+            Error::Aborted { detail: format!("the context closed its connection to rank {}", self.peer) },
+        );
     }
 
     fn io_error(&self, e: io::Error, what: &str) -> Error {
@@ -227,22 +233,16 @@ impl TcpPair {
             let sock = socket2::SockRef::from(&*stream);
             match sock.send_vectored_with_flags(&iov[..n_iov], libc::MSG_NOSIGNAL) {
                 Ok(mut n) => {
-                    while n > 0 {
-                        let Some(op) = sendq.front_mut() else { break };
+                    for op in sendq.iter_mut() {
                         let take = (op.total() - op.off).min(n);
                         op.off += take;
                         n -= take;
-                        if op.off == op.total() {
-                            if let Some(op) = sendq.pop_front() {
-                                op.done.complete(Ok(self.peer));
-                            }
+                        if n == 0 {
+                            break;
                         }
                     }
-                    // Zero-length frames are complete once their header is out.
-                    while sendq.front().is_some_and(|op| op.off == op.total()) {
-                        if let Some(op) = sendq.pop_front() {
-                            op.done.complete(Ok(self.peer));
-                        }
+                    while let Some(op) = sendq.pop_front_if(|op| op.off == op.total()) {
+                        op.done.complete(Ok(self.peer));
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
@@ -265,7 +265,9 @@ impl TcpPair {
             let Inner { conn, rx, staging, start, end, .. } = &mut *g;
             let Conn::Open { stream, .. } = conn else { return Ok(()) };
             let direct = match rx {
-                Rx::Payload { op, filled } if *start == *end && op.buf.len - *filled >= DIRECT_MIN => Some((op, filled)),
+                Rx::Payload { op, filled } if *start == *end && op.buf.len - *filled >= DIRECT_MIN => {
+                    Some((op, filled))
+                }
                 _ => None,
             };
             let res = match direct {
@@ -273,9 +275,8 @@ impl TcpPair {
                     // SAFETY: the poster lent this buffer exclusively until completion or
                     // cancel (Pair::post_recv); both happen under the lock we hold.
                     let dst = unsafe { std::slice::from_raw_parts_mut(op.buf.ptr.add(*filled), op.buf.len - *filled) };
-                    stream.read(dst).map(|n| {
+                    stream.read(dst).inspect(|&n| {
                         *filled += n;
-                        n
                     })
                 }
                 None => {
@@ -283,9 +284,8 @@ impl TcpPair {
                         *start = 0;
                         *end = 0;
                     }
-                    stream.read(&mut staging[*end..]).map(|n| {
+                    stream.read(&mut staging[*end..]).inspect(|&n| {
                         *end += n;
-                        n
                     })
                 }
             };
@@ -303,12 +303,11 @@ impl TcpPair {
 
     /// Completes a directly-read payload once full.
     fn finish_payload(&self, g: &mut Inner) {
-        if let Rx::Payload { op, filled } = &g.rx {
-            if *filled == op.buf.len {
-                if let Rx::Payload { op, .. } = std::mem::replace(&mut g.rx, Rx::Header) {
-                    op.done.complete(Ok(self.peer));
-                }
-            }
+        if let Rx::Payload { op, filled } = &g.rx
+            && *filled == op.buf.len
+            && let Rx::Payload { op, .. } = std::mem::replace(&mut g.rx, Rx::Header)
+        {
+            op.done.complete(Ok(self.peer));
         }
     }
 
@@ -338,7 +337,8 @@ impl TcpPair {
                     let mut raw = [0u8; HEADER_LEN];
                     raw.copy_from_slice(&g.staging[g.start..g.start + HEADER_LEN]);
                     g.start += HEADER_LEN;
-                    let h = FrameHeader::decode(&raw).map_err(|detail| Error::Protocol { peer: Some(self.peer), detail })?;
+                    let h = FrameHeader::decode(&raw)
+                        .map_err(|detail| Error::Protocol { peer: Some(self.peer), detail })?;
                     self.dispatch(g, h)?;
                 }
                 _ if avail == 0 => return Ok(()),
@@ -515,10 +515,10 @@ impl Pair for TcpPair {
             }
         }
         g.posted.retain(|op| !Arc::ptr_eq(&op.done, done));
-        if let Rx::Payload { op, filled } = &g.rx {
-            if Arc::ptr_eq(&op.done, done) {
-                g.rx = Rx::Discard { remaining: (op.buf.len - filled) as u64 };
-            }
+        if let Rx::Payload { op, filled } = &g.rx
+            && Arc::ptr_eq(&op.done, done)
+        {
+            g.rx = Rx::Discard { remaining: (op.buf.len - filled) as u64 };
         }
     }
 }
