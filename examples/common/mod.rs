@@ -1,0 +1,75 @@
+//! What every example shares: becoming one rank of a job.
+//!
+//! `--np N` starts N local rank processes of this same program (through a temporary
+//! FileStore) and waits for them. A rank process finds its place in the job from
+//! `FERROGLOO_RANK`/`FERROGLOO_SIZE`/`FERROGLOO_STORE` (set by the launcher) or from
+//! `--rank R --size N --store URL` (to join a job started by hand on several hosts).
+
+use clap::Args;
+use ferrogloo::device::{Device, TcpAttr};
+use ferrogloo::launch::{RankEnv, spawn_local};
+use ferrogloo::{Context, Error, Result};
+use std::time::Duration;
+
+/// Options every example takes.
+#[derive(Args, Debug, Clone)]
+pub struct JobArgs {
+    /// Run N local ranks as processes of this program, meeting through a temporary FileStore.
+    #[arg(long)]
+    pub np: Option<usize>,
+    /// This process's rank (with --size and --store, to join a job started by hand).
+    #[arg(long)]
+    pub rank: Option<usize>,
+    /// Number of ranks in the job.
+    #[arg(long)]
+    pub size: Option<usize>,
+    /// Store URL: file:DIR or http://HOST:PORT/SCOPE (default: $FERROGLOO_STORE).
+    #[arg(long)]
+    pub store: Option<String>,
+    /// Network interface to listen on (default: $FERROGLOO_IFACE, else loopback).
+    #[arg(long)]
+    pub iface: Option<String>,
+    /// Deadline of every operation, in seconds.
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+}
+
+/// `Ok(None)` when this process launched local ranks (they have finished); `Ok(Some(ctx))`
+/// when it is a rank.
+pub fn join(args: &JobArgs) -> Result<Option<Context>> {
+    let timeout = Duration::from_secs(args.timeout);
+    let env = match RankEnv::from_env() {
+        Some(env) => env?,
+        None => match (args.np, args.rank, args.size) {
+            (Some(n), None, None) => {
+                let argv: Vec<String> = std::env::args().skip(1).collect();
+                spawn_local(n, &argv, timeout * 4)?;
+                return Ok(None);
+            }
+            (None, Some(rank), Some(size)) => {
+                let store = match &args.store {
+                    Some(s) => s.clone(),
+                    None => std::env::var(ferrogloo::rendezvous::STORE_ENV)
+                        .map_err(|_| Error::invalid("--store or FERROGLOO_STORE is required with --rank"))?,
+                };
+                RankEnv { rank, size, store }
+            }
+            _ => return Err(Error::invalid("give --np N, or --rank R --size N [--store URL]")),
+        },
+    };
+    let store = ferrogloo::rendezvous::open(&env.store)?;
+    let mut attr = TcpAttr::from_env();
+    if let Some(i) = &args.iface {
+        attr.iface = Some(i.clone());
+    }
+    let device = Device::new(&attr)?;
+    Context::builder(env.rank, env.size).timeout(timeout).connect(&store, &device).map(Some)
+}
+
+/// Prints an error and exits non-zero.
+pub fn exit_on_error<T>(r: Result<T>) -> T {
+    r.unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(1)
+    })
+}
