@@ -4,8 +4,8 @@ mod common;
 
 use common::{all_ok, run_ranks_with};
 use ferrogloo::device::TcpAttr;
-use std::time::Duration;
 use ferrogloo::rendezvous::HashStore;
+use std::time::Duration;
 
 /// 4.25 GiB: past the 2 GiB a single syscall moves and past `u32::MAX`.
 const BYTES: usize = (4 << 30) + (1 << 28);
