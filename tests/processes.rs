@@ -30,6 +30,7 @@ fn rank_worker() {
     match scenario.as_str() {
         "mesh" => mesh(&ctx),
         "kill" => kill(&ctx),
+        "light" => light(&ctx),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("DONE rank {}", env.rank);
@@ -60,6 +61,25 @@ fn mesh(ctx: &Context) {
     for _ in 0..3 {
         ctx.barrier().expect("barrier");
     }
+}
+
+/// Barriers, and every rank reports to rank 0: cheap enough for 64 processes on 2 cores.
+fn light(ctx: &Context) {
+    ctx.barrier().expect("barrier");
+    if ctx.rank() == 0 {
+        let peers: Vec<usize> = (1..ctx.size()).collect();
+        let mut seen = vec![false; ctx.size()];
+        for _ in &peers {
+            let mut v = [0u64];
+            let from = ctx.recv_any(&peers, 3, &mut v).expect("recv_any");
+            assert_eq!(v[0], from as u64 * 1000);
+            assert!(!seen[from], "rank {from} reported twice");
+            seen[from] = true;
+        }
+    } else {
+        ctx.send(0, 3, &[ctx.rank() as u64 * 1000]).expect("send");
+    }
+    ctx.barrier().expect("barrier");
 }
 
 /// The last rank is killed by the parent once it says READY; the others wait on it.
@@ -137,6 +157,12 @@ fn mesh_over_file_store_2_3_4_8_processes() {
         let dir = tempfile::tempdir().unwrap();
         run_job(n, "mesh", &format!("file:{}", dir.path().display()));
     }
+}
+
+#[test]
+fn sixty_four_processes_form_a_full_mesh() {
+    let dir = tempfile::tempdir().unwrap();
+    run_job(64, "light", &format!("file:{}", dir.path().display()));
 }
 
 #[test]
