@@ -30,9 +30,20 @@ pub struct ContextBuilder {
     size: usize,
     timeout: Duration,
     secret: Option<Vec<u8>>,
+    busy_poll: Option<Duration>,
 }
 
 impl ContextBuilder {
+    /// How long a waiting call busy-polls its connection before it sleeps in the kernel.
+    ///
+    /// By default 20 µs when this host has at least one CPU per rank of the context on it
+    /// (ranks whose connections come from this rank's own address), else zero: spinning saves
+    /// the wake-up of an idle core but steals time from ranks that share a core.
+    pub fn busy_poll(mut self, spin: Duration) -> Self {
+        self.busy_poll = Some(spin);
+        self
+    }
+
     /// The deadline of rendezvous and the default deadline of every later call (30 s unless
     /// set).
     pub fn timeout(mut self, timeout: Duration) -> Self {
@@ -60,7 +71,7 @@ impl ContextBuilder {
     /// [`Error::Timeout`] naming the missing ranks and keys when the mesh is not complete in
     /// time.
     pub fn connect<S: Store + ?Sized>(self, store: &S, device: &Device) -> Result<Context> {
-        let ContextBuilder { rank, size, timeout, secret } = self;
+        let ContextBuilder { rank, size, timeout, secret, busy_poll } = self;
         if size == 0 {
             return Err(Error::invalid("context size must be at least 1"));
         }
@@ -77,9 +88,12 @@ impl ContextBuilder {
         let shared = device.shared();
         let new_route = || {
             let pairs = (0..size)
-                .map(|p| (p != rank).then(|| TcpPair::new(p, shared.opts.early_budget, shared.registry.clone())))
-                .collect();
-            Route::new(rank, size, secret.clone(), pairs)
+                .map(|p| {
+                    (p != rank).then(|| TcpPair::new(p, shared.opts.early_budget, shared.registry.clone())).transpose()
+                })
+                .collect::<std::io::Result<_>>()
+                .map_err(|e| Error::io("creating a pair's wake-up descriptor", e))?;
+            Ok::<_, Error>(Route::new(rank, size, secret.clone(), pairs))
         };
         let me = Entry { ctx: [0; 16], size, addr: device.local_addr() };
         let rv = Rendezvous { store, deadline, timeout, size };
@@ -87,7 +101,7 @@ impl ContextBuilder {
         // 1. Agree on the context id (rank 0 chooses it; others confirm it with rank 0).
         let (ctx, route) = if rank == 0 {
             let ctx = handshake::random16();
-            let route = new_route();
+            let route = new_route()?;
             shared.add_route(ctx, route.clone())?;
             if let Err(e) = rv.publish(0, &Entry { ctx, ..me }) {
                 shared.remove_route(&ctx, rank);
@@ -105,7 +119,7 @@ impl ContextBuilder {
                     tracing::debug!(key = %key(0), "skipping an entry of another job or world size");
                     continue;
                 };
-                let route = new_route();
+                let route = new_route()?;
                 shared.add_route(entry.ctx, route.clone())?;
                 match shared.connect(entry.ctx, &route, 0, entry.addr, deadline) {
                     Ok(()) => break (entry.ctx, route),
@@ -149,18 +163,29 @@ impl ContextBuilder {
             });
         }
         guard.armed = false;
-        let pairs = route.pairs.iter().map(|p| p.clone().map(|p| p as Arc<dyn Pair>)).collect();
-        tracing::debug!(rank, size, "context connected");
+        let pairs: Vec<Option<Arc<dyn Pair>>> =
+            route.pairs.iter().map(|p| p.clone().map(|p| p as Arc<dyn Pair>)).collect();
+        let spin = busy_poll.unwrap_or_else(|| default_spin(&pairs, device));
+        tracing::debug!(rank, size, ?spin, "context connected");
         Ok(Context {
             rank,
             size,
             timeout,
+            spin,
             device: device.clone(),
             ctx: Some(ctx),
             pairs,
             collective_seq: Mutex::default(),
         })
     }
+}
+
+/// Busy-poll only when every rank on this host can have a core: 20 µs, else none.
+fn default_spin(pairs: &[Option<Arc<dyn Pair>>], device: &Device) -> Duration {
+    let me = device.local_addr().ip();
+    let local = 1 + pairs.iter().flatten().filter(|p| p.remote_ip() == Some(me)).count();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if local <= cores { Duration::from_micros(20) } else { Duration::ZERO }
 }
 
 /// Unregisters a half-formed context on an early return.
@@ -270,6 +295,8 @@ pub struct Context {
     rank: usize,
     size: usize,
     timeout: Duration,
+    /// How long waits busy-poll before sleeping (see [`ContextBuilder::busy_poll`]).
+    spin: Duration,
     device: Device,
     ctx: Option<ContextId>,
     /// Indexed by peer rank; `None` at our own rank.
@@ -294,11 +321,20 @@ impl Drop for Context {
 impl Context {
     /// Starts describing the context of `rank` in a job of `size` ranks.
     pub fn builder(rank: usize, size: usize) -> ContextBuilder {
-        ContextBuilder { rank, size, timeout: DEFAULT_TIMEOUT, secret: None }
+        ContextBuilder { rank, size, timeout: DEFAULT_TIMEOUT, secret: None, busy_poll: None }
     }
 
     fn single(device: Device, timeout: Duration) -> Self {
-        Context { rank: 0, size: 1, timeout, device, ctx: None, pairs: vec![None], collective_seq: Mutex::default() }
+        Context {
+            rank: 0,
+            size: 1,
+            timeout,
+            spin: Duration::ZERO,
+            device,
+            ctx: None,
+            pairs: vec![None],
+            collective_seq: Mutex::default(),
+        }
     }
 
     /// This rank, in `0..size`.
@@ -395,7 +431,7 @@ impl Context {
                 let deadline = Instant::now() + self.timeout;
                 let mut first = None;
                 for op in leftover {
-                    if let Err(e) = op.wait(deadline) {
+                    if let Err(e) = op.wait(deadline, self.spin) {
                         first.get_or_insert(e);
                     }
                 }
@@ -446,9 +482,13 @@ impl Op {
 
     /// Waits until finished or `deadline`; on timeout withdraws the operation so its buffer is
     /// released. Returns the rank that completed it.
-    fn wait(&self, deadline: Instant) -> Result<usize> {
+    fn wait(&self, deadline: Instant, spin: Duration) -> Result<usize> {
         let start = Instant::now();
-        let outcome = match self.done.wait_until(deadline) {
+        let finished = match &self.pairs[..] {
+            [pair] => pair.wait(&self.done, deadline, spin),
+            _ => self.done.wait_until(deadline),
+        };
+        let outcome = match finished {
             Some(o) => o,
             None => {
                 self.cancel();
@@ -497,7 +537,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     fn wait_index(&self, idx: usize, timeout: Option<Duration>) -> Result<usize> {
         let op = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get_mut(idx).and_then(Option::take);
         let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
-        op.wait(Instant::now() + timeout.unwrap_or(self.ctx.timeout))
+        op.wait(Instant::now() + timeout.unwrap_or(self.ctx.timeout), self.ctx.spin)
     }
 
     /// Waits for several operations started in this scope; the first error wins (the scope

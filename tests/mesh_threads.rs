@@ -356,3 +356,61 @@ fn ipv6_loopback_works_when_available() {
     );
     all_ok(results);
 }
+
+#[test]
+fn threads_sharing_a_context_and_a_pair_with_distinct_tags() {
+    // Several threads of each rank use the same connection at once: one of them drives the
+    // pair, the others are completed through it. Messages must neither mix nor stall.
+    let store = HashStore::new();
+    let threads = 4u32;
+    let results = run_ranks(2, &store, |ctx| {
+        let peer = 1 - ctx.rank();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let ctx = &ctx;
+                    s.spawn(move || -> ferrogloo::Result<()> {
+                        for round in 0..200u32 {
+                            // Alternate sizes so some sends queue behind a full socket buffer.
+                            let len = if round % 10 == 0 { 300_000 } else { 3 };
+                            let out = vec![t * 1_000_000 + round; len];
+                            let mut got = vec![0u32; len];
+                            if ctx.rank() == 0 {
+                                ctx.send(peer, t, &out)?;
+                                ctx.recv(peer, t, &mut got)?;
+                            } else {
+                                ctx.recv(peer, t, &mut got)?;
+                                ctx.send(peer, t, &out)?;
+                            }
+                            assert!(got.iter().all(|&v| v == t * 1_000_000 + round), "thread {t} round {round}");
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            hs.into_iter().try_for_each(|h| h.join().expect("thread panicked"))
+        })?;
+        ctx.barrier()
+    });
+    all_ok(results);
+}
+
+#[test]
+fn busy_polling_can_be_forced_on_and_off() {
+    for spin in [Duration::ZERO, Duration::from_micros(50)] {
+        let store = HashStore::new();
+        let results = run_ranks_with(
+            3,
+            &store,
+            &TcpAttr::loopback(),
+            |b| b.busy_poll(spin),
+            |ctx| {
+                for _ in 0..50 {
+                    ctx.barrier()?;
+                }
+                Ok(())
+            },
+        );
+        all_ok(results);
+    }
+}

@@ -30,8 +30,9 @@
 pub(crate) mod tcp;
 
 use crate::error::Result;
+use std::net::IpAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A send buffer lent to a backend: raw because the backend's I/O thread reads it while the
 /// poster waits, with the lifetime guaranteed by the wait/cancel protocol (contract rule 5).
@@ -86,6 +87,19 @@ pub(crate) trait Pair: Send + Sync {
     /// `buf` must stay valid, and must not be read or written by anyone else, until `done` is
     /// completed or [`Pair::cancel`] for `done` has returned on every pair it was posted to.
     unsafe fn post_recv(&self, tag: u64, meta: u32, buf: RecvBuf, done: &Arc<Completion>) -> Result<()>;
+
+    /// Blocks until `done` (an operation posted to this pair alone) finishes or `deadline`
+    /// passes (`None`). A backend may do the pair's I/O on the calling thread meanwhile, and
+    /// busy-poll for up to `spin` before it sleeps.
+    fn wait(&self, done: &Completion, deadline: Instant, spin: Duration) -> Option<Result<usize>> {
+        let _ = spin;
+        done.wait_until(deadline)
+    }
+
+    /// The peer's IP address, when the backend has one (used to count ranks on this host).
+    fn remote_ip(&self) -> Option<IpAddr> {
+        None
+    }
 
     /// Withdraws every operation of `done` from this pair. After it returns the pair no longer
     /// touches that operation's buffer.

@@ -200,7 +200,7 @@ impl Shared {
             None => {
                 let t = self.token();
                 self.registry
-                    .register(&mut stream, t, Interest::READABLE | Interest::WRITABLE)
+                    .register(&mut stream, t, Interest::READABLE)
                     .map_err(|e| Error::io("registering a connection", e))?;
                 t
             }
@@ -358,9 +358,7 @@ impl EventLoop {
                         continue;
                     }
                     let token = self.shared.token();
-                    if let Err(e) =
-                        self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
-                    {
+                    if let Err(e) = self.poll.registry().register(&mut stream, token, Interest::READABLE) {
                         tracing::warn!(%from, error = %e, "refused connection: cannot register socket");
                         continue;
                     }

@@ -5,3 +5,4 @@ pub(crate) mod device;
 pub(crate) mod frame;
 pub(crate) mod handshake;
 pub(crate) mod pair;
+pub(crate) mod wake;

@@ -5,13 +5,17 @@
 //! written by the caller itself, with no hand-off to the loop).
 
 use super::frame::{FrameHeader, HEADER_LEN};
+use super::wake::{EventFd, poll2};
 use crate::error::{Error, Result};
 use crate::transport::{Completion, Pair, RecvBuf, SendBuf};
 use mio::Token;
 use mio::net::TcpStream;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read};
+use std::net::IpAddr;
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Staging buffer for small reads (headers and small payloads arrive many per syscall).
 const STAGING: usize = 64 << 10;
@@ -82,6 +86,14 @@ struct Inner {
     staging: Box<[u8]>,
     start: usize,
     end: usize,
+    /// A waiting thread is doing this pair's I/O itself (see [`TcpPair::drive_until`]); the
+    /// socket is out of the event loop's epoll set meanwhile.
+    driven: bool,
+    /// A failed connection's socket, kept open until the driver stops polling its descriptor.
+    zombie: Option<TcpStream>,
+    /// Whether the event loop is asked for writability. Only while sends are queued: a socket
+    /// registered for it is reported writable at once, waking the loop for nothing.
+    write_interest: bool,
 }
 
 /// The TCP pair.
@@ -89,6 +101,8 @@ pub(crate) struct TcpPair {
     peer: usize,
     early_limit: usize,
     registry: Arc<mio::Registry>,
+    /// Wakes the thread driving this pair when another thread needs it to look again.
+    wake: EventFd,
     inner: Mutex<Inner>,
 }
 
@@ -96,11 +110,12 @@ pub(crate) struct TcpPair {
 type Step = std::result::Result<(), Error>;
 
 impl TcpPair {
-    pub(crate) fn new(peer: usize, early_limit: usize, registry: Arc<mio::Registry>) -> Arc<Self> {
-        Arc::new(TcpPair {
+    pub(crate) fn new(peer: usize, early_limit: usize, registry: Arc<mio::Registry>) -> io::Result<Arc<Self>> {
+        Ok(Arc::new(TcpPair {
             peer,
             early_limit,
             registry,
+            wake: EventFd::new()?,
             inner: Mutex::new(Inner {
                 conn: Conn::Pending,
                 sendq: VecDeque::new(),
@@ -111,8 +126,11 @@ impl TcpPair {
                 staging: vec![0u8; STAGING].into_boxed_slice(),
                 start: 0,
                 end: 0,
+                driven: false,
+                zombie: None,
+                write_interest: false,
             }),
-        })
+        }))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -141,15 +159,116 @@ impl TcpPair {
     /// Event-loop entry: the socket became readable and/or writable.
     pub(crate) fn on_ready(&self) {
         let mut g = self.lock();
-        self.drive(&mut g);
+        // An event queued before a driver took the pair over: the driver does the I/O now.
+        if !g.driven {
+            self.drive(&mut g);
+        }
+    }
+
+    /// Blocks until `done` finishes or `deadline`, doing this pair's I/O on the calling thread
+    /// instead of waiting for the event loop to do it and wake us: one wake-up per message
+    /// instead of two. The socket leaves the loop's epoll set meanwhile and returns to it after
+    /// (epoll then reports any readiness that built up, so nothing is lost). When another
+    /// thread already drives the pair, this waits on the completion like any waiter.
+    ///
+    /// For `spin` it retries without blocking before it sleeps in `poll`: when this rank has a
+    /// core to itself that saves the wake-up of an idle core (tens of microseconds on a VM).
+    pub(crate) fn drive_until(&self, done: &Completion, deadline: Instant, spin: Duration) -> Option<Result<usize>> {
+        if let Some(o) = done.outcome() {
+            return Some(o);
+        }
+        let fd = {
+            let mut g = self.lock();
+            let Inner { conn, driven, .. } = &mut *g;
+            let taken = match conn {
+                Conn::Open { stream, .. } if !*driven => {
+                    self.registry.deregister(stream).is_ok().then(|| stream.as_raw_fd())
+                }
+                _ => None,
+            };
+            let Some(fd) = taken else {
+                drop(g);
+                return done.wait_until(deadline);
+            };
+            *driven = true;
+            fd
+        };
+        let spin_until = Instant::now() + spin;
+        let outcome = loop {
+            let events = {
+                let mut g = self.lock();
+                self.drive(&mut g);
+                if let Some(o) = done.outcome() {
+                    break Some(o);
+                }
+                let mut ev = 0;
+                if matches!(g.conn, Conn::Open { .. }) {
+                    // A stalled header cannot be consumed: readiness would fire forever.
+                    if !matches!(g.rx, Rx::Stalled(_)) {
+                        ev |= libc::POLLIN;
+                    }
+                    if !g.sendq.is_empty() {
+                        ev |= libc::POLLOUT;
+                    }
+                }
+                ev
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                break done.outcome();
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            if poll2(fd, events, self.wake.raw(), deadline - now).is_err() {
+                // Cannot poll: hand the pair back and wait like any other waiter.
+                break None;
+            }
+            self.wake.drain();
+        };
+        let mut g = self.lock();
+        g.driven = false;
+        g.zombie = None;
+        let write = !g.sendq.is_empty();
+        if let Conn::Open { stream, token } = &mut g.conn {
+            let token = *token;
+            let interest =
+                if write { mio::Interest::READABLE | mio::Interest::WRITABLE } else { mio::Interest::READABLE };
+            match self.registry.register(stream, token, interest) {
+                Ok(()) => g.write_interest = write,
+                Err(e) => {
+                    let e = self.io_error(e, "re-registering the connection to");
+                    self.fail_locked(&mut g, e);
+                }
+            }
+        }
+        drop(g);
+        outcome.or_else(|| done.wait_until(deadline))
     }
 
     /// Flushes pending sends and reads what has arrived; fails the pair on error.
     fn drive(&self, g: &mut Inner) {
-        let r = self.flush(g).and_then(|()| self.read(g));
+        let r = self.flush(g).and_then(|()| self.read(g)).and_then(|()| self.want_writable(g));
         if let Err(e) = r {
             self.fail_locked(g, e);
         }
+    }
+
+    /// Asks the event loop for writability when sends are left queued (and it drives the pair).
+    fn want_writable(&self, g: &mut Inner) -> Step {
+        let Inner { conn, sendq, driven, write_interest, .. } = g;
+        if let Conn::Open { stream, token } = conn
+            && !*driven
+            && !*write_interest
+            && !sendq.is_empty()
+        {
+            self.registry
+                .reregister(stream, *token, mio::Interest::READABLE | mio::Interest::WRITABLE)
+                .map_err(|e| self.io_error(e, "registering for writability the connection to"))?;
+            *write_interest = true;
+        }
+        Ok(())
     }
 
     /// Closes the connection quietly (the context is going away).
@@ -175,8 +294,14 @@ impl TcpPair {
             return;
         }
         if let Conn::Open { mut stream, .. } = std::mem::replace(&mut g.conn, Conn::Closed(err.clone())) {
-            let _ = self.registry.deregister(&mut stream);
             let _ = stream.shutdown(std::net::Shutdown::Both);
+            if g.driven {
+                // The driver may be polling this descriptor: keep it open until it stops.
+                g.zombie = Some(stream);
+                self.wake.signal();
+            } else {
+                let _ = self.registry.deregister(&mut stream);
+            }
         }
         tracing::debug!(peer = self.peer, error = %err, "pair failed");
         for op in g.sendq.drain(..) {
@@ -455,6 +580,17 @@ impl Pair for TcpPair {
         self.peer
     }
 
+    fn wait(&self, done: &Completion, deadline: Instant, spin: Duration) -> Option<Result<usize>> {
+        self.drive_until(done, deadline, spin)
+    }
+
+    fn remote_ip(&self) -> Option<IpAddr> {
+        match &self.lock().conn {
+            Conn::Open { stream, .. } => stream.peer_addr().ok().map(|a| a.ip()),
+            _ => None,
+        }
+    }
+
     unsafe fn post_send(&self, tag: u64, meta: u32, buf: SendBuf, done: &Arc<Completion>) -> Result<()> {
         let mut g = self.lock();
         if let Some(e) = Self::closed_error(&g) {
@@ -464,9 +600,12 @@ impl Pair for TcpPair {
         g.sendq.push_back(SendOp { hdr, buf, off: 0, done: done.clone() });
         if g.sendq.len() == 1 {
             // Nothing queued ahead: write from this thread, no hand-off to the event loop.
-            if let Err(e) = self.flush(&mut g) {
+            if let Err(e) = self.flush(&mut g).and_then(|()| self.want_writable(&mut g)) {
                 self.fail_locked(&mut g, e);
             }
+        }
+        if g.driven && !g.sendq.is_empty() {
+            self.wake.signal(); // the driver must poll for writability too
         }
         Ok(())
     }
@@ -495,6 +634,9 @@ impl Pair for TcpPair {
         g.posted.push_back(RecvOp { tag, meta, buf, done: done.clone() });
         if matches!(g.rx, Rx::Stalled(_)) {
             self.drive(&mut g);
+            if g.driven {
+                self.wake.signal(); // the driver may poll for reading again
+            }
         }
         Ok(())
     }

@@ -1,0 +1,63 @@
+//! The two system calls the caller-driven wait needs that mio does not offer: an eventfd to
+//! wake a thread blocked on a pair, and `poll(2)` on that pair's socket and eventfd.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+/// A non-blocking Linux eventfd.
+#[derive(Debug)]
+pub(crate) struct EventFd(OwnedFd);
+
+impl EventFd {
+    pub(crate) fn new() -> io::Result<Self> {
+        // SAFETY: eventfd takes no pointers; a negative return is an error, anything else a
+        // fresh descriptor that we alone own.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a valid descriptor just returned to us and owned by nothing else.
+        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Makes the eventfd readable (wakes a `poll` on it).
+    pub(crate) fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own descriptor. The only failure,
+        // EAGAIN at counter overflow, leaves it readable, which is all a signal needs.
+        let _ = unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Clears pending signals.
+    pub(crate) fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from our own non-blocking descriptor;
+        // EAGAIN (nothing pending) is fine.
+        let _ = unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+
+    pub(crate) fn raw(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// Blocks until `sock` has one of `sock_events` (or an error/hang-up), `wake` is signalled, or
+/// `timeout` passes. EINTR counts as a wake-up.
+pub(crate) fn poll2(sock: RawFd, sock_events: i16, wake: RawFd, timeout: Duration) -> io::Result<()> {
+    let mut fds = [
+        libc::pollfd { fd: sock, events: sock_events, revents: 0 },
+        libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
+    ];
+    // Round up so a sub-millisecond remainder still sleeps instead of spinning.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: `fds` is a live array of two pollfd structs and we pass its exact length.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
