@@ -1,0 +1,43 @@
+//! Choosing where a device listens.
+
+use ferrogloo::Error;
+use ferrogloo::device::{Device, Family, TcpAttr};
+use std::net::{IpAddr, Ipv4Addr, TcpListener};
+
+#[test]
+fn interface_hostname_and_ip_select_the_address() {
+    let by_iface = Device::new(&TcpAttr::iface("lo")).unwrap();
+    assert_eq!(by_iface.local_addr().ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let by_host = Device::new(&TcpAttr::hostname("localhost")).unwrap();
+    assert!(by_host.local_addr().ip().is_loopback());
+    let by_ip = Device::new(&TcpAttr::ip("127.0.0.2".parse().unwrap())).unwrap();
+    assert_eq!(by_ip.local_addr().ip().to_string(), "127.0.0.2");
+    assert_ne!(by_iface.local_addr().port(), 0);
+}
+
+#[test]
+fn a_port_range_skips_ports_in_use() {
+    // Occupy the first port of a range; the device takes the next free one.
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let p = taken.local_addr().unwrap().port();
+    if p == u16::MAX {
+        return;
+    }
+    let attr = TcpAttr { ports: p..=p.saturating_add(20), ..TcpAttr::loopback() };
+    let dev = Device::new(&attr).unwrap();
+    assert!(dev.local_addr().port() > p && dev.local_addr().port() <= p + 20);
+    // A range with every port taken is an I/O error naming the address.
+    let only = TcpAttr { ports: p..=p, ..TcpAttr::loopback() };
+    assert!(matches!(Device::new(&only), Err(Error::Io { .. })));
+}
+
+#[test]
+fn bad_device_attributes_are_clear_errors() {
+    let e = Device::new(&TcpAttr::iface("no-such-if0")).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(ref m) if m.contains("no-such-if0")), "{e}");
+    let e = Device::new(&TcpAttr::ip("0.0.0.0".parse().unwrap())).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let v6_on_v4_iface = TcpAttr { family: Family::V6, ..TcpAttr::ip("127.0.0.1".parse().unwrap()) };
+    // An explicit IP wins over the family.
+    assert!(Device::new(&v6_on_v4_iface).unwrap().local_addr().is_ipv4());
+}
