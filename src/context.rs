@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 /// Wire-tag namespace of user point-to-point messages.
 const NS_P2P: u64 = 1 << 62;
-/// Wire-tag namespace of collectives: `NS_COLL | tag << 32 | sequence`.
-const NS_COLL: u64 = 2 << 62;
+/// Wire-tag namespace of collectives: `NS_COLL | tag << 32 | sequence`, a sequenced tag
+/// family per user tag (see the transport contract).
+const NS_COLL: u64 = crate::transport::SEQUENCED;
 
 /// Default deadline of every blocking call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -462,7 +463,7 @@ impl Context {
     /// Blocks until every rank has called `barrier` (dissemination barrier: ⌈log₂ N⌉ rounds of
     /// one empty message sent and one received per rank).
     pub fn barrier(&self) -> Result<()> {
-        crate::algorithms::barrier::barrier(self, 0)
+        self.barrier_with(&crate::algorithms::CollectiveOptions::default())
     }
 }
 
@@ -540,18 +541,41 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         op.wait(Instant::now() + timeout.unwrap_or(self.ctx.timeout), self.ctx.spin)
     }
 
-    /// Waits for several operations started in this scope; the first error wins (the scope
-    /// cancels whatever is left when its closure returns that error).
-    pub(crate) fn wait_all(&self, idxs: &[usize]) -> Result<()> {
-        for &i in idxs {
-            self.wait_index(i, None)?;
-        }
-        Ok(())
-    }
-
     fn is_done(&self, idx: usize) -> bool {
         let ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         ops.get(idx).and_then(Option::as_ref).is_none_or(|op| op.done.outcome().is_some())
+    }
+
+    /// Starts a send of raw memory.
+    ///
+    /// # Safety
+    /// `buf` must stay valid and unwritten until the operation is waited for or the scope ends.
+    pub(crate) unsafe fn isend_raw(&'scope self, peer: usize, wire: u64, meta: u32, buf: SendBuf, what: &'static str) -> Result<usize> {
+        let pair = self.ctx.pair(peer)?.clone();
+        let done = Completion::new();
+        // SAFETY: forwarded from this function's contract.
+        unsafe { pair.post_send(wire, meta, buf, &done)? };
+        Ok(self.push(Op { pairs: vec![pair], done, what }))
+    }
+
+    /// Starts a receive into raw memory.
+    ///
+    /// # Safety
+    /// `buf` must stay valid and untouched until the operation is waited for or the scope ends.
+    pub(crate) unsafe fn irecv_raw(&'scope self, peer: usize, wire: u64, meta: u32, buf: RecvBuf, what: &'static str) -> Result<usize> {
+        let pair = self.ctx.pair(peer)?.clone();
+        let done = Completion::new();
+        let idx = self.push(Op { pairs: vec![pair.clone()], done: done.clone(), what });
+        // SAFETY: forwarded from this function's contract.
+        unsafe { pair.post_recv(wire, meta, buf, &done)? };
+        Ok(idx)
+    }
+
+    /// Waits for an operation of this scope until an absolute deadline.
+    pub(crate) fn wait_deadline(&self, idx: usize, deadline: Instant) -> Result<usize> {
+        let op = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get_mut(idx).and_then(Option::take);
+        let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
+        op.wait(deadline, self.ctx.spin)
     }
 
     /// Starts a send with a raw wire tag and descriptor word.

@@ -53,14 +53,18 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-pub(crate) mod algorithms;
+pub mod algorithms;
+mod collectives;
 pub mod context;
 pub mod device;
 pub mod error;
 pub mod launch;
 pub mod rendezvous;
+pub mod types;
 pub(crate) mod transport;
 
 pub use context::{Context, ContextBuilder, RecvRequest, Scope, SendRequest};
 pub use device::Device;
 pub use error::{Error, Result};
+pub use types::{DType, Element, ReduceOp, bf16, f16};
+pub use algorithms::{Algorithm, CollectiveOptions};

@@ -1,14 +1,273 @@
 //! Collective algorithms, written once against the transport's Pair API (through a
 //! [`Scope`](crate::Scope)) so they run unchanged on every backend.
 
+pub(crate) mod allgather;
+pub(crate) mod allreduce;
 pub(crate) mod barrier;
+pub(crate) mod broadcast;
+pub(crate) mod personalized;
+pub(crate) mod reduce;
 
-/// Descriptor words (`meta`) of collective messages: the collective in the top byte, so a
-/// rank that runs a different collective than its peer gets [`Error::Mismatch`](crate::Error)
-/// rather than corrupted data.
-pub(crate) mod meta {
-    /// Barrier round `r`.
-    pub(crate) fn barrier(round: u32) -> u32 {
-        0x0100_0000 | (round & 0xff_ffff)
+use crate::context::{Context, Scope};
+use crate::error::{Error, Result};
+use crate::transport::{RecvBuf, SendBuf};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// Which algorithm a collective uses. Each collective documents the ones it accepts; `Auto`
+/// (the default) picks by message size and world size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Choose by message size and world size.
+    #[default]
+    Auto,
+    /// Ring: reduce-scatter then allgather around the ring, pipelined in segments (allreduce,
+    /// allgather, reduce-scatter).
+    Ring,
+    /// Recursive halving then doubling, with a pre/post step for world sizes that are not
+    /// powers of two (allreduce).
+    HalvingDoubling,
+    /// Binomial tree (broadcast, reduce).
+    BinomialTree,
+    /// A chain from the root, pipelined in segments (broadcast).
+    Pipeline,
+}
+
+/// Per-call options of a collective. `Default` gives tag 0, the context's timeout, `Auto`
+/// and the default segment size.
+#[derive(Debug, Clone, Default)]
+pub struct CollectiveOptions {
+    /// Collectives with different tags may run at the same time (from different threads);
+    /// every rank must call the collectives of one tag in the same order. Below 2^30.
+    pub tag: u32,
+    /// Deadline of the whole call (default: the context's timeout).
+    pub timeout: Option<Duration>,
+    /// The algorithm (default: `Auto`).
+    pub algorithm: Algorithm,
+    /// Pipeline segment size in bytes for the pipelined algorithms (default 256 KiB).
+    pub segment_bytes: Option<usize>,
+}
+
+impl CollectiveOptions {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
     }
+    /// Sets the tag.
+    pub fn tag(mut self, tag: u32) -> Self {
+        self.tag = tag;
+        self
+    }
+    /// Sets the deadline of the call.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+    /// Sets the algorithm.
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+    /// Sets the pipeline segment size in bytes.
+    pub fn segment_bytes(mut self, bytes: usize) -> Self {
+        self.segment_bytes = Some(bytes);
+        self
+    }
+
+    /// Segment length in elements of `T`.
+    pub(crate) fn segment_elems<T>(&self) -> usize {
+        let bytes = self.segment_bytes.unwrap_or(DEFAULT_SEGMENT);
+        (bytes / std::mem::size_of::<T>().max(1)).max(1)
+    }
+}
+
+/// Default pipeline segment: small enough to stay in cache while it is reduced, large enough
+/// to amortise per-message costs.
+pub(crate) const DEFAULT_SEGMENT: usize = 256 << 10;
+
+/// Collective codes for the descriptor word.
+#[derive(Debug, Clone, Copy)]
+#[repr(u32)]
+pub(crate) enum OpCode {
+    Barrier = 1,
+    Allreduce = 2,
+    ReduceScatter = 3,
+    Allgather = 4,
+    Broadcast = 5,
+    Reduce = 6,
+    Gather = 7,
+    Scatter = 8,
+    Alltoall = 9,
+}
+
+/// The descriptor word of a collective's messages: `op:6 | dtype:4 | hash:22`, the hash over
+/// everything ranks must agree on (counts, root, reduction, algorithm). Ranks that disagree
+/// exchange messages whose words differ, and the receiver reports [`Error::Mismatch`].
+pub(crate) fn meta(op: OpCode, dtype: u8, params: &[u64]) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325; // FNV-1a
+    for p in params {
+        for b in p.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    let h = (h ^ (h >> 22) ^ (h >> 44)) as u32 & 0x3f_ffff;
+    ((op as u32) << 26) | (u32::from(dtype & 0xf) << 22) | h
+}
+
+/// One collective call in progress: its scope, wire tag, descriptor and deadline.
+pub(crate) struct Coll<'scope, 'env> {
+    pub(crate) s: &'scope Scope<'scope, 'env>,
+    wire: u64,
+    meta: u32,
+    deadline: Instant,
+    what: &'static str,
+}
+
+/// Runs `body` as one collective: takes the next sequence number of `opts.tag`, one deadline
+/// for the whole call, and a scope that withdraws every operation left if `body` fails.
+pub(crate) fn run<R>(
+    ctx: &Context,
+    what: &'static str,
+    meta: u32,
+    opts: &CollectiveOptions,
+    body: impl for<'scope, 'env> FnOnce(&Coll<'scope, 'env>) -> Result<R>,
+) -> Result<R> {
+    let wire = ctx.next_collective_tag(opts.tag)?;
+    let deadline = Instant::now() + opts.timeout.unwrap_or(ctx.timeout());
+    ctx.scope(|s| body(&Coll { s, wire, meta, deadline, what }))
+}
+
+impl<'scope, 'env> Coll<'scope, 'env> {
+    pub(crate) fn ctx(&self) -> &'env Context {
+        self.s.context()
+    }
+
+    /// Starts sending `buf` to `peer`.
+    ///
+    /// # Safety
+    /// `buf`'s memory must stay valid and unwritten until the send is waited for or the
+    /// collective's scope ends.
+    pub(crate) unsafe fn send<T>(&self, peer: usize, buf: Seg<T>) -> Result<usize> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.s.isend_raw(peer, self.wire, self.meta, buf.send_buf(), self.what) }
+    }
+
+    /// Starts receiving into `buf` from `peer`.
+    ///
+    /// # Safety
+    /// `buf`'s memory must stay valid and untouched until the receive is waited for or the
+    /// collective's scope ends.
+    pub(crate) unsafe fn recv<T>(&self, peer: usize, buf: Seg<T>) -> Result<usize> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.s.irecv_raw(peer, self.wire, self.meta, buf.recv_buf(), self.what) }
+    }
+
+    /// Waits for an operation until the collective's deadline.
+    pub(crate) fn wait(&self, idx: usize) -> Result<()> {
+        self.s.wait_deadline(idx, self.deadline).map(drop)
+    }
+
+    /// Waits for several operations.
+    pub(crate) fn wait_all(&self, idxs: impl IntoIterator<Item = usize>) -> Result<()> {
+        idxs.into_iter().try_for_each(|i| self.wait(i))
+    }
+}
+
+/// A raw view of a run of elements, for algorithms that send some parts of a buffer while they
+/// reduce into others. Every access states why no pending operation overlaps it.
+pub(crate) struct Seg<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+impl<T> Clone for Seg<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Seg<T> {}
+
+impl<T> Seg<T> {
+    pub(crate) fn new(s: &mut [T]) -> Self {
+        Seg { ptr: s.as_mut_ptr(), len: s.len() }
+    }
+
+    /// A view of memory that will only be sent, never written.
+    pub(crate) fn of(s: &[T]) -> Self {
+        Seg { ptr: s.as_ptr() as *mut T, len: s.len() }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The sub-run `r`; panics (a bug in the algorithm, never input-driven) if out of range.
+    pub(crate) fn sub(&self, r: Range<usize>) -> Self {
+        assert!(r.start <= r.end && r.end <= self.len, "segment {r:?} outside 0..{}", self.len);
+        // SAFETY: in bounds (checked above), so the offset stays inside the same allocation.
+        Seg { ptr: unsafe { self.ptr.add(r.start) }, len: r.end - r.start }
+    }
+
+    /// # Safety
+    /// No pending receive may write this memory while the slice lives.
+    pub(crate) unsafe fn get<'a>(&self) -> &'a [T] {
+        // SAFETY: the pointer and length come from a live slice (see `new`/`sub`); the caller
+        // guarantees no concurrent writer.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// # Safety
+    /// No pending operation may touch this memory while the slice lives.
+    pub(crate) unsafe fn get_mut<'a>(&self) -> &'a mut [T] {
+        // SAFETY: as in `get`, and the caller guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    fn send_buf(&self) -> SendBuf {
+        SendBuf { ptr: self.ptr as *const u8, len: self.len * std::mem::size_of::<T>() }
+    }
+
+    fn recv_buf(&self) -> RecvBuf {
+        RecvBuf { ptr: self.ptr as *mut u8, len: self.len * std::mem::size_of::<T>() }
+    }
+}
+
+/// Splits `count` elements into `n` contiguous blocks whose sizes differ by at most one.
+pub(crate) fn partition(count: usize, n: usize) -> Vec<Range<usize>> {
+    let (q, r) = (count / n, count % n);
+    (0..n).map(|i| (i * q + i.min(r))..((i + 1) * q + (i + 1).min(r))).collect()
+}
+
+/// Blocks from per-rank counts.
+pub(crate) fn blocks_of(counts: &[usize]) -> Vec<Range<usize>> {
+    let mut start = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            let r = start..start + c;
+            start += c;
+            r
+        })
+        .collect()
+}
+
+/// The segments of a block for pipelining: at least one (possibly empty) segment.
+pub(crate) fn segments(block: &Range<usize>, seg: usize) -> impl Iterator<Item = Range<usize>> + '_ {
+    let n = block.len().div_ceil(seg).max(1);
+    (0..n).map(move |j| (block.start + j * seg).min(block.end)..(block.start + (j + 1) * seg).min(block.end))
+}
+
+/// Checks that `counts` has one entry per rank, and returns their sum.
+pub(crate) fn check_counts(counts: &[usize], n: usize, what: &str) -> Result<usize> {
+    if counts.len() != n {
+        return Err(Error::invalid(format!("{what}: {} counts given for {n} ranks", counts.len())));
+    }
+    counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or_else(|| Error::invalid(format!("{what}: counts overflow")))
+}
+
+/// Hash input for a list of counts.
+pub(crate) fn counts_hash(counts: &[usize]) -> u64 {
+    counts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &c| (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }

@@ -22,14 +22,51 @@
 //! 6. **Failure.** When the connection fails (EOF, reset), every pending and future operation on
 //!    the pair completes with an error naming the peer ([`Error::PeerClosed`]); messages that
 //!    arrived completely before the failure can still be received.
-//! 7. **Cancellation.** `cancel` removes a pending operation. If a send had already been partly
+//! 7. **Sequenced tags.** A tag whose top two bits are `0b10` ([`SEQUENCED`]) belongs to the
+//!    *family* of its top 32 bits and has the sequence number of its low 32 bits (collectives
+//!    number their calls this way). Every rank sends a family's messages in sequence order, so
+//!    a message of sequence `s'` while a receive of sequence `s != s'` of the same family waits
+//!    on the same pair, or the reverse, proves the two ranks disagree (on the collective, root,
+//!    count or order): the receive completes with [`Error::Mismatch`] at once, and a message of
+//!    an earlier sequence than the receive is dropped.
+//! 8. **Cancellation.** `cancel` removes a pending operation. If a send had already been partly
 //!    written, the byte stream cannot continue, so the pair fails with [`Error::Aborted`].
 //!
 //! Backends: [`tcp`] (mio event loop; always built) and `ibverbs` (feature `ibverbs`).
 
 pub(crate) mod tcp;
 
-use crate::error::Result;
+/// The top bits of a sequenced tag (contract rule 7).
+pub(crate) const SEQUENCED: u64 = 2 << 62;
+
+/// `(family, sequence)` of a sequenced tag.
+pub(crate) fn sequenced(tag: u64) -> Option<(u64, u32)> {
+    (tag >> 62 == SEQUENCED >> 62).then_some((tag >> 32, tag as u32))
+}
+
+/// Whether sequence `a` comes after `b` (wrapping).
+pub(crate) fn seq_after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+/// The mismatch a sequenced message `got` reports to a receive waiting for `want`.
+pub(crate) fn sequence_mismatch(peer: usize, family: u64, want: u32, got: u32) -> Error {
+    let (what, hint) = if seq_after(got, want) {
+        ("has moved on to", "it finished that collective without sending what this rank expects")
+    } else {
+        ("sent a message of the earlier", "this rank finished that collective without receiving it")
+    };
+    Error::Mismatch {
+        rank: peer,
+        detail: format!(
+            "while this rank waits in collective #{want} of tag {}, rank {peer} {what} collective #{got} ({hint}): \
+             the ranks called different collectives, or disagree on roots, counts or order",
+            family & 0x3fff_ffff
+        ),
+    }
+}
+
+use crate::error::{Error, Result};
 use std::net::IpAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -7,7 +7,7 @@
 use super::frame::{FrameHeader, HEADER_LEN};
 use super::wake::{EventFd, poll2};
 use crate::error::{Error, Result};
-use crate::transport::{Completion, Pair, RecvBuf, SendBuf};
+use crate::transport::{Completion, Pair, RecvBuf, SendBuf, seq_after, sequence_mismatch, sequenced};
 use mio::Token;
 use mio::net::TcpStream;
 use std::collections::VecDeque;
@@ -508,6 +508,27 @@ impl TcpPair {
             g.rx = self.deliver_to(op, h);
             return Ok(());
         }
+        if let Some((family, got)) = sequenced(h.tag) {
+            // Receives of the same family waiting for another sequence: the ranks disagree.
+            let mut stale = false;
+            let mut i = 0;
+            while i < g.posted.len() {
+                match sequenced(g.posted[i].tag) {
+                    Some((f, want)) if f == family && want != got => {
+                        stale |= seq_after(want, got);
+                        if let Some(op) = g.posted.remove(i) {
+                            op.done.complete(Err(sequence_mismatch(self.peer, family, want, got)));
+                        }
+                    }
+                    _ => i += 1,
+                }
+            }
+            if stale {
+                // Nobody will ever receive a message of a finished collective.
+                g.rx = if h.len == 0 { Rx::Header } else { Rx::Discard { remaining: h.len } };
+                return Ok(());
+            }
+        }
         let len = usize::try_from(h.len).unwrap_or(usize::MAX);
         if len <= self.early_limit.saturating_sub(g.early_bytes) {
             g.early_bytes += len;
@@ -624,6 +645,20 @@ impl Pair for TcpPair {
                 }
             }
             return Ok(());
+        }
+        if let Some((family, want)) = sequenced(tag) {
+            // An early message of the same family but another sequence: the ranks disagree.
+            let other = g.early.iter().position(|m| sequenced(m.tag).is_some_and(|(f, s)| f == family && s != want));
+            if let Some(i) = other {
+                let got = sequenced(g.early[i].tag).map_or(0, |(_, s)| s);
+                if !seq_after(got, want)
+                    && let Some(m) = g.early.remove(i)
+                {
+                    g.early_bytes -= m.data.len(); // a finished collective's message: drop it
+                }
+                done.complete(Err(sequence_mismatch(self.peer, family, want, got)));
+                return Ok(());
+            }
         }
         if let Some(e) = Self::closed_error(&g) {
             return Err(e);

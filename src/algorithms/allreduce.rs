@@ -1,0 +1,201 @@
+//! Allreduce: ring (pipelined) and recursive halving-doubling; the ring phases are shared
+//! with reduce-scatter and allgather.
+
+use super::{Coll, Seg, partition, segments};
+use crate::error::Result;
+use crate::types::{Element, ReduceOp};
+use std::collections::VecDeque;
+use std::ops::Range;
+
+/// Receive slots of the ring reduce-scatter: segments in flight towards this rank.
+const RING_SLOTS: usize = 4;
+
+/// Ring reduce-scatter over `blocks` of `buf`, pipelined in segments of `seg` elements.
+///
+/// In step k (of n-1) rank r sends block `(r - k + shift) mod n` to its right neighbour and
+/// folds block `(r - k - 1 + shift) mod n` from its left into `buf`; each segment is forwarded
+/// as soon as it is reduced, so reducing one segment overlaps moving the next. Afterwards block
+/// `(r + 1 + shift) mod n` holds the full reduction. Every send is waited for before return.
+pub(crate) fn ring_reduce_scatter<T: Element>(
+    c: &Coll<'_, '_>,
+    buf: Seg<T>,
+    blocks: &[Range<usize>],
+    op: &ReduceOp<T>,
+    shift: usize,
+    seg: usize,
+) -> Result<()> {
+    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    if n == 1 {
+        return Ok(());
+    }
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let send_block = |k: usize| (r + n - k + shift) % n;
+    let recv_block = |k: usize| (r + 2 * n - k - 1 + shift) % n;
+    // Every (step, segment) this rank receives, in order.
+    let items: Vec<(usize, Range<usize>)> =
+        (0..n - 1).flat_map(|k| segments(&blocks[recv_block(k)], seg).map(move |s| (k, s))).collect();
+    let longest = items.iter().map(|(_, s)| s.len()).max().unwrap_or(0);
+    let mut scratch: Vec<T> = bytemuck::zeroed_vec(longest * RING_SLOTS);
+    let slots = Seg::new(&mut scratch);
+    let slot = |i: usize, len: usize| slots.sub(i * longest..i * longest + len);
+
+    let mut sends = Vec::new();
+    for s in segments(&blocks[send_block(0)], seg) {
+        // SAFETY: block send_block(0) is never written in this phase (only blocks recv_block(k)
+        // are, and recv_block(k) == send_block(0) has no solution k in 0..n-1).
+        sends.push(unsafe { c.send(right, buf.sub(s))? });
+    }
+    let mut pending: VecDeque<(usize, usize)> = VecDeque::new(); // (receive op, slot)
+    let mut next = 0;
+    while next < items.len().min(RING_SLOTS) {
+        // SAFETY: each slot has at most one receive pending, and is read only after it is waited.
+        pending.push_back((unsafe { c.recv(left, slot(next, items[next].1.len()))? }, next));
+        next += 1;
+    }
+    for (k, range) in &items {
+        let Some((req, i)) = pending.pop_front() else { break };
+        c.wait(req)?;
+        let dst = buf.sub(range.clone());
+        // SAFETY: slot `i` is complete; block recv_block(k) has no pending operation: it was
+        // never sent before step k+1 and no receive targets `buf` in this phase.
+        unsafe { op.apply(dst.get_mut(), slot(i, range.len()).get()) };
+        if next < items.len() {
+            // SAFETY: slot `i` was just consumed; see above.
+            pending.push_back((unsafe { c.recv(left, slot(i, items[next].1.len()))? }, i));
+            next += 1;
+        }
+        if k + 1 < n - 1 {
+            // SAFETY: this segment is final for this phase (never written again after its
+            // reduction above), so it can be read by the send until the phase ends.
+            sends.push(unsafe { c.send(right, dst)? });
+        }
+    }
+    c.wait_all(sends)
+}
+
+/// Ring allgather over `blocks` of `buf`, pipelined in segments: rank r starts holding block
+/// `(r + shift) mod n`, and in step k sends block `(r - k + shift) mod n` right while receiving
+/// block `(r - k - 1 + shift) mod n` from the left straight into `buf`, forwarding each segment
+/// as it lands.
+pub(crate) fn ring_allgather<T: Element>(
+    c: &Coll<'_, '_>,
+    buf: Seg<T>,
+    blocks: &[Range<usize>],
+    shift: usize,
+    seg: usize,
+) -> Result<()> {
+    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    if n == 1 {
+        return Ok(());
+    }
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let send_block = (r + shift) % n;
+    let recv_block = |k: usize| (r + 2 * n - k - 1 + shift) % n;
+    let mut sends = Vec::new();
+    for s in segments(&blocks[send_block], seg) {
+        // SAFETY: this rank's own block is never received into.
+        sends.push(unsafe { c.send(right, buf.sub(s))? });
+    }
+    // Post every receive up front: each lands in its own place in `buf`.
+    let mut recvs = Vec::new();
+    for k in 0..n - 1 {
+        for s in segments(&blocks[recv_block(k)], seg) {
+            // SAFETY: the blocks received are pairwise distinct and distinct from the block sent
+            // first; a received segment is only sent after its receive completed.
+            recvs.push((k, unsafe { c.recv(left, buf.sub(s.clone()))? }, s));
+        }
+    }
+    for (k, req, s) in recvs {
+        c.wait(req)?;
+        if k + 1 < n - 1 {
+            // SAFETY: the segment's receive has completed and nothing writes it again.
+            sends.push(unsafe { c.send(right, buf.sub(s))? });
+        }
+    }
+    c.wait_all(sends)
+}
+
+/// Ring allreduce: reduce-scatter then allgather. 2(n-1) steps; each rank sends and receives
+/// 2(n-1)/n of the buffer.
+pub(crate) fn ring<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>, seg: usize) -> Result<()> {
+    let blocks = partition(buf.len(), c.ctx().size());
+    ring_reduce_scatter(c, buf, &blocks, op, 0, seg)?;
+    ring_allgather(c, buf, &blocks, 1, seg)
+}
+
+/// Recursive halving (reduce-scatter) then recursive doubling (allgather) over the largest
+/// power of two p ≤ n. The first 2(n-p) ranks pair up first: even ones hand their buffer to
+/// the odd one above and receive the result at the end. 2·log₂p steps (+2 when n is not a
+/// power of two); each rank sends and receives 2(p-1)/p of the buffer.
+pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>) -> Result<()> {
+    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    if n == 1 {
+        return Ok(());
+    }
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
+    let rem = n - p;
+    let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+    let mut scratch: Vec<T> = bytemuck::zeroed_vec(buf.len());
+    let tmp = Seg::new(&mut scratch);
+
+    // Pre-step: fold the extra ranks into their odd neighbours.
+    let v = if r < 2 * rem {
+        if r % 2 == 0 {
+            // SAFETY: `buf` is only read by this send, which is waited for before the receive.
+            let s = unsafe { c.send(r + 1, buf)? };
+            c.wait(s)?;
+            // SAFETY: nothing else touches `buf` until this receive completes.
+            let got = unsafe { c.recv(r + 1, buf)? };
+            return c.wait(got);
+        }
+        // SAFETY: `tmp` is private scratch, read only after the receive completes.
+        let got = unsafe { c.recv(r - 1, tmp)? };
+        c.wait(got)?;
+        // SAFETY: both complete, no pending operation on either.
+        unsafe { op.apply(buf.get_mut(), tmp.get()) };
+        r / 2
+    } else {
+        r - rem
+    };
+
+    let blocks = partition(buf.len(), p);
+    let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
+    let (mut lo, mut hi) = (0, p);
+    let mut mask = p / 2;
+    while mask > 0 {
+        let partner = real(v ^ mask);
+        let mid = lo + (hi - lo) / 2;
+        let (keep, give) = if v & mask == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
+        let keep_r = span(keep.0, keep.1);
+        // SAFETY: the half sent is not written again in this phase; the receive goes to scratch;
+        // both are waited for before the kept half is reduced and before the next step.
+        let s = unsafe { c.send(partner, buf.sub(span(give.0, give.1)))? };
+        let got = unsafe { c.recv(partner, tmp.sub(0..keep_r.len()))? };
+        c.wait(got)?;
+        // SAFETY: the receive is complete, and the send reads the other half.
+        unsafe { op.apply(buf.sub(keep_r.clone()).get_mut(), tmp.sub(0..keep_r.len()).get()) };
+        c.wait(s)?;
+        (lo, hi) = keep;
+        mask /= 2;
+    }
+    // Now block v is fully reduced here; double it back up.
+    let mut mask = 1;
+    while mask < p {
+        let partner = real(v ^ mask);
+        let width = hi - lo;
+        let (other_lo, other_hi) = if v & mask == 0 { (hi, hi + width) } else { (lo - width, lo) };
+        // SAFETY: the part sent and the part received are disjoint, both waited for below.
+        let s = unsafe { c.send(partner, buf.sub(span(lo, hi)))? };
+        let got = unsafe { c.recv(partner, buf.sub(span(other_lo, other_hi)))? };
+        c.wait_all([got, s])?;
+        (lo, hi) = (lo.min(other_lo), hi.max(other_hi));
+        mask *= 2;
+    }
+    // Post-step: give the result to the rank folded in at the start.
+    if r < 2 * rem {
+        // SAFETY: `buf` is final and only read by this send.
+        let s = unsafe { c.send(r - 1, buf)? };
+        c.wait(s)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,383 @@
+//! Every collective and algorithm against a plain sequential reference: random world sizes
+//! 1..=9, element counts from 0 to a few thousand (including fewer than ranks, and odd), every
+//! element type and reduction, with ranks as threads.
+
+mod common;
+
+use common::{TIMEOUT, all_ok, run_ranks_with};
+use ferrogloo::device::TcpAttr;
+use ferrogloo::rendezvous::HashStore;
+use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, ReduceOp, bf16, f16};
+use proptest::prelude::*;
+
+/// Values for the tests: small integers, so float sums and products are exact in every order
+/// (the algorithms reduce in different orders; exact values make the reference unambiguous).
+trait Val: Element + PartialEq {
+    fn small(i: i64) -> Self;
+}
+macro_rules! val {
+    ($($t:ty: $e:expr),*) => {$( impl Val for $t { fn small(i: i64) -> Self { let f: fn(i64) -> $t = $e; f(i) } } )*};
+}
+val!(i8: |i| i as i8, i16: |i| i as i16, i32: |i| i as i32, i64: |i| i, u8: |i| i as u8, u16: |i| i as u16,
+     u32: |i| i as u32, u64: |i| i as u64, f32: |i| i as f32, f64: |i| i as f64,
+     f16: |i| f16::from_f32(i as f32), bf16: |i| bf16::from_f32(i as f32));
+
+/// A deterministic value for (seed, rank, index) in -2..=2 (products stay powers of two).
+fn value<T: Val>(seed: u64, rank: usize, i: usize) -> T {
+    let mut h = seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    h ^= h >> 31;
+    h = h.wrapping_mul(0x94D0_49BB_1331_11EB);
+    T::small((h >> 40) as i64 % 5 - 2)
+}
+
+fn input<T: Val>(seed: u64, rank: usize, len: usize) -> Vec<T> {
+    (0..len).map(|i| value(seed, rank, i)).collect()
+}
+
+/// A per-rank count derived from the seed (the same on every rank).
+fn count_for(seed: u64, who: usize, max: usize) -> usize {
+    (seed.wrapping_mul(31).wrapping_add(who as u64 * 7919) % (max as u64 + 1)) as usize
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Red {
+    Sum,
+    Product,
+    Min,
+    Max,
+    Custom,
+}
+
+fn op_of<T: Val>(r: Red) -> ReduceOp<T> {
+    match r {
+        Red::Sum => ReduceOp::Sum,
+        Red::Product => ReduceOp::Product,
+        Red::Min => ReduceOp::Min,
+        Red::Max => ReduceOp::Max,
+        // max, written by hand: a custom fold
+        Red::Custom => ReduceOp::custom(|acc: &mut [T], x: &[T]| {
+            for (a, b) in acc.iter_mut().zip(x) {
+                if *b > *a {
+                    *a = *b;
+                }
+            }
+        }),
+    }
+}
+
+/// The plain sequential reference: fold ranks 0..n in order.
+fn reference<T: Val>(r: Red, inputs: &[Vec<T>]) -> Vec<T> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        for (a, &b) in acc.iter_mut().zip(x) {
+            *a = match r {
+                Red::Sum => T::add(*a, b),
+                Red::Product => T::mul(*a, b),
+                Red::Min => if b < *a { b } else { *a },
+                Red::Max | Red::Custom => if b > *a { b } else { *a },
+            };
+        }
+    }
+    acc
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Allreduce(Algorithm),
+    AllreduceMulti,
+    Reduce,
+    ReduceScatter,
+    ReduceScatterV,
+    Allgather,
+    AllgatherV,
+    Broadcast(Algorithm),
+    Gather,
+    GatherV,
+    Scatter,
+    Alltoall,
+    AlltoallV,
+    Barrier,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    kind: Kind,
+    dtype: u8,
+    count: usize,
+    root: usize,
+    red: Red,
+    seed: u64,
+    segment: usize,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    let kind = prop_oneof![
+        Just(Kind::Allreduce(Algorithm::Auto)),
+        Just(Kind::Allreduce(Algorithm::Ring)),
+        Just(Kind::Allreduce(Algorithm::HalvingDoubling)),
+        Just(Kind::AllreduceMulti),
+        Just(Kind::Reduce),
+        Just(Kind::ReduceScatter),
+        Just(Kind::ReduceScatterV),
+        Just(Kind::Allgather),
+        Just(Kind::AllgatherV),
+        Just(Kind::Broadcast(Algorithm::BinomialTree)),
+        Just(Kind::Broadcast(Algorithm::Pipeline)),
+        Just(Kind::Broadcast(Algorithm::Auto)),
+        Just(Kind::Gather),
+        Just(Kind::GatherV),
+        Just(Kind::Scatter),
+        Just(Kind::Alltoall),
+        Just(Kind::AlltoallV),
+        Just(Kind::Barrier),
+    ];
+    let red = prop_oneof![Just(Red::Sum), Just(Red::Product), Just(Red::Min), Just(Red::Max), Just(Red::Custom)];
+    let count = prop_oneof![0usize..=1, 0usize..=12, 0usize..=3000];
+    (kind, 0u8..12, count, any::<usize>(), red, any::<u64>(), prop_oneof![Just(8usize), 16usize..=512, Just(256 << 10)])
+        .prop_map(|(kind, dtype, count, root, red, seed, segment)| Case { kind, dtype, count, root, red, seed, segment })
+}
+
+/// Runs one case on this rank, checks its result, returns a digest of reduced results (for the
+/// bit-equality check across ranks).
+fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
+    let (r, n) = (ctx.rank(), ctx.size());
+    let root = c.root % n;
+    let opts = CollectiveOptions::new().segment_bytes(c.segment);
+    let all: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, c.count)).collect();
+    let mine = all[r].clone();
+    let op = op_of::<T>(c.red);
+    let mut digest = Vec::new();
+    let ctxt = format!("{c:?} on rank {r} of {n}");
+    match c.kind {
+        Kind::Allreduce(a) => {
+            let mut buf = mine;
+            ctx.allreduce_with(&mut buf, &op, &opts.clone().algorithm(a))?;
+            assert!(buf == reference(c.red, &all), "{ctxt}");
+            digest = bytemuck::cast_slice(&buf).to_vec();
+        }
+        Kind::AllreduceMulti => {
+            let second = input::<T>(c.seed ^ 1, r, c.count);
+            let mut out1 = vec![T::small(0); c.count];
+            let mut out2 = vec![T::small(0); c.count];
+            ctx.allreduce_multi(&[&mine, &second], &mut [&mut out1, &mut out2], &op, &opts)?;
+            let both: Vec<Vec<T>> = (0..n).flat_map(|p| [all[p].clone(), input(c.seed ^ 1, p, c.count)]).collect();
+            let want = reference(c.red, &both);
+            assert!(out1 == want && out2 == want, "{ctxt}");
+            digest = bytemuck::cast_slice(&out1).to_vec();
+        }
+        Kind::Reduce => {
+            let mut buf = mine.clone();
+            ctx.reduce(&mut buf, root, &op, &opts)?;
+            let want = if r == root { reference(c.red, &all) } else { mine };
+            assert!(buf == want, "{ctxt}");
+        }
+        Kind::ReduceScatter | Kind::ReduceScatterV => {
+            let counts: Vec<usize> = match c.kind {
+                Kind::ReduceScatter => vec![c.count / n.max(1); n],
+                _ => (0..n).map(|p| count_for(c.seed, p, c.count / n.max(1) + 3)).collect(),
+            };
+            let total: usize = counts.iter().sum();
+            let inputs: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, total)).collect();
+            let mut out = vec![T::small(0); counts[r]];
+            if matches!(c.kind, Kind::ReduceScatter) {
+                ctx.reduce_scatter(&inputs[r], &mut out, &op, &opts)?;
+            } else {
+                ctx.reduce_scatterv(&inputs[r], &mut out, &counts, &op, &opts)?;
+            }
+            let start: usize = counts[..r].iter().sum();
+            assert!(out[..] == reference(c.red, &inputs)[start..start + counts[r]], "{ctxt}");
+        }
+        Kind::Allgather | Kind::AllgatherV => {
+            let counts: Vec<usize> = match c.kind {
+                Kind::Allgather => vec![c.count; n],
+                _ => (0..n).map(|p| count_for(c.seed, p, c.count)).collect(),
+            };
+            let inputs: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, counts[p])).collect();
+            let mut out = vec![T::small(0); counts.iter().sum()];
+            if matches!(c.kind, Kind::Allgather) {
+                ctx.allgather(&inputs[r], &mut out, &opts)?;
+            } else {
+                ctx.allgatherv(&inputs[r], &mut out, &counts, &opts)?;
+            }
+            assert!(out == inputs.concat(), "{ctxt}");
+        }
+        Kind::Broadcast(a) => {
+            let mut buf = mine;
+            ctx.broadcast(&mut buf, root, &opts.clone().algorithm(a))?;
+            assert!(buf == all[root], "{ctxt}");
+        }
+        Kind::Gather | Kind::GatherV => {
+            let counts: Vec<usize> = match c.kind {
+                Kind::Gather => vec![c.count; n],
+                _ => (0..n).map(|p| count_for(c.seed, p, c.count)).collect(),
+            };
+            let inputs: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, counts[p])).collect();
+            let mut out = if r == root { vec![T::small(0); counts.iter().sum()] } else { Vec::new() };
+            if matches!(c.kind, Kind::Gather) {
+                ctx.gather(&inputs[r], &mut out, root, &opts)?;
+            } else {
+                ctx.gatherv(&inputs[r], &mut out, &counts, root, &opts)?;
+            }
+            if r == root {
+                assert!(out == inputs.concat(), "{ctxt}");
+            }
+        }
+        Kind::Scatter => {
+            let src: Vec<T> = input(c.seed, root, c.count * n);
+            let mut out = vec![T::small(0); c.count];
+            ctx.scatter(if r == root { &src } else { &[] }, &mut out, root, &opts)?;
+            assert!(out[..] == src[r * c.count..(r + 1) * c.count], "{ctxt}");
+        }
+        Kind::Alltoall | Kind::AlltoallV => {
+            // counts[p][q]: elements rank p sends to rank q.
+            let counts: Vec<Vec<usize>> = (0..n)
+                .map(|p| {
+                    (0..n)
+                        .map(|q| match c.kind {
+                            Kind::Alltoall => c.count / n.max(1),
+                            _ => count_for(c.seed ^ (p as u64 * 131), q, c.count / n.max(1) + 2),
+                        })
+                        .collect()
+                })
+                .collect();
+            let inputs: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, counts[p].iter().sum())).collect();
+            let recv_counts: Vec<usize> = (0..n).map(|p| counts[p][r]).collect();
+            let mut out = vec![T::small(0); recv_counts.iter().sum()];
+            if matches!(c.kind, Kind::Alltoall) {
+                ctx.alltoall(&inputs[r], &mut out, &opts)?;
+            } else {
+                ctx.alltoallv(&inputs[r], &counts[r], &mut out, &recv_counts, &opts)?;
+            }
+            let want: Vec<T> = (0..n)
+                .flat_map(|p| {
+                    let start: usize = counts[p][..r].iter().sum();
+                    inputs[p][start..start + counts[p][r]].to_vec()
+                })
+                .collect();
+            assert!(out == want, "{ctxt}");
+        }
+        Kind::Barrier => ctx.barrier_with(&opts)?,
+    }
+    Ok(digest)
+}
+
+fn dispatch(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
+    match c.dtype {
+        0 => run_case::<f32>(ctx, c),
+        1 => run_case::<f64>(ctx, c),
+        2 => run_case::<f16>(ctx, c),
+        3 => run_case::<bf16>(ctx, c),
+        4 => run_case::<i8>(ctx, c),
+        5 => run_case::<i16>(ctx, c),
+        6 => run_case::<i32>(ctx, c),
+        7 => run_case::<i64>(ctx, c),
+        8 => run_case::<u8>(ctx, c),
+        9 => run_case::<u16>(ctx, c),
+        10 => run_case::<u32>(ctx, c),
+        _ => run_case::<u64>(ctx, c),
+    }
+}
+
+fn run_plan(n: usize, plan: &[Case]) {
+    let store = HashStore::new();
+    let digests = all_ok(run_ranks_with(n, &store, &TcpAttr::loopback(), |b| b.timeout(TIMEOUT), |ctx| {
+        plan.iter().map(|c| dispatch(&ctx, c)).collect::<ferrogloo::Result<Vec<_>>>()
+    }));
+    for d in &digests[1..] {
+        assert_eq!(d, &digests[0], "results differ between ranks");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn collectives_match_the_sequential_reference(n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10)) {
+        run_plan(n, &plan);
+    }
+}
+
+#[test]
+fn every_kind_type_and_size_class_once_per_world_size() {
+    // A deterministic sweep beside the random one: every collective, every type, counts
+    // 0, 1, fewer than ranks, odd, and several segments, for world sizes 1..=9.
+    for n in 1usize..=9 {
+        let mut plan = Vec::new();
+        let kinds = [
+            Kind::Allreduce(Algorithm::Ring),
+            Kind::Allreduce(Algorithm::HalvingDoubling),
+            Kind::AllreduceMulti,
+            Kind::Reduce,
+            Kind::ReduceScatterV,
+            Kind::AllgatherV,
+            Kind::Broadcast(Algorithm::Pipeline),
+            Kind::Broadcast(Algorithm::BinomialTree),
+            Kind::GatherV,
+            Kind::Scatter,
+            Kind::AlltoallV,
+        ];
+        for (i, &kind) in kinds.iter().enumerate() {
+            for (j, count) in [0, 1, n.saturating_sub(1), 2 * n + 1, 777].into_iter().enumerate() {
+                let red = [Red::Sum, Red::Product, Red::Min, Red::Max, Red::Custom][(i + j) % 5];
+                plan.push(Case { kind, dtype: ((i * 5 + j) % 12) as u8, count, root: i + j, red, seed: (i * 100 + j) as u64, segment: 64 });
+            }
+        }
+        run_plan(n, &plan);
+    }
+}
+
+#[test]
+fn floats_reduce_within_tolerance_and_bit_identically_on_every_rank() {
+    // Arbitrary floats: the order of additions differs by algorithm, so compare to the
+    // reference within a tolerance, and across ranks bit for bit.
+    for n in [2, 3, 5, 8] {
+        for algo in [Algorithm::Ring, Algorithm::HalvingDoubling] {
+            let store = HashStore::new();
+            let len = 10_001;
+            let data = |r: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + r * 13) as f32).sin() * 1e3).collect() };
+            let results = all_ok(run_ranks_with(n, &store, &TcpAttr::loopback(), |b| b, |ctx| {
+                let mut v = data(ctx.rank());
+                let opts = CollectiveOptions::new().algorithm(algo).segment_bytes(4096);
+                ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
+                Ok(v)
+            }));
+            let inputs: Vec<Vec<f32>> = (0..n).map(data).collect();
+            let want: Vec<f64> = (0..len).map(|i| inputs.iter().map(|d| f64::from(d[i])).sum()).collect();
+            for (i, (&got, &w)) in results[0].iter().zip(&want).enumerate() {
+                assert!((f64::from(got) - w).abs() <= 1e-3 * w.abs().max(1.0), "element {i}: {got} vs {w}");
+            }
+            for r in &results[1..] {
+                assert!(r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "ranks differ ({algo:?}, n={n})");
+            }
+        }
+    }
+}
+
+#[test]
+fn concurrent_collectives_with_different_tags_do_not_mix() {
+    let store = HashStore::new();
+    let results = run_ranks_with(4, &store, &TcpAttr::loopback(), |b| b, |ctx| {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4u32)
+                .map(|tag| {
+                    let ctx = &ctx;
+                    s.spawn(move || -> ferrogloo::Result<()> {
+                        let opts = CollectiveOptions::new().tag(tag).segment_bytes(1024);
+                        for round in 0..20u32 {
+                            let mut v = vec![tag * 1000 + round + ctx.rank() as u32; 5000];
+                            ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
+                            let want = 4 * (tag * 1000 + round) + 6;
+                            assert!(v.iter().all(|&x| x == want), "tag {tag} round {round}");
+                            let mut b = vec![ctx.rank() as u32 + tag; 300];
+                            ctx.broadcast(&mut b, (tag as usize) % 4, &opts)?;
+                            assert!(b.iter().all(|&x| x == (tag % 4) + tag));
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            hs.into_iter().try_for_each(|h| h.join().expect("thread panicked"))
+        })
+    });
+    all_ok(results);
+}
