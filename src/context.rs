@@ -177,6 +177,7 @@ impl ContextBuilder {
             ctx: Some(ctx),
             pairs,
             collective_seq: Mutex::default(),
+            aborted: Mutex::default(),
         })
     }
 }
@@ -303,6 +304,8 @@ pub struct Context {
     /// Indexed by peer rank; `None` at our own rank.
     pairs: Vec<Option<Arc<dyn Pair>>>,
     collective_seq: Mutex<HashMap<u32, u32>>,
+    /// Set once the context is aborted (by [`Context::abort`] or a failed collective).
+    aborted: Mutex<Option<Error>>,
 }
 
 impl std::fmt::Debug for Context {
@@ -335,6 +338,7 @@ impl Context {
             ctx: None,
             pairs: vec![None],
             collective_seq: Mutex::default(),
+            aborted: Mutex::default(),
         }
     }
 
@@ -358,7 +362,47 @@ impl Context {
         &self.device
     }
 
+    /// Makes the context unusable and tells every peer why: each peer's pending and future
+    /// operations with this rank fail with [`Error::Aborted`] naming this rank and `reason`,
+    /// and so do this rank's own (including calls blocked in other threads right now, which
+    /// return promptly).
+    ///
+    /// A collective that fails after it started communicating (a mismatch, a timeout, a dead
+    /// peer) aborts the context itself: the ranks' collective state no longer agrees, and the
+    /// abort makes sure every rank learns it, at the latest at its next call. To go on after
+    /// a failure, form a new context (for example under a new [`PrefixStore`] prefix).
+    ///
+    /// [`PrefixStore`]: crate::rendezvous::PrefixStore
+    pub fn abort(&self, reason: &str) {
+        let err = Error::Aborted { detail: format!("rank {} aborted the context: {reason}", self.rank) };
+        {
+            let mut a = self.aborted.lock().unwrap_or_else(|p| p.into_inner());
+            if a.is_some() {
+                return;
+            }
+            *a = Some(err.clone());
+        }
+        tracing::debug!(rank = self.rank, reason, "context aborted");
+        for p in self.pairs.iter().flatten() {
+            p.abort(&err, reason);
+        }
+    }
+
+    /// Whether the context was aborted (it then fails every call).
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// The abort error, if the context was aborted.
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        match &*self.aborted.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
     pub(crate) fn pair(&self, peer: usize) -> Result<&Arc<dyn Pair>> {
+        self.check_usable()?;
         match self.pairs.get(peer) {
             Some(Some(p)) => Ok(p),
             Some(None) => Err(Error::invalid(format!("rank {peer} is this rank; it has no connection to itself"))),

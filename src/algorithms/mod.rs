@@ -134,9 +134,15 @@ pub(crate) fn run<R>(
     opts: &CollectiveOptions,
     body: impl for<'scope, 'env> FnOnce(&Coll<'scope, 'env>) -> Result<R>,
 ) -> Result<R> {
+    ctx.check_usable()?;
     let wire = ctx.next_collective_tag(opts.tag)?;
     let deadline = Instant::now() + opts.timeout.unwrap_or(ctx.timeout());
-    ctx.scope(|s| body(&Coll { s, wire, meta, deadline, what }))
+    let result = ctx.scope(|s| body(&Coll { s, wire, meta, deadline, what }));
+    if let Err(e) = &result {
+        // The ranks' collective state no longer agrees: make sure every rank learns it.
+        ctx.abort(&format!("{what} #{} of tag {} failed on rank {}: {e}", wire as u32, opts.tag, ctx.rank()));
+    }
+    result
 }
 
 impl<'scope, 'env> Coll<'scope, 'env> {

@@ -29,7 +29,11 @@
 //!    on the same pair, or the reverse, proves the two ranks disagree (on the collective, root,
 //!    count or order): the receive completes with [`Error::Mismatch`] at once, and a message of
 //!    an earlier sequence than the receive is dropped.
-//! 8. **Cancellation.** `cancel` removes a pending operation. If a send had already been partly
+//! 8. **Abort.** [`Pair::abort`] sends the peer an abort frame with a reason (best effort) and
+//!    closes the pair; the peer fails every pending and future operation on it with
+//!    [`Error::Aborted`] naming this rank. A context that aborts does so on every pair, so one
+//!    rank's failure reaches every rank.
+//! 9. **Cancellation.** `cancel` removes a pending operation. If a send had already been partly
 //!    written, the byte stream cannot continue, so the pair fails with [`Error::Aborted`].
 //!
 //! Backends: [`tcp`] (mio event loop; always built) and `ibverbs` (feature `ibverbs`).
@@ -137,6 +141,10 @@ pub(crate) trait Pair: Send + Sync {
     fn remote_ip(&self) -> Option<IpAddr> {
         None
     }
+
+    /// Gives up on the pair: tells the peer why (best effort), then fails every pending and
+    /// future operation here with `err`.
+    fn abort(&self, err: &Error, reason: &str);
 
     /// Withdraws every operation of `done` from this pair. After it returns the pair no longer
     /// touches that operation's buffer.

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! offset size field
-//!  0     1    kind      1 = data (the only kind in protocol version 1)
+//!  0     1    kind      1 = data, 2 = abort (payload: the reason, UTF-8, at most 4 KiB)
 //!  1     3    reserved  must be zero
 //!  4     4    meta      opaque word checked by the receiver (element type, collective, ...)
 //!  8     8    tag       which receive the message is for
@@ -15,10 +15,24 @@
 pub(crate) const HEADER_LEN: usize = 24;
 
 const KIND_DATA: u8 = 1;
+const KIND_ABORT: u8 = 2;
+
+/// Longest abort reason accepted (an abort frame's length is checked before anything is read).
+pub(crate) const MAX_ABORT: u64 = 4096;
+
+/// What a frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// A message for a receive.
+    Data,
+    /// The sender gave up on the context; the payload says why.
+    Abort,
+}
 
 /// A decoded frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct FrameHeader {
+    pub(crate) kind: Kind,
     pub(crate) meta: u32,
     pub(crate) tag: u64,
     pub(crate) len: u64,
@@ -27,7 +41,10 @@ pub(crate) struct FrameHeader {
 impl FrameHeader {
     pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
-        b[0] = KIND_DATA;
+        b[0] = match self.kind {
+            Kind::Data => KIND_DATA,
+            Kind::Abort => KIND_ABORT,
+        };
         b[4..8].copy_from_slice(&self.meta.to_le_bytes());
         b[8..16].copy_from_slice(&self.tag.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
@@ -36,9 +53,11 @@ impl FrameHeader {
 
     /// Decodes a header; an unknown kind or nonzero reserved bytes are an error message.
     pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, String> {
-        if b[0] != KIND_DATA {
-            return Err(format!("unknown frame kind {}", b[0]));
-        }
+        let kind = match b[0] {
+            KIND_DATA => Kind::Data,
+            KIND_ABORT => Kind::Abort,
+            k => return Err(format!("unknown frame kind {k}")),
+        };
         if b[1..4] != [0, 0, 0] {
             return Err("nonzero reserved bytes in frame header".into());
         }
@@ -47,7 +66,11 @@ impl FrameHeader {
             a[..r.len()].copy_from_slice(&b[r]);
             u64::from_le_bytes(a)
         };
-        Ok(FrameHeader { meta: word(4..8) as u32, tag: word(8..16), len: word(16..24) })
+        let h = FrameHeader { kind, meta: word(4..8) as u32, tag: word(8..16), len: word(16..24) };
+        if kind == Kind::Abort && h.len > MAX_ABORT {
+            return Err(format!("abort frame of {} bytes (at most {MAX_ABORT})", h.len));
+        }
+        Ok(h)
     }
 }
 
@@ -59,8 +82,16 @@ mod tests {
     proptest! {
         #[test]
         fn header_round_trips(meta in any::<u32>(), tag in any::<u64>(), len in any::<u64>()) {
-            let h = FrameHeader { meta, tag, len };
+            let h = FrameHeader { kind: Kind::Data, meta, tag, len };
             prop_assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
+        }
+
+        #[test]
+        fn abort_headers_round_trip_within_their_bound(len in 0..=MAX_ABORT) {
+            let h = FrameHeader { kind: Kind::Abort, meta: 0, tag: 0, len };
+            prop_assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
+            let big = FrameHeader { len: MAX_ABORT + 1 + len, ..h };
+            prop_assert!(FrameHeader::decode(&big.encode()).is_err());
         }
 
         #[test]

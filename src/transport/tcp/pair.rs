@@ -4,7 +4,7 @@
 //! loop on readiness events, and a posting thread (a send that fits in the socket buffer is
 //! written by the caller itself, with no hand-off to the loop).
 
-use super::frame::{FrameHeader, HEADER_LEN};
+use super::frame::{FrameHeader, HEADER_LEN, Kind, MAX_ABORT};
 use super::wake::{EventFd, poll2};
 use crate::error::{Error, Result};
 use crate::transport::{Completion, Pair, RecvBuf, SendBuf, seq_after, sequence_mismatch, sequenced};
@@ -27,6 +27,8 @@ const MAX_IOV: usize = 64;
 struct SendOp {
     hdr: [u8; HEADER_LEN],
     buf: SendBuf,
+    /// Memory `buf` points into when the pair owns the payload (abort frames).
+    _owned: Option<Box<[u8]>>,
     /// Bytes of header + payload written so far.
     off: usize,
     done: Arc<Completion>,
@@ -61,6 +63,8 @@ enum Rx {
     Early { tag: u64, meta: u32, len: usize, data: Vec<u8> },
     /// Payload nobody can take (mismatch, cancelled receive): read and dropped.
     Discard { remaining: u64 },
+    /// The reason of an abort frame (bounded by `MAX_ABORT`).
+    Abort { len: usize, data: Vec<u8> },
     /// A header whose payload fits neither a posted receive nor the budget: reading stops
     /// (TCP back-pressure) until a receive for it is posted.
     Stalled(FrameHeader),
@@ -485,6 +489,15 @@ impl TcpPair {
                         self.finish_early(g);
                     }
                 }
+                Rx::Abort { len, data } => {
+                    let n = avail.min(*len - data.len());
+                    data.extend_from_slice(&g.staging[g.start..g.start + n]);
+                    g.start += n;
+                    if data.len() == *len {
+                        let reason = String::from_utf8_lossy(data).into_owned();
+                        return Err(Error::Aborted { detail: format!("rank {} aborted the context: {reason}", self.peer) });
+                    }
+                }
                 Rx::Discard { remaining } => {
                     let n = (avail as u64).min(*remaining);
                     *remaining -= n;
@@ -499,6 +512,15 @@ impl TcpPair {
 
     /// Decides where the payload of a fresh header goes.
     fn dispatch(&self, g: &mut Inner, h: FrameHeader) -> Step {
+        if h.kind == Kind::Abort {
+            // The length is bounded by the decoder.
+            let len = h.len as usize;
+            if len == 0 {
+                return Err(Error::Aborted { detail: format!("rank {} aborted the context", self.peer) });
+            }
+            g.rx = Rx::Abort { len, data: Vec::with_capacity(len) };
+            return Ok(());
+        }
         // The oldest posted receive for this tag that nobody else has claimed.
         while let Some(i) = g.posted.iter().position(|op| op.tag == h.tag) {
             let Some(op) = g.posted.remove(i) else { break };
@@ -617,8 +639,8 @@ impl Pair for TcpPair {
         if let Some(e) = Self::closed_error(&g) {
             return Err(e);
         }
-        let hdr = FrameHeader { meta, tag, len: buf.len as u64 }.encode();
-        g.sendq.push_back(SendOp { hdr, buf, off: 0, done: done.clone() });
+        let hdr = FrameHeader { kind: Kind::Data, meta, tag, len: buf.len as u64 }.encode();
+        g.sendq.push_back(SendOp { hdr, buf, _owned: None, off: 0, done: done.clone() });
         if g.sendq.len() == 1 {
             // Nothing queued ahead: write from this thread, no hand-off to the event loop.
             if let Err(e) = self.flush(&mut g).and_then(|()| self.want_writable(&mut g)) {
@@ -674,6 +696,23 @@ impl Pair for TcpPair {
             }
         }
         Ok(())
+    }
+
+    fn abort(&self, err: &Error, reason: &str) {
+        let mut g = self.lock();
+        if Self::closed_error(&g).is_some() {
+            return;
+        }
+        // Best effort: queue the abort frame behind whatever is queued, write what the socket
+        // takes now, then close. A peer that misses the frame sees the connection close.
+        let mut text = reason.as_bytes().to_vec();
+        text.truncate(MAX_ABORT as usize);
+        let owned = text.into_boxed_slice();
+        let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len() };
+        let hdr = FrameHeader { kind: Kind::Abort, meta: 0, tag: 0, len: owned.len() as u64 }.encode();
+        g.sendq.push_back(SendOp { hdr, buf, _owned: Some(owned), off: 0, done: Completion::new() });
+        let _ = self.flush(&mut g);
+        self.fail_locked(&mut g, err.clone());
     }
 
     fn cancel(&self, done: &Arc<Completion>) {
