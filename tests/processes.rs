@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 const SCENARIO_ENV: &str = "FERROGLOO_TEST_SCENARIO";
 const WORKER_TIMEOUT: Duration = Duration::from_secs(20);
+/// Deadline of each call on 64 MiB buffers (a debug build on a loaded 2-core machine).
+const BIG_TIMEOUT: Duration = Duration::from_secs(60);
 /// Deadline of the contexts in the kill test: survivors must report within it (+1 s).
 const KILL_TIMEOUT: Duration = Duration::from_secs(8);
 
@@ -25,12 +27,17 @@ fn rank_worker() {
     let scenario = std::env::var(SCENARIO_ENV).unwrap_or_default();
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     let dev = Device::loopback().expect("device");
-    let timeout = if scenario == "kill" { KILL_TIMEOUT } else { WORKER_TIMEOUT };
+    let timeout = match scenario.as_str() {
+        "kill" => KILL_TIMEOUT,
+        "big" => BIG_TIMEOUT,
+        _ => WORKER_TIMEOUT,
+    };
     let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, &dev).expect("rendezvous");
     match scenario.as_str() {
         "mesh" => mesh(&ctx),
         "kill" => kill(&ctx),
         "light" => light(&ctx),
+        "big" => big(&ctx),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("DONE rank {}", env.rank);
@@ -61,6 +68,33 @@ fn mesh(ctx: &Context) {
     for _ in 0..3 {
         ctx.barrier().expect("barrier");
     }
+}
+
+/// Collectives on 64 MiB buffers, results checked on every rank.
+fn big(ctx: &Context) {
+    use ferrogloo::{CollectiveOptions, ReduceOp};
+    let (r, n) = (ctx.rank(), ctx.size());
+    let o = CollectiveOptions::default();
+    let count = (64 << 20) / 4;
+    // Allreduce (ring at this size): rank r contributes r + 1 + i % 7.
+    let mut v: Vec<f32> = (0..count).map(|i| (r + 1 + i % 7) as f32).collect();
+    ctx.allreduce(&mut v, ReduceOp::Sum).expect("allreduce");
+    let base = (n * (n + 1) / 2) as f32;
+    assert!(v.iter().enumerate().all(|(i, &x)| x == base + (n * (i % 7)) as f32), "allreduce result on rank {r}");
+    // Broadcast from the last rank (pipeline at this size).
+    let mut b: Vec<u32> = if r == n - 1 { (0..count as u32).collect() } else { vec![0; count] };
+    ctx.broadcast(&mut b, n - 1, &o).expect("broadcast");
+    assert!(b.iter().enumerate().all(|(i, &x)| x == i as u32), "broadcast result on rank {r}");
+    // Allgather of 64 MiB in total.
+    let per = count / n;
+    let mine: Vec<u32> = (0..per).map(|i| (r * per + i) as u32).collect();
+    let mut all = vec![0u32; per * n];
+    ctx.allgather(&mine, &mut all, &o).expect("allgather");
+    assert!(all.iter().enumerate().all(|(i, &x)| x == i as u32), "allgather result on rank {r}");
+    // Reduce-scatter back: every block sums n copies.
+    let mut part = vec![0u32; per];
+    ctx.reduce_scatter(&all, &mut part, &ReduceOp::Sum, &o).expect("reduce_scatter");
+    assert!(part.iter().enumerate().all(|(i, &x)| x == (n * (r * per + i)) as u32), "reduce_scatter on rank {r}");
 }
 
 /// Barriers, and every rank reports to rank 0: cheap enough for 64 processes on 2 cores.
@@ -143,7 +177,8 @@ fn finish(mut child: Child, deadline: Instant) -> (bool, String) {
 }
 
 fn run_job(n: usize, scenario: &str, store_url: &str) {
-    let deadline = Instant::now() + WORKER_TIMEOUT * 2;
+    let per_call = if scenario == "big" { BIG_TIMEOUT } else { WORKER_TIMEOUT };
+    let deadline = Instant::now() + per_call * 2;
     let children = spawn(n, scenario, store_url);
     for (rank, c) in children.into_iter().enumerate() {
         let (ok, out) = finish(c, deadline);
@@ -156,6 +191,14 @@ fn mesh_over_file_store_2_3_4_8_processes() {
     for n in [2, 3, 4, 8] {
         let dir = tempfile::tempdir().unwrap();
         run_job(n, "mesh", &format!("file:{}", dir.path().display()));
+    }
+}
+
+#[test]
+fn collectives_on_64_mib_buffers_over_file_store_2_to_5_processes() {
+    for n in 2..=5 {
+        let dir = tempfile::tempdir().unwrap();
+        run_job(n, "big", &format!("file:{}", dir.path().display()));
     }
 }
 
