@@ -17,11 +17,13 @@ use crate::error::{Error, Result};
 use crate::types::{Element, ReduceOp};
 
 /// Up to this many bytes, `Auto` allreduce uses halving-doubling (fewer steps); above it, the
-/// ring (less data per rank, pipelined). Measured on the 2-core loopback machine: see the
-/// project notes.
-pub(crate) const ALLREDUCE_RING_ABOVE: usize = 256 << 10;
+/// ring (pipelined). Measured with `examples/algorithms` on a 2-core machine over loopback
+/// (f32, median of 10-30 calls): with 4 ranks halving-doubling is 15-35% faster at 1-4 MiB and
+/// the ring 10-20% faster from 8 MiB; with 2 ranks they tie at 16 MiB.
+pub(crate) const ALLREDUCE_RING_ABOVE: usize = 4 << 20;
 /// Up to this many bytes, `Auto` broadcast uses the binomial tree; above it, the pipeline.
-pub(crate) const BROADCAST_PIPELINE_ABOVE: usize = 256 << 10;
+/// Same measurement: the tree wins up to 4 MiB with 3 and 4 ranks, the pipeline from 8 MiB.
+pub(crate) const BROADCAST_PIPELINE_ABOVE: usize = 4 << 20;
 
 fn bytes_of<T>(n: usize) -> usize {
     n.saturating_mul(std::mem::size_of::<T>())
@@ -48,7 +50,7 @@ impl Context {
     /// - `HalvingDoubling`: recursive halving then doubling; any n (the 2(n-p) extra ranks
     ///   beyond the largest power of two p fold into a neighbour first). 2·log₂p (+2) steps;
     ///   2(p-1)/p·S bytes (+S for folded ranks).
-    /// - `Auto` (default): halving-doubling up to 256 KiB, the ring above.
+    /// - `Auto` (default): halving-doubling up to 4 MiB, the ring above.
     ///
     /// Constraints: every rank passes the same length, element type and reduction. Zero-length
     /// buffers are allowed.
@@ -123,7 +125,13 @@ impl Context {
     ///
     /// Algorithm: pipelined ring reduce-scatter. n-1 steps; sends and receives (n-1)/n of the
     /// input: time ≈ (n-1)α + (n-1)/n·Sβ.
-    pub fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: &ReduceOp<T>,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
         let counts = vec![output.len(); self.size()];
         self.reduce_scatterv(input, output, &counts, op, opts)
     }
@@ -159,7 +167,9 @@ impl Context {
         let blocks = blocks_of(counts);
         let mut work = input.to_vec();
         let w = Seg::new(&mut work);
-        algorithms::run(self, "reduce_scatter", m, opts, |c| allreduce::ring_reduce_scatter(c, w, &blocks, op, n - 1, seg))?;
+        algorithms::run(self, "reduce_scatter", m, opts, |c| {
+            allreduce::ring_reduce_scatter(c, w, &blocks, op, n - 1, seg)
+        })?;
         output.copy_from_slice(&work[blocks[self.rank()].clone()]);
         Ok(())
     }
@@ -187,7 +197,13 @@ impl Context {
     /// Allgather with per-rank sizes: rank i contributes `counts[i]` elements (its `input`),
     /// concatenated in rank order into `output` (the sum of `counts`). Same algorithm and cost
     /// as [`allgather`](Self::allgather).
-    pub fn allgatherv<T: Element>(&self, input: &[T], output: &mut [T], counts: &[usize], opts: &CollectiveOptions) -> Result<()> {
+    pub fn allgatherv<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
         let n = self.size();
         let total = check_counts(counts, n, "allgather")?;
         if output.len() != total || input.len() != counts[self.rank()] {
@@ -215,7 +231,7 @@ impl Context {
     /// - `BinomialTree`: ⌈log₂ n⌉ steps; time ≈ ⌈log₂ n⌉(α + Sβ).
     /// - `Pipeline`: a chain from the root, in segments of `segment_bytes`: time ≈
     ///   (n-2+S/segment)(α + segment·β); every rank sends S bytes once.
-    /// - `Auto` (default): the tree up to 256 KiB, the pipeline above.
+    /// - `Auto` (default): the tree up to 4 MiB, the pipeline above.
     ///
     /// Constraints: the same `root` and length on every rank; `root < n`.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize, opts: &CollectiveOptions) -> Result<()> {
@@ -244,7 +260,13 @@ impl Context {
     ///
     /// Algorithm: binomial tree. ⌈log₂ n⌉ steps; an inner node receives one buffer per child:
     /// time ≈ ⌈log₂ n⌉(α + Sβ) plus the reductions.
-    pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
+    pub fn reduce<T: Element>(
+        &self,
+        buf: &mut [T],
+        root: usize,
+        op: &ReduceOp<T>,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
         let n = self.size();
         check_root(root, n, "reduce")?;
         if n == 1 {
@@ -259,14 +281,27 @@ impl Context {
     /// (`n * input.len()` elements); other ranks ignore `output` (pass `&mut []`).
     ///
     /// Algorithm: direct. One step; the root receives (n-1)/n of the output, others send S.
-    pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize, opts: &CollectiveOptions) -> Result<()> {
+    pub fn gather<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
         let counts = vec![input.len(); self.size()];
         self.gatherv(input, output, &counts, root, opts)
     }
 
     /// Gather with per-rank sizes: rank i sends `counts[i]` elements; the root's `output`
     /// holds their sum. Same algorithm and cost as [`gather`](Self::gather).
-    pub fn gatherv<T: Element>(&self, input: &[T], output: &mut [T], counts: &[usize], root: usize, opts: &CollectiveOptions) -> Result<()> {
+    pub fn gatherv<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        root: usize,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
         let n = self.size();
         check_root(root, n, "gather")?;
         let total = check_counts(counts, n, "gather")?;
@@ -291,7 +326,13 @@ impl Context {
     /// receives it in `output`; other ranks ignore `input` (pass `&[]`).
     ///
     /// Algorithm: direct. One step; the root sends (n-1)/n of its input, others receive once.
-    pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize, opts: &CollectiveOptions) -> Result<()> {
+    pub fn scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
         let n = self.size();
         check_root(root, n, "scatter")?;
         if self.rank() == root && input.len() != n * output.len() {
@@ -317,7 +358,7 @@ impl Context {
     /// Algorithm: direct, all pairs at once. n-1 messages each way per rank, (n-1)/n·S bytes.
     pub fn alltoall<T: Element>(&self, input: &[T], output: &mut [T], opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
-        if input.len() != output.len() || input.len() % n != 0 {
+        if input.len() != output.len() || !input.len().is_multiple_of(n) {
             return Err(Error::invalid(format!(
                 "alltoall: input ({}) and output ({}) must be equal and a multiple of {n}",
                 input.len(),

@@ -594,7 +594,14 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     ///
     /// # Safety
     /// `buf` must stay valid and unwritten until the operation is waited for or the scope ends.
-    pub(crate) unsafe fn isend_raw(&'scope self, peer: usize, wire: u64, meta: u32, buf: SendBuf, what: &'static str) -> Result<usize> {
+    pub(crate) unsafe fn isend_raw(
+        &'scope self,
+        peer: usize,
+        wire: u64,
+        meta: u32,
+        buf: SendBuf,
+        what: &'static str,
+    ) -> Result<usize> {
         let pair = self.ctx.pair(peer)?.clone();
         let done = Completion::new();
         // SAFETY: forwarded from this function's contract.
@@ -606,7 +613,14 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     ///
     /// # Safety
     /// `buf` must stay valid and untouched until the operation is waited for or the scope ends.
-    pub(crate) unsafe fn irecv_raw(&'scope self, peer: usize, wire: u64, meta: u32, buf: RecvBuf, what: &'static str) -> Result<usize> {
+    pub(crate) unsafe fn irecv_raw(
+        &'scope self,
+        peer: usize,
+        wire: u64,
+        meta: u32,
+        buf: RecvBuf,
+        what: &'static str,
+    ) -> Result<usize> {
         let pair = self.ctx.pair(peer)?.clone();
         let done = Completion::new();
         let idx = self.push(Op { pairs: vec![pair.clone()], done: done.clone(), what });

@@ -60,11 +60,11 @@ pub mod device;
 pub mod error;
 pub mod launch;
 pub mod rendezvous;
-pub mod types;
 pub(crate) mod transport;
+pub mod types;
 
+pub use algorithms::{Algorithm, CollectiveOptions};
 pub use context::{Context, ContextBuilder, RecvRequest, Scope, SendRequest};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use types::{DType, Element, ReduceOp, bf16, f16};
-pub use algorithms::{Algorithm, CollectiveOptions};

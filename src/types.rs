@@ -16,7 +16,7 @@ pub enum DType {
     F32 = 1,
     /// `f64`
     F64 = 2,
-    /// [`f16`] (IEEE binary16)
+    /// [`f16`](struct@f16) (IEEE binary16)
     F16 = 3,
     /// [`bf16`] (bfloat16)
     BF16 = 4,
@@ -42,7 +42,7 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// A type collectives can reduce: `f32`, `f64`, [`f16`], [`bf16`], `i8`…`i64`, `u8`…`u64`.
+/// A type collectives can reduce: `f32`, `f64`, [`f16`](struct@f16), [`bf16`], `i8`…`i64`, `u8`…`u64`.
 ///
 /// Integer sums and products wrap on overflow (the same on every rank, never a panic). Float
 /// `min`/`max` follow `a < b` / `a > b` comparisons, so a NaN operand yields the other operand

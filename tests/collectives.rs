@@ -24,7 +24,8 @@ val!(i8: |i| i as i8, i16: |i| i as i16, i32: |i| i as i32, i64: |i| i, u8: |i| 
 
 /// A deterministic value for (seed, rank, index) in -2..=2 (products stay powers of two).
 fn value<T: Val>(seed: u64, rank: usize, i: usize) -> T {
-    let mut h = seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let mut h =
+        seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     h ^= h >> 31;
     h = h.wrapping_mul(0x94D0_49BB_1331_11EB);
     T::small((h >> 40) as i64 % 5 - 2)
@@ -73,8 +74,20 @@ fn reference<T: Val>(r: Red, inputs: &[Vec<T>]) -> Vec<T> {
             *a = match r {
                 Red::Sum => T::add(*a, b),
                 Red::Product => T::mul(*a, b),
-                Red::Min => if b < *a { b } else { *a },
-                Red::Max | Red::Custom => if b > *a { b } else { *a },
+                Red::Min => {
+                    if b < *a {
+                        b
+                    } else {
+                        *a
+                    }
+                }
+                Red::Max | Red::Custom => {
+                    if b > *a {
+                        b
+                    } else {
+                        *a
+                    }
+                }
             };
         }
     }
@@ -134,7 +147,15 @@ fn case() -> impl Strategy<Value = Case> {
     let red = prop_oneof![Just(Red::Sum), Just(Red::Product), Just(Red::Min), Just(Red::Max), Just(Red::Custom)];
     let count = prop_oneof![0usize..=1, 0usize..=12, 0usize..=3000];
     (kind, 0u8..12, count, any::<usize>(), red, any::<u64>(), prop_oneof![Just(8usize), 16usize..=512, Just(256 << 10)])
-        .prop_map(|(kind, dtype, count, root, red, seed, segment)| Case { kind, dtype, count, root, red, seed, segment })
+        .prop_map(|(kind, dtype, count, root, red, seed, segment)| Case {
+            kind,
+            dtype,
+            count,
+            root,
+            red,
+            seed,
+            segment,
+        })
 }
 
 /// Runs one case on this rank, checks its result, returns a digest of reduced results (for the
@@ -280,9 +301,13 @@ fn dispatch(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
 
 fn run_plan(n: usize, plan: &[Case]) {
     let store = HashStore::new();
-    let digests = all_ok(run_ranks_with(n, &store, &TcpAttr::loopback(), |b| b.timeout(TIMEOUT), |ctx| {
-        plan.iter().map(|c| dispatch(&ctx, c)).collect::<ferrogloo::Result<Vec<_>>>()
-    }));
+    let digests = all_ok(run_ranks_with(
+        n,
+        &store,
+        &TcpAttr::loopback(),
+        |b| b.timeout(TIMEOUT),
+        |ctx| plan.iter().map(|c| dispatch(&ctx, c)).collect::<ferrogloo::Result<Vec<_>>>(),
+    ));
     for d in &digests[1..] {
         assert_eq!(d, &digests[0], "results differ between ranks");
     }
@@ -319,7 +344,15 @@ fn every_kind_type_and_size_class_once_per_world_size() {
         for (i, &kind) in kinds.iter().enumerate() {
             for (j, count) in [0, 1, n.saturating_sub(1), 2 * n + 1, 777].into_iter().enumerate() {
                 let red = [Red::Sum, Red::Product, Red::Min, Red::Max, Red::Custom][(i + j) % 5];
-                plan.push(Case { kind, dtype: ((i * 5 + j) % 12) as u8, count, root: i + j, red, seed: (i * 100 + j) as u64, segment: 64 });
+                plan.push(Case {
+                    kind,
+                    dtype: ((i * 5 + j) % 12) as u8,
+                    count,
+                    root: i + j,
+                    red,
+                    seed: (i * 100 + j) as u64,
+                    segment: 64,
+                });
             }
         }
         run_plan(n, &plan);
@@ -335,19 +368,28 @@ fn floats_reduce_within_tolerance_and_bit_identically_on_every_rank() {
             let store = HashStore::new();
             let len = 10_001;
             let data = |r: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + r * 13) as f32).sin() * 1e3).collect() };
-            let results = all_ok(run_ranks_with(n, &store, &TcpAttr::loopback(), |b| b, |ctx| {
-                let mut v = data(ctx.rank());
-                let opts = CollectiveOptions::new().algorithm(algo).segment_bytes(4096);
-                ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
-                Ok(v)
-            }));
+            let results = all_ok(run_ranks_with(
+                n,
+                &store,
+                &TcpAttr::loopback(),
+                |b| b,
+                |ctx| {
+                    let mut v = data(ctx.rank());
+                    let opts = CollectiveOptions::new().algorithm(algo).segment_bytes(4096);
+                    ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
+                    Ok(v)
+                },
+            ));
             let inputs: Vec<Vec<f32>> = (0..n).map(data).collect();
             let want: Vec<f64> = (0..len).map(|i| inputs.iter().map(|d| f64::from(d[i])).sum()).collect();
             for (i, (&got, &w)) in results[0].iter().zip(&want).enumerate() {
                 assert!((f64::from(got) - w).abs() <= 1e-3 * w.abs().max(1.0), "element {i}: {got} vs {w}");
             }
             for r in &results[1..] {
-                assert!(r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "ranks differ ({algo:?}, n={n})");
+                assert!(
+                    r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "ranks differ ({algo:?}, n={n})"
+                );
             }
         }
     }
@@ -356,28 +398,34 @@ fn floats_reduce_within_tolerance_and_bit_identically_on_every_rank() {
 #[test]
 fn concurrent_collectives_with_different_tags_do_not_mix() {
     let store = HashStore::new();
-    let results = run_ranks_with(4, &store, &TcpAttr::loopback(), |b| b, |ctx| {
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..4u32)
-                .map(|tag| {
-                    let ctx = &ctx;
-                    s.spawn(move || -> ferrogloo::Result<()> {
-                        let opts = CollectiveOptions::new().tag(tag).segment_bytes(1024);
-                        for round in 0..20u32 {
-                            let mut v = vec![tag * 1000 + round + ctx.rank() as u32; 5000];
-                            ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
-                            let want = 4 * (tag * 1000 + round) + 6;
-                            assert!(v.iter().all(|&x| x == want), "tag {tag} round {round}");
-                            let mut b = vec![ctx.rank() as u32 + tag; 300];
-                            ctx.broadcast(&mut b, (tag as usize) % 4, &opts)?;
-                            assert!(b.iter().all(|&x| x == (tag % 4) + tag));
-                        }
-                        Ok(())
+    let results = run_ranks_with(
+        4,
+        &store,
+        &TcpAttr::loopback(),
+        |b| b,
+        |ctx| {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..4u32)
+                    .map(|tag| {
+                        let ctx = &ctx;
+                        s.spawn(move || -> ferrogloo::Result<()> {
+                            let opts = CollectiveOptions::new().tag(tag).segment_bytes(1024);
+                            for round in 0..20u32 {
+                                let mut v = vec![tag * 1000 + round + ctx.rank() as u32; 5000];
+                                ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
+                                let want = 4 * (tag * 1000 + round) + 6;
+                                assert!(v.iter().all(|&x| x == want), "tag {tag} round {round}");
+                                let mut b = vec![ctx.rank() as u32 + tag; 300];
+                                ctx.broadcast(&mut b, (tag as usize) % 4, &opts)?;
+                                assert!(b.iter().all(|&x| x == (tag % 4) + tag));
+                            }
+                            Ok(())
+                        })
                     })
-                })
-                .collect();
-            hs.into_iter().try_for_each(|h| h.join().expect("thread panicked"))
-        })
-    });
+                    .collect();
+                hs.into_iter().try_for_each(|h| h.join().expect("thread panicked"))
+            })
+        },
+    );
     all_ok(results);
 }

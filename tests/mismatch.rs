@@ -20,19 +20,25 @@ struct Seen {
 /// Runs `bad` (the disagreeing call) then a follow-up allreduce on each of 3 ranks.
 fn scenario(bad: impl Fn(&Context) -> ferrogloo::Result<()> + Sync) -> Vec<Seen> {
     let store = HashStore::new();
-    let results = run_ranks_with(3, &store, &TcpAttr::loopback(), |b| b.timeout(DEADLINE), |ctx| {
-        let t = Instant::now();
-        let mut first = None;
-        if let Err(e) = bad(&ctx) {
-            first = Some((e, t.elapsed()));
-        }
-        let mut v = vec![1u32; 64];
-        let later = ctx.allreduce(&mut v, ReduceOp::Sum);
-        if let (None, Err(e)) = (&first, &later) {
-            first = Some((e.clone(), t.elapsed()));
-        }
-        Ok(Seen { first, later_failed: later.is_err() || ctx.is_aborted() })
-    });
+    let results = run_ranks_with(
+        3,
+        &store,
+        &TcpAttr::loopback(),
+        |b| b.timeout(DEADLINE),
+        |ctx| {
+            let t = Instant::now();
+            let mut first = None;
+            if let Err(e) = bad(&ctx) {
+                first = Some((e, t.elapsed()));
+            }
+            let mut v = vec![1u32; 64];
+            let later = ctx.allreduce(&mut v, ReduceOp::Sum);
+            if let (None, Err(e)) = (&first, &later) {
+                first = Some((e.clone(), t.elapsed()));
+            }
+            Ok(Seen { first, later_failed: later.is_err() || ctx.is_aborted() })
+        },
+    );
     results.into_iter().map(|r| r.expect("rendezvous")).collect()
 }
 
@@ -122,33 +128,39 @@ fn different_collective() {
 fn abort_from_another_thread_stops_a_blocked_collective() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let store = HashStore::new();
-    let results = run_ranks_with(3, &store, &TcpAttr::loopback(), |b| b.timeout(Duration::from_secs(30)), |ctx| {
-        ctx.barrier()?;
-        if ctx.rank() == 2 {
-            // Never joins the allreduce; stays connected until rank 0's abort reaches it.
-            let mut b = [0u8; 1];
-            let e = ctx.recv(0, 99, &mut b).expect_err("rank 0 aborts");
-            return Ok((e.to_string(), Duration::ZERO));
-        }
-        let started = AtomicBool::new(false);
-        std::thread::scope(|s| {
-            let blocked = s.spawn(|| {
-                started.store(true, Ordering::SeqCst);
-                let t = Instant::now();
-                let mut v = vec![1u8; 10];
-                let r = ctx.allreduce(&mut v, ReduceOp::Sum);
-                (r, t.elapsed())
-            });
-            if ctx.rank() == 0 {
-                while !started.load(Ordering::SeqCst) {
-                    std::thread::yield_now();
-                }
-                ctx.abort("test abort");
+    let results = run_ranks_with(
+        3,
+        &store,
+        &TcpAttr::loopback(),
+        |b| b.timeout(Duration::from_secs(30)),
+        |ctx| {
+            ctx.barrier()?;
+            if ctx.rank() == 2 {
+                // Never joins the allreduce; stays connected until rank 0's abort reaches it.
+                let mut b = [0u8; 1];
+                let e = ctx.recv(0, 99, &mut b).expect_err("rank 0 aborts");
+                return Ok((e.to_string(), Duration::ZERO));
             }
-            let (res, took) = blocked.join().expect("thread panicked");
-            Ok((res.expect_err("the blocked allreduce must fail").to_string(), took))
-        })
-    });
+            let started = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                let blocked = s.spawn(|| {
+                    started.store(true, Ordering::SeqCst);
+                    let t = Instant::now();
+                    let mut v = vec![1u8; 10];
+                    let r = ctx.allreduce(&mut v, ReduceOp::Sum);
+                    (r, t.elapsed())
+                });
+                if ctx.rank() == 0 {
+                    while !started.load(Ordering::SeqCst) {
+                        std::thread::yield_now();
+                    }
+                    ctx.abort("test abort");
+                }
+                let (res, took) = blocked.join().expect("thread panicked");
+                Ok((res.expect_err("the blocked allreduce must fail").to_string(), took))
+            })
+        },
+    );
     for (r, res) in results.into_iter().enumerate() {
         let (msg, took) = res.expect("rank");
         // Without the abort these calls would wait for their 30 s deadline.

@@ -1,5 +1,5 @@
 //! Collective algorithms, written once against the transport's Pair API (through a
-//! [`Scope`](crate::Scope)) so they run unchanged on every backend.
+//! [`Scope`]) so they run unchanged on every backend.
 
 pub(crate) mod allgather;
 pub(crate) mod allreduce;
@@ -270,7 +270,10 @@ pub(crate) fn check_counts(counts: &[usize], n: usize, what: &str) -> Result<usi
     if counts.len() != n {
         return Err(Error::invalid(format!("{what}: {} counts given for {n} ranks", counts.len())));
     }
-    counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or_else(|| Error::invalid(format!("{what}: counts overflow")))
+    counts
+        .iter()
+        .try_fold(0usize, |a, &c| a.checked_add(c))
+        .ok_or_else(|| Error::invalid(format!("{what}: counts overflow")))
 }
 
 /// Hash input for a list of counts.

@@ -6,7 +6,13 @@ use std::ops::Range;
 
 /// The root receives block i of `out` from rank i (its own block is copied from `input`).
 /// One step; the root receives everything, the others send once.
-pub(crate) fn gather<T: Copy>(c: &Coll<'_, '_>, input: &[T], out: Seg<T>, blocks: &[Range<usize>], root: usize) -> Result<()> {
+pub(crate) fn gather<T: Copy>(
+    c: &Coll<'_, '_>,
+    input: &[T],
+    out: Seg<T>,
+    blocks: &[Range<usize>],
+    root: usize,
+) -> Result<()> {
     let r = c.ctx().rank();
     if r != root {
         // SAFETY: `input` is borrowed for this call and only read; the send is waited below.
@@ -24,7 +30,13 @@ pub(crate) fn gather<T: Copy>(c: &Coll<'_, '_>, input: &[T], out: Seg<T>, blocks
 }
 
 /// The root sends block i of `input` to rank i; every rank's `out` gets its block.
-pub(crate) fn scatter<T: Copy>(c: &Coll<'_, '_>, input: Seg<T>, out: &mut [T], blocks: &[Range<usize>], root: usize) -> Result<()> {
+pub(crate) fn scatter<T: Copy>(
+    c: &Coll<'_, '_>,
+    input: Seg<T>,
+    out: &mut [T],
+    blocks: &[Range<usize>],
+    root: usize,
+) -> Result<()> {
     let r = c.ctx().rank();
     if r != root {
         let got = unsafe {

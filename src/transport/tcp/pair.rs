@@ -495,7 +495,9 @@ impl TcpPair {
                     g.start += n;
                     if data.len() == *len {
                         let reason = String::from_utf8_lossy(data).into_owned();
-                        return Err(Error::Aborted { detail: format!("rank {} aborted the context: {reason}", self.peer) });
+                        return Err(Error::Aborted {
+                            detail: format!("rank {} aborted the context: {reason}", self.peer),
+                        });
                     }
                 }
                 Rx::Discard { remaining } => {
