@@ -186,12 +186,12 @@ pub(crate) fn mac_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
 pub(crate) fn random16() -> [u8; 16] {
     let mut b = [0u8; 16];
     if getrandom::fill(&mut b).is_err() {
-        // No OS entropy: fall back to time and address-space noise. Uniqueness, not secrecy,
-        // is what context ids need; nonces then only weaken replay protection.
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let local = 0u8;
-        let mix = t ^ ((&local as *const u8 as usize as u128) << 64) ^ u128::from(std::process::id());
-        b = mix.to_le_bytes();
+        // No OS entropy (never seen on Linux): fall back to time, process id and a counter.
+        // Context ids need uniqueness, which this keeps; nonces lose unpredictability.
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        b = (t ^ (u128::from(std::process::id()) << 64) ^ (u128::from(n) << 96)).to_le_bytes();
     }
     b
 }
