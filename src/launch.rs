@@ -54,6 +54,16 @@ impl RankEnv {
     }
 }
 
+impl RankEnv {
+    /// Joins the job: opens the store and connects this rank's context on a new device
+    /// described by `attr`, with `timeout` as its deadline.
+    pub fn connect(&self, attr: &crate::device::TcpAttr, timeout: Duration) -> Result<crate::Context> {
+        let store = crate::rendezvous::open(&self.store)?;
+        let device = crate::device::Device::new(attr)?;
+        crate::Context::builder(self.rank, self.size).timeout(timeout).connect(&store, &device)
+    }
+}
+
 /// Runs `n` copies of the current executable with `args`, as ranks `0..n` of one job that
 /// meets through a fresh temporary [`FileStore`](crate::rendezvous::FileStore) (removed
 /// afterwards). Waits for all of them, at most `timeout`.

@@ -6,7 +6,7 @@
 //! `--rank R --size N --store URL` (to join a job started by hand on several hosts).
 
 use clap::Args;
-use ferrogloo::device::{Device, TcpAttr};
+use ferrogloo::device::TcpAttr;
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::{Context, Error, Result};
 use std::time::Duration;
@@ -57,13 +57,11 @@ pub fn join(args: &JobArgs) -> Result<Option<Context>> {
             _ => return Err(Error::invalid("give --np N, or --rank R --size N [--store URL]")),
         },
     };
-    let store = ferrogloo::rendezvous::open(&env.store)?;
     let mut attr = TcpAttr::from_env();
     if let Some(i) = &args.iface {
         attr.iface = Some(i.clone());
     }
-    let device = Device::new(&attr)?;
-    Context::builder(env.rank, env.size).timeout(timeout).connect(&store, &device).map(Some)
+    env.connect(&attr, timeout).map(Some)
 }
 
 /// Prints an error and exits non-zero.
