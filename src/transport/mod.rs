@@ -75,6 +75,15 @@ use std::net::IpAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// How a waiting thread busy-waits before it sleeps in the kernel: for `budget`, spinning
+/// when this rank has a core to itself (saves the wake-up of an idle core, tens of
+/// microseconds on a VM), or yielding the CPU between tries when ranks share cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BusyWait {
+    pub(crate) budget: Duration,
+    pub(crate) yield_cpu: bool,
+}
+
 /// A send buffer lent to a backend: raw because the backend's I/O thread reads it while the
 /// poster waits, with the lifetime guaranteed by the wait/cancel protocol (contract rule 5).
 #[derive(Debug, Clone, Copy)]
@@ -131,9 +140,9 @@ pub(crate) trait Pair: Send + Sync {
 
     /// Blocks until `done` (an operation posted to this pair alone) finishes or `deadline`
     /// passes (`None`). A backend may do the pair's I/O on the calling thread meanwhile, and
-    /// busy-poll for up to `spin` before it sleeps.
-    fn wait(&self, done: &Completion, deadline: Instant, spin: Duration) -> Option<Result<usize>> {
-        let _ = spin;
+    /// busy-wait as `busy` says before it sleeps.
+    fn wait(&self, done: &Completion, deadline: Instant, busy: BusyWait) -> Option<Result<usize>> {
+        let _ = busy;
         done.wait_until(deadline)
     }
 

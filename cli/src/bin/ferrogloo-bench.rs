@@ -84,6 +84,9 @@ struct Args {
     /// Host name whose address to listen on.
     #[arg(long)]
     hostname: Option<String>,
+    /// Busy-poll this many microseconds before sleeping in a wait (default: automatic).
+    #[arg(long)]
+    busy_poll_us: Option<u64>,
     /// Write one JSON object per measured cell and line to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -478,7 +481,13 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
     if args.hostname.is_some() {
         attr.hostname = args.hostname.clone();
     }
-    let ctx = env.connect(&attr, Duration::from_secs(args.timeout))?;
+    let store = ferrogloo::rendezvous::open(&env.store)?;
+    let device = ferrogloo::device::Device::new(&attr)?;
+    let mut builder = Context::builder(env.rank, env.size).timeout(Duration::from_secs(args.timeout));
+    if let Some(us) = args.busy_poll_us {
+        builder = builder.busy_poll(Duration::from_micros(us));
+    }
+    let ctx = builder.connect(&store, &device)?;
     let cells = match args.dtype.as_str() {
         "f32" => run::<f32>(&ctx, args),
         "f64" => run::<f64>(&ctx, args),

@@ -7,7 +7,7 @@
 use super::frame::{FrameHeader, HEADER_LEN, Kind, MAX_ABORT};
 use super::wake::{EventFd, poll2};
 use crate::error::{Error, Result};
-use crate::transport::{Completion, Pair, RecvBuf, SendBuf, seq_after, sequence_mismatch, sequenced};
+use crate::transport::{BusyWait, Completion, Pair, RecvBuf, SendBuf, seq_after, sequence_mismatch, sequenced};
 use mio::Token;
 use mio::net::TcpStream;
 use std::collections::VecDeque;
@@ -15,7 +15,7 @@ use std::io::{self, IoSlice, Read};
 use std::net::IpAddr;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Staging buffer for small reads (headers and small payloads arrive many per syscall).
 const STAGING: usize = 64 << 10;
@@ -175,9 +175,9 @@ impl TcpPair {
     /// (epoll then reports any readiness that built up, so nothing is lost). When another
     /// thread already drives the pair, this waits on the completion like any waiter.
     ///
-    /// For `spin` it retries without blocking before it sleeps in `poll`: when this rank has a
-    /// core to itself that saves the wake-up of an idle core (tens of microseconds on a VM).
-    pub(crate) fn drive_until(&self, done: &Completion, deadline: Instant, spin: Duration) -> Option<Result<usize>> {
+    /// For `busy.budget` it retries without blocking before it sleeps in `poll` (see
+    /// [`BusyWait`]).
+    pub(crate) fn drive_until(&self, done: &Completion, deadline: Instant, busy: BusyWait) -> Option<Result<usize>> {
         if let Some(o) = done.outcome() {
             return Some(o);
         }
@@ -197,7 +197,7 @@ impl TcpPair {
             *driven = true;
             fd
         };
-        let spin_until = Instant::now() + spin;
+        let busy_until = Instant::now() + busy.budget;
         let outcome = loop {
             let events = {
                 let mut g = self.lock();
@@ -221,8 +221,13 @@ impl TcpPair {
             if now >= deadline {
                 break done.outcome();
             }
-            if now < spin_until {
-                std::hint::spin_loop();
+            if now < busy_until {
+                if busy.yield_cpu {
+                    // Cores are shared: let another rank run rather than sleep in the kernel.
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             if poll2(fd, events, self.wake.raw(), deadline - now).is_err() {
@@ -625,8 +630,8 @@ impl Pair for TcpPair {
         self.peer
     }
 
-    fn wait(&self, done: &Completion, deadline: Instant, spin: Duration) -> Option<Result<usize>> {
-        self.drive_until(done, deadline, spin)
+    fn wait(&self, done: &Completion, deadline: Instant, busy: BusyWait) -> Option<Result<usize>> {
+        self.drive_until(done, deadline, busy)
     }
 
     fn remote_ip(&self) -> Option<IpAddr> {
