@@ -7,8 +7,10 @@ use crate::types::{Element, ReduceOp};
 use std::collections::VecDeque;
 use std::ops::Range;
 
-/// Receive slots of the ring reduce-scatter: segments in flight towards this rank.
-const RING_SLOTS: usize = 4;
+/// Receive slots of the ring reduce-scatter: segments in flight towards this rank. Step-0
+/// sends are paced to the same window, so segments arrive into posted slots rather than the
+/// pair's early-arrival buffer (which costs an allocation and a copy each).
+const RING_SLOTS: usize = 8;
 
 /// Ring reduce-scatter over `blocks` of `buf`, pipelined in segments of `seg` elements.
 ///
@@ -39,12 +41,26 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     let slots = Seg::new(&mut scratch);
     let slot = |i: usize, len: usize| slots.sub(i * longest..i * longest + len);
 
+    // Sends leave in one order (every step-0 segment, then each forwarded segment as it is
+    // reduced), because the right neighbour matches them by order alone. They are paced: one
+    // credit per receive slot to start, one more per segment received, so segments land in
+    // the neighbour's posted slots instead of its early-arrival buffer.
+    let mut queue: VecDeque<Seg<T>> = segments(&blocks[send_block(0)], seg).map(|s| buf.sub(s)).collect();
+    let mut credit = RING_SLOTS;
     let mut sends = Vec::new();
-    for s in segments(&blocks[send_block(0)], seg) {
-        // SAFETY: block send_block(0) is never written in this phase (only blocks recv_block(k)
-        // are, and recv_block(k) == send_block(0) has no solution k in 0..n-1).
-        sends.push(unsafe { c.send(right, buf.sub(s))? });
-    }
+    // SAFETY (every send below): a queued segment is final for this phase. Step-0 segments
+    // belong to block send_block(0), which is never written here (recv_block(k) ==
+    // send_block(0) has no solution k in 0..n-1); forwarded segments are queued only after
+    // their reduction, and nothing writes them again.
+    let mut issue = |queue: &mut VecDeque<Seg<T>>, credit: &mut usize, all: bool| -> Result<()> {
+        while *credit > 0 || all {
+            let Some(s) = queue.pop_front() else { break };
+            sends.push(unsafe { c.send(right, s)? });
+            *credit = credit.saturating_sub(1);
+        }
+        Ok(())
+    };
+    issue(&mut queue, &mut credit, false)?;
     let mut pending: VecDeque<(usize, usize)> = VecDeque::new(); // (receive op, slot)
     let mut next = 0;
     while next < items.len().min(RING_SLOTS) {
@@ -65,11 +81,13 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
             next += 1;
         }
         if k + 1 < n - 1 {
-            // SAFETY: this segment is final for this phase (never written again after its
-            // reduction above), so it can be read by the send until the phase ends.
-            sends.push(unsafe { c.send(right, dst)? });
+            queue.push_back(dst);
         }
+        credit += 1;
+        issue(&mut queue, &mut credit, false)?;
     }
+    issue(&mut queue, &mut credit, true)?;
+    drop(issue);
     c.wait_all(sends)
 }
 
