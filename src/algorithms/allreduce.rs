@@ -87,7 +87,6 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
         issue(&mut queue, &mut credit, false)?;
     }
     issue(&mut queue, &mut credit, true)?;
-    drop(issue);
     c.wait_all(sends)
 }
 
