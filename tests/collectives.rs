@@ -128,6 +128,7 @@ fn case() -> impl Strategy<Value = Case> {
         Just(Kind::Allreduce(Algorithm::Auto)),
         Just(Kind::Allreduce(Algorithm::Ring)),
         Just(Kind::Allreduce(Algorithm::HalvingDoubling)),
+        Just(Kind::Allreduce(Algorithm::RecursiveDoubling)),
         Just(Kind::AllreduceMulti),
         Just(Kind::Reduce),
         Just(Kind::ReduceScatter),
@@ -331,6 +332,7 @@ fn every_kind_type_and_size_class_once_per_world_size() {
         let kinds = [
             Kind::Allreduce(Algorithm::Ring),
             Kind::Allreduce(Algorithm::HalvingDoubling),
+            Kind::Allreduce(Algorithm::RecursiveDoubling),
             Kind::AllreduceMulti,
             Kind::Reduce,
             Kind::ReduceScatterV,
@@ -364,7 +366,7 @@ fn floats_reduce_within_tolerance_and_bit_identically_on_every_rank() {
     // Arbitrary floats: the order of additions differs by algorithm, so compare to the
     // reference within a tolerance, and across ranks bit for bit.
     for n in [2, 3, 5, 8] {
-        for algo in [Algorithm::Ring, Algorithm::HalvingDoubling] {
+        for algo in [Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling] {
             let store = HashStore::new();
             let len = 10_001;
             let data = |r: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + r * 13) as f32).sin() * 1e3).collect() };

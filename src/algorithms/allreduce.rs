@@ -140,6 +140,97 @@ pub(crate) fn ring<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>, 
     ring_allgather(c, buf, &blocks, 1, seg)
 }
 
+/// The largest power of two ≤ n, and how ranks map onto it: the first 2(n-p) ranks pair up
+/// (even ones fold into the odd one above), the rest keep a place of their own.
+fn fold_plan(n: usize) -> (usize, usize) {
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    (p, n - p)
+}
+
+/// Recursive doubling: in step k every rank swaps its whole buffer with the rank 2^k away (in
+/// the power-of-two group) and both fold the two in rank order, so both hold the same bits.
+/// log₂p steps (+2 when n is not a power of two); each rank sends S·log₂p bytes. Fewest steps:
+/// the choice for small buffers.
+pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>) -> Result<()> {
+    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    if n == 1 {
+        return Ok(());
+    }
+    let (p, rem) = fold_plan(n);
+    let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+    let mut scratch: Vec<T> = bytemuck::zeroed_vec(buf.len());
+    let tmp = Seg::new(&mut scratch);
+    let v = match pre_fold(c, buf, tmp, op, r, rem)? {
+        Some(v) => v,
+        None => return Ok(()), // folded into a neighbour, which sent the result back
+    };
+    let mut mask = 1;
+    while mask < p {
+        let partner = real(v ^ mask);
+        // SAFETY: `buf` is only read by the send and `tmp` only written by the receive; both
+        // are waited for before either is touched.
+        let s = unsafe { c.send(partner, buf)? };
+        let got = unsafe { c.recv(partner, tmp)? };
+        c.wait_all([got, s])?;
+        // SAFETY: both operations are complete.
+        unsafe {
+            if v & mask == 0 {
+                op.apply(buf.get_mut(), tmp.get()); // mine (lower group) ⊕ theirs
+            } else {
+                op.apply(tmp.get_mut(), buf.get()); // theirs (lower group) ⊕ mine
+                buf.get_mut().copy_from_slice(tmp.get());
+            }
+        }
+        mask *= 2;
+    }
+    post_fold(c, buf, r, rem)
+}
+
+/// Pre-step for world sizes that are not powers of two: among the first 2·rem ranks, even ones
+/// hand their buffer to the odd one above, which folds it in (lower rank first) and takes the
+/// place `r / 2`; an even rank then waits for the result (`None`). Other ranks take
+/// `r - rem`.
+fn pre_fold<T: Element>(
+    c: &Coll<'_, '_>,
+    buf: Seg<T>,
+    tmp: Seg<T>,
+    op: &ReduceOp<T>,
+    r: usize,
+    rem: usize,
+) -> Result<Option<usize>> {
+    if r >= 2 * rem {
+        return Ok(Some(r - rem));
+    }
+    if r % 2 == 0 {
+        // SAFETY: `buf` is only read by this send, which is waited for before the receive.
+        let s = unsafe { c.send(r + 1, buf)? };
+        c.wait(s)?;
+        // SAFETY: nothing else touches `buf` until this receive completes.
+        let got = unsafe { c.recv(r + 1, buf)? };
+        c.wait(got)?;
+        return Ok(None);
+    }
+    // SAFETY: `tmp` is private scratch, read only after the receive completes.
+    let got = unsafe { c.recv(r - 1, tmp)? };
+    c.wait(got)?;
+    // SAFETY: no operation is pending on either.
+    unsafe {
+        op.apply(tmp.get_mut(), buf.get());
+        buf.get_mut().copy_from_slice(tmp.get());
+    }
+    Ok(Some(r / 2))
+}
+
+/// Post-step: an odd rank among the first 2·rem gives the result to the even rank below.
+fn post_fold<T>(c: &Coll<'_, '_>, buf: Seg<T>, r: usize, rem: usize) -> Result<()> {
+    if r < 2 * rem {
+        // SAFETY: `buf` is final and only read by this send.
+        let s = unsafe { c.send(r - 1, buf)? };
+        c.wait(s)?;
+    }
+    Ok(())
+}
+
 /// Recursive halving (reduce-scatter) then recursive doubling (allgather) over the largest
 /// power of two p ≤ n. The first 2(n-p) ranks pair up first: even ones hand their buffer to
 /// the odd one above and receive the result at the end. 2·log₂p steps (+2 when n is not a
@@ -149,31 +240,11 @@ pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &R
     if n == 1 {
         return Ok(());
     }
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
-    let rem = n - p;
+    let (p, rem) = fold_plan(n);
     let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
     let mut scratch: Vec<T> = bytemuck::zeroed_vec(buf.len());
     let tmp = Seg::new(&mut scratch);
-
-    // Pre-step: fold the extra ranks into their odd neighbours.
-    let v = if r < 2 * rem {
-        if r % 2 == 0 {
-            // SAFETY: `buf` is only read by this send, which is waited for before the receive.
-            let s = unsafe { c.send(r + 1, buf)? };
-            c.wait(s)?;
-            // SAFETY: nothing else touches `buf` until this receive completes.
-            let got = unsafe { c.recv(r + 1, buf)? };
-            return c.wait(got);
-        }
-        // SAFETY: `tmp` is private scratch, read only after the receive completes.
-        let got = unsafe { c.recv(r - 1, tmp)? };
-        c.wait(got)?;
-        // SAFETY: both complete, no pending operation on either.
-        unsafe { op.apply(buf.get_mut(), tmp.get()) };
-        r / 2
-    } else {
-        r - rem
-    };
+    let Some(v) = pre_fold(c, buf, tmp, op, r, rem)? else { return Ok(()) };
 
     let blocks = partition(buf.len(), p);
     let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
@@ -208,11 +279,5 @@ pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &R
         (lo, hi) = (lo.min(other_lo), hi.max(other_hi));
         mask *= 2;
     }
-    // Post-step: give the result to the rank folded in at the start.
-    if r < 2 * rem {
-        // SAFETY: `buf` is final and only read by this send.
-        let s = unsafe { c.send(r - 1, buf)? };
-        c.wait(s)?;
-    }
-    Ok(())
+    post_fold(c, buf, r, rem)
 }

@@ -28,6 +28,8 @@ pub enum Algorithm {
     /// Recursive halving then doubling, with a pre/post step for world sizes that are not
     /// powers of two (allreduce).
     HalvingDoubling,
+    /// Recursive doubling: whole-buffer exchanges, the fewest steps (allreduce).
+    RecursiveDoubling,
     /// Binomial tree (broadcast, reduce).
     BinomialTree,
     /// A chain from the root, pipelined in segments (broadcast).

@@ -56,7 +56,7 @@ struct Args {
     /// Reduction: sum, prod, min, max.
     #[arg(long, default_value = "sum")]
     reduce: String,
-    /// Algorithms (comma-separated; `all` = every one the collective has): auto, ring, hd,
+    /// Algorithms (comma-separated; `all` = every one the collective has): auto, ring, hd, rd,
     /// tree, pipeline.
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     algorithm: Vec<String>,
@@ -140,7 +140,7 @@ fn sizes(args: &Args) -> Result<Vec<usize>> {
 
 fn algorithms(op: &str, wanted: &[String]) -> Result<Vec<Algorithm>> {
     let has: &[Algorithm] = match op {
-        "allreduce" => &[Algorithm::Auto, Algorithm::Ring, Algorithm::HalvingDoubling],
+        "allreduce" => &[Algorithm::Auto, Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling],
         "broadcast" => &[Algorithm::Auto, Algorithm::BinomialTree, Algorithm::Pipeline],
         _ => &[Algorithm::Auto],
     };
@@ -154,6 +154,7 @@ fn algorithms(op: &str, wanted: &[String]) -> Result<Vec<Algorithm>> {
             "auto" => Algorithm::Auto,
             "ring" => Algorithm::Ring,
             "hd" | "halving-doubling" => Algorithm::HalvingDoubling,
+            "rd" | "recursive-doubling" => Algorithm::RecursiveDoubling,
             "tree" => Algorithm::BinomialTree,
             "pipeline" => Algorithm::Pipeline,
             other => return Err(Error::invalid(format!("unknown algorithm {other:?}"))),
@@ -169,6 +170,7 @@ fn algo_name(a: Algorithm) -> &'static str {
     match a {
         Algorithm::Ring => "ring",
         Algorithm::HalvingDoubling => "hd",
+        Algorithm::RecursiveDoubling => "rd",
         Algorithm::BinomialTree => "tree",
         Algorithm::Pipeline => "pipeline",
         _ => "auto",
