@@ -140,11 +140,33 @@ pub(crate) fn ring<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>, 
     ring_allgather(c, buf, &blocks, 1, seg)
 }
 
-/// The largest power of two ≤ n, and how ranks map onto it: the first 2(n-p) ranks pair up
-/// (even ones fold into the odd one above), the rest keep a place of their own.
-fn fold_plan(n: usize) -> (usize, usize) {
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    (p, n - p)
+/// The power-of-two group the doubling algorithms work in: p, the largest power of two ≤ n,
+/// virtual ranks `0..p`, and this rank's place `v` in it.
+struct Group {
+    p: usize,
+    rem: usize,
+    v: usize,
+}
+
+impl Group {
+    /// Enters the group: ranks beyond the first p fold in (see [`pre_fold`]). `None` for a
+    /// rank that folded into its neighbour and already holds the result.
+    fn enter<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, tmp: Seg<T>, op: &ReduceOp<T>) -> Result<Option<Self>> {
+        let (r, n) = (c.ctx().rank(), c.ctx().size());
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let rem = n - p;
+        Ok(pre_fold(c, buf, tmp, op, r, rem)?.map(|v| Group { p, rem, v }))
+    }
+
+    /// The real rank of virtual rank `v`.
+    fn real(&self, v: usize) -> usize {
+        if v < self.rem { 2 * v + 1 } else { v + self.rem }
+    }
+
+    /// Leaves the group: hands the result to the rank folded in at the start.
+    fn leave<T>(&self, c: &Coll<'_, '_>, buf: Seg<T>) -> Result<()> {
+        post_fold(c, buf, c.ctx().rank(), self.rem)
+    }
 }
 
 /// Recursive doubling: in step k every rank swaps its whole buffer with the rank 2^k away (in
@@ -152,21 +174,16 @@ fn fold_plan(n: usize) -> (usize, usize) {
 /// log₂p steps (+2 when n is not a power of two); each rank sends S·log₂p bytes. Fewest steps:
 /// the choice for small buffers.
 pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
-    if n == 1 {
+    if c.ctx().size() == 1 {
         return Ok(());
     }
-    let (p, rem) = fold_plan(n);
-    let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
     let mut scratch: Vec<T> = bytemuck::zeroed_vec(buf.len());
     let tmp = Seg::new(&mut scratch);
-    let v = match pre_fold(c, buf, tmp, op, r, rem)? {
-        Some(v) => v,
-        None => return Ok(()), // folded into a neighbour, which sent the result back
-    };
+    let Some(g) = Group::enter(c, buf, tmp, op)? else { return Ok(()) };
+    let (p, v) = (g.p, g.v);
     let mut mask = 1;
     while mask < p {
-        let partner = real(v ^ mask);
+        let partner = g.real(v ^ mask);
         // SAFETY: `buf` is only read by the send and `tmp` only written by the receive; both
         // are waited for before either is touched.
         let s = unsafe { c.send(partner, buf)? };
@@ -183,7 +200,7 @@ pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: 
         }
         mask *= 2;
     }
-    post_fold(c, buf, r, rem)
+    g.leave(c, buf)
 }
 
 /// Pre-step for world sizes that are not powers of two: among the first 2·rem ranks, even ones
@@ -201,7 +218,7 @@ fn pre_fold<T: Element>(
     if r >= 2 * rem {
         return Ok(Some(r - rem));
     }
-    if r % 2 == 0 {
+    if r.is_multiple_of(2) {
         // SAFETY: `buf` is only read by this send, which is waited for before the receive.
         let s = unsafe { c.send(r + 1, buf)? };
         c.wait(s)?;
@@ -236,22 +253,20 @@ fn post_fold<T>(c: &Coll<'_, '_>, buf: Seg<T>, r: usize, rem: usize) -> Result<(
 /// the odd one above and receive the result at the end. 2·log₂p steps (+2 when n is not a
 /// power of two); each rank sends and receives 2(p-1)/p of the buffer.
 pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
-    if n == 1 {
+    if c.ctx().size() == 1 {
         return Ok(());
     }
-    let (p, rem) = fold_plan(n);
-    let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
     let mut scratch: Vec<T> = bytemuck::zeroed_vec(buf.len());
     let tmp = Seg::new(&mut scratch);
-    let Some(v) = pre_fold(c, buf, tmp, op, r, rem)? else { return Ok(()) };
+    let Some(g) = Group::enter(c, buf, tmp, op)? else { return Ok(()) };
+    let (p, v) = (g.p, g.v);
 
     let blocks = partition(buf.len(), p);
     let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
     let (mut lo, mut hi) = (0, p);
     let mut mask = p / 2;
     while mask > 0 {
-        let partner = real(v ^ mask);
+        let partner = g.real(v ^ mask);
         let mid = lo + (hi - lo) / 2;
         let (keep, give) = if v & mask == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
         let keep_r = span(keep.0, keep.1);
@@ -269,7 +284,7 @@ pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &R
     // Now block v is fully reduced here; double it back up.
     let mut mask = 1;
     while mask < p {
-        let partner = real(v ^ mask);
+        let partner = g.real(v ^ mask);
         let width = hi - lo;
         let (other_lo, other_hi) = if v & mask == 0 { (hi, hi + width) } else { (lo - width, lo) };
         // SAFETY: the part sent and the part received are disjoint, both waited for below.
@@ -279,5 +294,5 @@ pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &R
         (lo, hi) = (lo.min(other_lo), hi.max(other_hi));
         mask *= 2;
     }
-    post_fold(c, buf, r, rem)
+    g.leave(c, buf)
 }
