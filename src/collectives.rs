@@ -50,7 +50,7 @@ impl Context {
     ///
     /// Algorithms ([`CollectiveOptions::algorithm`]):
     /// - `Ring`: reduce-scatter then allgather around the ring, pipelined in segments
-    ///   (`segment_bytes`, default 256 KiB) so reducing one segment overlaps moving the next.
+    ///   (`segment_bytes`, default 1 MiB) so reducing one segment overlaps moving the next.
     ///   2(n-1) steps; sends and receives 2(n-1)/n·S bytes: time ≈ 2(n-1)α + 2(n-1)/n·Sβ.
     /// - `HalvingDoubling`: recursive halving then doubling; any n (the 2(n-p) extra ranks
     ///   beyond the largest power of two p fold into a neighbour first). 2·log₂p (+2) steps;

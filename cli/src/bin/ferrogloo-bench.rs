@@ -84,6 +84,9 @@ struct Args {
     /// Host name whose address to listen on.
     #[arg(long)]
     hostname: Option<String>,
+    /// Pipeline segment size of the pipelined algorithms, in bytes (K/M suffixes allowed).
+    #[arg(long)]
+    segment_bytes: Option<String>,
     /// Busy-poll this many microseconds before sleeping in a wait (default: automatic).
     #[arg(long)]
     busy_poll_us: Option<u64>,
@@ -237,7 +240,10 @@ fn measure<T: Val + PartialEq>(ctx: &Context, args: &Args, op: &str, algo: Algor
         "max" => ReduceOp::Max,
         other => return Err(Error::invalid(format!("unknown reduction {other:?}"))),
     };
-    let opts = CollectiveOptions::new().algorithm(algo);
+    let mut opts = CollectiveOptions::new().algorithm(algo);
+    if let Some(seg) = &args.segment_bytes {
+        opts = opts.segment_bytes(parse_size(seg)?);
+    }
     let root = args.root % n;
     // Reduction of `v(p)` over every rank p, in the element type.
     let reduced = |v: &dyn Fn(usize) -> u32| {
