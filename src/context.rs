@@ -180,6 +180,7 @@ impl ContextBuilder {
             pairs,
             collective_seq: Mutex::default(),
             aborted: Mutex::default(),
+            scratch: Mutex::default(),
         })
     }
 }
@@ -314,6 +315,8 @@ pub struct Context {
     collective_seq: Mutex<HashMap<u32, u32>>,
     /// Set once the context is aborted (by [`Context::abort`] or a failed collective).
     aborted: Mutex<Option<Error>>,
+    /// Scratch buffers reused by collectives (see `algorithms::Arena`).
+    scratch: Mutex<Vec<Vec<u64>>>,
 }
 
 impl std::fmt::Debug for Context {
@@ -347,6 +350,7 @@ impl Context {
             pairs: vec![None],
             collective_seq: Mutex::default(),
             aborted: Mutex::default(),
+            scratch: Mutex::default(),
         }
     }
 
@@ -394,6 +398,10 @@ impl Context {
         for p in self.pairs.iter().flatten() {
             p.abort(&err, reason);
         }
+    }
+
+    pub(crate) fn scratch_pool(&self) -> &Mutex<Vec<Vec<u64>>> {
+        &self.scratch
     }
 
     /// Whether the context was aborted (it then fails every call).

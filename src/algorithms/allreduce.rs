@@ -37,8 +37,7 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     let items: Vec<(usize, Range<usize>)> =
         (0..n - 1).flat_map(|k| segments(&blocks[recv_block(k)], seg).map(move |s| (k, s))).collect();
     let longest = items.iter().map(|(_, s)| s.len()).max().unwrap_or(0);
-    let mut scratch: Vec<T> = bytemuck::zeroed_vec(longest * RING_SLOTS);
-    let slots = Seg::new(&mut scratch);
+    let slots = c.scratch::<T>(longest * RING_SLOTS);
     let slot = |i: usize, len: usize| slots.sub(i * longest..i * longest + len);
 
     // Sends leave in one order (every step-0 segment, then each forwarded segment as it is
@@ -177,8 +176,7 @@ pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: 
     if c.ctx().size() == 1 {
         return Ok(());
     }
-    let mut scratch: Vec<T> = bytemuck::zeroed_vec(buf.len());
-    let tmp = Seg::new(&mut scratch);
+    let tmp = c.scratch::<T>(buf.len());
     let Some(g) = Group::enter(c, buf, tmp, op)? else { return Ok(()) };
     let (p, v) = (g.p, g.v);
     let mut mask = 1;
@@ -256,8 +254,7 @@ pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &R
     if c.ctx().size() == 1 {
         return Ok(());
     }
-    let mut scratch: Vec<T> = bytemuck::zeroed_vec(buf.len());
-    let tmp = Seg::new(&mut scratch);
+    let tmp = c.scratch::<T>(buf.len());
     let Some(g) = Group::enter(c, buf, tmp, op)? else { return Ok(()) };
     let (p, v) = (g.p, g.v);
 

@@ -11,7 +11,10 @@ pub(crate) mod reduce;
 use crate::context::{Context, Scope};
 use crate::error::{Error, Result};
 use crate::transport::{RecvBuf, SendBuf};
+use crate::types::Element;
+use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Which algorithm a collective uses. Each collective documents the ones it accepts; `Auto`
@@ -121,13 +124,66 @@ pub(crate) fn meta(op: OpCode, dtype: u8, params: &[u64]) -> u32 {
     ((op as u32) << 26) | (u32::from(dtype & 0xf) << 22) | h
 }
 
-/// One collective call in progress: its scope, wire tag, descriptor and deadline.
+/// One collective call in progress: its scope, wire tag, descriptor, deadline and scratch.
 pub(crate) struct Coll<'scope, 'env> {
     pub(crate) s: &'scope Scope<'scope, 'env>,
     wire: u64,
     meta: u32,
     deadline: Instant,
     what: &'static str,
+    arena: &'scope Arena<'env>,
+}
+
+/// Most scratch buffers a context keeps for reuse.
+const POOL_KEEP: usize = 8;
+
+/// Scratch memory of one collective call. It is created before the call's scope and dropped
+/// after it, so it outlives every operation the scope finishes or cancels: an algorithm that
+/// returns early with an error cannot leave a receive writing into freed scratch. Its buffers
+/// come from, and go back to, the context's pool, so repeated calls do not allocate.
+pub(crate) struct Arena<'p> {
+    pool: &'p Mutex<Vec<Vec<u64>>>,
+    bufs: RefCell<Vec<Vec<u64>>>,
+}
+
+impl<'p> Arena<'p> {
+    pub(crate) fn new(pool: &'p Mutex<Vec<Vec<u64>>>) -> Self {
+        Arena { pool, bufs: RefCell::default() }
+    }
+
+    /// `len` elements of scratch, valid until the arena is dropped. Contents are arbitrary
+    /// (any bit pattern is a valid `T`).
+    fn seg<T: Element>(&self, len: usize) -> Seg<T> {
+        const { assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u64>()) };
+        let words = (len * std::mem::size_of::<T>()).div_ceil(8);
+        let mut v = {
+            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+            match pool.iter().position(|b| b.capacity() >= words) {
+                Some(i) => pool.swap_remove(i),
+                None => pool.pop().unwrap_or_default(),
+            }
+        };
+        if v.len() >= words {
+            v.truncate(words);
+        } else {
+            v.resize(words, 0);
+        }
+        // The heap buffer does not move when the Vec is moved into `bufs`.
+        let seg = Seg { ptr: v.as_mut_ptr().cast::<T>(), len };
+        self.bufs.borrow_mut().push(v);
+        seg
+    }
+}
+
+impl Drop for Arena<'_> {
+    fn drop(&mut self) {
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        for b in self.bufs.get_mut().drain(..) {
+            if pool.len() < POOL_KEEP {
+                pool.push(b);
+            }
+        }
+    }
 }
 
 /// Runs `body` as one collective: takes the next sequence number of `opts.tag`, one deadline
@@ -142,7 +198,9 @@ pub(crate) fn run<R>(
     ctx.check_usable()?;
     let wire = ctx.next_collective_tag(opts.tag)?;
     let deadline = Instant::now() + opts.timeout.unwrap_or(ctx.timeout());
-    let result = ctx.scope(|s| body(&Coll { s, wire, meta, deadline, what }));
+    // Declared before the scope, so dropped after it (see `Arena`).
+    let arena = Arena::new(ctx.scratch_pool());
+    let result = ctx.scope(|s| body(&Coll { s, wire, meta, deadline, what, arena: &arena }));
     if let Err(e) = &result {
         // The ranks' collective state no longer agrees: make sure every rank learns it.
         ctx.abort(&format!("{what} #{} of tag {} failed on rank {}: {e}", wire as u32, opts.tag, ctx.rank()));
@@ -153,6 +211,11 @@ pub(crate) fn run<R>(
 impl<'scope, 'env> Coll<'scope, 'env> {
     pub(crate) fn ctx(&self) -> &'env Context {
         self.s.context()
+    }
+
+    /// Scratch for this call: valid until the call's scope has finished every operation.
+    pub(crate) fn scratch<T: Element>(&self, len: usize) -> Seg<T> {
+        self.arena.seg(len)
     }
 
     /// Starts sending `buf` to `peer`.

@@ -13,16 +13,15 @@ pub(crate) fn tree<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, root: usize, op: &
     // Children of vr: vr + 2^i for every 2^i below vr's lowest set bit (all, for the root).
     let has_children = (0..usize::BITS).map(|i| 1usize << i).take_while(|&m| vr & m == 0 && m < n).any(|m| vr + m < n);
     // A non-root with children folds into a copy, so its caller's buffer stays unchanged.
-    let mut own: Vec<T> = Vec::new();
     let acc = if vr == 0 || !has_children {
         buf
     } else {
-        // SAFETY: no operation is pending on `buf` yet.
-        own.extend_from_slice(unsafe { buf.get() });
-        Seg::new(&mut own)
+        let own = c.scratch::<T>(buf.len());
+        // SAFETY: no operation is pending on either yet.
+        unsafe { own.get_mut().copy_from_slice(buf.get()) };
+        own
     };
-    let mut incoming: Vec<T> = if has_children { bytemuck::zeroed_vec(buf.len()) } else { Vec::new() };
-    let tmp = Seg::new(&mut incoming);
+    let tmp = c.scratch::<T>(if has_children { buf.len() } else { 0 });
     let mut mask = 1;
     while mask < n {
         if vr & mask != 0 {
