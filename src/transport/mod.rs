@@ -169,6 +169,10 @@ pub(crate) struct Completion {
 
 #[derive(Debug, Default)]
 struct CompletionState {
+    /// Threads blocked on the condition variable: only then does completing it notify (a
+    /// notify is a futex system call even with nobody waiting, and most waits drive the pair
+    /// themselves instead).
+    sleepers: u32,
     /// A receive posted to several pairs is claimed by the first message that matches it.
     claimed: bool,
     /// `Some` once finished: the peer rank on success.
@@ -207,8 +211,11 @@ impl Completion {
         if s.outcome.is_none() {
             s.claimed = true;
             s.outcome = Some(outcome);
+            let sleepers = s.sleepers;
             drop(s);
-            self.cond.notify_all();
+            if sleepers > 0 {
+                self.cond.notify_all();
+            }
         }
     }
 
@@ -228,7 +235,9 @@ impl Completion {
             if now >= deadline {
                 return None;
             }
+            s.sleepers += 1;
             s = self.cond.wait_timeout(s, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            s.sleepers -= 1;
         }
     }
 }
