@@ -12,6 +12,33 @@ use std::ops::Range;
 /// pair's early-arrival buffer (which costs an allocation and a copy each).
 const RING_SLOTS: usize = 8;
 
+/// This rank's place in the ring, and which block it receives in step k.
+struct Ring {
+    r: usize,
+    n: usize,
+    right: usize,
+    left: usize,
+    shift: usize,
+}
+
+impl Ring {
+    /// `None` for a ring of one (nothing to exchange).
+    fn of(c: &Coll<'_, '_>, shift: usize) -> Option<Self> {
+        let (r, n) = (c.ctx().rank(), c.ctx().size());
+        (n > 1).then(|| Ring { r, n, right: (r + 1) % n, left: (r + n - 1) % n, shift })
+    }
+
+    /// The block sent in step k (the one received from the left in step k-1).
+    fn send_block(&self, k: usize) -> usize {
+        (self.r + self.n - k + self.shift) % self.n
+    }
+
+    /// The block received from the left in step k.
+    fn recv_block(&self, k: usize) -> usize {
+        self.send_block(k + 1)
+    }
+}
+
 /// Ring reduce-scatter over `blocks` of `buf`, pipelined in segments of `seg` elements.
 ///
 /// In step k (of n-1) rank r sends block `(r - k + shift) mod n` to its right neighbour and
@@ -26,13 +53,10 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     shift: usize,
     seg: usize,
 ) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
-    if n == 1 {
-        return Ok(());
-    }
-    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    let send_block = |k: usize| (r + n - k + shift) % n;
-    let recv_block = |k: usize| (r + 2 * n - k - 1 + shift) % n;
+    let Some(ring) = Ring::of(c, shift) else { return Ok(()) };
+    let (n, right, left) = (ring.n, ring.right, ring.left);
+    let send_block = |k: usize| ring.send_block(k);
+    let recv_block = |k: usize| ring.recv_block(k);
     // Every (step, segment) this rank receives, in order.
     let items: Vec<(usize, Range<usize>)> =
         (0..n - 1).flat_map(|k| segments(&blocks[recv_block(k)], seg).map(move |s| (k, s))).collect();
@@ -100,13 +124,10 @@ pub(crate) fn ring_allgather<T: Element>(
     shift: usize,
     seg: usize,
 ) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
-    if n == 1 {
-        return Ok(());
-    }
-    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    let send_block = (r + shift) % n;
-    let recv_block = |k: usize| (r + 2 * n - k - 1 + shift) % n;
+    let Some(ring) = Ring::of(c, shift) else { return Ok(()) };
+    let (n, right, left) = (ring.n, ring.right, ring.left);
+    let send_block = ring.send_block(0);
+    let recv_block = |k: usize| ring.recv_block(k);
     let mut sends = Vec::new();
     for s in segments(&blocks[send_block], seg) {
         // SAFETY: this rank's own block is never received into.
