@@ -596,9 +596,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     }
 
     fn wait_index(&self, idx: usize, timeout: Option<Duration>) -> Result<usize> {
-        let op = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get_mut(idx).and_then(Option::take);
-        let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
-        op.wait(Instant::now() + timeout.unwrap_or(self.ctx.timeout), self.ctx.spin)
+        self.wait_deadline(idx, Instant::now() + timeout.unwrap_or(self.ctx.timeout))
     }
 
     fn is_done(&self, idx: usize) -> bool {
@@ -625,26 +623,6 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         Ok(self.push(Op { pairs: vec![pair], done, what }))
     }
 
-    /// Starts a receive into raw memory.
-    ///
-    /// # Safety
-    /// `buf` must stay valid and untouched until the operation is waited for or the scope ends.
-    pub(crate) unsafe fn irecv_raw(
-        &'scope self,
-        peer: usize,
-        wire: u64,
-        meta: u32,
-        buf: RecvBuf,
-        what: &'static str,
-    ) -> Result<usize> {
-        let pair = self.ctx.pair(peer)?.clone();
-        let done = Completion::new();
-        let idx = self.push(Op { pairs: vec![pair.clone()], done: done.clone(), what });
-        // SAFETY: forwarded from this function's contract.
-        unsafe { pair.post_recv(wire, meta, buf, &done)? };
-        Ok(idx)
-    }
-
     /// Waits for an operation of this scope until an absolute deadline.
     pub(crate) fn wait_deadline(&self, idx: usize, deadline: Instant) -> Result<usize> {
         let op = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get_mut(idx).and_then(Option::take);
@@ -652,30 +630,16 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         op.wait(deadline, self.ctx.spin)
     }
 
-    /// Starts a send with a raw wire tag and descriptor word.
-    pub(crate) fn isend_wire(
-        &'scope self,
-        peer: usize,
-        wire: u64,
-        meta: u32,
-        buf: &'scope [u8],
-        what: &'static str,
-    ) -> Result<usize> {
-        let pair = self.ctx.pair(peer)?.clone();
-        let done = Completion::new();
-        // SAFETY: `buf` is borrowed for 'scope, and the scope finishes or cancels the operation
-        // before 'scope ends (Context::scope), so it stays valid and unwritten as required.
-        unsafe { pair.post_send(wire, meta, SendBuf::from_slice(buf), &done)? };
-        Ok(self.push(Op { pairs: vec![pair], done, what }))
-    }
-
-    /// Starts a receive with a raw wire tag and descriptor word from any of `peers`.
-    pub(crate) fn irecv_wire(
+    /// Starts a receive into raw memory from whichever of `peers` sends first.
+    ///
+    /// # Safety
+    /// `buf` must stay valid and untouched until the operation is waited for or the scope ends.
+    pub(crate) unsafe fn irecv_raw(
         &'scope self,
         peers: &[usize],
         wire: u64,
         meta: u32,
-        buf: &'scope mut [u8],
+        buf: RecvBuf,
         what: &'static str,
     ) -> Result<usize> {
         if peers.is_empty() {
@@ -683,12 +647,11 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         }
         let pairs = peers.iter().map(|&p| self.ctx.pair(p).cloned()).collect::<Result<Vec<_>>>()?;
         let done = Completion::new();
-        let raw = RecvBuf::from_slice(buf);
         let idx = self.push(Op { pairs: pairs.clone(), done: done.clone(), what });
         for p in &pairs {
-            // SAFETY: `buf` is mutably borrowed for 'scope and the scope finishes or cancels the
-            // operation (on every pair it was posted to) before 'scope ends.
-            if let Err(e) = unsafe { p.post_recv(wire, meta, raw, &done) } {
+            // SAFETY: forwarded from this function's contract (the scope finishes or cancels the
+            // operation on every pair it was posted to before the scope ends).
+            if let Err(e) = unsafe { p.post_recv(wire, meta, buf, &done) } {
                 if let Some(Some(op)) = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get(idx) {
                     op.cancel();
                 }
@@ -701,7 +664,10 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 
     /// Starts sending `buf` to `peer` with `tag`; see [`Context::send`].
     pub fn isend<T: Pod>(&'scope self, peer: usize, tag: u32, buf: &'scope [T]) -> Result<SendRequest<'scope, 'env>> {
-        let idx = self.isend_wire(peer, NS_P2P | u64::from(tag), 0, as_bytes(buf), "send")?;
+        // SAFETY: `buf` is borrowed for 'scope, and the scope finishes or cancels the operation
+        // before 'scope ends (Context::scope), so it stays valid and unwritten as required.
+        let idx =
+            unsafe { self.isend_raw(peer, NS_P2P | u64::from(tag), 0, SendBuf::from_slice(as_bytes(buf)), "send")? };
         Ok(SendRequest { scope: self, idx })
     }
 
@@ -727,8 +693,10 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         // SAFETY: reborrow of the same 'scope-long exclusive borrow: the byte view is handed to
         // the transport, the typed pointer is only turned back into a slice after the operation
         // finished (RecvRequest::wait), so the two are never used at once.
-        let bytes = as_bytes_mut(unsafe { &mut *ptr });
-        let idx = self.irecv_wire(peers, NS_P2P | u64::from(tag), 0, bytes, "recv")?;
+        let bytes = RecvBuf::from_slice(as_bytes_mut(unsafe { &mut *ptr }));
+        // SAFETY: the bytes are exclusively borrowed for 'scope, and the scope finishes or
+        // cancels the operation (on every pair it was posted to) before 'scope ends.
+        let idx = unsafe { self.irecv_raw(peers, NS_P2P | u64::from(tag), 0, bytes, "recv")? };
         Ok(RecvRequest { scope: self, idx, buf: ptr, _t: PhantomData })
     }
 }

@@ -235,7 +235,7 @@ impl<'scope, 'env> Coll<'scope, 'env> {
     /// collective's scope ends.
     pub(crate) unsafe fn recv<T>(&self, peer: usize, buf: Seg<T>) -> Result<usize> {
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.s.irecv_raw(peer, self.wire, self.meta, buf.recv_buf(), self.what) }
+        unsafe { self.s.irecv_raw(&[peer], self.wire, self.meta, buf.recv_buf(), self.what) }
     }
 
     /// Waits for an operation until the collective's deadline.
