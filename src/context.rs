@@ -6,12 +6,14 @@ use crate::rendezvous::{Backoff, Store};
 use crate::transport::tcp::device::Route;
 use crate::transport::tcp::handshake::{self, ContextId};
 use crate::transport::tcp::pair::TcpPair;
-use crate::transport::{BusyWait, Completion, Pair, RecvBuf, SendBuf};
+use crate::transport::tcp::progress::TcpProgress;
+use crate::transport::{BusyWait, Completion, Pair, Passive, Progress, RecvBuf, SendBuf};
 use bytemuck::Pod;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -168,6 +170,7 @@ impl ContextBuilder {
         guard.armed = false;
         let pairs: Vec<Option<Arc<dyn Pair>>> =
             route.pairs.iter().map(|p| p.clone().map(|p| p as Arc<dyn Pair>)).collect();
+        let progress = Arc::new(TcpProgress::new(route.pairs.clone(), shared.parking.clone()));
         let spin = busy_wait(busy_poll, &pairs, device);
         tracing::debug!(rank, size, ?spin, "context connected");
         Ok(Context {
@@ -178,6 +181,8 @@ impl ContextBuilder {
             device: device.clone(),
             ctx: Some(ctx),
             pairs,
+            progress,
+            pending: (0..size).map(|_| AtomicU32::new(0)).collect(),
             collective_seq: Mutex::default(),
             aborted: Mutex::default(),
             scratch: Mutex::default(),
@@ -312,6 +317,11 @@ pub struct Context {
     ctx: Option<ContextId>,
     /// Indexed by peer rank; `None` at our own rank.
     pairs: Vec<Option<Arc<dyn Pair>>>,
+    /// How waits drive the pairs.
+    progress: Arc<dyn Progress>,
+    /// Operations posted and not yet waited for or cancelled, per peer rank: the pairs a wait
+    /// may progress besides its own.
+    pending: Arc<[AtomicU32]>,
     collective_seq: Mutex<HashMap<u32, u32>>,
     /// Set once the context is aborted (by [`Context::abort`] or a failed collective).
     aborted: Mutex<Option<Error>>,
@@ -348,6 +358,8 @@ impl Context {
             device,
             ctx: None,
             pairs: vec![None],
+            progress: Arc::new(Passive),
+            pending: Arc::new([AtomicU32::new(0)]),
             collective_seq: Mutex::default(),
             aborted: Mutex::default(),
             scratch: Mutex::default(),
@@ -492,7 +504,7 @@ impl Context {
                 let deadline = Instant::now() + self.timeout;
                 let mut first = None;
                 for op in leftover {
-                    if let Err(e) = op.wait(deadline, self.spin) {
+                    if let Err(e) = op.wait(deadline, self.spin, &*self.progress) {
                         first.get_or_insert(e);
                     }
                 }
@@ -532,9 +544,18 @@ struct Op {
     pairs: Vec<Arc<dyn Pair>>,
     done: Arc<Completion>,
     what: &'static str,
+    /// The context's per-peer counts of outstanding operations, which this one is part of.
+    pending: Arc<[AtomicU32]>,
 }
 
 impl Op {
+    fn new(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str, pending: &Arc<[AtomicU32]>) -> Self {
+        for p in &pairs {
+            pending[p.peer()].fetch_add(1, Ordering::Relaxed);
+        }
+        Op { pairs, done, what, pending: pending.clone() }
+    }
+
     fn cancel(&self) {
         for p in &self.pairs {
             p.cancel(&self.done);
@@ -543,12 +564,13 @@ impl Op {
 
     /// Waits until finished or `deadline`; on timeout withdraws the operation so its buffer is
     /// released. Returns the rank that completed it.
-    fn wait(&self, deadline: Instant, spin: BusyWait) -> Result<usize> {
+    fn wait(&self, deadline: Instant, spin: BusyWait, progress: &dyn Progress) -> Result<usize> {
         let start = Instant::now();
-        let finished = match &self.pairs[..] {
-            [pair] => pair.wait(&self.done, deadline, spin),
-            _ => self.done.wait_until(deadline),
-        };
+        let own: Vec<usize> = self.pairs.iter().map(|p| p.peer()).collect();
+        let others: Vec<usize> = (0..self.pending.len())
+            .filter(|r| self.pending[*r].load(Ordering::Relaxed) > 0 && !own.contains(r))
+            .collect();
+        let finished = progress.wait(&self.done, &own, &others, deadline, spin);
         let outcome = match finished {
             Some(o) => o,
             None => {
@@ -571,6 +593,14 @@ impl Op {
             self.cancel();
         }
         outcome
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        for p in &self.pairs {
+            self.pending[p.peer()].fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -620,14 +650,14 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let done = Completion::new();
         // SAFETY: forwarded from this function's contract.
         unsafe { pair.post_send(wire, meta, buf, &done)? };
-        Ok(self.push(Op { pairs: vec![pair], done, what }))
+        Ok(self.push(Op::new(vec![pair], done, what, &self.ctx.pending)))
     }
 
     /// Waits for an operation of this scope until an absolute deadline.
     pub(crate) fn wait_deadline(&self, idx: usize, deadline: Instant) -> Result<usize> {
         let op = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get_mut(idx).and_then(Option::take);
         let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
-        op.wait(deadline, self.ctx.spin)
+        op.wait(deadline, self.ctx.spin, &*self.ctx.progress)
     }
 
     /// Starts a receive into raw memory from whichever of `peers` sends first.
@@ -647,7 +677,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         }
         let pairs = peers.iter().map(|&p| self.ctx.pair(p).cloned()).collect::<Result<Vec<_>>>()?;
         let done = Completion::new();
-        let idx = self.push(Op { pairs: pairs.clone(), done: done.clone(), what });
+        let idx = self.push(Op::new(pairs.clone(), done.clone(), what, &self.ctx.pending));
         for p in &pairs {
             // SAFETY: forwarded from this function's contract (the scope finishes or cancels the
             // operation on every pair it was posted to before the scope ends).

@@ -174,6 +174,62 @@ fn large_payload_beyond_the_early_budget_lands_when_posted() {
 }
 
 #[test]
+fn a_message_nobody_waits_for_is_still_read_within_the_early_budget() {
+    // Rank 0 sends rank 1 a 4 MiB message that small socket buffers cannot hold, so its send
+    // finishes only if rank 1's side reads it into the early budget. Rank 1 meanwhile waits on
+    // rank 2, who answers only after that send finished: rank 1's wait never drives the pair to
+    // rank 0 (no receive is posted there), and that pair is parked by the waits that used it
+    // before. The event loop must take it back and read.
+    let store = HashStore::new();
+    let attr = TcpAttr { send_buffer: Some(64 << 10), recv_buffer: Some(64 << 10), ..TcpAttr::loopback() };
+    let len = 4 << 20;
+    let results = run_ranks_with(
+        3,
+        &store,
+        &attr,
+        |b| b,
+        |ctx| {
+            // Round trips make rank 1 wait on the pair to rank 0, which parks it. (A reply that
+            // is already in when the wait starts skips driving; twenty in a row do not.)
+            let mut token = [0u32];
+            for _ in 0..20 {
+                match ctx.rank() {
+                    0 => {
+                        ctx.recv(1, 9, &mut token)?;
+                        ctx.send(1, 9, &token)?;
+                    }
+                    1 => {
+                        ctx.send(0, 9, &token)?;
+                        ctx.recv(0, 9, &mut token)?;
+                    }
+                    _ => {}
+                }
+            }
+            match ctx.rank() {
+                0 => {
+                    ctx.send(1, 1, &pattern(0, 1, len / 4))?;
+                    ctx.send(2, 2, &[1u8])?;
+                }
+                1 => {
+                    let mut go = [0u8];
+                    ctx.recv(2, 3, &mut go)?;
+                    let mut got = vec![0u32; len / 4];
+                    ctx.recv(0, 1, &mut got)?;
+                    assert!(got == pattern(0, 1, len / 4), "the early message arrived corrupted");
+                }
+                _ => {
+                    let mut go = [0u8];
+                    ctx.recv(0, 2, &mut go)?;
+                    ctx.send(1, 3, &go)?;
+                }
+            }
+            ctx.barrier()
+        },
+    );
+    all_ok(results);
+}
+
+#[test]
 fn recv_any_reports_the_sender() {
     let store = HashStore::new();
     let n = 6;

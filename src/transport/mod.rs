@@ -138,14 +138,6 @@ pub(crate) trait Pair: Send + Sync {
     /// completed or [`Pair::cancel`] for `done` has returned on every pair it was posted to.
     unsafe fn post_recv(&self, tag: u64, meta: u32, buf: RecvBuf, done: &Arc<Completion>) -> Result<()>;
 
-    /// Blocks until `done` (an operation posted to this pair alone) finishes or `deadline`
-    /// passes (`None`). A backend may do the pair's I/O on the calling thread meanwhile, and
-    /// busy-wait as `busy` says before it sleeps.
-    fn wait(&self, done: &Completion, deadline: Instant, busy: BusyWait) -> Option<Result<usize>> {
-        let _ = busy;
-        done.wait_until(deadline)
-    }
-
     /// The peer's IP address, when the backend has one (used to count ranks on this host).
     fn remote_ip(&self) -> Option<IpAddr> {
         None
@@ -158,6 +150,39 @@ pub(crate) trait Pair: Send + Sync {
     /// Withdraws every operation of `done` from this pair. After it returns the pair no longer
     /// touches that operation's buffer.
     fn cancel(&self, done: &Arc<Completion>);
+}
+
+/// How a context's waits make progress: a backend may do the I/O of the pairs involved on the
+/// waiting thread (see `tcp::progress`).
+pub(crate) trait Progress: Send + Sync {
+    /// Blocks until `done` finishes or `deadline` passes (`None`). `done` was posted to the
+    /// pairs of the peers in `own`; `others` are peers whose pairs have other operations
+    /// outstanding, which the wait may progress too. Busy-waits as `busy` says before it
+    /// sleeps.
+    fn wait(
+        &self,
+        done: &Completion,
+        own: &[usize],
+        others: &[usize],
+        deadline: Instant,
+        busy: BusyWait,
+    ) -> Option<Result<usize>>;
+}
+
+/// Progress made by backend threads alone: a wait just sleeps on its completion.
+pub(crate) struct Passive;
+
+impl Progress for Passive {
+    fn wait(
+        &self,
+        done: &Completion,
+        _: &[usize],
+        _: &[usize],
+        deadline: Instant,
+        _: BusyWait,
+    ) -> Option<Result<usize>> {
+        done.wait_until(deadline)
+    }
 }
 
 /// The state of one posted operation, shared between the poster and the backend.

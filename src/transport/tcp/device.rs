@@ -2,7 +2,7 @@
 //! every context made on it.
 
 use super::handshake::{self, ACK_LEN, AUTH_LEN, Ack, ContextId, HELLO_LEN, Hello, Status};
-use super::pair::TcpPair;
+use super::pair::{PARK_GRACE, TcpPair};
 use crate::error::{Error, Result};
 use crate::transport::Pair;
 use mio::net::{TcpListener, TcpStream};
@@ -71,10 +71,45 @@ impl Route {
     }
 }
 
+/// Pairs parked by waits (see `progress`), which the event loop takes back after
+/// [`PARK_GRACE`] unless a wait takes them first.
+pub(crate) struct Parking {
+    list: Mutex<Vec<Arc<TcpPair>>>,
+    /// Whether the loop sleeps with a timeout (the list was non-empty when it last looked).
+    timed: AtomicBool,
+    waker: Waker,
+}
+
+impl Parking {
+    /// Puts freshly parked pairs on the list; wakes the loop only when it sleeps without a
+    /// timeout (once per burst of activity, not per wait).
+    pub(crate) fn park(&self, pairs: Vec<Arc<TcpPair>>) {
+        let mut list = lock(&self.list);
+        list.extend(pairs);
+        if !self.timed.load(Ordering::SeqCst) {
+            // Set under the list lock, so the loop cannot miss the pairs just added.
+            self.timed.store(true, Ordering::SeqCst);
+            drop(list);
+            let _ = self.waker.wake();
+        }
+    }
+
+    /// The loop's turn: hands back pairs parked for the grace period. Returns how long the
+    /// loop may sleep (`None`: until an event).
+    fn sweep(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let mut list = lock(&self.list);
+        list.retain(|p| p.sweep(now));
+        let timed = !list.is_empty();
+        self.timed.store(timed, Ordering::SeqCst);
+        timed.then_some(PARK_GRACE)
+    }
+}
+
 /// State shared by the device handle, its event loop and its pairs.
 pub(crate) struct Shared {
     pub(crate) registry: Arc<Registry>,
-    waker: Waker,
+    pub(crate) parking: Arc<Parking>,
     pub(crate) addr: SocketAddr,
     pub(crate) opts: TcpOptions,
     next_token: AtomicUsize,
@@ -122,9 +157,10 @@ impl DeviceCore {
             .map_err(|e| Error::io("registering the listener", e))?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the event-loop waker", e))?;
         let registry = Arc::new(poll.registry().try_clone().map_err(|e| Error::io("cloning the poll registry", e))?);
+        let parking = Arc::new(Parking { list: Mutex::default(), timed: AtomicBool::new(false), waker });
         let shared = Arc::new(Shared {
             registry,
-            waker,
+            parking,
             addr,
             opts,
             next_token: AtomicUsize::new(FIRST_CONN),
@@ -144,7 +180,7 @@ impl DeviceCore {
 impl Drop for DeviceCore {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        let _ = self.shared.waker.wake();
+        let _ = self.shared.parking.waker.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -311,8 +347,9 @@ impl EventLoop {
     fn run(mut self) {
         let mut events = Events::with_capacity(256);
         while !self.shared.stop.load(Ordering::SeqCst) {
+            let parked = self.shared.parking.sweep();
             let now = Instant::now();
-            let timeout = self.incoming.values().map(|i| i.deadline.saturating_duration_since(now)).min();
+            let timeout = self.incoming.values().map(|i| i.deadline.saturating_duration_since(now)).chain(parked).min();
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -339,6 +376,7 @@ impl EventLoop {
             self.expire();
         }
         lock(&self.shared.pairs).clear();
+        lock(&self.shared.parking.list).clear();
     }
 
     fn accept(&mut self) {

@@ -5,4 +5,5 @@ pub(crate) mod device;
 pub(crate) mod frame;
 pub(crate) mod handshake;
 pub(crate) mod pair;
+pub(crate) mod progress;
 pub(crate) mod wake;

@@ -1,21 +1,27 @@
 //! One TCP connection to one peer: framing, matching, early arrivals, failure.
 //!
 //! All state sits behind one mutex. Whoever holds it may make progress: the device's event
-//! loop on readiness events, and a posting thread (a send that fits in the socket buffer is
-//! written by the caller itself, with no hand-off to the loop).
+//! loop on readiness events, a posting thread (a send that fits in the socket buffer is
+//! written by the caller itself, with no hand-off to the loop), and a waiting thread that
+//! drives the pair (see [`super::progress`]).
+//!
+//! Who watches the socket ([`Watch`]): the event loop (registered in its epoll set), a waiting
+//! thread (which polls it itself), or nobody for a short while after a wait (parked). A parked
+//! pair goes back to the loop after [`PARK_GRACE`] unless another wait takes it first: back to
+//! back collectives then never register, deregister or wake the loop per message.
 
 use super::frame::{FrameHeader, HEADER_LEN, Kind, MAX_ABORT};
-use super::wake::{EventFd, poll2};
+use super::wake::EventFd;
 use crate::error::{Error, Result};
-use crate::transport::{BusyWait, Completion, Pair, RecvBuf, SendBuf, seq_after, sequence_mismatch, sequenced};
+use crate::transport::{Completion, Pair, RecvBuf, SendBuf, seq_after, sequence_mismatch, sequenced};
 use mio::Token;
 use mio::net::TcpStream;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read};
 use std::net::IpAddr;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Staging buffer for small reads (headers and small payloads arrive many per syscall).
 const STAGING: usize = 64 << 10;
@@ -23,6 +29,30 @@ const STAGING: usize = 64 << 10;
 const DIRECT_MIN: usize = 16 << 10;
 /// Most iovecs handed to one `sendmsg`.
 const MAX_IOV: usize = 64;
+/// How long a pair stays parked (watched by nobody) after a wait before the event loop takes
+/// it back. Bounds how late a message nobody waits for is read, or a queued send flushed.
+pub(crate) const PARK_GRACE: Duration = Duration::from_millis(1);
+
+/// Who watches the socket for readiness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watch {
+    /// Registered in the event loop's epoll set.
+    Loop,
+    /// A waiting thread polls it itself; out of the epoll set.
+    Driven,
+    /// Out of the epoll set and polled by nobody, since `Inner::parked_at`.
+    Parked,
+}
+
+/// What [`TcpPair::acquire`] got.
+pub(crate) enum Acquired {
+    /// The caller drives the pair now; poll this descriptor.
+    Fd(RawFd),
+    /// Another thread drives it.
+    Busy,
+    /// Not connected (yet, or any more): nothing to drive.
+    Unavailable,
+}
 
 struct SendOp {
     hdr: [u8; HEADER_LEN],
@@ -90,9 +120,12 @@ struct Inner {
     staging: Box<[u8]>,
     start: usize,
     end: usize,
-    /// A waiting thread is doing this pair's I/O itself (see [`TcpPair::drive_until`]); the
-    /// socket is out of the event loop's epoll set meanwhile.
-    driven: bool,
+    watch: Watch,
+    parked_at: Instant,
+    /// On the device's parking list (see [`super::device::Parking`]).
+    listed: bool,
+    /// Threads waiting for the driver to let go (they need the event loop to take over).
+    waiters: u32,
     /// A failed connection's socket, kept open until the driver stops polling its descriptor.
     zombie: Option<TcpStream>,
     /// Whether the event loop is asked for writability. Only while sends are queued: a socket
@@ -130,7 +163,10 @@ impl TcpPair {
                 staging: vec![0u8; STAGING].into_boxed_slice(),
                 start: 0,
                 end: 0,
-                driven: false,
+                watch: Watch::Loop,
+                parked_at: Instant::now(),
+                listed: false,
+                waiters: 0,
                 zombie: None,
                 write_interest: false,
             }),
@@ -164,96 +200,137 @@ impl TcpPair {
     pub(crate) fn on_ready(&self) {
         let mut g = self.lock();
         // An event queued before a driver took the pair over: the driver does the I/O now.
-        if !g.driven {
+        if g.watch == Watch::Loop {
             self.drive(&mut g);
         }
     }
 
-    /// Blocks until `done` finishes or `deadline`, doing this pair's I/O on the calling thread
-    /// instead of waiting for the event loop to do it and wake us: one wake-up per message
-    /// instead of two. The socket leaves the loop's epoll set meanwhile and returns to it after
-    /// (epoll then reports any readiness that built up, so nothing is lost). When another
-    /// thread already drives the pair, this waits on the completion like any waiter.
-    ///
-    /// For `busy.budget` it retries without blocking before it sleeps in `poll` (see
-    /// [`BusyWait`]).
-    pub(crate) fn drive_until(&self, done: &Completion, deadline: Instant, busy: BusyWait) -> Option<Result<usize>> {
-        if let Some(o) = done.outcome() {
-            return Some(o);
-        }
-        let fd = {
-            let mut g = self.lock();
-            let Inner { conn, driven, .. } = &mut *g;
-            let taken = match conn {
-                Conn::Open { stream, .. } if !*driven => {
-                    self.registry.deregister(stream).is_ok().then(|| stream.as_raw_fd())
-                }
-                _ => None,
-            };
-            let Some(fd) = taken else {
-                drop(g);
-                return done.wait_until(deadline);
-            };
-            *driven = true;
-            fd
-        };
-        let busy_until = Instant::now() + busy.budget;
-        let outcome = loop {
-            let events = {
-                let mut g = self.lock();
-                self.drive(&mut g);
-                if let Some(o) = done.outcome() {
-                    break Some(o);
-                }
-                let mut ev = 0;
-                if matches!(g.conn, Conn::Open { .. }) {
-                    // A stalled header cannot be consumed: readiness would fire forever.
-                    if !matches!(g.rx, Rx::Stalled(_)) {
-                        ev |= libc::POLLIN;
-                    }
-                    if !g.sendq.is_empty() {
-                        ev |= libc::POLLOUT;
-                    }
-                }
-                ev
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                break done.outcome();
-            }
-            if now < busy_until {
-                if busy.yield_cpu {
-                    // Cores are shared: let another rank run rather than sleep in the kernel.
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-                continue;
-            }
-            if poll2(fd, events, self.wake.raw(), deadline - now).is_err() {
-                // Cannot poll: hand the pair back and wait like any other waiter.
-                break None;
-            }
-            self.wake.drain();
-        };
+    /// Takes the pair over for the calling thread, which then polls and drives it (see
+    /// [`super::progress`]) until [`TcpPair::release`]. With `wait_if_busy`, a pair driven by
+    /// another thread counts the caller as waiting for it, so that its driver hands it to the
+    /// event loop rather than parking it (the caller then calls [`TcpPair::unwait`]).
+    pub(crate) fn acquire(&self, wait_if_busy: bool) -> Acquired {
         let mut g = self.lock();
-        g.driven = false;
-        g.zombie = None;
-        let write = !g.sendq.is_empty();
-        if let Conn::Open { stream, token } = &mut g.conn {
-            let token = *token;
-            let interest =
-                if write { mio::Interest::READABLE | mio::Interest::WRITABLE } else { mio::Interest::READABLE };
-            match self.registry.register(stream, token, interest) {
-                Ok(()) => g.write_interest = write,
-                Err(e) => {
-                    let e = self.io_error(e, "re-registering the connection to");
-                    self.fail_locked(&mut g, e);
+        let Inner { conn, watch, waiters, .. } = &mut *g;
+        let Conn::Open { stream, .. } = conn else { return Acquired::Unavailable };
+        match *watch {
+            Watch::Driven => {
+                if wait_if_busy {
+                    *waiters += 1;
                 }
+                Acquired::Busy
+            }
+            Watch::Loop => match self.registry.deregister(stream) {
+                Ok(()) => {
+                    *watch = Watch::Driven;
+                    Acquired::Fd(stream.as_raw_fd())
+                }
+                Err(e) => {
+                    let e = self.io_error(e, "taking over the connection to");
+                    self.fail_locked(&mut g, e);
+                    Acquired::Unavailable
+                }
+            },
+            Watch::Parked => {
+                *watch = Watch::Driven;
+                Acquired::Fd(stream.as_raw_fd())
             }
         }
-        drop(g);
-        outcome.or_else(|| done.wait_until(deadline))
+    }
+
+    /// Undoes the waiting count of an [`TcpPair::acquire`] that found the pair busy.
+    pub(crate) fn unwait(&self) {
+        let mut g = self.lock();
+        g.waiters = g.waiters.saturating_sub(1);
+    }
+
+    /// Ends the caller's driving. The pair is parked, or given to the event loop when another
+    /// thread waits for it or `to_loop` says so. Returns true when the pair must be put on the
+    /// device's parking list.
+    pub(crate) fn release(&self, now: Instant, to_loop: bool) -> bool {
+        let mut g = self.lock();
+        g.zombie = None;
+        if g.watch != Watch::Driven {
+            return false;
+        }
+        if !matches!(g.conn, Conn::Open { .. }) {
+            g.watch = Watch::Parked;
+            return false;
+        }
+        if to_loop || g.waiters > 0 {
+            self.to_loop(&mut g);
+            return false;
+        }
+        g.watch = Watch::Parked;
+        g.parked_at = now;
+        !std::mem::replace(&mut g.listed, true)
+    }
+
+    /// The event loop's look at a listed pair: gives a pair parked for `PARK_GRACE` back to the
+    /// loop. Returns whether it stays on the list (a driven pair does: it is parked again soon,
+    /// and re-listing it would wake the loop each time).
+    pub(crate) fn sweep(&self, now: Instant) -> bool {
+        let mut g = self.lock();
+        let keep = matches!(g.conn, Conn::Open { .. })
+            && match g.watch {
+                Watch::Driven => true,
+                Watch::Parked => now.saturating_duration_since(g.parked_at) < PARK_GRACE,
+                Watch::Loop => false,
+            };
+        if !keep {
+            g.listed = false;
+            if g.watch == Watch::Parked {
+                self.to_loop(&mut g);
+            }
+        }
+        keep
+    }
+
+    /// Registers a parked or driven socket with the event loop again. Epoll reports readiness
+    /// that built up meanwhile at once, so nothing is missed.
+    fn to_loop(&self, g: &mut Inner) {
+        let write = !g.sendq.is_empty();
+        let Conn::Open { stream, token } = &mut g.conn else { return };
+        let token = *token;
+        let interest = if write { mio::Interest::READABLE | mio::Interest::WRITABLE } else { mio::Interest::READABLE };
+        match self.registry.register(stream, token, interest) {
+            Ok(()) => {
+                g.watch = Watch::Loop;
+                g.write_interest = write;
+            }
+            Err(e) => {
+                g.watch = Watch::Parked;
+                let e = self.io_error(e, "handing to the event loop the connection to");
+                self.fail_locked(g, e);
+            }
+        }
+    }
+
+    /// One driving step by the thread that acquired the pair: flush and read.
+    pub(crate) fn drive_now(&self) {
+        let mut g = self.lock();
+        self.drive(&mut g);
+    }
+
+    /// The `poll(2)` events the driver waits for on the socket.
+    pub(crate) fn poll_events(&self) -> i16 {
+        let g = self.lock();
+        let mut ev = 0;
+        if matches!(g.conn, Conn::Open { .. }) {
+            // A stalled header cannot be consumed: readiness would fire forever.
+            if !matches!(g.rx, Rx::Stalled(_)) {
+                ev |= libc::POLLIN;
+            }
+            if !g.sendq.is_empty() {
+                ev |= libc::POLLOUT;
+            }
+        }
+        ev
+    }
+
+    /// The eventfd that wakes this pair's driver.
+    pub(crate) fn wake(&self) -> &EventFd {
+        &self.wake
     }
 
     /// Flushes pending sends and reads what has arrived; fails the pair on error.
@@ -264,11 +341,11 @@ impl TcpPair {
         }
     }
 
-    /// Asks the event loop for writability when sends are left queued (and it drives the pair).
+    /// Asks the event loop for writability when sends are left queued (and it watches the pair).
     fn want_writable(&self, g: &mut Inner) -> Step {
-        let Inner { conn, sendq, driven, write_interest, .. } = g;
+        let Inner { conn, sendq, watch, write_interest, .. } = g;
         if let Conn::Open { stream, token } = conn
-            && !*driven
+            && *watch == Watch::Loop
             && !*write_interest
             && !sendq.is_empty()
         {
@@ -304,12 +381,16 @@ impl TcpPair {
         }
         if let Conn::Open { mut stream, .. } = std::mem::replace(&mut g.conn, Conn::Closed(err.clone())) {
             let _ = stream.shutdown(std::net::Shutdown::Both);
-            if g.driven {
-                // The driver may be polling this descriptor: keep it open until it stops.
-                g.zombie = Some(stream);
-                self.wake.signal();
-            } else {
-                let _ = self.registry.deregister(&mut stream);
+            match g.watch {
+                Watch::Driven => {
+                    // The driver may be polling this descriptor: keep it open until it stops.
+                    g.zombie = Some(stream);
+                    self.wake.signal();
+                }
+                Watch::Loop => {
+                    let _ = self.registry.deregister(&mut stream);
+                }
+                Watch::Parked => {}
             }
         }
         tracing::debug!(peer = self.peer, error = %err, "pair failed");
@@ -630,10 +711,6 @@ impl Pair for TcpPair {
         self.peer
     }
 
-    fn wait(&self, done: &Completion, deadline: Instant, busy: BusyWait) -> Option<Result<usize>> {
-        self.drive_until(done, deadline, busy)
-    }
-
     fn remote_ip(&self) -> Option<IpAddr> {
         match &self.lock().conn {
             Conn::Open { stream, .. } => stream.peer_addr().ok().map(|a| a.ip()),
@@ -654,7 +731,7 @@ impl Pair for TcpPair {
                 self.fail_locked(&mut g, e);
             }
         }
-        if g.driven && !g.sendq.is_empty() {
+        if g.watch == Watch::Driven && !g.sendq.is_empty() {
             self.wake.signal(); // the driver must poll for writability too
         }
         Ok(())
@@ -698,7 +775,7 @@ impl Pair for TcpPair {
         g.posted.push_back(RecvOp { tag, meta, buf, done: done.clone() });
         if matches!(g.rx, Rx::Stalled(_)) {
             self.drive(&mut g);
-            if g.driven {
+            if g.watch == Watch::Driven {
                 self.wake.signal(); // the driver may poll for reading again
             }
         }
@@ -749,7 +826,9 @@ impl Pair for TcpPair {
 impl Drop for TcpPair {
     fn drop(&mut self) {
         let g = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Conn::Open { stream, .. } = &mut g.conn {
+        if let Conn::Open { stream, .. } = &mut g.conn
+            && g.watch == Watch::Loop
+        {
             let _ = self.registry.deregister(stream);
         }
     }

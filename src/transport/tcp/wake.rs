@@ -1,5 +1,5 @@
 //! The two system calls the caller-driven wait needs that mio does not offer: an eventfd to
-//! wake a thread blocked on a pair, and `poll(2)` on that pair's socket and eventfd.
+//! wake a thread blocked on its pairs, and `poll(2)` on those pairs' sockets and eventfds.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -42,22 +42,20 @@ impl EventFd {
     }
 }
 
-/// Blocks until `sock` has one of `sock_events` (or an error/hang-up), `wake` is signalled, or
-/// `timeout` passes. EINTR counts as a wake-up.
-pub(crate) fn poll2(sock: RawFd, sock_events: i16, wake: RawFd, timeout: Duration) -> io::Result<()> {
-    let mut fds = [
-        libc::pollfd { fd: sock, events: sock_events, revents: 0 },
-        libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
-    ];
+/// `poll(2)` on `fds`: returns how many have events. A zero `timeout` only looks; otherwise it
+/// blocks until an event or `timeout`. EINTR counts as a wake-up with nothing ready.
+pub(crate) fn poll_fds(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<usize> {
     // Round up so a sub-millisecond remainder still sleeps instead of spinning.
     let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
-    // SAFETY: `fds` is a live array of two pollfd structs and we pass its exact length.
+    // SAFETY: `fds` is a live, exclusively borrowed array of pollfd structs and we pass its
+    // exact length.
     let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
     if r < 0 {
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
+        return Ok(0);
     }
-    Ok(())
+    Ok(r as usize)
 }

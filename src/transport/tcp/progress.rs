@@ -1,0 +1,152 @@
+//! Caller-driven progress: a thread that waits does the I/O of its context's busy pairs itself.
+//!
+//! Waking a thread costs more than the work it then does on a small message (a
+//! cross-core wake-up is an inter-processor interrupt, a VM exit on a virtual machine). So a
+//! waiting thread does not sleep while the event loop reads for it: it takes the pairs it waits
+//! on, and every other pair of the context with operations outstanding, out of the loop
+//! ([`TcpPair::acquire`]), flushes and reads them itself, spins or yields for the busy-wait
+//! budget, and only then blocks in `poll(2)` on their sockets and wake-up eventfds.
+//!
+//! When the wait ends the pairs are parked rather than handed back: the next wait (the next
+//! round of the collective, the next collective) takes them again without a system call, and
+//! no message wakes the event loop meanwhile. The loop takes back pairs left parked for
+//! [`super::pair::PARK_GRACE`], so a message nobody waits for is still read and a queued send
+//! still flushed.
+//!
+//! A pair already driven by another thread is not shared: a wait on it counts itself as
+//! waiting, so the driver hands the pair to the event loop when it is done, and sleeps on its
+//! completion like any waiter.
+
+use super::device::Parking;
+use super::pair::{Acquired, TcpPair};
+use super::wake::poll_fds;
+use crate::error::Result;
+use crate::transport::{BusyWait, Completion, Progress};
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The TCP progress engine of one context.
+pub(crate) struct TcpProgress {
+    /// Indexed by peer rank; `None` at our own rank.
+    pairs: Vec<Option<Arc<TcpPair>>>,
+    parking: Arc<Parking>,
+}
+
+impl TcpProgress {
+    pub(crate) fn new(pairs: Vec<Option<Arc<TcpPair>>>, parking: Arc<Parking>) -> Self {
+        TcpProgress { pairs, parking }
+    }
+
+    fn pair(&self, peer: usize) -> Option<&Arc<TcpPair>> {
+        self.pairs.get(peer).and_then(Option::as_ref)
+    }
+
+    /// Ends driving `mine`; parks them (or hands them to the loop with `to_loop`).
+    fn release(&self, mine: &[(&Arc<TcpPair>, RawFd)], to_loop: bool) {
+        let now = Instant::now();
+        let newly: Vec<Arc<TcpPair>> =
+            mine.iter().filter(|(p, _)| p.release(now, to_loop)).map(|(p, _)| Arc::clone(p)).collect();
+        if !newly.is_empty() {
+            self.parking.park(newly);
+        }
+    }
+
+    /// Drives `mine` until `done` finishes or `deadline`; `None` when it could not poll.
+    fn drive(
+        &self,
+        mine: &[(&Arc<TcpPair>, RawFd)],
+        done: &Completion,
+        deadline: Instant,
+        busy: BusyWait,
+    ) -> Option<Option<Result<usize>>> {
+        let mut ready = vec![true; mine.len()];
+        let mut fds = vec![libc::pollfd { fd: -1, events: 0, revents: 0 }; 2 * mine.len()];
+        let busy_until = Instant::now() + busy.budget;
+        loop {
+            for ((p, _), r) in mine.iter().zip(&ready) {
+                if *r {
+                    p.drive_now();
+                }
+            }
+            if let Some(o) = done.outcome() {
+                return Some(Some(o));
+            }
+            for ((p, fd), slot) in mine.iter().zip(fds.chunks_exact_mut(2)) {
+                slot[0] = libc::pollfd { fd: *fd, events: p.poll_events(), revents: 0 };
+                slot[1] = libc::pollfd { fd: p.wake().raw(), events: libc::POLLIN, revents: 0 };
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Some(done.outcome());
+            }
+            let spinning = now < busy_until;
+            let timeout = if spinning { Duration::ZERO } else { deadline - now };
+            match poll_fds(&mut fds, timeout) {
+                Err(_) => return None,
+                Ok(0) => {
+                    ready.fill(false);
+                    if spinning {
+                        if busy.yield_cpu {
+                            // Cores are shared: let another rank run rather than sleep.
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
+                    }
+                }
+                Ok(_) => {
+                    for (((p, _), slot), r) in mine.iter().zip(fds.chunks_exact(2)).zip(ready.iter_mut()) {
+                        if slot[1].revents != 0 {
+                            p.wake().drain();
+                        }
+                        *r = slot[0].revents != 0 || slot[1].revents != 0;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Progress for TcpProgress {
+    fn wait(
+        &self,
+        done: &Completion,
+        own: &[usize],
+        others: &[usize],
+        deadline: Instant,
+        busy: BusyWait,
+    ) -> Option<Result<usize>> {
+        if let Some(o) = done.outcome() {
+            return Some(o);
+        }
+        let mut mine = Vec::with_capacity(own.len() + others.len());
+        let mut contended = Vec::new();
+        for p in own.iter().filter_map(|&r| self.pair(r)) {
+            match p.acquire(true) {
+                Acquired::Fd(fd) => mine.push((p, fd)),
+                Acquired::Busy => contended.push(p),
+                Acquired::Unavailable => {}
+            }
+        }
+        if !contended.is_empty() || mine.is_empty() {
+            // Another thread drives (one of) our pairs and would not see our completion: let the
+            // event loop have all of them once it is done, and sleep until then.
+            self.release(&mine, true);
+            let outcome = done.wait_until(deadline);
+            for p in contended {
+                p.unwait();
+            }
+            return outcome;
+        }
+        for p in others.iter().filter_map(|&r| self.pair(r)) {
+            if let Acquired::Fd(fd) = p.acquire(false) {
+                mine.push((p, fd));
+            }
+        }
+        let outcome = self.drive(&mine, done, deadline, busy);
+        // Could not poll: give the pairs to the loop and wait like any other waiter.
+        self.release(&mine, outcome.is_none());
+        outcome.flatten().or_else(|| done.wait_until(deadline))
+    }
+}
