@@ -29,6 +29,9 @@ const STAGING: usize = 64 << 10;
 const DIRECT_MIN: usize = 16 << 10;
 /// Most iovecs handed to one `sendmsg`.
 const MAX_IOV: usize = 64;
+/// Early-arrival buffers kept for reuse (their capacity also stays within the early budget):
+/// a fresh multi-megabyte allocation per early segment costs page faults on every touch.
+const SPARE_BUFFERS: usize = 8;
 /// How long a pair stays parked (watched by nobody) after a wait before the event loop takes
 /// it back. Bounds how late a message nobody waits for is read, or a queued send flushed.
 pub(crate) const PARK_GRACE: Duration = Duration::from_millis(1);
@@ -116,6 +119,8 @@ struct Inner {
     posted: VecDeque<RecvOp>,
     early: VecDeque<Early>,
     early_bytes: usize,
+    /// Emptied early-arrival buffers, for reuse.
+    spare: Vec<Vec<u8>>,
     rx: Rx,
     staging: Box<[u8]>,
     start: usize,
@@ -159,6 +164,7 @@ impl TcpPair {
                 posted: VecDeque::new(),
                 early: VecDeque::new(),
                 early_bytes: 0,
+                spare: Vec::new(),
                 rx: Rx::Header,
                 staging: vec![0u8; STAGING].into_boxed_slice(),
                 start: 0,
@@ -642,7 +648,8 @@ impl TcpPair {
         let len = usize::try_from(h.len).unwrap_or(usize::MAX);
         if len <= self.early_limit.saturating_sub(g.early_bytes) {
             g.early_bytes += len;
-            g.rx = Rx::Early { tag: h.tag, meta: h.meta, len, data: Vec::with_capacity(len) };
+            let data = Self::early_buffer(g, len);
+            g.rx = Rx::Early { tag: h.tag, meta: h.meta, len, data };
             if len == 0 {
                 self.finish_early(g);
             }
@@ -673,22 +680,43 @@ impl TcpPair {
             let Some(op) = g.posted.remove(i) else { break };
             if op.done.try_claim() {
                 g.early_bytes -= msg.data.len();
-                self.copy_early(op, msg);
+                let data = self.copy_early(op, msg);
+                self.recycle(g, data);
                 return;
             }
         }
         g.early.push_back(msg);
     }
 
-    fn copy_early(&self, op: RecvOp, msg: Early) {
+    /// Delivers an early message to its receive; returns the emptied buffer.
+    fn copy_early(&self, op: RecvOp, msg: Early) -> Vec<u8> {
         if let Some(detail) = mismatch(op.buf.len, op.meta, msg.data.len() as u64, msg.meta) {
             op.done.complete(Err(Error::Mismatch { rank: self.peer, detail }));
-            return;
+            return msg.data;
         }
         // SAFETY: the receive buffer is lent to this pair until its completion, which follows;
         // the lengths are equal (checked above).
         unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), op.buf.ptr, msg.data.len()) };
         op.done.complete(Ok(self.peer));
+        msg.data
+    }
+
+    /// A buffer for an early payload of `len` bytes: the smallest spare that fits, else new.
+    fn early_buffer(g: &mut Inner, len: usize) -> Vec<u8> {
+        let best = g.spare.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
+        match best.map(|(i, _)| i) {
+            Some(i) => g.spare.swap_remove(i),
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// Keeps an emptied early buffer for reuse while the spares stay within their bounds.
+    fn recycle(&self, g: &mut Inner, mut data: Vec<u8>) {
+        let held: usize = g.spare.iter().map(Vec::capacity).sum();
+        if data.capacity() > 0 && g.spare.len() < SPARE_BUFFERS && held + data.capacity() <= self.early_limit {
+            data.clear();
+            g.spare.push(data);
+        }
     }
 }
 
@@ -743,7 +771,8 @@ impl Pair for TcpPair {
             if done.try_claim() {
                 if let Some(msg) = g.early.remove(i) {
                     g.early_bytes -= msg.data.len();
-                    self.copy_early(RecvOp { tag, meta, buf, done: done.clone() }, msg);
+                    let data = self.copy_early(RecvOp { tag, meta, buf, done: done.clone() }, msg);
+                    self.recycle(&mut g, data);
                 }
                 // Budget freed: a stalled header may fit now.
                 if matches!(g.rx, Rx::Stalled(_)) {
