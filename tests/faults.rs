@@ -1,0 +1,254 @@
+//! Faults with ranks as threads: a rank that never arrives, a peer that sends malformed frames
+//! on an established connection, and load (many small collectives, many concurrent tags).
+//! Process-level faults (a killed rank, recovery) are in `processes.rs`.
+
+mod common;
+
+use common::{TIMEOUT, all_ok, run_ranks};
+use ferrogloo::device::{Device, TcpAttr};
+use ferrogloo::rendezvous::{HashStore, Store};
+use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// Held by the tests that allocate a lot, so that the memory test's RSS samples (which are
+/// process-wide) see only its own work.
+static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Rendezvous deadline of the missing-rank tests.
+const SHORT: Duration = Duration::from_secs(2);
+
+/// Runs `ranks` (a subset of `0..size`) as threads; the others never arrive.
+fn partial_job(size: usize, ranks: &[usize]) -> Vec<(usize, ferrogloo::Result<Context>, Duration)> {
+    let store = HashStore::new();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|&rank| {
+                let store = &store;
+                s.spawn(move || {
+                    let dev = Device::loopback()?;
+                    let t = Instant::now();
+                    let r = Context::builder(rank, size).timeout(SHORT).connect(store, &dev);
+                    Ok::<_, Error>((rank, r, t.elapsed()))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked").expect("device")).collect()
+    })
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_with_its_key() {
+    // Rank 2 of 4 never comes: rank 3 cannot connect to it, ranks 0 and 1 wait for its connection.
+    for (rank, result, took) in partial_job(4, &[0, 1, 3]) {
+        match result {
+            Err(Error::Timeout { ranks, keys, .. }) => {
+                assert!(ranks.contains(&2), "rank {rank}: timeout names {ranks:?}, not rank 2");
+                assert!(
+                    keys.iter().any(|k| k == "ferrogloo.rank.2"),
+                    "rank {rank}: timeout names keys {keys:?}, not ferrogloo.rank.2"
+                );
+            }
+            other => panic!("rank {rank}: expected a timeout naming rank 2, got {other:?}"),
+        }
+        assert!(took < SHORT + Duration::from_secs(1), "rank {rank} took {took:?}");
+    }
+}
+
+#[test]
+fn a_missing_rank_0_is_named_with_its_key() {
+    for (rank, result, took) in partial_job(3, &[1, 2]) {
+        let err = result.expect_err("a job without rank 0 cannot form");
+        assert!(err.is_timeout(), "rank {rank}: expected a timeout, got {err}");
+        assert!(err.to_string().contains("ferrogloo.rank.0"), "rank {rank}: {err} does not name rank 0's key");
+        assert!(took < SHORT + Duration::from_secs(1), "rank {rank} took {took:?}");
+    }
+}
+
+/// A fake rank 1 of a 2-rank job: it joins through the store and the handshake like a real
+/// one (see src/transport/tcp/handshake.rs and context.rs), then writes `frame`.
+fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
+    let store = HashStore::new();
+    std::thread::scope(|s| {
+        let real = s.spawn(|| {
+            let dev = Device::loopback().expect("device");
+            let ctx = Context::builder(0, 2).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");
+            let mut buf = [0u8; 16];
+            let t = Instant::now();
+            let err = ctx.recv(1, 5, &mut buf).expect_err("a malformed frame cannot be received");
+            (err, t.elapsed())
+        });
+        // Rank 0's entry: "ferrogloo-v1 <context id hex> <size> <address>".
+        let raw = store.get("ferrogloo.rank.0", TIMEOUT).expect("rank 0's entry");
+        let entry = String::from_utf8(raw).expect("utf-8 entry");
+        let fields: Vec<&str> = entry.split(' ').collect();
+        let ctx: Vec<u8> =
+            (0..16).map(|i| u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex")).collect();
+        let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
+        let mut hello = vec![0u8; 64];
+        hello[0..4].copy_from_slice(b"FGLO");
+        hello[4..6].copy_from_slice(&1u16.to_le_bytes());
+        hello[8..24].copy_from_slice(&ctx);
+        hello[24..28].copy_from_slice(&1u32.to_le_bytes()); // from rank 1
+        hello[28..32].copy_from_slice(&0u32.to_le_bytes()); // to rank 0
+        hello[32..36].copy_from_slice(&2u32.to_le_bytes()); // size 2
+        sock.write_all(&hello).expect("hello");
+        let mut ack = [0u8; 64];
+        sock.read_exact(&mut ack).expect("ack");
+        assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");
+        store.set("ferrogloo.rank.1", format!("ferrogloo-v1 {} 2 127.0.0.1:1", fields[1]).as_bytes()).expect("set");
+        sock.write_all(&frame).expect("frame");
+        let out = real.join().expect("rank 0 panicked");
+        drop(sock);
+        out
+    })
+}
+
+/// Frame kinds (src/transport/tcp/frame.rs).
+const DATA: u8 = 1;
+const ABORT: u8 = 2;
+
+/// A 24-byte frame header: kind, 3 reserved, meta u32, tag u64, len u64 (little-endian).
+fn header(kind: u8, reserved: u8, tag: u64, len: u64) -> Vec<u8> {
+    let mut h = vec![kind, reserved, 0, 0, 0, 0, 0, 0];
+    h.extend_from_slice(&tag.to_le_bytes());
+    h.extend_from_slice(&len.to_le_bytes());
+    h
+}
+
+#[test]
+fn malformed_frames_on_an_established_pair_are_protocol_errors_naming_the_peer() {
+    let p2p_tag = (1u64 << 62) | 5; // the wire tag of user tag 5
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("unknown frame kind", header(7, 0, p2p_tag, 16)),
+        ("nonzero reserved byte", header(DATA, 1, p2p_tag, 16)),
+        ("oversized abort frame", header(ABORT, 0, 0, u64::MAX)),
+    ];
+    for (what, frame) in cases {
+        let (err, took) = fake_peer_sends(frame);
+        match err {
+            Error::Protocol { peer: Some(1), .. } => {}
+            other => panic!("{what}: expected a protocol error naming rank 1, got {other:?}"),
+        }
+        assert!(took < Duration::from_secs(2), "{what}: took {took:?}");
+    }
+}
+
+#[test]
+fn a_frame_claiming_an_enormous_length_is_a_mismatch_without_allocating_it() {
+    // A data frame claiming 2^63 bytes for a 16-byte receive: nothing may be allocated for it
+    // (the process would abort), and the receive fails naming the peer.
+    let (err, took) = fake_peer_sends(header(DATA, 0, (1u64 << 62) | 5, 1 << 63));
+    match err {
+        Error::Mismatch { rank: 1, detail } => assert!(detail.contains("bytes"), "{detail}"),
+        other => panic!("expected a mismatch naming rank 1, got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+}
+
+/// Resident set size of this process, from /proc (bytes).
+fn rss() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[test]
+fn ten_thousand_small_collectives_keep_memory_flat() {
+    let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
+    let n = 4;
+    let store = HashStore::new();
+    let rss_samples = std::sync::Mutex::new(Vec::new());
+    let results = run_ranks(n, &store, |ctx| {
+        let me = ctx.rank() as u64;
+        let want: u64 = (0..n as u64).sum();
+        for i in 0..10_000u64 {
+            if i == 1_000 && me == 0 {
+                rss_samples.lock().unwrap().push(rss());
+            }
+            let mut v = [me + i, 1];
+            ctx.allreduce(&mut v, ReduceOp::Sum)?;
+            assert_eq!(v, [want + n as u64 * i, n as u64], "rank {me}, call {i}");
+        }
+        if me == 0 {
+            rss_samples.lock().unwrap().push(rss());
+        }
+        Ok(())
+    });
+    all_ok(results);
+    let s = rss_samples.into_inner().unwrap();
+    println!("RSS after 1,000 collectives: {} KiB, after 10,000: {} KiB", s[0] / 1024, s[1] / 1024);
+    assert!(s[1] <= s[0] + (8 << 20), "memory grew from {} to {} bytes", s[0], s[1]);
+}
+
+#[test]
+fn a_hundred_concurrent_tagged_collectives_on_one_context() {
+    let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
+    let n = 3;
+    let store = HashStore::new();
+    let before = rss();
+    let results = run_ranks(n, &store, |ctx| {
+        let me = ctx.rank();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..100u32)
+                .map(|tag| {
+                    let ctx = &ctx;
+                    s.spawn(move || {
+                        let opts = CollectiveOptions { tag, ..Default::default() };
+                        // Sizes differ per tag so that small and pipelined algorithms mix.
+                        let len = 1 + (tag as usize * 997) % 5000;
+                        let mut v: Vec<u32> = (0..len).map(|i| (i as u32) ^ tag ^ me as u32).collect();
+                        ctx.allreduce_with(&mut v, &ReduceOp::Max, &opts)?;
+                        let want: Vec<u32> =
+                            (0..len).map(|i| (0..n as u32).map(|r| (i as u32) ^ tag ^ r).max().unwrap_or(0)).collect();
+                        assert!(v == want, "tag {tag}: wrong result on rank {me}");
+                        let mut all = vec![0u32; n];
+                        ctx.allgather(&[tag * 10 + me as u32], &mut all, &opts)?;
+                        assert_eq!(all, (0..n as u32).map(|r| tag * 10 + r).collect::<Vec<_>>());
+                        Ok::<_, Error>(())
+                    })
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| h.join().expect("collective thread panicked"))
+        })
+    });
+    all_ok(results);
+    println!("RSS before: {} KiB, after 100 concurrent tags on 3 ranks: {} KiB", before / 1024, rss() / 1024);
+}
+
+#[test]
+fn a_stranger_at_an_established_context_does_not_disturb_it() {
+    // A device's listener stays open after the mesh forms; junk there must not reach pairs.
+    let store = HashStore::new();
+    let attr = TcpAttr::loopback();
+    let results = common::run_ranks_with(
+        3,
+        &store,
+        &attr,
+        |b| b,
+        |ctx| {
+            if ctx.rank() == 0 {
+                let raw = store.get("ferrogloo.rank.1", TIMEOUT)?;
+                let entry = String::from_utf8_lossy(&raw).into_owned();
+                if let Some(addr) = entry.split(' ').nth(3)
+                    && let Ok(mut s) = TcpStream::connect(addr)
+                {
+                    let _ = s.write_all(&header(DATA, 0, (1u64 << 62) | 5, 16));
+                    let _ = s.write_all(&[0xAB; 64]);
+                }
+            }
+            let mut v = [ctx.rank() as u32 + 1; 1000];
+            for _ in 0..20 {
+                ctx.allreduce(&mut v, ReduceOp::Max)?;
+            }
+            assert!(v.iter().all(|&x| x == 3));
+            Ok(())
+        },
+    );
+    all_ok(results);
+}
