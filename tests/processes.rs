@@ -5,8 +5,8 @@ mod common;
 
 use common::pattern;
 use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
-use ferrogloo::rendezvous::{FileStore, HttpStoreServer, STORE_ENV, Store};
-use ferrogloo::{Context, Error, device::Device};
+use ferrogloo::rendezvous::{FileStore, HttpStoreServer, PrefixStore, STORE_ENV, Store};
+use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp, device::Device};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,6 +32,11 @@ fn rank_worker() {
         "big" => BIG_TIMEOUT,
         _ => WORKER_TIMEOUT,
     };
+    if scenario == "elastic" {
+        elastic(&env, &store, &dev);
+        println!("DONE rank {}", env.rank);
+        return;
+    }
     let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, &dev).expect("rendezvous");
     match scenario.as_str() {
         "mesh" => mesh(&ctx),
@@ -139,6 +144,51 @@ fn kill(ctx: &Context) {
         Err(Error::Timeout { ranks, .. }) => assert_eq!(ranks, vec![victim]),
         other => panic!("expected PeerClosed or Timeout naming rank {victim}, got {other:?}"),
     }
+}
+
+/// Elastic recovery (the recipe in the README): generation 0 runs allreduces until the last
+/// rank is killed in the middle of one; each survivor checks that its error names the dead
+/// rank (or is a timeout), prints when it got it, and the survivors form generation 1 under a
+/// fresh store prefix with one rank fewer and check collectives there.
+fn elastic(env: &RankEnv, store: &impl Store, dev: &Device) {
+    let (rank, n) = (env.rank, env.size);
+    let victim = n - 1;
+    let gen0 = PrefixStore::new("gen0", store);
+    let ctx = Context::builder(rank, n).timeout(KILL_TIMEOUT).connect(&gen0, dev).expect("generation 0");
+    let mut buf = vec![1.0f32; 1 << 20]; // 4 MiB: a pipelined ring
+    let err = loop {
+        buf.fill(1.0);
+        match ctx.allreduce(&mut buf, ReduceOp::Sum) {
+            Ok(()) => assert!(buf.iter().all(|&x| x == n as f32), "wrong allreduce before the kill"),
+            Err(e) => break e,
+        }
+        if rank == victim {
+            // Killed by the parent in the middle of the next allreduce (or the one after).
+            println!("READY");
+        }
+    };
+    let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    println!("ERROR_AT {} {err}", at.as_nanos());
+    let names_victim = match &err {
+        Error::PeerClosed { rank, .. } => *rank == victim,
+        Error::Timeout { ranks, .. } => ranks.contains(&victim),
+        Error::Aborted { detail } => detail.contains(&format!("rank {victim}")),
+        _ => false,
+    };
+    assert!(names_victim, "rank {rank}: the error does not name the dead rank {victim}: {err:?}");
+    assert!(ctx.is_aborted(), "a failed collective leaves the context aborted");
+    drop(ctx);
+
+    // Generation 1: the survivors keep their ranks (the victim was the last one).
+    let gen1 = PrefixStore::new("gen1", store);
+    let ctx = Context::builder(rank, n - 1).timeout(WORKER_TIMEOUT).connect(&gen1, dev).expect("generation 1");
+    let mut v: Vec<u64> = (0..100_000).map(|i| i * (rank as u64 + 1)).collect();
+    ctx.allreduce(&mut v, ReduceOp::Sum).expect("allreduce in generation 1");
+    let factor: u64 = (1..n as u64).sum();
+    assert!(v.iter().enumerate().all(|(i, &x)| x == i as u64 * factor), "wrong allreduce in generation 1");
+    let mut b = vec![rank as u32; 1000];
+    ctx.broadcast(&mut b, 0, &CollectiveOptions::default()).expect("broadcast in generation 1");
+    assert!(b.iter().all(|&x| x == 0));
 }
 
 /// Starts `n` rank processes of `scenario` against `store_url`, with stdout piped.
@@ -253,6 +303,35 @@ fn survivors_of_a_killed_peer_fail_within_the_deadline() {
             let took = killed_at.elapsed();
             assert!(ok && out.contains(&format!("DONE rank {rank}")), "survivor {rank} of {n}:\n{out}");
             assert!(took < KILL_TIMEOUT + Duration::from_secs(1), "survivor {rank} took {took:?} to report");
+        }
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_allreduce_fails_every_survivor_in_time_and_survivors_recover() {
+    for n in [2, 4, 8] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut children = spawn(n, "elastic", &format!("file:{}", dir.path().display()));
+        let mut victim = children.pop().unwrap();
+        let mut lines = BufReader::new(victim.stdout.take().unwrap()).lines();
+        let ready = lines.by_ref().map_while(Result::ok).any(|l| l.ends_with("READY"));
+        assert!(ready, "victim did not reach the kill point");
+        victim.kill().unwrap(); // SIGKILL, while it runs its next allreduce
+        let killed_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        victim.wait().unwrap();
+        let deadline = Instant::now() + KILL_TIMEOUT + WORKER_TIMEOUT * 2;
+        for (rank, c) in children.into_iter().enumerate() {
+            let (ok, out) = finish(c, deadline);
+            assert!(ok && out.contains(&format!("DONE rank {rank}")), "survivor {rank} of {n}:\n{out}");
+            let at: u128 = out
+                .lines()
+                .find_map(|l| l.split("ERROR_AT ").nth(1)) // the harness's "test ... " may precede it
+                .and_then(|l| l.split(' ').next())
+                .and_then(|t| t.parse().ok())
+                .unwrap_or_else(|| panic!("survivor {rank} of {n} printed no error time:\n{out}"));
+            let took = Duration::from_nanos(at.saturating_sub(killed_at.as_nanos()) as u64);
+            println!("{n} ranks: survivor {rank} failed {took:?} after the kill");
+            assert!(took < KILL_TIMEOUT + Duration::from_secs(1), "survivor {rank} of {n} took {took:?} to fail");
         }
     }
 }
