@@ -63,6 +63,67 @@ pub mod rendezvous;
 pub(crate) mod transport;
 pub mod types;
 
+/// Entry points for the fuzz targets in `fuzz/` (feature `fuzzing`; not a stable API).
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use crate::transport::tcp::frame::{FrameHeader, HEADER_LEN};
+    use crate::transport::tcp::handshake::{ACK_LEN, Ack, HELLO_LEN, Hello};
+
+    /// Decodes `data` as a frame header, a hello and an ack (whatever prefix fits); whatever
+    /// decodes must encode back to the same bytes, except where the decoder ignores reserved
+    /// bytes. Panics only on a decoder bug.
+    pub fn wire(data: &[u8]) {
+        if let Some(b) = data.first_chunk::<HEADER_LEN>()
+            && let Ok(h) = FrameHeader::decode(b)
+        {
+            assert_eq!(&h.encode(), b, "frame header does not round-trip");
+        }
+        if let Some(b) = data.first_chunk::<HELLO_LEN>()
+            && let Ok(h) = Hello::decode(b)
+        {
+            assert_eq!(Hello::decode(&h.encode()).ok(), Some(h), "hello does not round-trip");
+        }
+        if let Some(b) = data.first_chunk::<ACK_LEN>()
+            && let Ok(a) = Ack::decode(b)
+        {
+            assert_eq!(Ack::decode(&a.encode()).ok(), Some(a), "ack does not round-trip");
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use proptest::prelude::*;
+
+        proptest! {
+            // The fuzz target's body on random input, and on valid openings with bytes flipped
+            // (random bytes alone rarely pass the magic and kind checks).
+            #[test]
+            fn the_fuzz_target_holds_on_random_input(data in proptest::collection::vec(any::<u8>(), 0..100)) {
+                super::wire(&data);
+            }
+
+            #[test]
+            fn the_fuzz_target_holds_on_mutated_valid_input(
+                flips in proptest::collection::vec((0usize..64, any::<u8>()), 0..4),
+                kind in 1u8..=2,
+            ) {
+                let mut frame = vec![kind, 0, 0, 0];
+                frame.resize(64, 0);
+                frame[16] = 9; // a small length
+                let mut hello = b"FGLO\x01\x00".to_vec();
+                hello.resize(64, 0);
+                for (i, x) in &flips {
+                    frame[*i] ^= x;
+                    hello[*i] ^= x;
+                }
+                super::wire(&frame);
+                super::wire(&hello);
+            }
+        }
+    }
+}
+
 pub use algorithms::{Algorithm, CollectiveOptions};
 pub use context::{Context, ContextBuilder, RecvRequest, Scope, SendRequest};
 pub use device::Device;
