@@ -688,6 +688,17 @@ impl TcpPair {
         g.early.push_back(msg);
     }
 
+    /// After a receive was posted or early budget freed: reads on if the stalled header can go
+    /// somewhere now, and tells a driver, which polls a stalled pair without `POLLIN`.
+    fn unstall(&self, g: &mut Inner) {
+        if matches!(g.rx, Rx::Stalled(_)) {
+            self.drive(g);
+            if g.watch == Watch::Driven {
+                self.wake.signal();
+            }
+        }
+    }
+
     /// Delivers an early message to its receive; returns the emptied buffer.
     fn copy_early(&self, op: RecvOp, msg: Early) -> Vec<u8> {
         if let Some(detail) = mismatch(op.buf.len, op.meta, msg.data.len() as u64, msg.meta) {
@@ -775,9 +786,7 @@ impl Pair for TcpPair {
                     self.recycle(&mut g, data);
                 }
                 // Budget freed: a stalled header may fit now.
-                if matches!(g.rx, Rx::Stalled(_)) {
-                    self.drive(&mut g);
-                }
+                self.unstall(&mut g);
             }
             return Ok(());
         }
@@ -802,12 +811,7 @@ impl Pair for TcpPair {
             return Ok(()); // claimed elsewhere meanwhile (receive from any)
         }
         g.posted.push_back(RecvOp { tag, meta, buf, done: done.clone() });
-        if matches!(g.rx, Rx::Stalled(_)) {
-            self.drive(&mut g);
-            if g.watch == Watch::Driven {
-                self.wake.signal(); // the driver may poll for reading again
-            }
-        }
+        self.unstall(&mut g);
         Ok(())
     }
 
