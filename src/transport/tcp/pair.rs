@@ -312,15 +312,12 @@ impl TcpPair {
         }
     }
 
-    /// One driving step by the thread that acquired the pair: flush and read.
-    pub(crate) fn drive_now(&self) {
+    /// One driving step by the thread that acquired the pair: flush and read. Returns the
+    /// `poll(2)` events to wait for on the socket next. They stay valid until the next step:
+    /// another thread that changes them (a post, a failure) signals the driver's eventfd.
+    pub(crate) fn drive_now(&self) -> i16 {
         let mut g = self.lock();
         self.drive(&mut g);
-    }
-
-    /// The `poll(2)` events the driver waits for on the socket.
-    pub(crate) fn poll_events(&self) -> i16 {
-        let g = self.lock();
         let mut ev = 0;
         if matches!(g.conn, Conn::Open { .. }) {
             // A stalled header cannot be consumed: readiness would fire forever.

@@ -61,20 +61,24 @@ impl TcpProgress {
         busy: BusyWait,
     ) -> Option<Option<Result<usize>>> {
         let mut ready = vec![true; mine.len()];
-        let mut fds = vec![libc::pollfd { fd: -1, events: 0, revents: 0 }; 2 * mine.len()];
+        let mut fds: Vec<libc::pollfd> = mine
+            .iter()
+            .flat_map(|(p, fd)| {
+                [
+                    libc::pollfd { fd: *fd, events: 0, revents: 0 },
+                    libc::pollfd { fd: p.wake().raw(), events: libc::POLLIN, revents: 0 },
+                ]
+            })
+            .collect();
         let busy_until = Instant::now() + busy.budget;
         loop {
-            for ((p, _), r) in mine.iter().zip(&ready) {
+            for (((p, _), slot), r) in mine.iter().zip(fds.chunks_exact_mut(2)).zip(&ready) {
                 if *r {
-                    p.drive_now();
+                    slot[0].events = p.drive_now();
                 }
             }
             if let Some(o) = done.outcome() {
                 return Some(Some(o));
-            }
-            for ((p, fd), slot) in mine.iter().zip(fds.chunks_exact_mut(2)) {
-                slot[0] = libc::pollfd { fd: *fd, events: p.poll_events(), revents: 0 };
-                slot[1] = libc::pollfd { fd: p.wake().raw(), events: libc::POLLIN, revents: 0 };
             }
             let now = Instant::now();
             if now >= deadline {
