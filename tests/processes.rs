@@ -285,19 +285,26 @@ fn a_store_directory_left_by_earlier_jobs_is_harmless() {
     assert!(t.elapsed() < WORKER_TIMEOUT, "stale entries slowed the job to {:?}", t.elapsed());
 }
 
+/// Takes the last child (the victim) out of `children`, waits until it prints READY, kills it
+/// with SIGKILL and reaps it. Returns when it was killed, monotonic and since the Unix epoch.
+fn kill_last_when_ready(children: &mut Vec<Child>) -> (Instant, Duration) {
+    let mut victim = children.pop().unwrap();
+    // The test harness prints its own lines first; READY comes at the kill point.
+    let mut lines = BufReader::new(victim.stdout.take().unwrap()).lines();
+    let ready = lines.by_ref().map_while(Result::ok).any(|l| l.ends_with("READY"));
+    assert!(ready, "victim did not reach the kill point");
+    victim.kill().unwrap();
+    let killed_at = (Instant::now(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap());
+    victim.wait().unwrap();
+    killed_at
+}
+
 #[test]
 fn survivors_of_a_killed_peer_fail_within_the_deadline() {
     for n in [2, 4] {
         let dir = tempfile::tempdir().unwrap();
         let mut children = spawn(n, "kill", &format!("file:{}", dir.path().display()));
-        let mut victim = children.pop().unwrap();
-        // The test harness prints its own lines first; READY comes after the barrier.
-        let mut lines = BufReader::new(victim.stdout.take().unwrap()).lines();
-        let ready = lines.by_ref().map_while(Result::ok).any(|l| l.ends_with("READY"));
-        assert!(ready, "victim did not reach the kill point");
-        victim.kill().unwrap(); // SIGKILL
-        let killed_at = Instant::now();
-        victim.wait().unwrap();
+        let (killed_at, _) = kill_last_when_ready(&mut children);
         for (rank, c) in children.into_iter().enumerate() {
             let (ok, out) = finish(c, killed_at + KILL_TIMEOUT + Duration::from_secs(10));
             let took = killed_at.elapsed();
@@ -312,13 +319,9 @@ fn a_rank_killed_mid_allreduce_fails_every_survivor_in_time_and_survivors_recove
     for n in [2, 4, 8] {
         let dir = tempfile::tempdir().unwrap();
         let mut children = spawn(n, "elastic", &format!("file:{}", dir.path().display()));
-        let mut victim = children.pop().unwrap();
-        let mut lines = BufReader::new(victim.stdout.take().unwrap()).lines();
-        let ready = lines.by_ref().map_while(Result::ok).any(|l| l.ends_with("READY"));
-        assert!(ready, "victim did not reach the kill point");
-        victim.kill().unwrap(); // SIGKILL, while it runs its next allreduce
-        let killed_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
-        victim.wait().unwrap();
+        // SIGKILL while it runs its next allreduce; survivors report the wall-clock time of
+        // their error, so compare in wall-clock time.
+        let (_, killed_at) = kill_last_when_ready(&mut children);
         let deadline = Instant::now() + KILL_TIMEOUT + WORKER_TIMEOUT * 2;
         for (rank, c) in children.into_iter().enumerate() {
             let (ok, out) = finish(c, deadline);
