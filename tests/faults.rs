@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok, run_ranks};
+use common::{TIMEOUT, all_ok, hello, run_ranks};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::{HashStore, Store};
 use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
@@ -84,17 +84,13 @@ fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
         let raw = store.get("ferrogloo.rank.0", TIMEOUT).expect("rank 0's entry");
         let entry = String::from_utf8(raw).expect("utf-8 entry");
         let fields: Vec<&str> = entry.split(' ').collect();
-        let ctx: Vec<u8> =
-            (0..16).map(|i| u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex")).collect();
+        let mut ctx = [0u8; 16];
+        for (i, b) in ctx.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex");
+        }
         let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
-        let mut hello = vec![0u8; 64];
-        hello[0..4].copy_from_slice(b"FGLO");
-        hello[4..6].copy_from_slice(&1u16.to_le_bytes());
-        hello[8..24].copy_from_slice(&ctx);
-        hello[24..28].copy_from_slice(&1u32.to_le_bytes()); // from rank 1
-        hello[28..32].copy_from_slice(&0u32.to_le_bytes()); // to rank 0
-        hello[32..36].copy_from_slice(&2u32.to_le_bytes()); // size 2
-        sock.write_all(&hello).expect("hello");
+        // From rank 1 to rank 0 of a job of 2.
+        sock.write_all(&hello(b"FGLO", 1, ctx, 1, 0, 2)).expect("hello");
         let mut ack = [0u8; 64];
         sock.read_exact(&mut ack).expect("ack");
         assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");

@@ -2,25 +2,13 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok};
+use common::{TIMEOUT, all_ok, hello};
 use ferrogloo::Context;
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
-
-/// A handshake opening (see src/transport/tcp/handshake.rs for the layout).
-fn hello(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, size: u32) -> Vec<u8> {
-    let mut b = vec![0u8; 64];
-    b[0..4].copy_from_slice(magic);
-    b[4..6].copy_from_slice(&version.to_le_bytes());
-    b[8..24].copy_from_slice(&ctx);
-    b[24..28].copy_from_slice(&from.to_le_bytes());
-    b[28..32].copy_from_slice(&to.to_le_bytes());
-    b[32..36].copy_from_slice(&size.to_le_bytes());
-    b
-}
 
 /// Reads until EOF or error; returns the bytes received and whether the peer closed in time.
 fn drain(mut s: TcpStream, within: Duration) -> (Vec<u8>, bool) {

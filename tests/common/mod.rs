@@ -48,3 +48,16 @@ pub fn all_ok<T>(results: Vec<Result<T>>) -> Vec<T> {
 pub fn pattern(from: usize, to: usize, len: usize) -> Vec<u32> {
     (0..len).map(|i| ((from as u32) << 24) ^ ((to as u32) << 16) ^ (i as u32).wrapping_mul(2654435761)).collect()
 }
+
+/// A handshake opening (see src/transport/tcp/handshake.rs for the layout), for tests that
+/// play a stranger or a fake rank.
+pub fn hello(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, size: u32) -> Vec<u8> {
+    let mut b = vec![0u8; 64];
+    b[0..4].copy_from_slice(magic);
+    b[4..6].copy_from_slice(&version.to_le_bytes());
+    b[8..24].copy_from_slice(&ctx);
+    b[24..28].copy_from_slice(&from.to_le_bytes());
+    b[28..32].copy_from_slice(&to.to_le_bytes());
+    b[32..36].copy_from_slice(&size.to_le_bytes());
+    b
+}
