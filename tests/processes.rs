@@ -24,6 +24,11 @@ const KILL_TIMEOUT: Duration = Duration::from_secs(8);
 fn rank_worker() {
     let Some(env) = RankEnv::from_env() else { return };
     let env = env.expect("rank environment");
+    // Library logs on stderr where the parent asks for them (RUST_LOG).
+    if std::env::var_os("RUST_LOG").is_some() {
+        let filter = tracing_subscriber::EnvFilter::from_default_env();
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    }
     let scenario = std::env::var(SCENARIO_ENV).unwrap_or_default();
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     let dev = Device::loopback().expect("device");
@@ -191,22 +196,21 @@ fn elastic(env: &RankEnv, store: &impl Store, dev: &Device) {
     assert!(b.iter().all(|&x| x == 0));
 }
 
+/// The command for rank `rank` of `n` running `scenario` against `store_url`, stdout piped.
+fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"])
+        .env(RANK_ENV, rank.to_string())
+        .env(SIZE_ENV, n.to_string())
+        .env(STORE_ENV, store_url)
+        .env(SCENARIO_ENV, scenario)
+        .stdout(Stdio::piped());
+    cmd
+}
+
 /// Starts `n` rank processes of `scenario` against `store_url`, with stdout piped.
 fn spawn(n: usize, scenario: &str, store_url: &str) -> Vec<Child> {
-    let exe = std::env::current_exe().unwrap();
-    (0..n)
-        .map(|rank| {
-            Command::new(&exe)
-                .args(["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"])
-                .env(RANK_ENV, rank.to_string())
-                .env(SIZE_ENV, n.to_string())
-                .env(STORE_ENV, store_url)
-                .env(SCENARIO_ENV, scenario)
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
+    (0..n).map(|rank| rank_command(rank, n, scenario, store_url).spawn().unwrap()).collect()
 }
 
 /// Waits for a child with a deadline, killing it if it overruns; returns (success, output).
@@ -369,4 +373,93 @@ fn launcher_parent() {
         eprintln!("{e}");
         std::process::exit(1);
     }
+}
+
+/// An HTTP store server with a journal, as a process the parent can kill: serves on
+/// `FERROGLOO_TEST_SERVER` (address) with journal `FERROGLOO_TEST_JOURNAL`, prints its URL, and
+/// runs until killed or until its stdin closes.
+#[test]
+#[ignore = "run as a child process by a_store_server_killed_and_restarted_mid_rendezvous_loses_nothing"]
+fn store_server_worker() {
+    let (Ok(addr), Ok(journal)) = (std::env::var("FERROGLOO_TEST_SERVER"), std::env::var("FERROGLOO_TEST_JOURNAL"))
+    else {
+        return;
+    };
+    let server = HttpStoreServer::start_with_journal(addr.as_str(), journal).expect("store server");
+    println!("URL {}", server.base_url());
+    let _ = std::io::stdin().read_line(&mut String::new());
+}
+
+/// Starts [`store_server_worker`] on `addr`; returns it and its base URL.
+fn start_store_server(addr: &str, journal: &std::path::Path) -> (Child, String) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "store_server_worker", "--nocapture", "--test-threads=1"])
+        .env("FERROGLOO_TEST_SERVER", addr)
+        .env("FERROGLOO_TEST_JOURNAL", journal)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let url = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find_map(|l| l.split("URL ").nth(1).map(str::to_string))
+        .expect("the store server printed no URL");
+    (child, url)
+}
+
+/// Ranks 0 and 1 publish their entries, then wait (on their listeners) for the others; the
+/// server is killed; ranks 2 and 3 start and retry against the dead server (each says so on
+/// stderr); the server restarts on the same address and journal, and the job forms.
+#[test]
+fn a_store_server_killed_and_restarted_mid_rendezvous_loses_nothing() {
+    use ferrogloo::rendezvous::HttpStore;
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("store.journal");
+    let (mut server, base) = start_store_server("127.0.0.1:0", &journal);
+    let url = format!("{base}/job");
+    let (n, first) = (4, 2);
+    let start = Instant::now();
+
+    let mut ranks: Vec<Child> = (0..first).map(|rank| rank_command(rank, n, "mesh", &url).spawn().unwrap()).collect();
+    let watcher = HttpStore::new(&base, "job", WORKER_TIMEOUT).unwrap();
+    let keys: Vec<String> = (0..first).map(|r| format!("ferrogloo.rank.{r}")).collect();
+    watcher.wait(&keys.iter().map(String::as_str).collect::<Vec<_>>(), WORKER_TIMEOUT).expect("entries published");
+    server.kill().unwrap();
+    server.wait().unwrap();
+
+    // The late ranks find no server: their requests fail and are retried.
+    let (tx, rx) = std::sync::mpsc::channel();
+    for rank in first..n {
+        let mut cmd = rank_command(rank, n, "mesh", &url);
+        let mut child = cmd.env("RUST_LOG", "ferrogloo::rendezvous=debug").stderr(Stdio::piped()).spawn().unwrap();
+        let (err, tx) = (child.stderr.take().unwrap(), tx.clone());
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                if l.contains("retrying") {
+                    let _ = tx.send(rank);
+                }
+            }
+        });
+        ranks.push(child);
+    }
+    let mut retrying = vec![false; n];
+    while !retrying[first..].iter().all(|&r| r) {
+        let left = WORKER_TIMEOUT.saturating_sub(start.elapsed());
+        let rank = rx.recv_timeout(left).expect("every late rank retries while the server is down");
+        retrying[rank] = true;
+    }
+
+    // Same address, same journal: the early entries are back, and the job forms.
+    let (mut server, again) = start_store_server(&base["http://".len()..], &journal);
+    assert_eq!(again, base);
+    let deadline = start + WORKER_TIMEOUT * 2;
+    for (rank, c) in ranks.into_iter().enumerate() {
+        let (ok, out) = finish(c, deadline);
+        assert!(ok && out.contains(&format!("DONE rank {rank}")), "rank {rank} of {n} failed:\n{out}");
+    }
+    println!("rendezvous across a server restart: {:?}", start.elapsed());
+    server.kill().unwrap();
+    server.wait().unwrap();
 }

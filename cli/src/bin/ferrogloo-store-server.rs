@@ -14,6 +14,10 @@ struct Args {
     /// Address to listen on (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:0")]
     bind: String,
+    /// Keep the entries in this journal file too, so that a server restarted on the same file
+    /// (and address) carries on a rendezvous where the old one stopped.
+    #[arg(long)]
+    journal: Option<std::path::PathBuf>,
     /// Stop after this many seconds (default: serve until killed).
     #[arg(long)]
     seconds: Option<u64>,
@@ -22,7 +26,11 @@ struct Args {
 fn main() {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     let args = Args::parse();
-    let server = match HttpStoreServer::start(args.bind.as_str()) {
+    let started = match &args.journal {
+        Some(path) => HttpStoreServer::start_with_journal(args.bind.as_str(), path),
+        None => HttpStoreServer::start(args.bind.as_str()),
+    };
+    let server = match started {
         Ok(s) => s,
         Err(e) => {
             eprintln!("ferrogloo-store-server: {e}");
