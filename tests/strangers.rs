@@ -1,11 +1,12 @@
-//! Strangers at the listener are refused while the mesh forms and works.
+//! Strangers at the listener are refused while the mesh forms and while it runs point-to-point
+//! traffic and collectives.
 
 mod common;
 
 use common::{TIMEOUT, all_ok, hello};
-use ferrogloo::Context;
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
+use ferrogloo::{Context, ReduceOp};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -71,6 +72,11 @@ fn strangers_are_refused_and_the_mesh_still_forms() {
                             assert_eq!(v[0], round * 100 + p as u64);
                             sum += v[0];
                         }
+                        // And collectives while the strangers knock.
+                        let mut r = vec![round + rank as u64; 3000];
+                        ctx.allreduce(&mut r, ReduceOp::Sum)?;
+                        let want = n as u64 * round + (n * (n - 1) / 2) as u64;
+                        assert!(r.iter().all(|&x| x == want), "rank {rank}: allreduce wrong in round {round}");
                     }
                     ctx.barrier()?;
                     drop(late);
