@@ -29,6 +29,12 @@ const STAGING: usize = 64 << 10;
 const DIRECT_MIN: usize = 16 << 10;
 /// Most iovecs handed to one `sendmsg`.
 const MAX_IOV: usize = 64;
+/// Most bytes handed to one `sendmsg`. Measured with `ferrogloo-bench` on the 2-core machine,
+/// eight alternating runs of each build, median p50: 1 MiB broadcast 166 µs with this cap
+/// against 364 µs without (2 ranks), 1191 vs 1287 µs (4 ranks); 1 MiB allgather 298 vs 344 µs
+/// (2 ranks), 863 vs 948 µs (4 ranks). Much smaller caps cost more calls than they save
+/// (128 KiB: 1 MiB broadcast 360–420 µs).
+const MAX_SEND: usize = 1 << 20;
 /// Early-arrival buffers kept for reuse (their capacity also stays within the early budget):
 /// a fresh multi-megabyte allocation per early segment costs page faults on every touch.
 const SPARE_BUFFERS: usize = 8;
@@ -426,7 +432,8 @@ impl TcpPair {
         let Inner { conn, sendq, .. } = g;
         let Conn::Open { stream, .. } = conn else { return Ok(()) };
         while !sendq.is_empty() {
-            let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
+            // The queue's next slices, at most MAX_IOV of them and MAX_SEND bytes in all.
+            let mut parts: [&[u8]; MAX_IOV] = [&[]; MAX_IOV];
             let mut n_iov = 0;
             for op in sendq.iter() {
                 if n_iov + 2 > MAX_IOV {
@@ -437,16 +444,20 @@ impl TcpPair {
                 // after the last byte is written.
                 let payload = unsafe { std::slice::from_raw_parts(op.buf.ptr, op.buf.len) };
                 if op.off < HEADER_LEN {
-                    iov[n_iov] = IoSlice::new(&op.hdr[op.off..]);
-                    n_iov += 1;
-                    if !payload.is_empty() {
-                        iov[n_iov] = IoSlice::new(payload);
-                        n_iov += 1;
-                    }
+                    parts[n_iov] = &op.hdr[op.off..];
+                    parts[n_iov + 1] = payload;
+                    n_iov += 2;
                 } else {
-                    iov[n_iov] = IoSlice::new(&payload[op.off - HEADER_LEN..]);
+                    parts[n_iov] = &payload[op.off - HEADER_LEN..];
                     n_iov += 1;
                 }
+            }
+            let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
+            let mut budget = MAX_SEND;
+            for (slot, part) in iov.iter_mut().zip(&parts[..n_iov]) {
+                let take = part.len().min(budget);
+                *slot = IoSlice::new(&part[..take]);
+                budget -= take;
             }
             let sock = socket2::SockRef::from(&*stream);
             match sock.send_vectored_with_flags(&iov[..n_iov], libc::MSG_NOSIGNAL) {
