@@ -280,7 +280,7 @@ impl Journal {
             return Err(500);
         }
         self.bytes += rec.len() as u64;
-        self.live -= old.unwrap_or(0);
+        self.live = self.live.saturating_sub(old.unwrap_or(0));
         if op == Op::Set {
             self.live += rec.len() as u64;
         }
