@@ -3,6 +3,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::rendezvous::{Backoff, Store};
+use crate::sync::lock;
 use crate::transport::tcp::device::Route;
 use crate::transport::tcp::handshake::{self, ContextId};
 use crate::transport::tcp::pair::TcpPair;
@@ -400,7 +401,7 @@ impl Context {
     pub fn abort(&self, reason: &str) {
         let err = Error::Aborted { detail: format!("rank {} aborted the context: {reason}", self.rank) };
         {
-            let mut a = self.aborted.lock().unwrap_or_else(|p| p.into_inner());
+            let mut a = lock(&self.aborted);
             if a.is_some() {
                 return;
             }
@@ -418,12 +419,12 @@ impl Context {
 
     /// Whether the context was aborted (it then fails every call).
     pub fn is_aborted(&self) -> bool {
-        self.aborted.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+        lock(&self.aborted).is_some()
     }
 
     /// The abort error, if the context was aborted.
     pub(crate) fn check_usable(&self) -> Result<()> {
-        match &*self.aborted.lock().unwrap_or_else(|p| p.into_inner()) {
+        match &*lock(&self.aborted) {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
@@ -444,7 +445,7 @@ impl Context {
         if tag >= 1 << 30 {
             return Err(Error::invalid(format!("collective tag {tag} must be below 2^30")));
         }
-        let mut seqs = self.collective_seq.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seqs = lock(&self.collective_seq);
         let seq = seqs.entry(tag).or_insert(0);
         let wire = NS_COLL | (u64::from(tag) << 32) | u64::from(*seq);
         *seq = seq.wrapping_add(1);
@@ -485,7 +486,7 @@ impl Context {
     ) -> Result<R> {
         let scope = Scope { ctx: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
         let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
-        let leftover: Vec<Op> = scope.ops.lock().unwrap_or_else(|p| p.into_inner()).drain(..).flatten().collect();
+        let leftover: Vec<Op> = lock(&scope.ops).drain(..).flatten().collect();
         match result {
             Err(panic) => {
                 for op in &leftover {
@@ -620,7 +621,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     }
 
     fn push(&'scope self, op: Op) -> usize {
-        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ops = lock(&self.ops);
         ops.push(Some(op));
         ops.len() - 1
     }
@@ -630,7 +631,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     }
 
     fn is_done(&self, idx: usize) -> bool {
-        let ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let ops = lock(&self.ops);
         ops.get(idx).and_then(Option::as_ref).is_none_or(|op| op.done.outcome().is_some())
     }
 
@@ -655,7 +656,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 
     /// Waits for an operation of this scope until an absolute deadline.
     pub(crate) fn wait_deadline(&self, idx: usize, deadline: Instant) -> Result<usize> {
-        let op = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get_mut(idx).and_then(Option::take);
+        let op = lock(&self.ops).get_mut(idx).and_then(Option::take);
         let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
         op.wait(deadline, self.ctx.spin, &*self.ctx.progress)
     }
@@ -682,7 +683,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
             // SAFETY: forwarded from this function's contract (the scope finishes or cancels the
             // operation on every pair it was posted to before the scope ends).
             if let Err(e) = unsafe { p.post_recv(wire, meta, buf, &done) } {
-                if let Some(Some(op)) = self.ops.lock().unwrap_or_else(|p| p.into_inner()).get(idx) {
+                if let Some(Some(op)) = lock(&self.ops).get(idx) {
                     op.cancel();
                 }
                 done.complete(Err(e.clone()));

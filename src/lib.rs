@@ -60,6 +60,7 @@ pub mod device;
 pub mod error;
 pub mod launch;
 pub mod rendezvous;
+mod sync;
 pub(crate) mod transport;
 pub mod types;
 

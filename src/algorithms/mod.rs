@@ -157,7 +157,7 @@ impl<'p> Arena<'p> {
         const { assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u64>()) };
         let words = (len * std::mem::size_of::<T>()).div_ceil(8);
         let mut v = {
-            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+            let mut pool = crate::sync::lock(self.pool);
             match pool.iter().position(|b| b.capacity() >= words) {
                 Some(i) => pool.swap_remove(i),
                 None => pool.pop().unwrap_or_default(),
@@ -177,7 +177,7 @@ impl<'p> Arena<'p> {
 
 impl Drop for Arena<'_> {
     fn drop(&mut self) {
-        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pool = crate::sync::lock(self.pool);
         for b in self.bufs.get_mut().drain(..) {
             if pool.len() < POOL_KEEP {
                 pool.push(b);

@@ -30,9 +30,7 @@ impl HashStore {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        // A panic while holding this lock cannot leave the map half-updated (every update is
-        // a single insert or remove), so a poisoned lock is still usable.
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.map)
     }
 
     /// Waits until `ready` holds for the map, or the deadline passes.
@@ -52,7 +50,7 @@ impl HashStore {
                     if now >= deadline {
                         return Err(missing_keys(op, missing, timeout));
                     }
-                    map = self.changed.wait_timeout(map, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+                    map = crate::sync::wait_timeout(&self.changed, map, deadline - now);
                 }
             }
         }

@@ -2,13 +2,14 @@
 
 use super::{checked_add, parse_counter};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 /// Largest value the server accepts (a rendezvous value is an address: tiny).
@@ -138,12 +139,6 @@ impl Drop for HttpStoreServer {
             let _ = w.join();
         }
     }
-}
-
-fn lock(data: &Data) -> MutexGuard<'_, State> {
-    // Each update is one journal append then one insert or remove, so a poisoned state is
-    // still consistent.
-    data.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl State {

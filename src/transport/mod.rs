@@ -210,8 +210,7 @@ impl Completion {
     }
 
     fn lock(&self) -> MutexGuard<'_, CompletionState> {
-        // Updates are single assignments: a poisoned state is still consistent.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// Claims an unclaimed, unfinished operation for the caller. Exactly one caller wins.
@@ -261,7 +260,7 @@ impl Completion {
                 return None;
             }
             s.sleepers += 1;
-            s = self.cond.wait_timeout(s, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            s = crate::sync::wait_timeout(&self.cond, s, deadline - now);
             s.sleepers -= 1;
         }
     }

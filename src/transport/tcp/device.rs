@@ -4,6 +4,7 @@
 use super::handshake::{self, ACK_LEN, AUTH_LEN, Ack, ContextId, HELLO_LEN, Hello, Status};
 use super::pair::{PARK_GRACE, TcpPair};
 use crate::error::{Error, Result};
+use crate::sync::{lock, wait_timeout};
 use crate::transport::Pair;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
@@ -11,7 +12,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -51,14 +52,14 @@ impl Route {
     }
 
     fn notify(&self) {
-        let _g = self.attached.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = lock(&self.attached);
         self.attached_cv.notify_all();
     }
 
     /// Waits until the pairs to every rank in `peers` are attached; returns those still
     /// missing at the deadline.
     pub(crate) fn wait_attached(&self, peers: &[usize], deadline: Instant) -> Vec<usize> {
-        let mut g = self.attached.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = lock(&self.attached);
         loop {
             let missing: Vec<usize> =
                 peers.iter().copied().filter(|&p| !self.pairs[p].as_ref().is_some_and(|x| x.is_attached())).collect();
@@ -66,7 +67,7 @@ impl Route {
             if missing.is_empty() || now >= deadline {
                 return missing;
             }
-            g = self.attached_cv.wait_timeout(g, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            g = wait_timeout(&self.attached_cv, g, deadline - now);
         }
     }
 }
@@ -117,11 +118,6 @@ pub(crate) struct Shared {
     /// Keyed by context id and the local rank (ranks that are threads may share a device).
     routes: Mutex<HashMap<(ContextId, usize), Arc<Route>>>,
     stop: AtomicBool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Maps updated by single inserts/removes stay consistent across a panic.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Owns the event-loop thread; dropping the last handle stops and joins it.

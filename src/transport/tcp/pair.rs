@@ -186,9 +186,7 @@ impl TcpPair {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        // Every mutation keeps `Inner` consistent between statements that can panic (none do by
-        // design); a poisoned lock is therefore still usable.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.inner)
     }
 
     /// True once the connection is attached (or has failed).
