@@ -431,31 +431,28 @@ impl TcpPair {
         let Conn::Open { stream, .. } = conn else { return Ok(()) };
         while !sendq.is_empty() {
             // The queue's next slices, at most MAX_IOV of them and MAX_SEND bytes in all.
-            let mut parts: [&[u8]; MAX_IOV] = [&[]; MAX_IOV];
-            let mut n_iov = 0;
+            let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
+            let (mut n_iov, mut budget) = (0, MAX_SEND);
             for op in sendq.iter() {
-                if n_iov + 2 > MAX_IOV {
+                if n_iov + 2 > MAX_IOV || budget == 0 {
                     break;
                 }
                 // SAFETY: the poster guarantees (Pair::post_send) that the buffer stays valid
                 // and unwritten until the completion is completed, which happens below only
                 // after the last byte is written.
                 let payload = unsafe { std::slice::from_raw_parts(op.buf.ptr, op.buf.len) };
-                if op.off < HEADER_LEN {
-                    parts[n_iov] = &op.hdr[op.off..];
-                    parts[n_iov + 1] = payload;
-                    n_iov += 2;
-                } else {
-                    parts[n_iov] = &payload[op.off - HEADER_LEN..];
-                    n_iov += 1;
+                let (hdr, body): (&[u8], &[u8]) = match op.off.checked_sub(HEADER_LEN) {
+                    None => (&op.hdr[op.off..], payload),
+                    Some(sent) => (&[], &payload[sent..]),
+                };
+                for part in [hdr, body] {
+                    let take = part.len().min(budget);
+                    if take > 0 {
+                        iov[n_iov] = IoSlice::new(&part[..take]);
+                        n_iov += 1;
+                        budget -= take;
+                    }
                 }
-            }
-            let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
-            let mut budget = MAX_SEND;
-            for (slot, part) in iov.iter_mut().zip(&parts[..n_iov]) {
-                let take = part.len().min(budget);
-                *slot = IoSlice::new(&part[..take]);
-                budget -= take;
             }
             let sock = socket2::SockRef::from(&*stream);
             match sock.send_vectored_with_flags(&iov[..n_iov], libc::MSG_NOSIGNAL) {
@@ -685,9 +682,7 @@ impl TcpPair {
         while let Some(i) = g.posted.iter().position(|op| op.tag == tag) {
             let Some(op) = g.posted.remove(i) else { break };
             if op.done.try_claim() {
-                g.early_bytes -= msg.data.len();
-                let data = self.copy_early(op, msg);
-                self.recycle(g, data);
+                self.deliver_early(g, op, msg);
                 return;
             }
         }
@@ -705,17 +700,19 @@ impl TcpPair {
         }
     }
 
-    /// Delivers an early message to its receive; returns the emptied buffer.
-    fn copy_early(&self, op: RecvOp, msg: Early) -> Vec<u8> {
+    /// Delivers an early message (no longer on the early list) to the receive that claimed it,
+    /// returns its bytes to the early budget and keeps its buffer for reuse.
+    fn deliver_early(&self, g: &mut Inner, op: RecvOp, msg: Early) {
+        g.early_bytes -= msg.data.len();
         if let Some(detail) = mismatch(op.buf.len, op.meta, msg.data.len() as u64, msg.meta) {
             op.done.complete(Err(Error::Mismatch { rank: self.peer, detail }));
-            return msg.data;
+        } else {
+            // SAFETY: the receive buffer is lent to this pair until its completion, which
+            // follows; the lengths are equal (checked above).
+            unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), op.buf.ptr, msg.data.len()) };
+            op.done.complete(Ok(self.peer));
         }
-        // SAFETY: the receive buffer is lent to this pair until its completion, which follows;
-        // the lengths are equal (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), op.buf.ptr, msg.data.len()) };
-        op.done.complete(Ok(self.peer));
-        msg.data
+        self.recycle(g, msg.data);
     }
 
     /// A buffer for an early payload of `len` bytes: the smallest spare that fits, else new.
@@ -787,9 +784,7 @@ impl Pair for TcpPair {
         if let Some(i) = g.early.iter().position(|m| m.tag == tag) {
             if done.try_claim() {
                 if let Some(msg) = g.early.remove(i) {
-                    g.early_bytes -= msg.data.len();
-                    let data = self.copy_early(RecvOp { tag, meta, buf, done: done.clone() }, msg);
-                    self.recycle(&mut g, data);
+                    self.deliver_early(&mut g, RecvOp { tag, meta, buf, done: done.clone() }, msg);
                 }
                 // Budget freed: a stalled header may fit now.
                 self.unstall(&mut g);
