@@ -299,17 +299,7 @@ fn await_word(
 /// Waits for every child to exit successfully, killing the rest at `deadline`.
 fn reap(children: Vec<Child>, deadline: Instant, seen: &str) {
     for (rank, mut c) in children.into_iter().enumerate() {
-        let status = loop {
-            if let Some(st) = c.try_wait().unwrap() {
-                break Some(st);
-            }
-            if Instant::now() >= deadline {
-                let _ = c.kill();
-                let _ = c.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        let status = common::wait_or_kill(&mut c, deadline);
         assert!(status.is_some_and(|s| s.success()), "rank {rank} failed or overran ({status:?}):\n{seen}");
     }
 }

@@ -217,16 +217,9 @@ fn spawn(n: usize, scenario: &str, store_url: &str) -> Vec<Child> {
 fn finish(mut child: Child, deadline: Instant) -> (bool, String) {
     let out = child.stdout.take().unwrap();
     let reader = std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default());
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return (st.success(), reader.join().unwrap());
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return (false, format!("KILLED AT DEADLINE\n{}", reader.join().unwrap()));
-        }
-        std::thread::sleep(Duration::from_millis(5));
+    match common::wait_or_kill(&mut child, deadline) {
+        Some(st) => (st.success(), reader.join().unwrap()),
+        None => (false, format!("KILLED AT DEADLINE\n{}", reader.join().unwrap())),
     }
 }
 

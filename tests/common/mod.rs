@@ -4,7 +4,8 @@
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::Store;
 use ferrogloo::{Context, Result};
-use std::time::Duration;
+use std::process::{Child, ExitStatus};
+use std::time::{Duration, Instant};
 
 /// Deadline of every context in the tests: generous for a loaded 2-core CI machine, yet
 /// bounded.
@@ -60,4 +61,19 @@ pub fn hello(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, s
     b[28..32].copy_from_slice(&to.to_le_bytes());
     b[32..36].copy_from_slice(&size.to_le_bytes());
     b
+}
+
+/// Waits for a child process until `deadline`, killing it if it overruns (`None`).
+pub fn wait_or_kill(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
+    loop {
+        if let Some(status) = child.try_wait().expect("polling a child process") {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
