@@ -580,7 +580,7 @@ impl Op {
                 self.done.outcome().unwrap_or_else(|| {
                     let e = Error::Timeout {
                         op: self.what.to_string(),
-                        ranks: self.pairs.iter().map(|p| p.peer()).collect(),
+                        ranks: own,
                         keys: Vec::new(),
                         waited: start.elapsed(),
                     };
