@@ -1,0 +1,19 @@
+//! Locking that survives a panicking thread.
+//!
+//! Every state behind a lock in this crate is changed by single assignments, inserts or
+//! removes, so it is consistent whenever a panic can strike, and a lock poisoned by a panic
+//! (a user's reduction function, say, on another rank's thread) is still good to use. A panic
+//! on one thread must not become a panic on every thread that shares the context or device.
+
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Locks `m`, ignoring poison.
+pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits on `cv` for at most `timeout`, ignoring poison.
+pub(crate) fn wait_timeout<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>, timeout: Duration) -> MutexGuard<'a, T> {
+    cv.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner()).0
+}
