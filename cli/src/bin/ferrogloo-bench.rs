@@ -191,7 +191,7 @@ val!(i8: |v| v as i8, i16: |v| v as i16, i32: |v| v as i32, i64: i64::from, u8: 
      u32: |v| v, u64: u64::from, f32: |v| v as f32, f64: f64::from, f16: |v| f16::from_f32(v as f32),
      bf16: |v| bf16::from_f32(v as f32));
 
-/// Times `iters` calls of `call` (each after `reset` and a barrier); returns every
+/// Times `iters` calls of `call` (each after a barrier, `reset` and a barrier); returns every
 /// iteration's time at the slowest rank, in microseconds.
 fn timed<S>(
     ctx: &Context,
@@ -219,6 +219,11 @@ fn timed<S>(
     };
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
+        // Every rank resets only once all have finished the previous call: a rank refilling
+        // a large buffer while a slower one is still inside its timed call would take CPU
+        // from it, and the harness would be timed along with the collective (Open MPI's
+        // harness has no reset at all; its calls are out of place).
+        ctx.barrier()?;
         reset(state);
         ctx.barrier()?;
         let t = Instant::now();
