@@ -95,7 +95,11 @@ impl ContextBuilder {
         let new_route = || {
             let pairs = (0..size)
                 .map(|p| {
-                    (p != rank).then(|| TcpPair::new(p, shared.opts.early_budget, shared.registry.clone())).transpose()
+                    (p != rank)
+                        .then(|| {
+                            TcpPair::new(p, shared.opts.early_budget, shared.registry.clone(), shared.parking.clone())
+                        })
+                        .transpose()
                 })
                 .collect::<std::io::Result<_>>()
                 .map_err(|e| Error::io("creating a pair's wake-up descriptor", e))?;

@@ -174,6 +174,52 @@ fn large_payload_beyond_the_early_budget_lands_when_posted() {
 }
 
 #[test]
+fn both_ranks_sending_before_receiving_get_on_past_the_hold() {
+    // A large message whose receive is not posted is left in the socket for a while (so that a
+    // receive posted soon after takes it without an extra copy). Here each rank's blocking send
+    // of 2 MiB cannot finish through 64 KiB socket buffers unless the other side reads it
+    // before its own receive is posted: the hold must end by itself, and the messages land in
+    // the early budget. Then the same with the receive of a later message posted first: that
+    // receive must not wait for the hold.
+    let store = HashStore::new();
+    let attr = TcpAttr { send_buffer: Some(64 << 10), recv_buffer: Some(64 << 10), ..TcpAttr::loopback() };
+    let len = 2 << 20;
+    let started = Instant::now();
+    let results = run_ranks_with(
+        2,
+        &store,
+        &attr,
+        |b| b,
+        |ctx| {
+            let (me, peer) = (ctx.rank(), 1 - ctx.rank());
+            for round in 0..3 {
+                ctx.send(peer, 1, &pattern(me, round, len / 4))?;
+                let mut got = vec![0u32; len / 4];
+                ctx.recv(peer, 1, &mut got)?;
+                assert!(got == pattern(peer, round, len / 4), "round {round}: corrupted");
+            }
+            let (big, small, mut tail) = (pattern(me, 9, len / 4), [me as u32; 4], [0u32; 4]);
+            ctx.scope(|s| {
+                let sent = s.isend(peer, 5, &big)?;
+                let sent_small = s.isend(peer, 6, &small)?;
+                let got_small = s.irecv(peer, 6, &mut tail)?;
+                assert_eq!(got_small.wait()?, &[peer as u32; 4]);
+                sent.wait()?;
+                sent_small.wait()?;
+                Ok(())
+            })?;
+            let mut got = vec![0u32; len / 4];
+            ctx.recv(peer, 5, &mut got)?;
+            assert!(got == pattern(peer, 9, len / 4), "the message behind a held one: corrupted");
+            Ok(())
+        },
+    );
+    all_ok(results);
+    // Each hold lasts a few milliseconds; a hold that never ended would run into TIMEOUT.
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
+
+#[test]
 fn a_message_nobody_waits_for_is_still_read_within_the_early_budget() {
     // Rank 0 sends rank 1 a 4 MiB message that small socket buffers cannot hold, so its send
     // finishes only if rank 1's side reads it into the early budget. Rank 1 meanwhile waits on

@@ -87,6 +87,10 @@ struct Args {
     /// Pipeline segment size of the pipelined algorithms, in bytes (K/M suffixes allowed).
     #[arg(long)]
     segment_bytes: Option<String>,
+    /// `SO_SNDBUF` and `SO_RCVBUF` of every connection, in bytes (K/M suffixes allowed; default:
+    /// the kernel's autotuning).
+    #[arg(long)]
+    socket_buffer: Option<String>,
     /// Busy-poll this many microseconds before sleeping in a wait (default: automatic).
     #[arg(long)]
     busy_poll_us: Option<u64>,
@@ -493,6 +497,10 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
     }
     if args.hostname.is_some() {
         attr.hostname = args.hostname.clone();
+    }
+    if let Some(b) = &args.socket_buffer {
+        let b = parse_size(b)?;
+        (attr.send_buffer, attr.recv_buffer) = (Some(b), Some(b));
     }
     let store = ferrogloo::rendezvous::open(&env.store)?;
     let device = ferrogloo::device::Device::new(&attr)?;

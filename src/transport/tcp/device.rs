@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
+/// How often the loop looks for overdue holds while there are any: a hold lasts at most
+/// [`HOLD`](super::pair::HOLD) plus this.
+const HOLD_TICK: Duration = Duration::from_micros(500);
 
 /// Tunables of a TCP device (set through [`TcpAttr`](crate::device::TcpAttr)).
 #[derive(Debug, Clone)]
@@ -72,11 +75,14 @@ impl Route {
     }
 }
 
-/// Pairs parked by waits (see `progress`), which the event loop takes back after
-/// [`PARK_GRACE`] unless a wait takes them first.
+/// The event loop's timers: pairs parked by waits (see `progress`), which the loop takes back
+/// after [`PARK_GRACE`] unless a wait takes them first, and the count of pairs holding a message
+/// in their socket, whose holds the loop ends after [`HOLD`](super::pair::HOLD).
 pub(crate) struct Parking {
     list: Mutex<Vec<Arc<TcpPair>>>,
-    /// Whether the loop sleeps with a timeout (the list was non-empty when it last looked).
+    /// Pairs holding a message (see `TcpPair::keep_holding`).
+    held: AtomicUsize,
+    /// Whether the loop sleeps with a timeout (it had parked pairs or holds when it last looked).
     timed: AtomicBool,
     waker: Waker,
 }
@@ -95,15 +101,35 @@ impl Parking {
         }
     }
 
+    /// A pair started holding a message. Wakes the loop if it sleeps without a timeout.
+    pub(crate) fn hold_started(&self) {
+        self.held.fetch_add(1, Ordering::SeqCst);
+        if !self.timed.swap(true, Ordering::SeqCst) {
+            let _ = self.waker.wake();
+        }
+    }
+
+    /// A pair's hold ended.
+    pub(crate) fn hold_ended(&self) {
+        self.held.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// The loop's turn: hands back pairs parked for the grace period. Returns how long the
-    /// loop may sleep (`None`: until an event).
-    fn sweep(&self) -> Option<Duration> {
+    /// loop may sleep (`None`: until an event) and whether holds are to be looked at.
+    fn sweep(&self) -> (Option<Duration>, bool) {
         let now = Instant::now();
         let mut list = lock(&self.list);
         list.retain(|p| p.sweep(now));
-        let timed = !list.is_empty();
-        self.timed.store(timed, Ordering::SeqCst);
-        timed.then_some(PARK_GRACE)
+        let parked = !list.is_empty();
+        self.timed.store(parked, Ordering::SeqCst);
+        // After the store: a hold started since is either counted here or sees `timed` false
+        // and wakes the loop (both sides are SeqCst).
+        let holds = self.held.load(Ordering::SeqCst) > 0;
+        if holds {
+            self.timed.store(true, Ordering::SeqCst);
+        }
+        let tick = if holds { Some(HOLD_TICK) } else { None };
+        (parked.then_some(PARK_GRACE).into_iter().chain(tick).min(), holds)
     }
 }
 
@@ -153,7 +179,12 @@ impl DeviceCore {
             .map_err(|e| Error::io("registering the listener", e))?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the event-loop waker", e))?;
         let registry = Arc::new(poll.registry().try_clone().map_err(|e| Error::io("cloning the poll registry", e))?);
-        let parking = Arc::new(Parking { list: Mutex::default(), timed: AtomicBool::new(false), waker });
+        let parking = Arc::new(Parking {
+            list: Mutex::default(),
+            held: AtomicUsize::new(0),
+            timed: AtomicBool::new(false),
+            waker,
+        });
         let shared = Arc::new(Shared {
             registry,
             parking,
@@ -343,9 +374,15 @@ impl EventLoop {
     fn run(mut self) {
         let mut events = Events::with_capacity(256);
         while !self.shared.stop.load(Ordering::SeqCst) {
-            let parked = self.shared.parking.sweep();
+            let (timer, holds) = self.shared.parking.sweep();
             let now = Instant::now();
-            let timeout = self.incoming.values().map(|i| i.deadline.saturating_duration_since(now)).chain(parked).min();
+            if holds {
+                let pairs: Vec<Arc<TcpPair>> = lock(&self.shared.pairs).values().cloned().collect();
+                for p in pairs {
+                    p.expire_hold(now);
+                }
+            }
+            let timeout = self.incoming.values().map(|i| i.deadline.saturating_duration_since(now)).chain(timer).min();
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;

@@ -10,6 +10,7 @@
 //! pair goes back to the loop after [`PARK_GRACE`] unless another wait takes it first: back to
 //! back collectives then never register, deregister or wake the loop per message.
 
+use super::device::Parking;
 use super::frame::{FrameHeader, HEADER_LEN, Kind, MAX_ABORT};
 use super::wake::EventFd;
 use crate::error::{Error, Result};
@@ -41,6 +42,15 @@ const SPARE_BUFFERS: usize = 8;
 /// How long a pair stays parked (watched by nobody) after a wait before the event loop takes
 /// it back. Bounds how late a message nobody waits for is read, or a queued send flushed.
 pub(crate) const PARK_GRACE: Duration = Duration::from_millis(1);
+/// A message at least this large that arrives while no receive at all is posted on its pair is
+/// left in the socket (held) instead of being read into the early budget: when its receive is
+/// posted, it is read straight into the receive buffer. An early-buffered message costs two
+/// more copies (staging to early buffer, early buffer to receive buffer); in a ring allreduce
+/// the next phase's segments routinely arrive before their receives are posted.
+const HOLD_MIN: usize = 64 << 10;
+/// How long a message is held at most; then it is read into the early budget after all, so a
+/// sender that waits for its send to finish before it receives still gets on.
+pub(crate) const HOLD: Duration = Duration::from_millis(2);
 
 /// Who watches the socket for readiness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,8 +114,9 @@ enum Rx {
     Discard { remaining: u64 },
     /// The reason of an abort frame (bounded by `MAX_ABORT`).
     Abort { len: usize, data: Vec<u8> },
-    /// A header whose payload fits neither a posted receive nor the budget: reading stops
-    /// (TCP back-pressure) until a receive for it is posted.
+    /// A header whose payload fits neither a posted receive nor the budget, or is held (see
+    /// [`HOLD_MIN`]): reading stops (TCP back-pressure) until a receive for it is posted, or the
+    /// hold ends.
     Stalled(FrameHeader),
 }
 
@@ -139,6 +150,8 @@ struct Inner {
     waiters: u32,
     /// A failed connection's socket, kept open until the driver stops polling its descriptor.
     zombie: Option<TcpStream>,
+    /// Since when the stalled header is held (see [`HOLD_MIN`]); `None` when not held.
+    held_since: Option<Instant>,
     /// Whether the event loop is asked for writability. Only while sends are queued: a socket
     /// registered for it is reported writable at once, waking the loop for nothing.
     write_interest: bool,
@@ -149,6 +162,8 @@ pub(crate) struct TcpPair {
     peer: usize,
     early_limit: usize,
     registry: Arc<mio::Registry>,
+    /// The device's timers: counts this pair's hold, so that the event loop ends it in time.
+    parking: Arc<Parking>,
     /// Wakes the thread driving this pair when another thread needs it to look again.
     wake: EventFd,
     inner: Mutex<Inner>,
@@ -158,11 +173,17 @@ pub(crate) struct TcpPair {
 type Step = std::result::Result<(), Error>;
 
 impl TcpPair {
-    pub(crate) fn new(peer: usize, early_limit: usize, registry: Arc<mio::Registry>) -> io::Result<Arc<Self>> {
+    pub(crate) fn new(
+        peer: usize,
+        early_limit: usize,
+        registry: Arc<mio::Registry>,
+        parking: Arc<Parking>,
+    ) -> io::Result<Arc<Self>> {
         Ok(Arc::new(TcpPair {
             peer,
             early_limit,
             registry,
+            parking,
             wake: EventFd::new()?,
             inner: Mutex::new(Inner {
                 conn: Conn::Pending,
@@ -180,6 +201,7 @@ impl TcpPair {
                 listed: false,
                 waiters: 0,
                 zombie: None,
+                held_since: None,
                 write_interest: false,
             }),
         }))
@@ -317,11 +339,13 @@ impl TcpPair {
     }
 
     /// One driving step by the thread that acquired the pair: flush and read. Returns the
-    /// `poll(2)` events to wait for on the socket next. They stay valid until the next step:
-    /// another thread that changes them (a post, a failure) signals the driver's eventfd.
-    pub(crate) fn drive_now(&self) -> i16 {
+    /// `poll(2)` events to wait for on the socket next, and when a hold ends (the driver must
+    /// step again then). They stay valid until the next step: another thread that changes them
+    /// (a post, a failure) signals the driver's eventfd.
+    pub(crate) fn drive_now(&self) -> (i16, Option<Instant>) {
         let mut g = self.lock();
         self.drive(&mut g);
+        let hold_ends = g.held_since.map(|t| t + HOLD);
         let mut ev = 0;
         if matches!(g.conn, Conn::Open { .. }) {
             // A stalled header cannot be consumed: readiness would fire forever.
@@ -332,7 +356,41 @@ impl TcpPair {
                 ev |= libc::POLLOUT;
             }
         }
-        ev
+        (ev, hold_ends)
+    }
+
+    /// The event loop's look at a pair while holds are counted: ends an overdue hold of a pair
+    /// the loop watches (a driver ends its own; a parked pair comes back to the loop first).
+    pub(crate) fn expire_hold(&self, now: Instant) {
+        let mut g = self.lock();
+        if g.watch == Watch::Loop && g.held_since.is_some_and(|t| now.saturating_duration_since(t) >= HOLD) {
+            self.drive(&mut g);
+        }
+    }
+
+    /// Whether the stalled header `h` stays held: only while no receive is posted on the pair
+    /// (one that is posted for another message needs the stream read past this one) and for
+    /// at most [`HOLD`]. Starts the hold of a fresh header.
+    fn keep_holding(&self, g: &mut Inner, len: usize) -> bool {
+        if len < HOLD_MIN || !g.posted.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        match g.held_since {
+            Some(t) => now.saturating_duration_since(t) < HOLD,
+            None => {
+                g.held_since = Some(now);
+                self.parking.hold_started();
+                true
+            }
+        }
+    }
+
+    /// The stalled header is no longer held.
+    fn end_hold(&self, g: &mut Inner) {
+        if g.held_since.take().is_some() {
+            self.parking.hold_ended();
+        }
     }
 
     /// The eventfd that wakes this pair's driver.
@@ -407,6 +465,7 @@ impl TcpPair {
         for op in g.posted.drain(..) {
             op.done.complete(Err(err.clone()));
         }
+        self.end_hold(g);
         match std::mem::replace(&mut g.rx, Rx::Header) {
             Rx::Payload { op, .. } => op.done.complete(Err(err.clone())),
             Rx::Early { len, .. } => g.early_bytes -= len,
@@ -619,6 +678,12 @@ impl TcpPair {
             return Ok(());
         }
         // The oldest posted receive for this tag that nobody else has claimed.
+        let len = usize::try_from(h.len).unwrap_or(usize::MAX);
+        if self.keep_holding(g, len) {
+            g.rx = Rx::Stalled(h);
+            return Ok(());
+        }
+        self.end_hold(g);
         while let Some(i) = g.posted.iter().position(|op| op.tag == h.tag) {
             let Some(op) = g.posted.remove(i) else { break };
             if !op.done.try_claim() {
@@ -648,7 +713,6 @@ impl TcpPair {
                 return Ok(());
             }
         }
-        let len = usize::try_from(h.len).unwrap_or(usize::MAX);
         if len <= self.early_limit.saturating_sub(g.early_bytes) {
             g.early_bytes += len;
             let data = Self::early_buffer(g, len);
@@ -860,6 +924,9 @@ impl Pair for TcpPair {
 impl Drop for TcpPair {
     fn drop(&mut self) {
         let g = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        if g.held_since.take().is_some() {
+            self.parking.hold_ended();
+        }
         if let Conn::Open { stream, .. } = &mut g.conn
             && g.watch == Watch::Loop
         {

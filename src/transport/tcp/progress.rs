@@ -70,11 +70,13 @@ impl TcpProgress {
                 ]
             })
             .collect();
+        // When each pair's hold of a message ends: it must be stepped then, readiness or not.
+        let mut holds: Vec<Option<Instant>> = vec![None; mine.len()];
         let busy_until = Instant::now() + busy.budget;
         loop {
-            for (((p, _), slot), r) in mine.iter().zip(fds.chunks_exact_mut(2)).zip(&ready) {
+            for ((((p, _), slot), r), hold) in mine.iter().zip(fds.chunks_exact_mut(2)).zip(&ready).zip(&mut holds) {
                 if *r {
-                    slot[0].events = p.drive_now();
+                    (slot[0].events, *hold) = p.drive_now();
                 }
             }
             if let Some(o) = done.outcome() {
@@ -85,11 +87,16 @@ impl TcpProgress {
                 return Some(done.outcome());
             }
             let spinning = now < busy_until;
-            let timeout = if spinning { Duration::ZERO } else { deadline - now };
+            let hold_ends = holds.iter().flatten().min().copied();
+            let until = hold_ends.map_or(deadline, |h| h.min(deadline));
+            let timeout = if spinning { Duration::ZERO } else { until.saturating_duration_since(now) };
             match poll_fds(&mut fds, timeout) {
                 Err(_) => return None,
                 Ok(0) => {
-                    ready.fill(false);
+                    let now = Instant::now();
+                    for (r, hold) in ready.iter_mut().zip(&holds) {
+                        *r = hold.is_some_and(|h| h <= now);
+                    }
                     if spinning {
                         if busy.yield_cpu {
                             // Cores are shared: let another rank run rather than sleep.
