@@ -63,8 +63,27 @@ pub trait Element: Pod + PartialOrd + Send + Sync + fmt::Debug + sealed::Sealed 
     }
 }
 
-/// The element-wise loop of every built-in reduction.
+/// The element-wise loop of every built-in reduction, in the widest vectors the CPU has: the
+/// crate is built for baseline x86-64 (SSE2), so on a CPU with AVX2 the same loop compiled for
+/// AVX2 is chosen at run time (the detection is cached by std).
 fn fold_scalar<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { fold_avx2(kind, acc, src) };
+    }
+    fold_loop(kind, acc, src);
+}
+
+/// [`fold_loop`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fold_avx2<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
+    fold_loop(kind, acc, src);
+}
+
+#[inline(always)]
+fn fold_loop<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
     match kind {
         Builtin::Sum => zip_with(acc, src, T::add),
         Builtin::Product => zip_with(acc, src, T::mul),
