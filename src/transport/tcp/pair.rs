@@ -367,12 +367,19 @@ impl TcpPair {
     }
 
     /// The event loop's look at a pair while holds are counted: ends an overdue hold of a pair
-    /// the loop watches (a driver ends its own; a parked pair comes back to the loop first).
+    /// the loop watches, or of a parked one, which it takes back first (a driver ends its own).
     pub(crate) fn expire_hold(&self, now: Instant) {
         let mut g = self.lock();
-        if g.watch == Watch::Loop && g.held_since.is_some_and(|t| now.saturating_duration_since(t) >= HOLD) {
-            self.drive(&mut g);
+        if g.watch == Watch::Driven || g.held_since.is_none_or(|t| now.saturating_duration_since(t) < HOLD) {
+            return;
         }
+        if g.watch == Watch::Parked {
+            self.to_loop(&mut g); // stays listed until the next sweep finds it with the loop
+            if g.watch != Watch::Loop {
+                return; // could not register: the pair has failed
+            }
+        }
+        self.drive(&mut g);
     }
 
     /// Whether the stalled header `h` stays held: only while no receive is posted on the pair
@@ -684,13 +691,13 @@ impl TcpPair {
             g.rx = Rx::Abort { len, data: Vec::with_capacity(len) };
             return Ok(());
         }
-        // The oldest posted receive for this tag that nobody else has claimed.
         let len = usize::try_from(h.len).unwrap_or(usize::MAX);
         if self.keep_holding(g, len) {
             g.rx = Rx::Stalled(h);
             return Ok(());
         }
         self.end_hold(g);
+        // The oldest posted receive for this tag that nobody else has claimed.
         while let Some(i) = g.posted.iter().position(|op| op.tag == h.tag) {
             let Some(op) = g.posted.remove(i) else { break };
             if !op.done.try_claim() {
