@@ -16,16 +16,21 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::types::{Element, ReduceOp};
 
-/// Up to this many bytes, `Auto` allreduce uses recursive doubling (fewest steps). Measured
-/// with `ferrogloo-bench --algorithm rd,hd` (2-core machine, f32): recursive doubling is 1.6-3x
-/// faster than halving-doubling from 4 KiB to 256 KiB with 2, 3 and 4 ranks (2 ranks, 4 KiB:
-/// 12 vs 33 µs), and slower or equal at 1 MiB.
-pub(crate) const ALLREDUCE_DOUBLING_UPTO: usize = 256 << 10;
+/// `Auto` allreduce uses recursive doubling (fewest steps, but S·log₂p bytes per rank against
+/// halving-doubling's 2S(p-1)/p) while S·log₂p stays below this many bytes. Measured with
+/// `ferrogloo-bench --algorithm rd,hd` (2-core machine, f32): with 2 ranks recursive doubling
+/// is much faster at 4 KiB (12 vs 33 µs) and they tie from 128 KiB; with 4 ranks recursive
+/// doubling wins at 32 KiB (64-90 vs 85-142 µs) and loses from 64 KiB (median of eight
+/// alternating runs: 64 KiB 149 vs 118 µs, 128 KiB 203 vs 164 µs).
+pub(crate) const ALLREDUCE_DOUBLING_BELOW: usize = 128 << 10;
 /// Up to this many bytes, `Auto` allreduce uses halving-doubling (fewer steps); above it, the
 /// ring (pipelined). Measured with `examples/algorithms` on a 2-core machine over loopback
 /// (f32, median of 10-30 calls): with 4 ranks halving-doubling is 15-35% faster at 1-4 MiB and
 /// the ring 10-20% faster from 8 MiB; with 2 ranks they tie at 16 MiB.
 pub(crate) const ALLREDUCE_RING_ABOVE: usize = 4 << 20;
+/// Up to this many bytes of output, `Auto` allgather uses recursive doubling when the world size
+/// is a power of two; the ring otherwise.
+pub(crate) const ALLGATHER_DOUBLING_UPTO: usize = 4 << 20;
 /// Up to this many bytes, `Auto` broadcast uses the binomial tree; above it, the pipeline.
 /// Same measurement: the tree wins up to 4 MiB with 3 and 4 ranks, the pipeline from 8 MiB.
 pub(crate) const BROADCAST_PIPELINE_ABOVE: usize = 4 << 20;
@@ -57,8 +62,8 @@ impl Context {
     ///   2(p-1)/p·S bytes (+S for folded ranks).
     /// - `RecursiveDoubling`: whole-buffer exchanges with partners 2^k away, both folding in
     ///   rank order. log₂p (+2) steps; S·log₂p bytes.
-    /// - `Auto` (default): recursive doubling up to 256 KiB, halving-doubling up to 4 MiB, the
-    ///   ring above.
+    /// - `Auto` (default): recursive doubling while S·log₂p < 128 KiB (S < 128 KiB for 2 and 3
+    ///   ranks, < 64 KiB for 4 to 7), halving-doubling up to 4 MiB, the ring above.
     ///
     /// Constraints: every rank passes the same length, element type and reduction. Zero-length
     /// buffers are allowed.
@@ -79,8 +84,9 @@ impl Context {
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
         let bytes = bytes_of::<T>(buf.len());
+        let log2p = (usize::BITS - 1 - n.leading_zeros()) as usize;
         let algo = match opts.algorithm {
-            Algorithm::Auto if bytes <= ALLREDUCE_DOUBLING_UPTO => Algorithm::RecursiveDoubling,
+            Algorithm::Auto if bytes.saturating_mul(log2p) < ALLREDUCE_DOUBLING_BELOW => Algorithm::RecursiveDoubling,
             Algorithm::Auto if bytes <= ALLREDUCE_RING_ABOVE => Algorithm::HalvingDoubling,
             Algorithm::Auto => Algorithm::Ring,
             a @ (Algorithm::Ring | Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling) => a,
@@ -188,8 +194,12 @@ impl Context {
     /// Every rank's `input` is concatenated in rank order into every rank's `output`
     /// (`output.len() == n * input.len()`).
     ///
-    /// Algorithm: pipelined ring. n-1 steps; sends and receives (n-1)/n of the output:
-    /// time ≈ (n-1)α + (n-1)/n·Sβ for S output bytes.
+    /// Algorithms (both send and receive (n-1)/n of the S output bytes):
+    /// - `Ring`: pipelined in segments; n-1 steps: time ≈ (n-1)α + (n-1)/n·Sβ.
+    /// - `RecursiveDoubling`: swaps of 1, 2, 4… blocks with the rank 1, 2, 4… away; log₂n steps.
+    ///   Power-of-two world sizes only (others run the ring).
+    /// - `Auto` (default): recursive doubling up to 4 MiB of output when n is a power of two,
+    ///   the ring otherwise.
     ///
     /// ```
     /// # use ferrogloo::{Context, device::Device, rendezvous::HashStore, algorithms::CollectiveOptions};
@@ -231,9 +241,21 @@ impl Context {
             output.copy_from_slice(input);
             return Ok(());
         }
-        let m = meta(OpCode::Allgather, T::DTYPE as u8, &[counts_hash(counts)]);
+        let doubling = match opts.algorithm {
+            Algorithm::Auto => n.is_power_of_two() && bytes_of::<T>(total) <= ALLGATHER_DOUBLING_UPTO,
+            Algorithm::Ring => false,
+            Algorithm::RecursiveDoubling => n.is_power_of_two(),
+            a => return Err(Error::invalid(format!("allgather does not support the {a:?} algorithm"))),
+        };
+        let m = meta(OpCode::Allgather, T::DTYPE as u8, &[counts_hash(counts), u64::from(doubling)]);
         let out = Seg::new(output);
-        algorithms::run(self, "allgather", m, opts, |c| allgather::ring(c, input, out, &blocks, seg))
+        algorithms::run(self, "allgather", m, opts, |c| {
+            if doubling {
+                allgather::recursive_doubling(c, input, out, &blocks)
+            } else {
+                allgather::ring(c, input, out, &blocks, seg)
+            }
+        })
     }
 
     /// Copies `buf` from rank `root` into every other rank's `buf`.

@@ -101,8 +101,8 @@ enum Kind {
     Reduce,
     ReduceScatter,
     ReduceScatterV,
-    Allgather,
-    AllgatherV,
+    Allgather(Algorithm),
+    AllgatherV(Algorithm),
     Broadcast(Algorithm),
     Gather,
     GatherV,
@@ -133,8 +133,11 @@ fn case() -> impl Strategy<Value = Case> {
         Just(Kind::Reduce),
         Just(Kind::ReduceScatter),
         Just(Kind::ReduceScatterV),
-        Just(Kind::Allgather),
-        Just(Kind::AllgatherV),
+        Just(Kind::Allgather(Algorithm::Auto)),
+        Just(Kind::Allgather(Algorithm::Ring)),
+        Just(Kind::Allgather(Algorithm::RecursiveDoubling)),
+        Just(Kind::AllgatherV(Algorithm::Auto)),
+        Just(Kind::AllgatherV(Algorithm::RecursiveDoubling)),
         Just(Kind::Broadcast(Algorithm::BinomialTree)),
         Just(Kind::Broadcast(Algorithm::Pipeline)),
         Just(Kind::Broadcast(Algorithm::Auto)),
@@ -209,14 +212,15 @@ fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
             let start: usize = counts[..r].iter().sum();
             assert!(out[..] == reference(c.red, &inputs)[start..start + counts[r]], "{ctxt}");
         }
-        Kind::Allgather | Kind::AllgatherV => {
+        Kind::Allgather(a) | Kind::AllgatherV(a) => {
             let counts: Vec<usize> = match c.kind {
-                Kind::Allgather => vec![c.count; n],
+                Kind::Allgather(_) => vec![c.count; n],
                 _ => (0..n).map(|p| count_for(c.seed, p, c.count)).collect(),
             };
             let inputs: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, counts[p])).collect();
             let mut out = vec![T::small(0); counts.iter().sum()];
-            if matches!(c.kind, Kind::Allgather) {
+            let opts = opts.clone().algorithm(a);
+            if matches!(c.kind, Kind::Allgather(_)) {
                 ctx.allgather(&inputs[r], &mut out, &opts)?;
             } else {
                 ctx.allgatherv(&inputs[r], &mut out, &counts, &opts)?;
@@ -336,7 +340,8 @@ fn every_kind_type_and_size_class_once_per_world_size() {
             Kind::AllreduceMulti,
             Kind::Reduce,
             Kind::ReduceScatterV,
-            Kind::AllgatherV,
+            Kind::AllgatherV(Algorithm::Ring),
+            Kind::AllgatherV(Algorithm::RecursiveDoubling),
             Kind::Broadcast(Algorithm::Pipeline),
             Kind::Broadcast(Algorithm::BinomialTree),
             Kind::GatherV,

@@ -1,4 +1,5 @@
-//! Allgather: the ring of `allreduce::ring_allgather`, starting from each rank's own block.
+//! Allgather: the ring of `allreduce::ring_allgather`, starting from each rank's own block, and
+//! recursive doubling for power-of-two world sizes.
 
 use super::allreduce::ring_allgather;
 use super::{Coll, Seg};
@@ -19,4 +20,33 @@ pub(crate) fn ring<T: Element>(
     // SAFETY: no operation is pending yet.
     unsafe { out.sub(blocks[r].clone()).get_mut().copy_from_slice(input) };
     ring_allgather(c, out, blocks, 0, seg)
+}
+
+/// Recursive doubling, for a power-of-two n: in step k every rank swaps the 2^k blocks it holds
+/// (one contiguous range of `out`, since blocks are in rank order) with the rank 2^k away.
+/// log₂n steps instead of the ring's n-1, the same bytes; no pipelining.
+pub(crate) fn recursive_doubling<T: Element>(
+    c: &Coll<'_, '_>,
+    input: &[T],
+    out: Seg<T>,
+    blocks: &[Range<usize>],
+) -> Result<()> {
+    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    debug_assert!(n.is_power_of_two());
+    // SAFETY: no operation is pending yet.
+    unsafe { out.sub(blocks[r].clone()).get_mut().copy_from_slice(input) };
+    // The `count` blocks from `first` on, as one range of `out`.
+    let span = |first: usize, count: usize| blocks[first].start..blocks[first + count - 1].end;
+    let mut dist = 1;
+    while dist < n {
+        let partner = r ^ dist;
+        // SAFETY: the two spans are disjoint (aligned groups of `dist` blocks on either side of
+        // bit `dist`); ours is complete and only read, theirs only written, until both waits.
+        let got = unsafe { c.recv(partner, out.sub(span(partner & !(dist - 1), dist)))? };
+        let sent = unsafe { c.send(partner, out.sub(span(r & !(dist - 1), dist)))? };
+        c.wait(got)?;
+        c.wait(sent)?;
+        dist <<= 1;
+    }
+    Ok(())
 }

@@ -149,6 +149,7 @@ fn algorithms(op: &str, wanted: &[String]) -> Result<Vec<Algorithm>> {
     let has: &[Algorithm] = match op {
         "allreduce" => &[Algorithm::Auto, Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling],
         "broadcast" => &[Algorithm::Auto, Algorithm::BinomialTree, Algorithm::Pipeline],
+        "allgather" => &[Algorithm::Auto, Algorithm::Ring, Algorithm::RecursiveDoubling],
         _ => &[Algorithm::Auto],
     };
     let mut out = Vec::new();
