@@ -31,7 +31,8 @@ pub enum Algorithm {
     /// Recursive halving then doubling, with a pre/post step for world sizes that are not
     /// powers of two (allreduce).
     HalvingDoubling,
-    /// Recursive doubling: whole-buffer exchanges, the fewest steps (allreduce).
+    /// Recursive doubling: exchanges with the ranks 1, 2, 4… away, the fewest steps (allreduce;
+    /// allgather with a power-of-two world size).
     RecursiveDoubling,
     /// Binomial tree (broadcast, reduce).
     BinomialTree,
