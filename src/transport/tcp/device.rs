@@ -76,11 +76,11 @@ impl Route {
 }
 
 /// The event loop's timers: pairs parked by waits (see `progress`), which the loop takes back
-/// after [`PARK_GRACE`] unless a wait takes them first, and the count of pairs holding a message
-/// in their socket, whose holds the loop ends after [`HOLD`](super::pair::HOLD).
+/// after [`PARK_GRACE`] unless a wait takes them first, and the count of the pairs it watches
+/// that hold a message in their socket, whose holds it ends after [`HOLD`](super::pair::HOLD).
 pub(crate) struct Parking {
     list: Mutex<Vec<Arc<TcpPair>>>,
-    /// Pairs holding a message (see `TcpPair::keep_holding`).
+    /// Pairs the loop watches that hold a message (see `TcpPair::count_hold`).
     held: AtomicUsize,
     /// Whether the loop sleeps with a timeout (it had parked pairs or holds when it last looked).
     timed: AtomicBool,
