@@ -75,7 +75,7 @@ fn fold_scalar<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
     fold_loop(kind, acc, src);
 }
 
-/// [`fold_loop`] compiled for AVX2.
+/// [`fold_loop`] compiled for AVX2. The caller must have checked that the CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn fold_avx2<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {

@@ -43,6 +43,7 @@ pub(crate) fn recursive_doubling<T: Element>(
         // SAFETY: the two spans are disjoint (aligned groups of `dist` blocks on either side of
         // bit `dist`); ours is complete and only read, theirs only written, until both waits.
         let got = unsafe { c.recv(partner, out.sub(span(partner & !(dist - 1), dist)))? };
+        // SAFETY: as above; this span is complete (ours, or received in earlier steps).
         let sent = unsafe { c.send(partner, out.sub(span(r & !(dist - 1), dist)))? };
         c.wait(got)?;
         c.wait(sent)?;
