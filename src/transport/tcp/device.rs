@@ -91,19 +91,20 @@ impl Parking {
     /// Puts freshly parked pairs on the list; wakes the loop only when it sleeps without a
     /// timeout (once per burst of activity, not per wait).
     pub(crate) fn park(&self, pairs: Vec<Arc<TcpPair>>) {
-        let mut list = lock(&self.list);
-        list.extend(pairs);
-        if !self.timed.load(Ordering::SeqCst) {
-            // Set under the list lock, so the loop cannot miss the pairs just added.
-            self.timed.store(true, Ordering::SeqCst);
-            drop(list);
-            let _ = self.waker.wake();
-        }
+        lock(&self.list).extend(pairs);
+        self.arm();
     }
 
     /// A pair started holding a message. Wakes the loop if it sleeps without a timeout.
     pub(crate) fn hold_started(&self) {
         self.held.fetch_add(1, Ordering::SeqCst);
+        self.arm();
+    }
+
+    /// Wakes the loop if it sleeps without a timeout, after a pair was listed or a hold counted.
+    /// [`Parking::sweep`] stores `timed` while it holds the list lock and before it reads the
+    /// count, so either the loop sees the new pair or hold, or this sees `timed` false.
+    fn arm(&self) {
         if !self.timed.swap(true, Ordering::SeqCst) {
             let _ = self.waker.wake();
         }
