@@ -374,19 +374,12 @@ impl TcpPair {
     }
 
     /// The event loop's look at a pair while holds are counted: ends an overdue hold of a pair
-    /// the loop watches, or of a parked one, which it takes back first (a driver ends its own).
+    /// the loop watches (the only holds counted, see [`TcpPair::count_hold`]).
     pub(crate) fn expire_hold(&self, now: Instant) {
         let mut g = self.lock();
-        if g.watch == Watch::Driven || g.held_since.is_none_or(|t| now.saturating_duration_since(t) < HOLD) {
-            return;
+        if g.watch == Watch::Loop && g.held_since.is_some_and(|t| now.saturating_duration_since(t) >= HOLD) {
+            self.drive(&mut g);
         }
-        if g.watch == Watch::Parked {
-            self.to_loop(&mut g); // stays listed until the next sweep finds it with the loop
-            if g.watch != Watch::Loop {
-                return; // could not register: the pair has failed
-            }
-        }
-        self.drive(&mut g);
     }
 
     /// Whether the stalled header `h` stays held: only while no receive is posted on the pair
