@@ -121,23 +121,56 @@ impl ContextBuilder {
         } else {
             let mut last: Option<Vec<u8>> = None;
             let mut refused: Option<Error> = None;
+            // The route of the entry being tried: kept while retrying a connection failure, so
+            // that the lanes already connected stay (rank 0 refuses a lane twice).
+            let mut current: Option<(ContextId, Arc<Route>)> = None;
+            let mut retry = Backoff::new();
+            let drop_current = |current: &mut Option<(ContextId, Arc<Route>)>| {
+                if let Some((c, _)) = current.take() {
+                    shared.remove_route(&c, rank);
+                }
+            };
             loop {
-                let raw =
-                    rv.next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)", refused.as_ref())?;
-                last = Some(raw.clone());
+                // A connection that failed (a link still coming up, a listener not reachable
+                // yet) is tried again with backoff unless a fresh entry shows up; a refused
+                // handshake (a stale entry) waits for a fresh one.
+                let again = current.is_some() && retry.sleep_until(deadline);
+                let raw = match again {
+                    true => rv.store.try_get(&key(0)),
+                    false => rv
+                        .next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)", refused.as_ref())
+                        .map(Some),
+                };
+                let raw = match raw {
+                    Ok(Some(raw)) => raw,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        drop_current(&mut current);
+                        return Err(e);
+                    }
+                };
                 let Some(entry) = Entry::parse(&raw).filter(|e| e.size == size) else {
                     tracing::debug!(key = %key(0), "skipping an entry of another job or world size");
+                    drop_current(&mut current);
+                    last = Some(raw);
                     continue;
                 };
-                let route = new_route()?;
-                shared.add_route(entry.ctx, route.clone())?;
-                match shared.connect(entry.ctx, &route, 0, entry.addr, deadline) {
-                    Ok(()) => break (entry.ctx, route),
+                if last.as_deref() != Some(raw.as_slice()) {
+                    drop_current(&mut current);
+                    let route = new_route()?;
+                    shared.add_route(entry.ctx, route.clone())?;
+                    current = Some((entry.ctx, route));
+                    last = Some(raw);
+                }
+                let Some((_, route)) = &current else { continue };
+                match shared.connect(entry.ctx, route, 0, entry.addr, deadline) {
+                    Ok(()) => break (entry.ctx, route.clone()),
                     Err(e) => {
-                        // A stale entry (dead address, or a live one that does not know the id):
-                        // wait for rank 0 to publish afresh.
-                        tracing::debug!(error = %e, "rank 0's entry did not answer; waiting for a fresh one");
-                        shared.remove_route(&entry.ctx, rank);
+                        tracing::debug!(error = %e, "rank 0's entry did not answer");
+                        if !matches!(e, Error::Io { .. }) {
+                            // A live listener that does not know the id: wait for a fresh entry.
+                            drop_current(&mut current);
+                        }
                         refused = Some(e);
                     }
                 }
@@ -158,7 +191,17 @@ impl ContextBuilder {
                     _ => last = Some(raw),
                 }
             };
-            shared.connect(ctx, &route, peer, entry.addr, deadline)?;
+            // Connection failures (a link still coming up) are retried until the deadline.
+            let mut retry = Backoff::new();
+            loop {
+                match shared.connect(ctx, &route, peer, entry.addr, deadline) {
+                    Ok(()) => break,
+                    Err(e @ Error::Io { .. }) if retry.sleep_until(deadline) => {
+                        tracing::debug!(peer, error = %e, "connecting failed; trying again");
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
         }
 
         // 3. Wait for every higher rank to connect to us.

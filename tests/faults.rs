@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok, hello, run_ranks};
+use common::{TIMEOUT, all_ok, hello_lane, run_ranks};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::{HashStore, Store};
 use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
@@ -88,16 +88,21 @@ fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
         for (i, b) in ctx.iter_mut().enumerate() {
             *b = u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex");
         }
-        let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
-        // From rank 1 to rank 0 of a job of 2.
-        sock.write_all(&hello(b"FGLO", 1, ctx, 1, 0, 2)).expect("hello");
-        let mut ack = [0u8; 64];
-        sock.read_exact(&mut ack).expect("ack");
-        assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");
+        // From rank 1 to rank 0 of a job of 2: the connection rank 1 writes on, then the one
+        // rank 0 writes on (a pair is both).
+        let mut lanes = [false, true].map(|to_connector| {
+            let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
+            sock.write_all(&hello_lane(b"FGLO", 2, ctx, 1, 0, 2, to_connector)).expect("hello");
+            let mut ack = [0u8; 64];
+            sock.read_exact(&mut ack).expect("ack");
+            assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");
+            sock
+        });
+        let sock = &mut lanes[0];
         store.set("ferrogloo.rank.1", format!("ferrogloo-v1 {} 2 127.0.0.1:1", fields[1]).as_bytes()).expect("set");
         sock.write_all(&frame).expect("frame");
         let out = real.join().expect("rank 0 panicked");
-        drop(sock);
+        drop(lanes);
         out
     })
 }

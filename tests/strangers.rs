@@ -36,10 +36,10 @@ fn strangers(addr: SocketAddr) -> Vec<(&'static str, TcpStream)> {
     let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     send("random bytes", &noise);
     send("http request", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
-    send("wrong magic", &hello(b"GLOO", 1, [1; 16], 1, 0, 2));
+    send("wrong magic", &hello(b"GLOO", 2, [1; 16], 1, 0, 2));
     send("wrong version", &hello(b"FGLO", 99, [1; 16], 1, 0, 2));
-    send("wrong context id", &hello(b"FGLO", 1, [0xEE; 16], 1, 0, 2));
-    send("short handshake then silence", &hello(b"FGLO", 1, [1; 16], 1, 0, 2)[..10]);
+    send("wrong context id", &hello(b"FGLO", 2, [0xEE; 16], 1, 0, 2));
+    send("short handshake then silence", &hello(b"FGLO", 2, [1; 16], 1, 0, 2)[..10]);
     out.push(("silent", TcpStream::connect(addr).unwrap()));
     out
 }

@@ -2,7 +2,7 @@
 //! every context made on it.
 
 use super::handshake::{self, ACK_LEN, AUTH_LEN, Ack, ContextId, HELLO_LEN, Hello, Status};
-use super::pair::{PARK_GRACE, TcpPair};
+use super::pair::{Lane, PARK_GRACE, TcpPair};
 use crate::error::{Error, Result};
 use crate::sync::{lock, wait_timeout};
 use crate::transport::Pair;
@@ -236,7 +236,7 @@ impl Shared {
     /// Forgets a context: closes its pairs and stops routing connections to it.
     pub(crate) fn remove_route(&self, ctx: &ContextId, rank: usize) {
         let Some(route) = lock(&self.routes).remove(&(*ctx, rank)) else { return };
-        let tokens: Vec<Token> = route.pairs.iter().flatten().filter_map(|p| p.token()).collect();
+        let tokens: Vec<Token> = route.pairs.iter().flatten().flat_map(|p| p.tokens()).collect();
         for p in route.pairs.iter().flatten() {
             p.close();
         }
@@ -257,8 +257,9 @@ impl Shared {
         Ok(())
     }
 
-    /// Registers a connected stream for `pair` and attaches it.
-    fn attach(&self, pair: &Arc<TcpPair>, mut stream: TcpStream, token: Option<Token>) -> Result<()> {
+    /// Registers a connected stream for `pair` and attaches it as `lane`; returns whether the
+    /// pair is complete now.
+    fn attach(&self, pair: &Arc<TcpPair>, lane: Lane, mut stream: TcpStream, token: Option<Token>) -> Result<bool> {
         let token = match token {
             Some(t) => t,
             None => {
@@ -270,16 +271,19 @@ impl Shared {
             }
         };
         lock(&self.pairs).insert(token, pair.clone());
-        if let Err(mut stream) = pair.attach(stream, token) {
-            lock(&self.pairs).remove(&token);
-            let _ = self.registry.deregister(&mut stream);
-            return Err(Error::Protocol { peer: Some(pair.peer()), detail: "a second connection for one pair".into() });
+        match pair.attach(lane, stream, token) {
+            Ok(complete) => Ok(complete),
+            Err(mut stream) => {
+                lock(&self.pairs).remove(&token);
+                let _ = self.registry.deregister(&mut stream);
+                Err(Error::Protocol { peer: Some(pair.peer()), detail: "a second connection for one pair".into() })
+            }
         }
-        Ok(())
     }
 
-    /// Connects the pair of `route` to `peer` at `addr` and runs the connector's handshake.
-    /// Errors say why; the caller decides whether to retry (stale addresses fail here).
+    /// Connects the pair of `route` to `peer` at `addr`: both lanes that are not connected yet,
+    /// each with the connector's handshake. Errors say why; the caller decides whether to retry
+    /// (stale addresses fail here).
     pub(crate) fn connect(
         &self,
         ctx: ContextId,
@@ -293,6 +297,27 @@ impl Shared {
             .get(peer)
             .and_then(|p| p.clone())
             .ok_or_else(|| Error::invalid(format!("no pair for rank {peer}")))?;
+        for lane in [Lane::Tx, Lane::Rx] {
+            if !pair.lane_attached(lane) {
+                let s = self.connect_lane(ctx, route, peer, addr, deadline, lane)?;
+                if self.attach(&pair, lane, TcpStream::from_std(s), None)? {
+                    route.notify();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens the connection for our `lane` of the pair to `peer` and runs the handshake.
+    fn connect_lane(
+        &self,
+        ctx: ContextId,
+        route: &Route,
+        peer: usize,
+        addr: SocketAddr,
+        deadline: Instant,
+        lane: Lane,
+    ) -> Result<std::net::TcpStream> {
         let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let io_err = |what: &str, e: io::Error| Error::io(format!("{what} rank {peer} at {addr}"), e);
         let mut s = std::net::TcpStream::connect_timeout(&addr, left().min(self.opts.handshake_timeout))
@@ -309,6 +334,7 @@ impl Shared {
             to: peer as u32,
             size: route.size as u32,
             nonce: handshake::random16(),
+            to_connector: lane == Lane::Rx,
         }
         .encode();
         s.write_all(&hello).map_err(|e| io_err("sending the handshake to", e))?;
@@ -333,9 +359,7 @@ impl Shared {
             s.write_all(&auth).map_err(|e| io_err("sending the handshake proof to", e))?;
         }
         s.set_nonblocking(true).map_err(|e| io_err("configuring the socket to", e))?;
-        self.attach(&pair, TcpStream::from_std(s), None)?;
-        route.notify();
-        Ok(())
+        Ok(s)
     }
 }
 
@@ -356,6 +380,8 @@ struct Accepted {
     nonce: [u8; 16],
     pair: Arc<TcpPair>,
     route: Arc<Route>,
+    /// The pair's lane this connection is, seen from this (accepting) side.
+    lane: Lane,
 }
 
 enum Progress {
@@ -401,7 +427,7 @@ impl EventLoop {
                         } else {
                             let pair = lock(&self.shared.pairs).get(&t).cloned();
                             if let Some(p) = pair {
-                                p.on_ready();
+                                p.on_ready(t, ev.is_readable() || ev.is_error() || ev.is_read_closed());
                             }
                         }
                     }
@@ -480,12 +506,14 @@ impl EventLoop {
                 self.drop_incoming(token, &why);
             }
             Progress::Done => {
-                let Some(Accepted { pair, route, .. }) = inc.accepted else { return };
+                let Some(Accepted { pair, route, lane, .. }) = inc.accepted else { return };
                 let peer = pair.peer();
-                match self.shared.attach(&pair, inc.stream, Some(token)) {
-                    Ok(()) => {
-                        tracing::debug!(from = %inc.from, peer, "pair connected");
-                        route.notify();
+                match self.shared.attach(&pair, lane, inc.stream, Some(token)) {
+                    Ok(complete) => {
+                        tracing::debug!(from = %inc.from, peer, ?lane, "lane connected");
+                        if complete {
+                            route.notify();
+                        }
                     }
                     Err(e) => tracing::warn!(from = %inc.from, error = %e, "refused connection"),
                 }
@@ -543,7 +571,8 @@ impl EventLoop {
                 ));
             };
             inc.got = 0;
-            inc.accepted = Some(Accepted { hello: raw, nonce, pair, route });
+            let lane = if hello.to_connector { Lane::Tx } else { Lane::Rx };
+            inc.accepted = Some(Accepted { hello: raw, nonce, pair, route, lane });
             if secret.is_none() {
                 return Progress::Done;
             }
@@ -564,7 +593,7 @@ impl EventLoop {
             return Err(Status::SecretMismatch);
         }
         let Some(pair) = route.pairs[from].clone() else { return Err(Status::BadRank) };
-        if pair.is_attached() {
+        if pair.lane_attached(if h.to_connector { Lane::Tx } else { Lane::Rx }) {
             return Err(Status::Duplicate);
         }
         Ok((pair, route))

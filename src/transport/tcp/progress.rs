@@ -43,7 +43,7 @@ impl TcpProgress {
     }
 
     /// Ends driving `mine`; parks them (or hands them to the loop with `to_loop`).
-    fn release(&self, mine: &[(&Arc<TcpPair>, RawFd)], to_loop: bool) {
+    fn release(&self, mine: &[(&Arc<TcpPair>, (RawFd, RawFd))], to_loop: bool) {
         let now = Instant::now();
         let newly: Vec<Arc<TcpPair>> =
             mine.iter().filter(|(p, _)| p.release(now, to_loop)).map(|(p, _)| Arc::clone(p)).collect();
@@ -55,28 +55,34 @@ impl TcpProgress {
     /// Drives `mine` until `done` finishes or `deadline`; `None` when it could not poll.
     fn drive(
         &self,
-        mine: &[(&Arc<TcpPair>, RawFd)],
+        mine: &[(&Arc<TcpPair>, (RawFd, RawFd))],
         done: &Completion,
         deadline: Instant,
         busy: BusyWait,
     ) -> Option<Option<Result<usize>>> {
         let mut ready = vec![true; mine.len()];
+        // Per pair: its receiving lane, its sending lane, its eventfd.
         let mut fds: Vec<libc::pollfd> = mine
             .iter()
-            .flat_map(|(p, fd)| {
+            .flat_map(|(p, (rx, tx))| {
                 [
-                    libc::pollfd { fd: *fd, events: 0, revents: 0 },
+                    libc::pollfd { fd: *rx, events: 0, revents: 0 },
+                    libc::pollfd { fd: *tx, events: 0, revents: 0 },
                     libc::pollfd { fd: p.wake().raw(), events: libc::POLLIN, revents: 0 },
                 ]
             })
             .collect();
+        // Whether each pair's sending lane reported input (end-of-file or an error).
+        let mut probe = vec![false; mine.len()];
         // When each pair's hold of a message ends: it must be stepped then, readiness or not.
         let mut holds: Vec<Option<Instant>> = vec![None; mine.len()];
         let busy_until = Instant::now() + busy.budget;
         loop {
-            for ((((p, _), slot), r), hold) in mine.iter().zip(fds.chunks_exact_mut(2)).zip(&ready).zip(&mut holds) {
+            for ((((p, _), slot), r), (hold, probe)) in
+                mine.iter().zip(fds.chunks_exact_mut(3)).zip(&ready).zip(holds.iter_mut().zip(&mut probe))
+            {
                 if *r {
-                    (slot[0].events, *hold) = p.drive_now();
+                    (slot[0].events, slot[1].events, *hold) = p.drive_now(std::mem::take(probe));
                 }
             }
             if let Some(o) = done.outcome() {
@@ -107,11 +113,14 @@ impl TcpProgress {
                     }
                 }
                 Ok(_) => {
-                    for (((p, _), slot), r) in mine.iter().zip(fds.chunks_exact(2)).zip(ready.iter_mut()) {
-                        if slot[1].revents != 0 {
+                    for ((((p, _), slot), r), probe) in
+                        mine.iter().zip(fds.chunks_exact(3)).zip(ready.iter_mut()).zip(&mut probe)
+                    {
+                        if slot[2].revents != 0 {
                             p.wake().drain();
                         }
-                        *r = slot[0].revents != 0 || slot[1].revents != 0;
+                        *probe = slot[1].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+                        *r = slot.iter().any(|f| f.revents != 0);
                     }
                 }
             }
@@ -135,7 +144,7 @@ impl Progress for TcpProgress {
         let mut contended = Vec::new();
         for p in own.iter().filter_map(|&r| self.pair(r)) {
             match p.acquire(true) {
-                Acquired::Fd(fd) => mine.push((p, fd)),
+                Acquired::Fds { rx, tx } => mine.push((p, (rx, tx))),
                 Acquired::Busy => contended.push(p),
                 Acquired::Unavailable => {}
             }
@@ -151,8 +160,8 @@ impl Progress for TcpProgress {
             return outcome;
         }
         for p in others.iter().filter_map(|&r| self.pair(r)) {
-            if let Acquired::Fd(fd) = p.acquire(false) {
-                mine.push((p, fd));
+            if let Acquired::Fds { rx, tx } = p.acquire(false) {
+                mine.push((p, (rx, tx)));
             }
         }
         let outcome = self.drive(&mine, done, deadline, busy);
