@@ -97,7 +97,13 @@ impl ContextBuilder {
                 .map(|p| {
                     (p != rank)
                         .then(|| {
-                            TcpPair::new(p, shared.opts.early_budget, shared.registry.clone(), shared.parking.clone())
+                            TcpPair::new(
+                                p,
+                                rank < p,
+                                shared.opts.early_budget,
+                                shared.registry.clone(),
+                                shared.parking.clone(),
+                            )
                         })
                         .transpose()
                 })

@@ -88,11 +88,11 @@ fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
         for (i, b) in ctx.iter_mut().enumerate() {
             *b = u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex");
         }
-        // From rank 1 to rank 0 of a job of 2: the connection rank 1 writes on, then the one
-        // rank 0 writes on (a pair is both).
-        let mut lanes = [false, true].map(|to_connector| {
+        // From rank 1 to rank 0 of a job of 2: the main connection, which carries every frame of
+        // the higher rank, then the bulk one (a pair is both).
+        let mut lanes = [false, true].map(|bulk| {
             let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
-            sock.write_all(&hello_lane(b"FGLO", 2, ctx, 1, 0, 2, to_connector)).expect("hello");
+            sock.write_all(&hello_lane(b"FGLO", 2, ctx, 1, 0, 2, bulk)).expect("hello");
             let mut ack = [0u8; 64];
             sock.read_exact(&mut ack).expect("ack");
             assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");

@@ -134,6 +134,76 @@ fn tags_keep_messages_apart_and_same_tag_keeps_order() {
     all_ok(results);
 }
 
+/// The lower rank of a pair sends large messages (64 KiB and up) on the pair's second
+/// connection and switches back for small ones: messages of one tag still arrive in the order
+/// sent, whether their receives are posted first or long after (early and held messages), and
+/// in both directions at once.
+#[test]
+fn small_and_large_messages_keep_their_order_across_both_connections() {
+    // (tag, length in u32) in send order; lengths from 0 up to 256 KiB, alternating.
+    let plan: Vec<(u32, usize)> = [(1, 3), (1, 40_000), (1, 1), (2, 65_536), (1, 0), (2, 16_384), (1, 16_385), (2, 5)]
+        .into_iter()
+        .cycle()
+        .take(40)
+        .collect();
+    let message = |from: usize, i: usize, len: usize| -> Vec<u32> {
+        (0..len as u32).map(|j| ((from * 1000 + i) as u32) ^ j.wrapping_mul(2654435761)).collect()
+    };
+    for late in [false, true] {
+        let store = HashStore::new();
+        let results = run_ranks(2, &store, |ctx| {
+            let (me, peer) = (ctx.rank(), 1 - ctx.rank());
+            let outs: Vec<Vec<u32>> = plan.iter().enumerate().map(|(i, &(_, len))| message(me, i, len)).collect();
+            let mut ins: Vec<Vec<u32>> = plan.iter().map(|&(_, len)| vec![0; len]).collect();
+            if late {
+                ctx.scope(|s| {
+                    let sends = plan
+                        .iter()
+                        .zip(&outs)
+                        .map(|(&(tag, _), o)| s.isend(peer, tag, o))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    // Everything was sent (into the socket, the early budget or a hold) first.
+                    for r in sends {
+                        r.wait()?;
+                    }
+                    for (&(tag, _), b) in plan.iter().zip(ins.iter_mut()) {
+                        s.irecv(peer, tag, b)?.wait()?;
+                    }
+                    Ok(())
+                })?;
+            } else {
+                ctx.scope(|s| {
+                    let recvs = plan
+                        .iter()
+                        .zip(ins.iter_mut())
+                        .map(|(&(tag, _), b)| s.irecv(peer, tag, b))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let sends = plan
+                        .iter()
+                        .zip(&outs)
+                        .map(|(&(tag, _), o)| s.isend(peer, tag, o))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    for r in sends {
+                        r.wait()?;
+                    }
+                    for r in recvs {
+                        r.wait()?;
+                    }
+                    Ok(())
+                })?;
+            }
+            for (i, (got, &(tag, len))) in ins.iter().zip(&plan).enumerate() {
+                assert!(
+                    *got == message(peer, i, len),
+                    "rank {me}: message {i} (tag {tag}, {len} u32) wrong or out of order (late: {late})"
+                );
+            }
+            Ok(())
+        });
+        all_ok(results);
+    }
+}
+
 #[test]
 fn large_payload_beyond_the_early_budget_lands_when_posted() {
     // A 1 KiB early budget: every large message must wait for its receive (back-pressure),

@@ -52,24 +52,16 @@ pub fn pattern(from: usize, to: usize, len: usize) -> Vec<u32> {
 
 /// A handshake opening (see src/transport/tcp/handshake.rs for the layout), for tests that
 /// play a stranger or a fake rank.
-/// The connection carries frames from the connector (`to_connector` false, flag 2 clear) to
-/// the acceptor; a pair needs one of each.
+/// This opens a pair's main connection (flag 2, bulk, clear), which carries every frame of the
+/// connector; a pair needs its bulk connection too.
 pub fn hello(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, size: u32) -> Vec<u8> {
     hello_lane(magic, version, ctx, from, to, size, false)
 }
 
 /// [`hello`] for either lane of a pair.
-pub fn hello_lane(
-    magic: &[u8; 4],
-    version: u16,
-    ctx: [u8; 16],
-    from: u32,
-    to: u32,
-    size: u32,
-    to_connector: bool,
-) -> Vec<u8> {
+pub fn hello_lane(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, size: u32, bulk: bool) -> Vec<u8> {
     let mut b = vec![0u8; 64];
-    b[6] = if to_connector { 2 } else { 0 };
+    b[6] = if bulk { 2 } else { 0 };
     b[0..4].copy_from_slice(magic);
     b[4..6].copy_from_slice(&version.to_le_bytes());
     b[8..24].copy_from_slice(&ctx);

@@ -297,7 +297,7 @@ impl Shared {
             .get(peer)
             .and_then(|p| p.clone())
             .ok_or_else(|| Error::invalid(format!("no pair for rank {peer}")))?;
-        for lane in [Lane::Tx, Lane::Rx] {
+        for lane in [Lane::Main, Lane::Bulk] {
             if !pair.lane_attached(lane) {
                 let s = self.connect_lane(ctx, route, peer, addr, deadline, lane)?;
                 if self.attach(&pair, lane, TcpStream::from_std(s), None)? {
@@ -308,7 +308,7 @@ impl Shared {
         Ok(())
     }
 
-    /// Opens the connection for our `lane` of the pair to `peer` and runs the handshake.
+    /// Opens the pair's `lane` connection to `peer` and runs the handshake.
     fn connect_lane(
         &self,
         ctx: ContextId,
@@ -334,7 +334,7 @@ impl Shared {
             to: peer as u32,
             size: route.size as u32,
             nonce: handshake::random16(),
-            to_connector: lane == Lane::Rx,
+            bulk: lane == Lane::Bulk,
         }
         .encode();
         s.write_all(&hello).map_err(|e| io_err("sending the handshake to", e))?;
@@ -380,7 +380,7 @@ struct Accepted {
     nonce: [u8; 16],
     pair: Arc<TcpPair>,
     route: Arc<Route>,
-    /// The pair's lane this connection is, seen from this (accepting) side.
+    /// Which of the pair's connections this is.
     lane: Lane,
 }
 
@@ -427,7 +427,7 @@ impl EventLoop {
                         } else {
                             let pair = lock(&self.shared.pairs).get(&t).cloned();
                             if let Some(p) = pair {
-                                p.on_ready(t, ev.is_readable() || ev.is_error() || ev.is_read_closed());
+                                p.on_ready();
                             }
                         }
                     }
@@ -571,7 +571,7 @@ impl EventLoop {
                 ));
             };
             inc.got = 0;
-            let lane = if hello.to_connector { Lane::Tx } else { Lane::Rx };
+            let lane = if hello.bulk { Lane::Bulk } else { Lane::Main };
             inc.accepted = Some(Accepted { hello: raw, nonce, pair, route, lane });
             if secret.is_none() {
                 return Progress::Done;
@@ -593,7 +593,7 @@ impl EventLoop {
             return Err(Status::SecretMismatch);
         }
         let Some(pair) = route.pairs[from].clone() else { return Err(Status::BadRank) };
-        if pair.lane_attached(if h.to_connector { Lane::Tx } else { Lane::Rx }) {
+        if pair.lane_attached(if h.bulk { Lane::Bulk } else { Lane::Main }) {
             return Err(Status::Duplicate);
         }
         Ok((pair, route))

@@ -5,8 +5,8 @@
 //! [`Ack`]; when a secret is in use the connector then sends an [`Auth`]. Every message has a
 //! fixed size, so nothing a stranger sends sizes an allocation.
 //!
-//! A pair is two connections, both opened by the higher rank, each carrying frames one way
-//! (see `pair::Lane`); the Hello's `to_connector` flag says which way.
+//! A pair is two connections, both opened by the higher rank (see `pair::Lane`); the Hello's
+//! `bulk` flag says which one this is.
 //!
 //! ```text
 //! Hello (64 B): magic u32 | version u16 | flags u16 | context id [16] | from rank u32 |
@@ -25,14 +25,14 @@ use sha2::Sha256;
 
 /// "FGLO" in little-endian.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"FGLO");
-/// Wire protocol version; both sides must agree. (2: a connection per direction.)
+/// Wire protocol version; both sides must agree. (2: two connections per pair.)
 pub(crate) const VERSION: u16 = 2;
 pub(crate) const HELLO_LEN: usize = 64;
 pub(crate) const ACK_LEN: usize = 64;
 pub(crate) const AUTH_LEN: usize = 32;
 
 const FLAG_SECRET: u16 = 1;
-const FLAG_TO_CONNECTOR: u16 = 2;
+const FLAG_BULK: u16 = 2;
 
 /// A context id: random bytes chosen by rank 0 for one rendezvous.
 pub(crate) type ContextId = [u8; 16];
@@ -46,8 +46,8 @@ pub(crate) struct Hello {
     pub(crate) to: u32,
     pub(crate) size: u32,
     pub(crate) nonce: [u8; 16],
-    /// Frames on this connection flow to the connector (else from it).
-    pub(crate) to_connector: bool,
+    /// This is the pair's bulk connection (`pair::Lane::Bulk`), else its main one.
+    pub(crate) bulk: bool,
 }
 
 /// The acceptor's verdict.
@@ -109,8 +109,7 @@ impl Hello {
         let mut b = [0u8; HELLO_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
-        let flags =
-            if self.with_secret { FLAG_SECRET } else { 0 } | if self.to_connector { FLAG_TO_CONNECTOR } else { 0 };
+        let flags = if self.with_secret { FLAG_SECRET } else { 0 } | if self.bulk { FLAG_BULK } else { 0 };
         b[6..8].copy_from_slice(&flags.to_le_bytes());
         b[8..24].copy_from_slice(&self.ctx);
         b[24..28].copy_from_slice(&self.from.to_le_bytes());
@@ -123,7 +122,7 @@ impl Hello {
     pub(crate) fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, String> {
         check_magic(b)?;
         let flags = u16::from_le_bytes([b[6], b[7]]);
-        if flags & !(FLAG_SECRET | FLAG_TO_CONNECTOR) != 0 {
+        if flags & !(FLAG_SECRET | FLAG_BULK) != 0 {
             return Err(format!("unknown handshake flags {flags:#x}"));
         }
         if b[52..].iter().any(|&x| x != 0) {
@@ -141,7 +140,7 @@ impl Hello {
             to: u32_at(28),
             size: u32_at(32),
             nonce,
-            to_connector: flags & FLAG_TO_CONNECTOR != 0,
+            bulk: flags & FLAG_BULK != 0,
         })
     }
 }
@@ -211,14 +210,14 @@ mod tests {
 
     fn hello_strategy() -> impl Strategy<Value = Hello> {
         (any::<bool>(), any::<[u8; 16]>(), any::<u32>(), any::<u32>(), any::<u32>(), any::<[u8; 16]>(), any::<bool>())
-            .prop_map(|(with_secret, ctx, from, to, size, nonce, to_connector)| Hello {
+            .prop_map(|(with_secret, ctx, from, to, size, nonce, bulk)| Hello {
                 with_secret,
                 ctx,
                 from,
                 to,
                 size,
                 nonce,
-                to_connector,
+                bulk,
             })
     }
 
@@ -244,8 +243,8 @@ mod tests {
 
     #[test]
     fn macs_depend_on_secret_and_nonce() {
-        let h = Hello { with_secret: true, ctx: [7; 16], from: 1, to: 0, size: 2, nonce: [1; 16], to_connector: false }
-            .encode();
+        let h =
+            Hello { with_secret: true, ctx: [7; 16], from: 1, to: 0, size: 2, nonce: [1; 16], bulk: false }.encode();
         let a = mac(Some(b"s1"), "ferrogloo-ack", &h, &[2; 16]);
         assert!(mac_eq(&a, &mac(Some(b"s1"), "ferrogloo-ack", &h, &[2; 16])));
         assert!(!mac_eq(&a, &mac(Some(b"s2"), "ferrogloo-ack", &h, &[2; 16])));
@@ -256,13 +255,11 @@ mod tests {
     #[test]
     fn strangers_are_rejected() {
         let mut b =
-            Hello { with_secret: false, ctx: [0; 16], from: 1, to: 0, size: 2, nonce: [0; 16], to_connector: false }
-                .encode();
+            Hello { with_secret: false, ctx: [0; 16], from: 1, to: 0, size: 2, nonce: [0; 16], bulk: false }.encode();
         b[0] ^= 1;
         assert!(Hello::decode(&b).unwrap_err().contains("magic"));
         let mut b =
-            Hello { with_secret: false, ctx: [0; 16], from: 1, to: 0, size: 2, nonce: [0; 16], to_connector: false }
-                .encode();
+            Hello { with_secret: false, ctx: [0; 16], from: 1, to: 0, size: 2, nonce: [0; 16], bulk: false }.encode();
         b[4] = 9;
         assert!(Hello::decode(&b).unwrap_err().contains("version"));
     }

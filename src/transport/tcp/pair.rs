@@ -71,18 +71,37 @@ enum Watch {
     Parked,
 }
 
-/// One of a pair's two connections. Each carries frames one way only, so that a rank's
-/// `sendmsg` and the peer's data coming in never contend for one socket's lock: with one
-/// socket for both ways, two ranks exchanging 512 KiB at once took 256–410 µs (median p50 of six
-/// runs of a bare loopback exchange, 290) against 108–176 µs with a socket per direction; while
-/// one side's `sendmsg` holds the socket, the peer's segments and ACKs wait in its backlog.
+/// One of a pair's two connections, both opened by the higher rank.
+///
+/// `Main` carries every frame of the higher rank and the small frames of the lower one; `Bulk`
+/// carries the lower rank's large frames ([`BULK_MIN`] and up). So two ranks exchanging large
+/// messages write to different connections: with one socket for both ways, a rank inside
+/// `sendmsg` owns the socket while the peer's segments and ACKs for it wait in its backlog (two
+/// ranks exchanging 512 KiB at once: 256–410 µs per exchange in a bare loopback test, six runs,
+/// against 108–176 µs on two connections). Small frames of both ranks share `Main`, so their
+/// ACKs ride on data going the other way (with a connection per direction, pure ACKs made an
+/// 8-byte round trip 15.1 instead of 10.5 µs). The lower rank switches connections with a
+/// switch frame on the one it leaves, and the receiver reads one connection at a time, so
+/// frames arrive in the order they were sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Lane {
-    /// This side writes frames; the peer only acknowledges.
-    Tx,
-    /// The peer writes frames; this side only reads.
-    Rx,
+    /// The higher rank's frames and the lower rank's small ones.
+    Main,
+    /// The lower rank's large frames.
+    Bulk,
 }
+
+impl Lane {
+    fn other(self) -> Lane {
+        match self {
+            Lane::Main => Lane::Bulk,
+            Lane::Bulk => Lane::Main,
+        }
+    }
+}
+
+/// Frames at least this large from the lower rank go on [`Lane::Bulk`].
+const BULK_MIN: usize = 64 << 10;
 
 /// A connected socket and its event-loop token.
 struct Sock {
@@ -92,8 +111,8 @@ struct Sock {
 
 /// What [`TcpPair::acquire`] got.
 pub(crate) enum Acquired {
-    /// The caller drives the pair now; poll these descriptors (receiving and sending lane).
-    Fds { rx: RawFd, tx: RawFd },
+    /// The caller drives the pair now; poll these descriptors.
+    Fds { main: RawFd, bulk: RawFd },
     /// Another thread drives it.
     Busy,
     /// Not connected (yet, or any more): nothing to drive.
@@ -101,6 +120,8 @@ pub(crate) enum Acquired {
 }
 
 struct SendOp {
+    /// The connection it goes on.
+    lane: Lane,
     hdr: [u8; HEADER_LEN],
     buf: SendBuf,
     /// Memory `buf` points into when the pair owns the payload (abort frames).
@@ -150,12 +171,12 @@ enum Rx {
 enum Conn {
     /// Mesh not yet formed: the lanes attached so far (registered with the event loop).
     Pending {
-        tx: Option<Sock>,
-        rx: Option<Sock>,
+        main: Option<Sock>,
+        bulk: Option<Sock>,
     },
     Open {
-        tx: Sock,
-        rx: Sock,
+        main: Sock,
+        bulk: Sock,
     },
     Closed(Error),
 }
@@ -169,9 +190,18 @@ struct Inner {
     /// Emptied early-arrival buffers, for reuse.
     spare: Vec<Vec<u8>>,
     rx: Rx,
+    /// The connection the next incoming bytes are read from.
+    reading: Lane,
+    /// Bytes read from `reading` and not consumed yet: `staging[start..end]`.
     staging: Box<[u8]>,
     start: usize,
     end: usize,
+    /// The other connection's staging buffer and unconsumed range, kept across a switch.
+    other_staging: Box<[u8]>,
+    other_start: usize,
+    other_end: usize,
+    /// The connection of the last frame queued (a switch frame goes first when it changes).
+    send_lane: Lane,
     watch: Watch,
     parked_at: Instant,
     /// On the device's parking list (see [`super::device::Parking`]).
@@ -180,9 +210,6 @@ struct Inner {
     waiters: u32,
     /// A failed connection's sockets, kept open until the driver stops polling their descriptors.
     zombie: Vec<TcpStream>,
-    /// The sending lane reached end-of-file (the peer closed it): it is no longer polled for
-    /// input. The receiving lane reports the peer's end, after the data sent before it.
-    tx_eof: bool,
     /// Since when the stalled header is held (see [`HOLD_MIN`]); `None` when not held.
     held_since: Option<Instant>,
     /// Whether the hold is counted in the device's [`Parking`] (see [`TcpPair::count_hold`]).
@@ -195,6 +222,8 @@ struct Inner {
 /// The TCP pair.
 pub(crate) struct TcpPair {
     peer: usize,
+    /// This side is the lower rank, which sends large frames on [`Lane::Bulk`].
+    sends_bulk: bool,
     early_limit: usize,
     registry: Arc<mio::Registry>,
     /// The device's timers: counts this pair's hold, so that the event loop ends it in time.
@@ -210,33 +239,39 @@ type Step = std::result::Result<(), Error>;
 impl TcpPair {
     pub(crate) fn new(
         peer: usize,
+        sends_bulk: bool,
         early_limit: usize,
         registry: Arc<mio::Registry>,
         parking: Arc<Parking>,
     ) -> io::Result<Arc<Self>> {
         Ok(Arc::new(TcpPair {
             peer,
+            sends_bulk,
             early_limit,
             registry,
             parking,
             wake: EventFd::new()?,
             inner: Mutex::new(Inner {
-                conn: Conn::Pending { tx: None, rx: None },
+                conn: Conn::Pending { main: None, bulk: None },
                 sendq: VecDeque::new(),
                 posted: VecDeque::new(),
                 early: VecDeque::new(),
                 early_bytes: 0,
                 spare: Vec::new(),
                 rx: Rx::Header,
+                reading: Lane::Main,
                 staging: vec![0u8; STAGING].into_boxed_slice(),
                 start: 0,
                 end: 0,
+                other_staging: vec![0u8; STAGING].into_boxed_slice(),
+                other_start: 0,
+                other_end: 0,
+                send_lane: Lane::Main,
                 watch: Watch::Loop,
                 parked_at: Instant::now(),
                 listed: false,
                 waiters: 0,
                 zombie: Vec::new(),
-                tx_eof: false,
                 held_since: None,
                 hold_counted: false,
                 write_interest: false,
@@ -256,9 +291,9 @@ impl TcpPair {
     /// Whether `lane` is attached (or the pair is past attaching).
     pub(crate) fn lane_attached(&self, lane: Lane) -> bool {
         match &self.lock().conn {
-            Conn::Pending { tx, rx } => match lane {
-                Lane::Tx => tx.is_some(),
-                Lane::Rx => rx.is_some(),
+            Conn::Pending { main, bulk } => match lane {
+                Lane::Main => main.is_some(),
+                Lane::Bulk => bulk.is_some(),
             },
             _ => true,
         }
@@ -269,33 +304,32 @@ impl TcpPair {
     /// returns whether it did. Gives `stream` back when the pair already has that lane.
     pub(crate) fn attach(&self, lane: Lane, stream: TcpStream, token: Token) -> std::result::Result<bool, TcpStream> {
         let mut g = self.lock();
-        let Conn::Pending { tx, rx } = &mut g.conn else { return Err(stream) };
+        let Conn::Pending { main, bulk } = &mut g.conn else { return Err(stream) };
         let slot = match lane {
-            Lane::Tx => tx,
-            Lane::Rx => rx,
+            Lane::Main => main,
+            Lane::Bulk => bulk,
         };
         if slot.is_some() {
             return Err(stream);
         }
         *slot = Some(Sock { stream, token });
-        if let Conn::Pending { tx: Some(_), rx: Some(_) } = &g.conn
-            && let Conn::Pending { tx: Some(tx), rx: Some(rx) } =
-                std::mem::replace(&mut g.conn, Conn::Pending { tx: None, rx: None })
+        if let Conn::Pending { main: Some(_), bulk: Some(_) } = &g.conn
+            && let Conn::Pending { main: Some(main), bulk: Some(bulk) } =
+                std::mem::replace(&mut g.conn, Conn::Pending { main: None, bulk: None })
         {
-            g.conn = Conn::Open { tx, rx };
-            self.drive(&mut g, false);
+            g.conn = Conn::Open { main, bulk };
+            self.drive(&mut g);
             return Ok(true);
         }
         Ok(false)
     }
 
-    /// Event-loop entry: the socket under `token` became ready (`readable`: for input).
-    pub(crate) fn on_ready(&self, token: Token, readable: bool) {
+    /// Event-loop entry: a socket of the pair became readable and/or writable.
+    pub(crate) fn on_ready(&self) {
         let mut g = self.lock();
         // An event queued before a driver took the pair over: the driver does the I/O now.
         if g.watch == Watch::Loop {
-            let probe = readable && matches!(&g.conn, Conn::Open { tx, .. } if tx.token == token);
-            self.drive(&mut g, probe);
+            self.drive(&mut g);
         }
     }
 
@@ -306,8 +340,8 @@ impl TcpPair {
     pub(crate) fn acquire(&self, wait_if_busy: bool) -> Acquired {
         let mut g = self.lock();
         let Inner { conn, watch, waiters, .. } = &mut *g;
-        let Conn::Open { tx, rx } = conn else { return Acquired::Unavailable };
-        let fds = Acquired::Fds { rx: rx.stream.as_raw_fd(), tx: tx.stream.as_raw_fd() };
+        let Conn::Open { main, bulk } = conn else { return Acquired::Unavailable };
+        let fds = Acquired::Fds { main: main.stream.as_raw_fd(), bulk: bulk.stream.as_raw_fd() };
         match *watch {
             Watch::Driven => {
                 if wait_if_busy {
@@ -316,7 +350,11 @@ impl TcpPair {
                 Acquired::Busy
             }
             Watch::Loop => {
-                match self.registry.deregister(&mut rx.stream).and_then(|()| self.registry.deregister(&mut tx.stream)) {
+                match self
+                    .registry
+                    .deregister(&mut main.stream)
+                    .and_then(|()| self.registry.deregister(&mut bulk.stream))
+                {
                     Ok(()) => {
                         *watch = Watch::Driven;
                         self.count_hold(&mut g); // the driver ends it now
@@ -385,14 +423,13 @@ impl TcpPair {
     }
 
     /// Registers a parked or driven pair's sockets with the event loop again. Epoll reports
-    /// readiness that built up meanwhile at once, so nothing is missed. The sending lane is
-    /// watched for input too: its end-of-file or reset.
+    /// readiness that built up meanwhile at once, so nothing is missed.
     fn to_loop(&self, g: &mut Inner) {
         let write = !g.sendq.is_empty();
-        let Conn::Open { tx, rx } = &mut g.conn else { return };
+        let Conn::Open { main, bulk } = &mut g.conn else { return };
         let interest = if write { mio::Interest::READABLE | mio::Interest::WRITABLE } else { mio::Interest::READABLE };
-        let r = self.registry.register(&mut rx.stream, rx.token, mio::Interest::READABLE);
-        match r.and_then(|()| self.registry.register(&mut tx.stream, tx.token, interest)) {
+        let r = self.registry.register(&mut main.stream, main.token, interest);
+        match r.and_then(|()| self.registry.register(&mut bulk.stream, bulk.token, interest)) {
             Ok(()) => {
                 g.watch = Watch::Loop;
                 g.write_interest = write;
@@ -406,29 +443,27 @@ impl TcpPair {
         }
     }
 
-    /// One driving step by the thread that acquired the pair: flush and read (`probe_tx`: the
-    /// sending lane was reported ready for input, see [`TcpPair::probe_tx`]). Returns the
-    /// `poll(2)` events to wait for next on the receiving and on the sending lane, and when a
+    /// One driving step by the thread that acquired the pair: flush and read. Returns the
+    /// `poll(2)` events to wait for next on [`Lane::Main`] and on [`Lane::Bulk`], and when a
     /// hold ends (the driver must step again then). They stay valid until the next step:
     /// another thread that changes them (a post, a failure) signals the driver's eventfd.
-    pub(crate) fn drive_now(&self, probe_tx: bool) -> (i16, i16, Option<Instant>) {
+    pub(crate) fn drive_now(&self) -> (i16, i16, Option<Instant>) {
         let mut g = self.lock();
-        self.drive(&mut g, probe_tx);
+        self.drive(&mut g);
         let hold_ends = g.held_since.map(|t| t + HOLD);
-        let (mut rx, mut tx) = (0, 0);
+        let mut ev = [0, 0];
+        let slot = |lane| if lane == Lane::Main { 0 } else { 1 };
         if matches!(g.conn, Conn::Open { .. }) {
-            // A stalled header cannot be consumed: readiness would fire forever.
+            // Only the connection being read; a stalled header cannot be consumed: readiness
+            // would fire forever.
             if !matches!(g.rx, Rx::Stalled(_)) {
-                rx |= libc::POLLIN;
+                ev[slot(g.reading)] |= libc::POLLIN;
             }
-            if !g.tx_eof {
-                tx |= libc::POLLIN;
-            }
-            if !g.sendq.is_empty() {
-                tx |= libc::POLLOUT;
+            if let Some(op) = g.sendq.front() {
+                ev[slot(op.lane)] |= libc::POLLOUT;
             }
         }
-        (rx, tx, hold_ends)
+        (ev[0], ev[1], hold_ends)
     }
 
     /// The event loop's look at a pair while holds are counted: ends an overdue hold of a pair
@@ -436,7 +471,7 @@ impl TcpPair {
     pub(crate) fn expire_hold(&self, now: Instant) {
         let mut g = self.lock();
         if g.watch == Watch::Loop && g.held_since.is_some_and(|t| now.saturating_duration_since(t) >= HOLD) {
-            self.drive(&mut g, false);
+            self.drive(&mut g);
         }
     }
 
@@ -488,48 +523,26 @@ impl TcpPair {
         &self.wake
     }
 
-    /// Flushes pending sends and reads what has arrived (first looking at the sending lane's
-    /// input when `probe_tx`); fails the pair on error.
-    fn drive(&self, g: &mut Inner, probe_tx: bool) {
-        let r = (if probe_tx { self.probe_tx(g) } else { Ok(()) })
-            .and_then(|()| self.flush(g))
-            .and_then(|()| self.read(g))
-            .and_then(|()| self.want_writable(g));
+    /// Flushes pending sends and reads what has arrived; fails the pair on error.
+    fn drive(&self, g: &mut Inner) {
+        let r = self.flush(g).and_then(|()| self.read(g)).and_then(|()| self.want_writable(g));
         if let Err(e) = r {
             self.fail_locked(g, e);
         }
     }
 
-    /// Looks at input on the sending lane, where the peer never writes: end-of-file stops
-    /// watching it for input (the receiving lane reports the peer's end once the data before it
-    /// is read), a reset fails the pair, and data is a protocol violation.
-    fn probe_tx(&self, g: &mut Inner) -> Step {
-        let Conn::Open { tx, .. } = &mut g.conn else { return Ok(()) };
-        let mut byte = [0u8; 1];
-        match tx.stream.read(&mut byte) {
-            Ok(0) => g.tx_eof = true,
-            Ok(_) => {
-                return Err(Error::Protocol {
-                    peer: Some(self.peer),
-                    detail: "data on the connection that carries only this side's frames".into(),
-                });
-            }
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
-            Err(e) => return Err(self.io_error(e, "sending to")),
-        }
-        Ok(())
-    }
-
     /// Asks the event loop for writability when sends are left queued (and it watches the pair).
     fn want_writable(&self, g: &mut Inner) -> Step {
         let Inner { conn, sendq, watch, write_interest, .. } = g;
-        if let Conn::Open { tx, .. } = conn
+        if let Conn::Open { main, bulk } = conn
             && *watch == Watch::Loop
             && !*write_interest
             && !sendq.is_empty()
         {
+            let both = mio::Interest::READABLE | mio::Interest::WRITABLE;
             self.registry
-                .reregister(&mut tx.stream, tx.token, mio::Interest::READABLE | mio::Interest::WRITABLE)
+                .reregister(&mut main.stream, main.token, both)
+                .and_then(|()| self.registry.reregister(&mut bulk.stream, bulk.token, both))
                 .map_err(|e| self.io_error(e, "registering for writability the connection to"))?;
             *write_interest = true;
         }
@@ -559,8 +572,8 @@ impl TcpPair {
             return;
         }
         let socks: Vec<Sock> = match std::mem::replace(&mut g.conn, Conn::Closed(err.clone())) {
-            Conn::Open { tx, rx } => vec![tx, rx],
-            Conn::Pending { tx, rx } => tx.into_iter().chain(rx).collect(),
+            Conn::Open { main, bulk } => vec![main, bulk],
+            Conn::Pending { main, bulk } => main.into_iter().chain(bulk).collect(),
             Conn::Closed(_) => Vec::new(),
         };
         for Sock { mut stream, .. } in socks {
@@ -592,6 +605,8 @@ impl TcpPair {
         }
         g.start = 0;
         g.end = 0;
+        g.other_start = 0;
+        g.other_end = 0;
     }
 
     fn closed_error(g: &Inner) -> Option<Error> {
@@ -603,16 +618,18 @@ impl TcpPair {
 
     // ---------------------------------------------------------------- sending
 
-    /// Writes as much of the send queue as the socket takes.
+    /// Writes as much of the send queue as the sockets take, in order: a frame for the other
+    /// connection waits until the ones before it are written.
     fn flush(&self, g: &mut Inner) -> Step {
         let Inner { conn, sendq, .. } = g;
-        let Conn::Open { tx, .. } = conn else { return Ok(()) };
-        while !sendq.is_empty() {
-            // The queue's next slices, at most MAX_IOV of them and MAX_SEND bytes in all.
+        let Conn::Open { main, bulk } = conn else { return Ok(()) };
+        while let Some(lane) = sendq.front().map(|op| op.lane) {
+            // The queue's next slices for this connection, at most MAX_IOV of them and
+            // MAX_SEND bytes in all.
             let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
             let (mut n_iov, mut budget) = (0, MAX_SEND);
             for op in sendq.iter() {
-                if n_iov + 2 > MAX_IOV || budget == 0 {
+                if n_iov + 2 > MAX_IOV || budget == 0 || op.lane != lane {
                     break;
                 }
                 // SAFETY: the poster guarantees (Pair::post_send) that the buffer stays valid
@@ -632,7 +649,7 @@ impl TcpPair {
                     }
                 }
             }
-            let sock = socket2::SockRef::from(&tx.stream);
+            let sock = socket2::SockRef::from(if lane == Lane::Main { &main.stream } else { &bulk.stream });
             match sock.send_vectored_with_flags(&iov[..n_iov], libc::MSG_NOSIGNAL) {
                 Ok(mut n) => {
                     for op in sendq.iter_mut() {
@@ -664,8 +681,9 @@ impl TcpPair {
             if matches!(g.rx, Rx::Stalled(_)) {
                 return Ok(());
             }
-            let Inner { conn, rx, staging, start, end, .. } = &mut *g;
-            let Conn::Open { rx: Sock { stream, .. }, .. } = conn else { return Ok(()) };
+            let Inner { conn, rx, reading, staging, start, end, .. } = &mut *g;
+            let Conn::Open { main, bulk } = conn else { return Ok(()) };
+            let stream = if *reading == Lane::Main { &mut main.stream } else { &mut bulk.stream };
             let direct = match rx {
                 Rx::Payload { op, filled } if *start == *end && op.buf.len - *filled >= DIRECT_MIN => {
                     Some((op, filled))
@@ -701,6 +719,15 @@ impl TcpPair {
                 Err(e) => return Err(self.io_error(e, "receiving from")),
             }
         }
+    }
+
+    /// Reads on at the other connection (the peer sent a switch frame). What was read past the
+    /// switch frame belongs to the frames after the switch back: it waits with its connection.
+    fn switch_reading(g: &mut Inner) {
+        std::mem::swap(&mut g.staging, &mut g.other_staging);
+        std::mem::swap(&mut g.start, &mut g.other_start);
+        std::mem::swap(&mut g.end, &mut g.other_end);
+        g.reading = g.reading.other();
     }
 
     /// Completes a directly-read payload once full.
@@ -741,7 +768,11 @@ impl TcpPair {
                     g.start += HEADER_LEN;
                     let h = FrameHeader::decode(&raw)
                         .map_err(|detail| Error::Protocol { peer: Some(self.peer), detail })?;
-                    self.dispatch(g, h)?;
+                    if h.kind == Kind::Switch {
+                        Self::switch_reading(g);
+                    } else {
+                        self.dispatch(g, h)?;
+                    }
                 }
                 _ if avail == 0 => return Ok(()),
                 Rx::Payload { op, filled } => {
@@ -876,7 +907,7 @@ impl TcpPair {
     /// somewhere now, and tells a driver, which polls a stalled pair without `POLLIN`.
     fn unstall(&self, g: &mut Inner) {
         if matches!(g.rx, Rx::Stalled(_)) {
-            self.drive(g, false);
+            self.drive(g);
             if g.watch == Watch::Driven {
                 self.wake.signal();
             }
@@ -938,7 +969,7 @@ impl Pair for TcpPair {
 
     fn remote_ip(&self) -> Option<IpAddr> {
         match &self.lock().conn {
-            Conn::Open { rx, .. } => rx.stream.peer_addr().ok().map(|a| a.ip()),
+            Conn::Open { main, .. } => main.stream.peer_addr().ok().map(|a| a.ip()),
             _ => None,
         }
     }
@@ -949,8 +980,18 @@ impl Pair for TcpPair {
             return Err(e);
         }
         let hdr = FrameHeader { kind: Kind::Data, meta, tag, len: buf.len as u64 }.encode();
-        g.sendq.push_back(SendOp { hdr, buf, _owned: None, off: 0, done: done.clone() });
-        if g.sendq.len() == 1 {
+        let idle = g.sendq.is_empty();
+        let lane = if self.sends_bulk && buf.len >= BULK_MIN { Lane::Bulk } else { Lane::Main };
+        if lane != g.send_lane {
+            // Tell the peer to read on at the other connection.
+            let hdr = FrameHeader { kind: Kind::Switch, meta: 0, tag: 0, len: 0 }.encode();
+            let empty = SendBuf { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr().cast_const(), len: 0 };
+            let op = SendOp { lane: g.send_lane, hdr, buf: empty, _owned: None, off: 0, done: Completion::new() };
+            g.sendq.push_back(op);
+            g.send_lane = lane;
+        }
+        g.sendq.push_back(SendOp { lane, hdr, buf, _owned: None, off: 0, done: done.clone() });
+        if idle {
             // Nothing queued ahead: write from this thread, no hand-off to the event loop.
             if let Err(e) = self.flush(&mut g).and_then(|()| self.want_writable(&mut g)) {
                 self.fail_locked(&mut g, e);
@@ -1011,7 +1052,8 @@ impl Pair for TcpPair {
         let owned = text.into_boxed_slice();
         let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len() };
         let hdr = FrameHeader { kind: Kind::Abort, meta: 0, tag: 0, len: owned.len() as u64 }.encode();
-        g.sendq.push_back(SendOp { hdr, buf, _owned: Some(owned), off: 0, done: Completion::new() });
+        let lane = g.send_lane;
+        g.sendq.push_back(SendOp { lane, hdr, buf, _owned: Some(owned), off: 0, done: Completion::new() });
         let _ = self.flush(&mut g);
         self.fail_locked(&mut g, err.clone());
     }
@@ -1048,8 +1090,8 @@ impl Drop for TcpPair {
         }
         if g.watch == Watch::Loop {
             let socks: Vec<&mut Sock> = match &mut g.conn {
-                Conn::Open { tx, rx } => vec![tx, rx],
-                Conn::Pending { tx, rx } => tx.iter_mut().chain(rx.iter_mut()).collect(),
+                Conn::Open { main, bulk } => vec![main, bulk],
+                Conn::Pending { main, bulk } => main.iter_mut().chain(bulk.iter_mut()).collect(),
                 Conn::Closed(_) => Vec::new(),
             };
             for s in socks {
@@ -1063,8 +1105,8 @@ impl TcpPair {
     /// The tokens the pair's sockets are registered under (none once closed).
     pub(crate) fn tokens(&self) -> Vec<Token> {
         match &self.lock().conn {
-            Conn::Open { tx, rx } => vec![tx.token, rx.token],
-            Conn::Pending { tx, rx } => tx.iter().chain(rx).map(|s| s.token).collect(),
+            Conn::Open { main, bulk } => vec![main.token, bulk.token],
+            Conn::Pending { main, bulk } => main.iter().chain(bulk).map(|s| s.token).collect(),
             Conn::Closed(_) => Vec::new(),
         }
     }

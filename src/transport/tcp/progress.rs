@@ -61,28 +61,24 @@ impl TcpProgress {
         busy: BusyWait,
     ) -> Option<Option<Result<usize>>> {
         let mut ready = vec![true; mine.len()];
-        // Per pair: its receiving lane, its sending lane, its eventfd.
+        // Per pair: its main connection, its bulk connection, its eventfd.
         let mut fds: Vec<libc::pollfd> = mine
             .iter()
-            .flat_map(|(p, (rx, tx))| {
+            .flat_map(|(p, (main, bulk))| {
                 [
-                    libc::pollfd { fd: *rx, events: 0, revents: 0 },
-                    libc::pollfd { fd: *tx, events: 0, revents: 0 },
+                    libc::pollfd { fd: *main, events: 0, revents: 0 },
+                    libc::pollfd { fd: *bulk, events: 0, revents: 0 },
                     libc::pollfd { fd: p.wake().raw(), events: libc::POLLIN, revents: 0 },
                 ]
             })
             .collect();
-        // Whether each pair's sending lane reported input (end-of-file or an error).
-        let mut probe = vec![false; mine.len()];
         // When each pair's hold of a message ends: it must be stepped then, readiness or not.
         let mut holds: Vec<Option<Instant>> = vec![None; mine.len()];
         let busy_until = Instant::now() + busy.budget;
         loop {
-            for ((((p, _), slot), r), (hold, probe)) in
-                mine.iter().zip(fds.chunks_exact_mut(3)).zip(&ready).zip(holds.iter_mut().zip(&mut probe))
-            {
+            for ((((p, _), slot), r), hold) in mine.iter().zip(fds.chunks_exact_mut(3)).zip(&ready).zip(&mut holds) {
                 if *r {
-                    (slot[0].events, slot[1].events, *hold) = p.drive_now(std::mem::take(probe));
+                    (slot[0].events, slot[1].events, *hold) = p.drive_now();
                 }
             }
             if let Some(o) = done.outcome() {
@@ -113,13 +109,10 @@ impl TcpProgress {
                     }
                 }
                 Ok(_) => {
-                    for ((((p, _), slot), r), probe) in
-                        mine.iter().zip(fds.chunks_exact(3)).zip(ready.iter_mut()).zip(&mut probe)
-                    {
+                    for (((p, _), slot), r) in mine.iter().zip(fds.chunks_exact(3)).zip(ready.iter_mut()) {
                         if slot[2].revents != 0 {
                             p.wake().drain();
                         }
-                        *probe = slot[1].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
                         *r = slot.iter().any(|f| f.revents != 0);
                     }
                 }
@@ -144,7 +137,7 @@ impl Progress for TcpProgress {
         let mut contended = Vec::new();
         for p in own.iter().filter_map(|&r| self.pair(r)) {
             match p.acquire(true) {
-                Acquired::Fds { rx, tx } => mine.push((p, (rx, tx))),
+                Acquired::Fds { main, bulk } => mine.push((p, (main, bulk))),
                 Acquired::Busy => contended.push(p),
                 Acquired::Unavailable => {}
             }
@@ -160,8 +153,8 @@ impl Progress for TcpProgress {
             return outcome;
         }
         for p in others.iter().filter_map(|&r| self.pair(r)) {
-            if let Acquired::Fds { rx, tx } = p.acquire(false) {
-                mine.push((p, (rx, tx)));
+            if let Acquired::Fds { main, bulk } = p.acquire(false) {
+                mine.push((p, (main, bulk)));
             }
         }
         let outcome = self.drive(&mine, done, deadline, busy);
