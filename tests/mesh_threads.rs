@@ -134,14 +134,14 @@ fn tags_keep_messages_apart_and_same_tag_keeps_order() {
     all_ok(results);
 }
 
-/// The lower rank of a pair sends large messages (64 KiB and up) on the pair's second
+/// The lower rank of a pair sends large messages (256 KiB and up) on the pair's second
 /// connection and switches back for small ones: messages of one tag still arrive in the order
 /// sent, whether their receives are posted first or long after (early and held messages), and
 /// in both directions at once.
 #[test]
 fn small_and_large_messages_keep_their_order_across_both_connections() {
-    // (tag, length in u32) in send order; lengths from 0 up to 256 KiB, alternating.
-    let plan: Vec<(u32, usize)> = [(1, 3), (1, 40_000), (1, 1), (2, 65_536), (1, 0), (2, 16_384), (1, 16_385), (2, 5)]
+    // (tag, length in u32) in send order; lengths from 0 up to 400 KB, alternating.
+    let plan: Vec<(u32, usize)> = [(1, 3), (1, 100_000), (1, 1), (2, 65_536), (1, 0), (2, 16_384), (1, 16_385), (2, 5)]
         .into_iter()
         .cycle()
         .take(40)
