@@ -276,7 +276,10 @@ impl Shared {
             Err(mut stream) => {
                 lock(&self.pairs).remove(&token);
                 let _ = self.registry.deregister(&mut stream);
-                Err(Error::Protocol { peer: Some(pair.peer()), detail: "a second connection for one pair".into() })
+                Err(Error::Protocol {
+                    peer: Some(pair.peer()),
+                    detail: format!("a second {lane:?} connection for one pair"),
+                })
             }
         }
     }
