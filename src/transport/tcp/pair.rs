@@ -86,9 +86,9 @@ enum Watch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Lane {
     /// The higher rank's frames and the lower rank's small ones.
-    Main,
+    Main = 0,
     /// The lower rank's large frames.
-    Bulk,
+    Bulk = 1,
 }
 
 impl Lane {
@@ -97,6 +97,11 @@ impl Lane {
             Lane::Main => Lane::Bulk,
             Lane::Bulk => Lane::Main,
         }
+    }
+
+    /// Where this lane's entry is in the arrays indexed by lane.
+    fn index(self) -> usize {
+        self as usize
     }
 }
 
@@ -114,8 +119,8 @@ struct Sock {
 
 /// What [`TcpPair::acquire`] got.
 pub(crate) enum Acquired {
-    /// The caller drives the pair now; poll these descriptors.
-    Fds { main: RawFd, bulk: RawFd },
+    /// The caller drives the pair now; poll these descriptors (indexed by [`Lane`]).
+    Fds([RawFd; 2]),
     /// Another thread drives it.
     Busy,
     /// Not connected (yet, or any more): nothing to drive.
@@ -171,17 +176,23 @@ enum Rx {
     Stalled(FrameHeader),
 }
 
+/// The pair's connections, indexed by [`Lane`].
 enum Conn {
     /// Mesh not yet formed: the lanes attached so far (registered with the event loop).
-    Pending {
-        main: Option<Sock>,
-        bulk: Option<Sock>,
-    },
-    Open {
-        main: Sock,
-        bulk: Sock,
-    },
+    Pending([Option<Sock>; 2]),
+    Open([Sock; 2]),
     Closed(Error),
+}
+
+impl Conn {
+    /// The sockets held: both once open, those attached so far while pending.
+    fn socks(&mut self) -> Vec<&mut Sock> {
+        match self {
+            Conn::Open(socks) => socks.iter_mut().collect(),
+            Conn::Pending(socks) => socks.iter_mut().flatten().collect(),
+            Conn::Closed(_) => Vec::new(),
+        }
+    }
 }
 
 struct Inner {
@@ -255,7 +266,7 @@ impl TcpPair {
             parking,
             wake: EventFd::new()?,
             inner: Mutex::new(Inner {
-                conn: Conn::Pending { main: None, bulk: None },
+                conn: Conn::Pending([None, None]),
                 sendq: VecDeque::new(),
                 posted: VecDeque::new(),
                 early: VecDeque::new(),
@@ -294,10 +305,7 @@ impl TcpPair {
     /// Whether `lane` is attached (or the pair is past attaching).
     pub(crate) fn lane_attached(&self, lane: Lane) -> bool {
         match &self.lock().conn {
-            Conn::Pending { main, bulk } => match lane {
-                Lane::Main => main.is_some(),
-                Lane::Bulk => bulk.is_some(),
-            },
+            Conn::Pending(socks) => socks[lane.index()].is_some(),
             _ => true,
         }
     }
@@ -307,20 +315,16 @@ impl TcpPair {
     /// returns whether it did. Gives `stream` back when the pair already has that lane.
     pub(crate) fn attach(&self, lane: Lane, stream: TcpStream, token: Token) -> std::result::Result<bool, TcpStream> {
         let mut g = self.lock();
-        let Conn::Pending { main, bulk } = &mut g.conn else { return Err(stream) };
-        let slot = match lane {
-            Lane::Main => main,
-            Lane::Bulk => bulk,
-        };
+        let Conn::Pending(socks) = &mut g.conn else { return Err(stream) };
+        let slot = &mut socks[lane.index()];
         if slot.is_some() {
             return Err(stream);
         }
         *slot = Some(Sock { stream, token });
-        if let Conn::Pending { main: Some(_), bulk: Some(_) } = &g.conn
-            && let Conn::Pending { main: Some(main), bulk: Some(bulk) } =
-                std::mem::replace(&mut g.conn, Conn::Pending { main: None, bulk: None })
+        if let Conn::Pending([Some(_), Some(_)]) = &g.conn
+            && let Conn::Pending([Some(main), Some(bulk)]) = std::mem::replace(&mut g.conn, Conn::Pending([None, None]))
         {
-            g.conn = Conn::Open { main, bulk };
+            g.conn = Conn::Open([main, bulk]);
             self.drive(&mut g);
             return Ok(true);
         }
@@ -343,8 +347,8 @@ impl TcpPair {
     pub(crate) fn acquire(&self, wait_if_busy: bool) -> Acquired {
         let mut g = self.lock();
         let Inner { conn, watch, waiters, .. } = &mut *g;
-        let Conn::Open { main, bulk } = conn else { return Acquired::Unavailable };
-        let fds = Acquired::Fds { main: main.stream.as_raw_fd(), bulk: bulk.stream.as_raw_fd() };
+        let Conn::Open(socks) = conn else { return Acquired::Unavailable };
+        let fds = Acquired::Fds(socks.each_ref().map(|s| s.stream.as_raw_fd()));
         match *watch {
             Watch::Driven => {
                 if wait_if_busy {
@@ -353,11 +357,7 @@ impl TcpPair {
                 Acquired::Busy
             }
             Watch::Loop => {
-                match self
-                    .registry
-                    .deregister(&mut main.stream)
-                    .and_then(|()| self.registry.deregister(&mut bulk.stream))
-                {
+                match socks.iter_mut().try_for_each(|s| self.registry.deregister(&mut s.stream)) {
                     Ok(()) => {
                         *watch = Watch::Driven;
                         self.count_hold(&mut g); // the driver ends it now
@@ -429,10 +429,9 @@ impl TcpPair {
     /// readiness that built up meanwhile at once, so nothing is missed.
     fn to_loop(&self, g: &mut Inner) {
         let write = !g.sendq.is_empty();
-        let Conn::Open { main, bulk } = &mut g.conn else { return };
+        let Conn::Open(socks) = &mut g.conn else { return };
         let interest = if write { mio::Interest::READABLE | mio::Interest::WRITABLE } else { mio::Interest::READABLE };
-        let r = self.registry.register(&mut main.stream, main.token, interest);
-        match r.and_then(|()| self.registry.register(&mut bulk.stream, bulk.token, interest)) {
+        match socks.iter_mut().try_for_each(|s| self.registry.register(&mut s.stream, s.token, interest)) {
             Ok(()) => {
                 g.watch = Watch::Loop;
                 g.write_interest = write;
@@ -447,26 +446,25 @@ impl TcpPair {
     }
 
     /// One driving step by the thread that acquired the pair: flush and read. Returns the
-    /// `poll(2)` events to wait for next on [`Lane::Main`] and on [`Lane::Bulk`], and when a
+    /// `poll(2)` events to wait for next on each connection (indexed by [`Lane`]), and when a
     /// hold ends (the driver must step again then). They stay valid until the next step:
     /// another thread that changes them (a post, a failure) signals the driver's eventfd.
-    pub(crate) fn drive_now(&self) -> (i16, i16, Option<Instant>) {
+    pub(crate) fn drive_now(&self) -> ([i16; 2], Option<Instant>) {
         let mut g = self.lock();
         self.drive(&mut g);
         let hold_ends = g.held_since.map(|t| t + HOLD);
         let mut ev = [0, 0];
-        let slot = |lane| if lane == Lane::Main { 0 } else { 1 };
-        if matches!(g.conn, Conn::Open { .. }) {
+        if matches!(g.conn, Conn::Open(_)) {
             // Only the connection being read; a stalled header cannot be consumed: readiness
             // would fire forever.
             if !matches!(g.rx, Rx::Stalled(_)) {
-                ev[slot(g.reading)] |= libc::POLLIN;
+                ev[g.reading.index()] |= libc::POLLIN;
             }
             if let Some(op) = g.sendq.front() {
-                ev[slot(op.lane)] |= libc::POLLOUT;
+                ev[op.lane.index()] |= libc::POLLOUT;
             }
         }
-        (ev[0], ev[1], hold_ends)
+        (ev, hold_ends)
     }
 
     /// The event loop's look at a pair while holds are counted: ends an overdue hold of a pair
@@ -537,15 +535,15 @@ impl TcpPair {
     /// Asks the event loop for writability when sends are left queued (and it watches the pair).
     fn want_writable(&self, g: &mut Inner) -> Step {
         let Inner { conn, sendq, watch, write_interest, .. } = g;
-        if let Conn::Open { main, bulk } = conn
+        if let Conn::Open(socks) = conn
             && *watch == Watch::Loop
             && !*write_interest
             && !sendq.is_empty()
         {
             let both = mio::Interest::READABLE | mio::Interest::WRITABLE;
-            self.registry
-                .reregister(&mut main.stream, main.token, both)
-                .and_then(|()| self.registry.reregister(&mut bulk.stream, bulk.token, both))
+            socks
+                .iter_mut()
+                .try_for_each(|s| self.registry.reregister(&mut s.stream, s.token, both))
                 .map_err(|e| self.io_error(e, "registering for writability the connection to"))?;
             *write_interest = true;
         }
@@ -575,8 +573,8 @@ impl TcpPair {
             return;
         }
         let socks: Vec<Sock> = match std::mem::replace(&mut g.conn, Conn::Closed(err.clone())) {
-            Conn::Open { main, bulk } => vec![main, bulk],
-            Conn::Pending { main, bulk } => main.into_iter().chain(bulk).collect(),
+            Conn::Open(socks) => socks.into_iter().collect(),
+            Conn::Pending(socks) => socks.into_iter().flatten().collect(),
             Conn::Closed(_) => Vec::new(),
         };
         for Sock { mut stream, .. } in socks {
@@ -625,7 +623,7 @@ impl TcpPair {
     /// connection waits until the ones before it are written.
     fn flush(&self, g: &mut Inner) -> Step {
         let Inner { conn, sendq, .. } = g;
-        let Conn::Open { main, bulk } = conn else { return Ok(()) };
+        let Conn::Open(socks) = conn else { return Ok(()) };
         while let Some(lane) = sendq.front().map(|op| op.lane) {
             // The queue's next slices for this connection, at most MAX_IOV of them and
             // MAX_SEND bytes in all.
@@ -652,7 +650,7 @@ impl TcpPair {
                     }
                 }
             }
-            let sock = socket2::SockRef::from(if lane == Lane::Main { &main.stream } else { &bulk.stream });
+            let sock = socket2::SockRef::from(&socks[lane.index()].stream);
             match sock.send_vectored_with_flags(&iov[..n_iov], libc::MSG_NOSIGNAL) {
                 Ok(mut n) => {
                     for op in sendq.iter_mut() {
@@ -685,8 +683,8 @@ impl TcpPair {
                 return Ok(());
             }
             let Inner { conn, rx, reading, staging, start, end, .. } = &mut *g;
-            let Conn::Open { main, bulk } = conn else { return Ok(()) };
-            let stream = if *reading == Lane::Main { &mut main.stream } else { &mut bulk.stream };
+            let Conn::Open(socks) = conn else { return Ok(()) };
+            let stream = &mut socks[reading.index()].stream;
             let direct = match rx {
                 Rx::Payload { op, filled } if *start == *end && op.buf.len - *filled >= DIRECT_MIN => {
                     Some((op, filled))
@@ -972,7 +970,7 @@ impl Pair for TcpPair {
 
     fn remote_ip(&self) -> Option<IpAddr> {
         match &self.lock().conn {
-            Conn::Open { main, .. } => main.stream.peer_addr().ok().map(|a| a.ip()),
+            Conn::Open(socks) => socks[Lane::Main.index()].stream.peer_addr().ok().map(|a| a.ip()),
             _ => None,
         }
     }
@@ -1092,12 +1090,7 @@ impl Drop for TcpPair {
             self.parking.hold_ended();
         }
         if g.watch == Watch::Loop {
-            let socks: Vec<&mut Sock> = match &mut g.conn {
-                Conn::Open { main, bulk } => vec![main, bulk],
-                Conn::Pending { main, bulk } => main.iter_mut().chain(bulk.iter_mut()).collect(),
-                Conn::Closed(_) => Vec::new(),
-            };
-            for s in socks {
+            for s in g.conn.socks() {
                 let _ = self.registry.deregister(&mut s.stream);
             }
         }
@@ -1107,10 +1100,6 @@ impl Drop for TcpPair {
 impl TcpPair {
     /// The tokens the pair's sockets are registered under (none once closed).
     pub(crate) fn tokens(&self) -> Vec<Token> {
-        match &self.lock().conn {
-            Conn::Open { main, bulk } => vec![main.token, bulk.token],
-            Conn::Pending { main, bulk } => main.iter().chain(bulk).map(|s| s.token).collect(),
-            Conn::Closed(_) => Vec::new(),
-        }
+        self.lock().conn.socks().into_iter().map(|s| s.token).collect()
     }
 }

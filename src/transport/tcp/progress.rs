@@ -43,7 +43,7 @@ impl TcpProgress {
     }
 
     /// Ends driving `mine`; parks them (or hands them to the loop with `to_loop`).
-    fn release(&self, mine: &[(&Arc<TcpPair>, (RawFd, RawFd))], to_loop: bool) {
+    fn release(&self, mine: &[(&Arc<TcpPair>, [RawFd; 2])], to_loop: bool) {
         let now = Instant::now();
         let newly: Vec<Arc<TcpPair>> =
             mine.iter().filter(|(p, _)| p.release(now, to_loop)).map(|(p, _)| Arc::clone(p)).collect();
@@ -55,7 +55,7 @@ impl TcpProgress {
     /// Drives `mine` until `done` finishes or `deadline`; `None` when it could not poll.
     fn drive(
         &self,
-        mine: &[(&Arc<TcpPair>, (RawFd, RawFd))],
+        mine: &[(&Arc<TcpPair>, [RawFd; 2])],
         done: &Completion,
         deadline: Instant,
         busy: BusyWait,
@@ -64,7 +64,7 @@ impl TcpProgress {
         // Per pair: its main connection, its bulk connection, its eventfd.
         let mut fds: Vec<libc::pollfd> = mine
             .iter()
-            .flat_map(|(p, (main, bulk))| {
+            .flat_map(|(p, [main, bulk])| {
                 [
                     libc::pollfd { fd: *main, events: 0, revents: 0 },
                     libc::pollfd { fd: *bulk, events: 0, revents: 0 },
@@ -78,7 +78,7 @@ impl TcpProgress {
         loop {
             for ((((p, _), slot), r), hold) in mine.iter().zip(fds.chunks_exact_mut(3)).zip(&ready).zip(&mut holds) {
                 if *r {
-                    (slot[0].events, slot[1].events, *hold) = p.drive_now();
+                    ([slot[0].events, slot[1].events], *hold) = p.drive_now();
                 }
             }
             if let Some(o) = done.outcome() {
@@ -137,7 +137,7 @@ impl Progress for TcpProgress {
         let mut contended = Vec::new();
         for p in own.iter().filter_map(|&r| self.pair(r)) {
             match p.acquire(true) {
-                Acquired::Fds { main, bulk } => mine.push((p, (main, bulk))),
+                Acquired::Fds(fds) => mine.push((p, fds)),
                 Acquired::Busy => contended.push(p),
                 Acquired::Unavailable => {}
             }
@@ -153,8 +153,8 @@ impl Progress for TcpProgress {
             return outcome;
         }
         for p in others.iter().filter_map(|&r| self.pair(r)) {
-            if let Acquired::Fds { main, bulk } = p.acquire(false) {
-                mine.push((p, (main, bulk)));
+            if let Acquired::Fds(fds) = p.acquire(false) {
+                mine.push((p, fds));
             }
         }
         let outcome = self.drive(&mine, done, deadline, busy);
