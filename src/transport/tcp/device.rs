@@ -554,7 +554,7 @@ impl EventLoop {
             let target = self.check(&hello);
             let status = target.as_ref().err().copied().unwrap_or(Status::Ok);
             let nonce = handshake::random16();
-            let secret = target.as_ref().ok().and_then(|(_, r)| r.secret.clone());
+            let secret = target.as_ref().ok().and_then(|(_, r, _)| r.secret.clone());
             let mac = if status == Status::Ok {
                 handshake::mac(secret.as_deref(), "ferrogloo-ack", &raw, &nonce)
             } else {
@@ -565,7 +565,7 @@ impl EventLoop {
             if !matches!(inc.stream.write(&ack), Ok(ACK_LEN)) {
                 return Progress::Drop("could not answer the handshake".into());
             }
-            let Ok((pair, route)) = target else {
+            let Ok((pair, route, lane)) = target else {
                 return Progress::Drop(format!(
                     "{} (from rank {} for rank {})",
                     status.describe(),
@@ -574,7 +574,6 @@ impl EventLoop {
                 ));
             };
             inc.got = 0;
-            let lane = if hello.bulk { Lane::Bulk } else { Lane::Main };
             inc.accepted = Some(Accepted { hello: raw, nonce, pair, route, lane });
             if secret.is_none() {
                 return Progress::Done;
@@ -582,8 +581,9 @@ impl EventLoop {
         }
     }
 
-    /// Whether a Hello is for a context and pair of this device that awaits it.
-    fn check(&self, h: &Hello) -> std::result::Result<(Arc<TcpPair>, Arc<Route>), Status> {
+    /// Whether a Hello is for a context and pair of this device that awaits it, and which of the
+    /// pair's connections it opens.
+    fn check(&self, h: &Hello) -> std::result::Result<(Arc<TcpPair>, Arc<Route>, Lane), Status> {
         let Some(route) = lock(&self.shared.routes).get(&(h.ctx, h.to as usize)).cloned() else {
             return Err(Status::UnknownContext);
         };
@@ -596,9 +596,10 @@ impl EventLoop {
             return Err(Status::SecretMismatch);
         }
         let Some(pair) = route.pairs[from].clone() else { return Err(Status::BadRank) };
-        if pair.lane_attached(if h.bulk { Lane::Bulk } else { Lane::Main }) {
+        let lane = if h.bulk { Lane::Bulk } else { Lane::Main };
+        if pair.lane_attached(lane) {
             return Err(Status::Duplicate);
         }
-        Ok((pair, route))
+        Ok((pair, route, lane))
     }
 }
