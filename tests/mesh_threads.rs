@@ -155,43 +155,31 @@ fn small_and_large_messages_keep_their_order_across_both_connections() {
             let (me, peer) = (ctx.rank(), 1 - ctx.rank());
             let outs: Vec<Vec<u32>> = plan.iter().enumerate().map(|(i, &(_, len))| message(me, i, len)).collect();
             let mut ins: Vec<Vec<u32>> = plan.iter().map(|&(_, len)| vec![0; len]).collect();
-            if late {
-                ctx.scope(|s| {
-                    let sends = plan
-                        .iter()
-                        .zip(&outs)
-                        .map(|(&(tag, _), o)| s.isend(peer, tag, o))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    // Everything was sent (into the socket, the early budget or a hold) first.
-                    for r in sends {
-                        r.wait()?;
-                    }
-                    for (&(tag, _), b) in plan.iter().zip(ins.iter_mut()) {
-                        s.irecv(peer, tag, b)?.wait()?;
-                    }
-                    Ok(())
-                })?;
-            } else {
-                ctx.scope(|s| {
-                    let recvs = plan
-                        .iter()
-                        .zip(ins.iter_mut())
-                        .map(|(&(tag, _), b)| s.irecv(peer, tag, b))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let sends = plan
-                        .iter()
-                        .zip(&outs)
-                        .map(|(&(tag, _), o)| s.isend(peer, tag, o))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    for r in sends {
-                        r.wait()?;
-                    }
-                    for r in recvs {
-                        r.wait()?;
-                    }
-                    Ok(())
-                })?;
-            }
+            // Receives posted before the sends (`first`), or only once every send has finished
+            // (`after`: into the socket, the early budget or a hold).
+            let (first, after) = ins.split_at_mut(if late { 0 } else { plan.len() });
+            ctx.scope(|s| {
+                let recvs = plan
+                    .iter()
+                    .zip(first.iter_mut())
+                    .map(|(&(tag, _), b)| s.irecv(peer, tag, b))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let sends = plan
+                    .iter()
+                    .zip(&outs)
+                    .map(|(&(tag, _), o)| s.isend(peer, tag, o))
+                    .collect::<Result<Vec<_>, _>>()?;
+                for r in sends {
+                    r.wait()?;
+                }
+                for r in recvs {
+                    r.wait()?;
+                }
+                for (&(tag, _), b) in plan.iter().zip(after.iter_mut()) {
+                    s.irecv(peer, tag, b)?.wait()?;
+                }
+                Ok(())
+            })?;
             for (i, (got, &(tag, len))) in ins.iter().zip(&plan).enumerate() {
                 assert!(
                     *got == message(peer, i, len),
