@@ -141,11 +141,11 @@ impl ContextBuilder {
                 // yet) is tried again with backoff unless a fresh entry shows up; a refused
                 // handshake (a stale entry) waits for a fresh one.
                 let again = current.is_some() && retry.sleep_until(deadline);
-                let raw = match again {
-                    true => rv.store.try_get(&key(0)),
-                    false => rv
-                        .next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)", refused.as_ref())
-                        .map(Some),
+                let raw = if again {
+                    rv.store.try_get(&key(0))
+                } else {
+                    rv.next_value(0, last.as_deref(), "rank 0's entry (it chooses the context id)", refused.as_ref())
+                        .map(Some)
                 };
                 let raw = match raw {
                     Ok(Some(raw)) => raw,
