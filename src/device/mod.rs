@@ -42,7 +42,10 @@ pub struct TcpAttr {
     pub family: Family,
     /// Ports to try, in order; `0..=0` (the default) lets the OS choose.
     pub ports: std::ops::RangeInclusive<u16>,
-    /// `SO_SNDBUF` for every connection (default: the kernel's autotuning).
+    /// `SO_SNDBUF` for every connection. Default: 512 KiB for connections between ranks
+    /// on one host (same address at both ends): on a 2-core machine it made 16 and 64 MiB
+    /// allreduce and allgather 1.25 to 1.75 times faster than the kernel's autotuning, and
+    /// smaller sizes no slower. Connections to other hosts keep the autotuning.
     pub send_buffer: Option<usize>,
     /// `SO_RCVBUF` for every connection (default: the kernel's autotuning).
     pub recv_buffer: Option<usize>,
