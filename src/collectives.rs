@@ -182,13 +182,19 @@ impl Context {
         let seg = opts.segment_elems::<T>();
         let m = meta(OpCode::ReduceScatter, T::DTYPE as u8, &[counts_hash(counts), op.code()]);
         let blocks = blocks_of(counts);
-        let mut work = input.to_vec();
-        let w = Seg::new(&mut work);
+        let mine = blocks[self.rank()].clone();
         algorithms::run(self, "reduce_scatter", m, opts, |c| {
-            allreduce::ring_reduce_scatter(c, w, &blocks, op, n - 1, seg)
-        })?;
-        output.copy_from_slice(&work[blocks[self.rank()].clone()]);
-        Ok(())
+            // The ring folds in place, so it works on a copy of `input` in the context's
+            // scratch pool (reused from call to call, unlike a fresh allocation: a 64 MiB one
+            // is page-faulted in anew each time).
+            let w = c.scratch::<T>(total);
+            // SAFETY: fresh scratch; no operation is pending on it.
+            unsafe { w.get_mut().copy_from_slice(input) };
+            allreduce::ring_reduce_scatter(c, w, &blocks, op, n - 1, seg)?;
+            // SAFETY: the ring waited for every operation it started.
+            output.copy_from_slice(unsafe { w.sub(mine).get() });
+            Ok(())
+        })
     }
 
     /// Every rank's `input` is concatenated in rank order into every rank's `output`
