@@ -84,7 +84,7 @@ impl Context {
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
         let bytes = bytes_of::<T>(buf.len());
-        let log2p = (usize::BITS - 1 - n.leading_zeros()) as usize;
+        let log2p = n.ilog2() as usize;
         let algo = match opts.algorithm {
             Algorithm::Auto if bytes.saturating_mul(log2p) < ALLREDUCE_DOUBLING_BELOW => Algorithm::RecursiveDoubling,
             Algorithm::Auto if bytes <= ALLREDUCE_RING_ABOVE => Algorithm::HalvingDoubling,

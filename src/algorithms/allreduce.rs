@@ -178,7 +178,7 @@ impl Group {
     /// rank that folded into its neighbour and already holds the result.
     fn enter<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, tmp: Seg<T>, op: &ReduceOp<T>) -> Result<Option<Self>> {
         let (r, n) = (c.ctx().rank(), c.ctx().size());
-        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let p = 1usize << n.ilog2();
         let rem = n - p;
         Ok(pre_fold(c, buf, tmp, op, r, rem)?.map(|v| Group { p, rem, v }))
     }
