@@ -676,10 +676,16 @@ impl TcpPair {
     // ---------------------------------------------------------------- receiving
 
     /// Reads until the socket is drained or reading must stall.
+    ///
+    /// A read that returns less than it asked for has drained the socket, so reading stops
+    /// there without the one more `recv` that would only say `EAGAIN`: whatever arrives later
+    /// raises readiness again, for `poll(2)` (level-triggered) and the loop's edge-triggered
+    /// epoll alike (every arrival is an edge).
     fn read(&self, g: &mut Inner) -> Step {
+        let mut drained = None;
         loop {
             self.consume_staged(g)?;
-            if matches!(g.rx, Rx::Stalled(_)) {
+            if matches!(g.rx, Rx::Stalled(_)) || drained == Some(g.reading) {
                 return Ok(());
             }
             let Inner { conn, rx, reading, staging, start, end, .. } = &mut *g;
@@ -696,8 +702,10 @@ impl TcpPair {
                     // SAFETY: the poster lent this buffer exclusively until completion or
                     // cancel (Pair::post_recv); both happen under the lock we hold.
                     let dst = unsafe { std::slice::from_raw_parts_mut(op.buf.ptr.add(*filled), op.buf.len - *filled) };
-                    stream.read(dst).inspect(|&n| {
+                    let asked = dst.len();
+                    stream.read(dst).map(|n| {
                         *filled += n;
+                        (n, asked)
                     })
                 }
                 None => {
@@ -705,16 +713,23 @@ impl TcpPair {
                         *start = 0;
                         *end = 0;
                     }
-                    stream.read(&mut staging[*end..]).inspect(|&n| {
+                    let asked = staging.len() - *end;
+                    stream.read(&mut staging[*end..]).map(|n| {
                         *end += n;
+                        (n, asked)
                     })
                 }
             };
             match res {
-                Ok(0) => {
+                Ok((0, _)) => {
                     return Err(Error::PeerClosed { rank: self.peer, detail: "connection closed (EOF)".into() });
                 }
-                Ok(_) => self.finish_payload(g),
+                Ok((n, asked)) => {
+                    if n < asked {
+                        drained = Some(g.reading);
+                    }
+                    self.finish_payload(g);
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.io_error(e, "receiving from")),
