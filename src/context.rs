@@ -730,7 +730,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
             return Err(Error::invalid("receive from an empty set of ranks"));
         }
         let pairs = peers.iter().map(|&p| self.ctx.pair(p).cloned()).collect::<Result<Vec<_>>>()?;
-        let done = Completion::new();
+        let done = Completion::for_pairs(pairs.len());
         let idx = self.push(Op::new(pairs.clone(), done.clone(), what, &self.ctx.pending));
         for p in &pairs {
             // SAFETY: forwarded from this function's contract (the scope finishes or cancels the

@@ -190,6 +190,8 @@ impl Progress for Passive {
 pub(crate) struct Completion {
     state: Mutex<CompletionState>,
     cond: Condvar,
+    /// Posted to several pairs (a receive from any of several ranks).
+    shared: bool,
 }
 
 #[derive(Debug, Default)]
@@ -207,6 +209,16 @@ struct CompletionState {
 impl Completion {
     pub(crate) fn new() -> Arc<Self> {
         Arc::new(Self::default())
+    }
+
+    /// A completion for an operation posted to `pairs` pairs.
+    pub(crate) fn for_pairs(pairs: usize) -> Arc<Self> {
+        Arc::new(Self { shared: pairs > 1, ..Self::default() })
+    }
+
+    /// Whether the operation is posted to several pairs, any of which may claim it.
+    pub(crate) fn is_shared(&self) -> bool {
+        self.shared
     }
 
     fn lock(&self) -> MutexGuard<'_, CompletionState> {

@@ -18,7 +18,7 @@ use crate::transport::{Completion, Pair, RecvBuf, SendBuf, seq_after, sequence_m
 use mio::Token;
 use mio::net::TcpStream;
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read};
+use std::io::{self, IoSlice, IoSliceMut, Read};
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -688,38 +688,7 @@ impl TcpPair {
             if matches!(g.rx, Rx::Stalled(_)) || drained == Some(g.reading) {
                 return Ok(());
             }
-            let Inner { conn, rx, reading, staging, start, end, .. } = &mut *g;
-            let Conn::Open(socks) = conn else { return Ok(()) };
-            let stream = &mut socks[reading.index()].stream;
-            let direct = match rx {
-                Rx::Payload { op, filled } if *start == *end && op.buf.len - *filled >= DIRECT_MIN => {
-                    Some((op, filled))
-                }
-                _ => None,
-            };
-            let res = match direct {
-                Some((op, filled)) => {
-                    // SAFETY: the poster lent this buffer exclusively until completion or
-                    // cancel (Pair::post_recv); both happen under the lock we hold.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(op.buf.ptr.add(*filled), op.buf.len - *filled) };
-                    let asked = dst.len();
-                    stream.read(dst).map(|n| {
-                        *filled += n;
-                        (n, asked)
-                    })
-                }
-                None => {
-                    if *start == *end {
-                        *start = 0;
-                        *end = 0;
-                    }
-                    let asked = staging.len() - *end;
-                    stream.read(&mut staging[*end..]).map(|n| {
-                        *end += n;
-                        (n, asked)
-                    })
-                }
-            };
+            let Some(res) = self.read_ahead(g).or_else(|| self.read_some(g)) else { return Ok(()) };
             match res {
                 Ok((0, _)) => {
                     return Err(Error::PeerClosed { rank: self.peer, detail: "connection closed (EOF)".into() });
@@ -735,6 +704,89 @@ impl TcpPair {
                 Err(e) => return Err(self.io_error(e, "receiving from")),
             }
         }
+    }
+
+    /// One read where the state says: straight into a posted receive's buffer when its payload
+    /// is being read and at least [`DIRECT_MIN`] of it is left, else into staging. Returns the
+    /// bytes read and asked for; `None` when the pair is not connected.
+    fn read_some(&self, g: &mut Inner) -> Option<io::Result<(usize, usize)>> {
+        let Inner { conn, rx, reading, staging, start, end, .. } = &mut *g;
+        let Conn::Open(socks) = conn else { return None };
+        let stream = &mut socks[reading.index()].stream;
+        Some(match rx {
+            Rx::Payload { op, filled } if *start == *end && op.buf.len - *filled >= DIRECT_MIN => {
+                // SAFETY: the poster lent this buffer exclusively until completion or cancel
+                // (Pair::post_recv); both happen under the lock we hold.
+                let dst = unsafe { std::slice::from_raw_parts_mut(op.buf.ptr.add(*filled), op.buf.len - *filled) };
+                let asked = dst.len();
+                stream.read(dst).map(|n| {
+                    *filled += n;
+                    (n, asked)
+                })
+            }
+            _ => {
+                if *start == *end {
+                    *start = 0;
+                    *end = 0;
+                }
+                let asked = staging.len() - *end;
+                stream.read(&mut staging[*end..]).map(|n| {
+                    *end += n;
+                    (n, asked)
+                })
+            }
+        })
+    }
+
+    /// Between frames, with nothing staged and a receive of at least [`DIRECT_MIN`] posted
+    /// first: reads the next header into staging and what follows it straight into that
+    /// receive's buffer, in one `readv`. When the header is that receive's message (the usual
+    /// case: a collective posts its receive before the data lands) the payload skips the
+    /// staging copy; otherwise the bytes move to staging, as if read there. A 2-rank 64 KiB
+    /// allreduce then copies 64 KiB less per message. `None` when there is no such receive.
+    fn read_ahead(&self, g: &mut Inner) -> Option<io::Result<(usize, usize)>> {
+        let Inner { conn, rx, reading, staging, start, end, posted, .. } = &mut *g;
+        let Conn::Open(socks) = conn else { return None };
+        if !matches!(rx, Rx::Header) || *start != *end {
+            return None;
+        }
+        // Not a receive from any of several ranks: another pair may claim and fill its buffer.
+        let op = posted.front().filter(|op| op.buf.len >= DIRECT_MIN && !op.done.is_shared() && op.done.is_open())?;
+        let (hdr, rest) = staging.split_at_mut(HEADER_LEN);
+        let ahead = op.buf.len.min(rest.len());
+        // SAFETY: the poster lent this buffer exclusively to this pair (it is posted to no other)
+        // until completion or cancel, and both need the lock we hold; it is open, so neither
+        // has happened. A receive that fails later may be left partly written, as ever.
+        let dst = unsafe { std::slice::from_raw_parts_mut(op.buf.ptr, ahead) };
+        let asked = HEADER_LEN + ahead;
+        let read = socks[reading.index()].stream.read_vectored(&mut [IoSliceMut::new(hdr), IoSliceMut::new(dst)]);
+        let n = match read {
+            Ok(n) => n,
+            Err(e) => return Some(Err(e)),
+        };
+        (*start, *end) = (0, n.min(HEADER_LEN));
+        if n <= HEADER_LEN {
+            return Some(Ok((n, asked)));
+        }
+        let got = n - HEADER_LEN;
+        let mut raw = [0u8; HEADER_LEN];
+        raw.copy_from_slice(hdr);
+        // What `dispatch` would decide: a data frame for the oldest posted receive of its tag
+        // (this one is the oldest of all), of the receive's length and kind.
+        let ours = FrameHeader::decode(&raw).is_ok_and(|h| {
+            h.kind == Kind::Data && h.tag == op.tag && mismatch(op.buf.len, op.meta, h.len, h.meta).is_none()
+        });
+        if ours && op.done.try_claim() {
+            *end = 0;
+            if let Some(op) = posted.pop_front() {
+                *rx = Rx::Payload { op, filled: got };
+            }
+        } else {
+            // SAFETY: as above; the receive is untouched otherwise, and `got <= rest.len()`.
+            rest[..got].copy_from_slice(unsafe { std::slice::from_raw_parts(op.buf.ptr, got) });
+            *end = n;
+        }
+        Some(Ok((n, asked)))
     }
 
     /// Reads on at the other connection (the peer sent a switch frame). What was read past the
