@@ -80,31 +80,81 @@ fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
             let err = ctx.recv(1, 5, &mut buf).expect_err("a malformed frame cannot be received");
             (err, t.elapsed())
         });
-        // Rank 0's entry: "ferrogloo-v1 <context id hex> <size> <address>".
-        let raw = store.get("ferrogloo.rank.0", TIMEOUT).expect("rank 0's entry");
-        let entry = String::from_utf8(raw).expect("utf-8 entry");
-        let fields: Vec<&str> = entry.split(' ').collect();
-        let mut ctx = [0u8; 16];
-        for (i, b) in ctx.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex");
-        }
-        // From rank 1 to rank 0 of a job of 2: the main connection, which carries every frame of
-        // the higher rank, then the bulk one (a pair is both).
-        let mut lanes = [false, true].map(|bulk| {
-            let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
-            sock.write_all(&hello_lane(b"FGLO", 2, ctx, 1, 0, 2, bulk)).expect("hello");
-            let mut ack = [0u8; 64];
-            sock.read_exact(&mut ack).expect("ack");
-            assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");
-            sock
-        });
-        let sock = &mut lanes[0];
-        store.set("ferrogloo.rank.1", format!("ferrogloo-v1 {} 2 127.0.0.1:1", fields[1]).as_bytes()).expect("set");
-        sock.write_all(&frame).expect("frame");
+        let mut lanes = join_as_fake_rank_1(&store);
+        lanes[0].write_all(&frame).expect("frame");
         let out = real.join().expect("rank 0 panicked");
         drop(lanes);
         out
     })
+}
+
+/// Joins a 2-rank job as rank 1 without a context: waits for rank 0's entry, opens both
+/// connections of the pair with their handshakes, and publishes an entry. Returns the main
+/// connection (which carries every frame of the higher rank) and the bulk one.
+fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
+    // Rank 0's entry: "ferrogloo-v1 <context id hex> <size> <address>".
+    let raw = store.get("ferrogloo.rank.0", TIMEOUT).expect("rank 0's entry");
+    let entry = String::from_utf8(raw).expect("utf-8 entry");
+    let fields: Vec<&str> = entry.split(' ').collect();
+    let mut ctx = [0u8; 16];
+    for (i, b) in ctx.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex");
+    }
+    let lanes = [false, true].map(|bulk| {
+        let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
+        sock.write_all(&hello_lane(b"FGLO", 2, ctx, 1, 0, 2, bulk)).expect("hello");
+        let mut ack = [0u8; 64];
+        sock.read_exact(&mut ack).expect("ack");
+        assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");
+        sock
+    });
+    store.set("ferrogloo.rank.1", format!("ferrogloo-v1 {} 2 127.0.0.1:1", fields[1]).as_bytes()).expect("set");
+    lanes
+}
+
+/// A peer that gives up sends an abort frame naming the cause, then closes. A send that then
+/// finds the connection reset must report the abort's cause, not the broken pipe. Here rank 0
+/// drives its pair in a receive that times out, which leaves the pair parked (nobody reads it
+/// for a few milliseconds); meanwhile the fake rank 1 writes an abort frame and resets the bulk
+/// connection, so rank 0's next send, a large one for the bulk connection, is the first to
+/// touch the pair. (Should rank 0 be descheduled past the park, the event loop reads the abort
+/// frame first and the test passes without exercising the send path.)
+#[test]
+fn a_send_that_finds_the_peer_gone_reports_the_peers_abort() {
+    let store = HashStore::new();
+    let reason = b"rank 7 of the job died";
+    let (parked, fake_gone) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    let err = std::thread::scope(|s| {
+        let real = s.spawn(|| {
+            let dev = Device::loopback().expect("device");
+            let ctx = Context::builder(0, 2).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");
+            let mut inbox = [0u8; 16];
+            let waited = ctx.scope(|s| s.irecv(1, 5, &mut inbox)?.wait_timeout(Duration::from_millis(20)).map(drop));
+            assert!(matches!(waited, Err(Error::Timeout { .. })), "nothing was sent: {waited:?}");
+            parked.wait();
+            fake_gone.wait();
+            // Over 256 KiB: the lower rank sends it on the bulk connection.
+            ctx.send(1, 6, &vec![1u8; 1 << 20]).expect_err("the peer is gone")
+        });
+        let [mut main, bulk] = join_as_fake_rank_1(&store);
+        parked.wait();
+        let mut abort = header(ABORT, 0, 0, reason.len() as u64);
+        abort.extend_from_slice(reason);
+        main.write_all(&abort).expect("abort frame");
+        // Reset the bulk connection (RST, not FIN: a send to it fails at once).
+        socket2::SockRef::from(&bulk).set_linger(Some(Duration::ZERO)).expect("SO_LINGER");
+        drop(bulk);
+        fake_gone.wait();
+        let err = real.join().expect("rank 0 panicked");
+        drop(main);
+        err
+    });
+    match &err {
+        Error::Aborted { detail } => {
+            assert!(detail.contains("rank 1") && detail.contains("rank 7 of the job died"), "{detail}")
+        }
+        other => panic!("expected the abort naming its cause, got {other:?}"),
+    }
 }
 
 /// Frame kinds (src/transport/tcp/frame.rs).

@@ -131,7 +131,10 @@ pub(crate) trait Pair: Send + Sync {
     unsafe fn post_send(&self, tag: u64, meta: u32, buf: SendBuf, done: &Arc<Completion>) -> Result<()>;
 
     /// Queues a receive into `buf` of the next message with `tag`. Several pairs may be given
-    /// the same `done` (receive from any of several peers): the first message to claim it wins.
+    /// the same `done` (receive from any of several peers, [`Completion::is_shared`]): the
+    /// first message to claim it wins, and a pair writes into `buf` only once it has claimed
+    /// it. A receive posted to one pair only is that pair's until it completes: the pair may
+    /// write into `buf` before it knows which message is next (the TCP pair reads ahead).
     ///
     /// # Safety
     /// `buf` must stay valid, and must not be read or written by anyone else, until `done` is

@@ -526,9 +526,23 @@ impl TcpPair {
 
     /// Flushes pending sends and reads what has arrived; fails the pair on error.
     fn drive(&self, g: &mut Inner) {
-        let r = self.flush(g).and_then(|()| self.read(g)).and_then(|()| self.want_writable(g));
+        let r = self.flush_or_explain(g).and_then(|()| self.read(g)).and_then(|()| self.want_writable(g));
         if let Err(e) = r {
             self.fail_locked(g, e);
+        }
+    }
+
+    /// [`TcpPair::flush`], but a send that finds the peer gone reads first: a peer that gives
+    /// up sends an abort frame naming the cause and then closes, and a send can meet the closed
+    /// socket before that frame is read. The frame says more than the broken pipe (the rank
+    /// that died first, not one that left after it).
+    fn flush_or_explain(&self, g: &mut Inner) -> Step {
+        match self.flush(g) {
+            Err(e @ Error::PeerClosed { .. }) => match self.read(g) {
+                Err(abort @ Error::Aborted { .. }) => Err(abort),
+                _ => Err(e),
+            },
+            r => r,
         }
     }
 
@@ -1061,7 +1075,7 @@ impl Pair for TcpPair {
         g.sendq.push_back(SendOp { lane, hdr, buf, _owned: None, off: 0, done: done.clone() });
         if idle {
             // Nothing queued ahead: write from this thread, no hand-off to the event loop.
-            if let Err(e) = self.flush(&mut g).and_then(|()| self.want_writable(&mut g)) {
+            if let Err(e) = self.flush_or_explain(&mut g).and_then(|()| self.want_writable(&mut g)) {
                 self.fail_locked(&mut g, e);
             }
         }
