@@ -288,10 +288,6 @@ impl Shared {
         }
     }
 
-    fn socket_options(&self, s: &socket2::SockRef<'_>) -> io::Result<()> {
-        configure(s, &self.opts)
-    }
-
     /// Registers a connected stream for `pair` and attaches it as `lane`; returns whether the
     /// pair is complete now.
     fn attach(&self, pair: &Arc<TcpPair>, lane: Lane, mut stream: TcpStream, token: Option<Token>) -> Result<bool> {
@@ -360,7 +356,7 @@ impl Shared {
         let io_err = |what: &str, e: io::Error| Error::io(format!("{what} rank {peer} at {addr}"), e);
         let mut s = std::net::TcpStream::connect_timeout(&addr, left().min(self.opts.handshake_timeout))
             .map_err(|e| io_err("connecting to", e))?;
-        self.socket_options(&socket2::SockRef::from(&s)).map_err(|e| io_err("configuring the socket to", e))?;
+        configure(&socket2::SockRef::from(&s), &self.opts).map_err(|e| io_err("configuring the socket to", e))?;
         let hs_deadline = left().min(self.opts.handshake_timeout);
         s.set_read_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
         s.set_write_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
@@ -489,7 +485,7 @@ impl EventLoop {
                             self.drop_incoming(t, "evicted: too many handshakes in progress");
                         }
                     }
-                    if let Err(e) = self.shared.socket_options(&socket2::SockRef::from(&stream)) {
+                    if let Err(e) = configure(&socket2::SockRef::from(&stream), &self.shared.opts) {
                         tracing::warn!(%from, error = %e, "refused connection: cannot configure socket");
                         continue;
                     }

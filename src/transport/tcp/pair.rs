@@ -299,7 +299,7 @@ impl TcpPair {
 
     /// True once both lanes are attached (or the pair has failed).
     pub(crate) fn is_attached(&self) -> bool {
-        !matches!(self.lock().conn, Conn::Pending { .. })
+        !matches!(self.lock().conn, Conn::Pending(_))
     }
 
     /// Whether `lane` is attached (or the pair is past attaching).
