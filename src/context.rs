@@ -161,16 +161,20 @@ impl ContextBuilder {
                     last = Some(raw);
                     continue;
                 };
-                if last.as_deref() != Some(raw.as_slice()) {
-                    drop_current(&mut current);
-                    let route = new_route()?;
-                    shared.add_route(entry.ctx, route.clone())?;
-                    current = Some((entry.ctx, route));
-                    last = Some(raw);
-                }
-                let Some((_, route)) = &current else { continue };
-                match shared.connect(entry.ctx, route, 0, entry.addr, deadline) {
-                    Ok(()) => break (entry.ctx, route.clone()),
+                // The same entry again keeps its route (and the lanes it has connected).
+                let route = match &current {
+                    Some((_, route)) if last.as_deref() == Some(raw.as_slice()) => Arc::clone(route),
+                    _ => {
+                        drop_current(&mut current);
+                        let route = new_route()?;
+                        shared.add_route(entry.ctx, route.clone())?;
+                        current = Some((entry.ctx, route.clone()));
+                        last = Some(raw);
+                        route
+                    }
+                };
+                match shared.connect(entry.ctx, &route, 0, entry.addr, deadline) {
+                    Ok(()) => break (entry.ctx, route),
                     Err(e) => {
                         tracing::debug!(error = %e, "rank 0's entry did not answer");
                         if !matches!(e, Error::Io { .. }) {

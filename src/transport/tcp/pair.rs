@@ -193,6 +193,15 @@ impl Conn {
             Conn::Closed(_) => Vec::new(),
         }
     }
+
+    /// The sockets held, taken out (see [`Conn::socks`]).
+    fn into_socks(self) -> Vec<Sock> {
+        match self {
+            Conn::Open(socks) => socks.into_iter().collect(),
+            Conn::Pending(socks) => socks.into_iter().flatten().collect(),
+            Conn::Closed(_) => Vec::new(),
+        }
+    }
 }
 
 struct Inner {
@@ -586,12 +595,7 @@ impl TcpPair {
         if let Conn::Closed(_) = g.conn {
             return;
         }
-        let socks: Vec<Sock> = match std::mem::replace(&mut g.conn, Conn::Closed(err.clone())) {
-            Conn::Open(socks) => socks.into_iter().collect(),
-            Conn::Pending(socks) => socks.into_iter().flatten().collect(),
-            Conn::Closed(_) => Vec::new(),
-        };
-        for Sock { mut stream, .. } in socks {
+        for Sock { mut stream, .. } in std::mem::replace(&mut g.conn, Conn::Closed(err.clone())).into_socks() {
             let _ = stream.shutdown(std::net::Shutdown::Both);
             match g.watch {
                 Watch::Driven => {
