@@ -182,18 +182,17 @@ impl Context {
         let seg = opts.segment_elems::<T>();
         let m = meta(OpCode::ReduceScatter, T::DTYPE as u8, &[counts_hash(counts), op.code()]);
         let blocks = blocks_of(counts);
-        let mine = blocks[self.rank()].clone();
         algorithms::run(self, "reduce_scatter", m, opts, |c| {
-            // The ring folds in place, so it works on a copy of `input` in the context's
-            // scratch pool (reused from call to call, unlike a fresh allocation: a 64 MiB one
-            // is page-faulted in anew each time).
-            let w = c.scratch::<T>(total);
-            // SAFETY: fresh scratch; no operation is pending on it.
-            unsafe { w.get_mut().copy_from_slice(input) };
-            allreduce::ring_reduce_scatter(c, w, &blocks, op, n - 1, seg)?;
-            // SAFETY: the ring waited for every operation it started.
-            output.copy_from_slice(unsafe { w.sub(mine).get() });
-            Ok(())
+            // `input` is only read: each received segment is reduced into a copy of this
+            // rank's part made just before (in the context's scratch pool, reused from call
+            // to call), and this rank's own block straight into `output`.
+            let bufs = allreduce::RingBufs {
+                input: Seg::of(input),
+                // (With two ranks the only block received is this rank's own.)
+                work: c.scratch::<T>(if n > 2 { total } else { 0 }),
+                last: Seg::new(output),
+            };
+            allreduce::ring_reduce_scatter(c, bufs, &blocks, op, n - 1, seg)
         })
     }
 

@@ -211,6 +211,9 @@ fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
             }
             let start: usize = counts[..r].iter().sum();
             assert!(out[..] == reference(c.red, &inputs)[start..start + counts[r]], "{ctxt}");
+            let fresh = input::<T>(c.seed, r, total);
+            let untouched: &[u8] = bytemuck::cast_slice(&fresh);
+            assert!(bytemuck::cast_slice::<T, u8>(&inputs[r]) == untouched, "{ctxt}: the input was written");
         }
         Kind::Allgather(a) | Kind::AllgatherV(a) => {
             let counts: Vec<usize> = match c.kind {

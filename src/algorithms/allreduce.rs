@@ -44,15 +44,36 @@ impl Ring {
     }
 }
 
-/// Ring reduce-scatter over `blocks` of `buf`, pipelined in segments of `seg` elements.
+/// Where a ring reduce-scatter reads this rank's contribution and reduces what it receives.
+#[derive(Clone, Copy)]
+pub(crate) struct RingBufs<T> {
+    /// This rank's contribution, laid out in the blocks; only read and sent.
+    pub(crate) input: Seg<T>,
+    /// Where each block received before the last step is reduced, indexed like `input`.
+    pub(crate) work: Seg<T>,
+    /// Where the block received in the last step (the fully reduced one) is reduced: a run of
+    /// that block's length.
+    pub(crate) last: Seg<T>,
+}
+
+impl<T> RingBufs<T> {
+    /// Reducing in place: every block is reduced where it lies in `buf`.
+    pub(crate) fn in_place(buf: Seg<T>, last_block: Range<usize>) -> Self {
+        RingBufs { input: buf, work: buf, last: buf.sub(last_block) }
+    }
+}
+
+/// Ring reduce-scatter over `blocks`, pipelined in segments of `seg` elements.
 ///
 /// In step k (of n-1) rank r sends block `(r - k + shift) mod n` to its right neighbour and
-/// folds block `(r - k - 1 + shift) mod n` from its left into `buf`; each segment is forwarded
-/// as soon as it is reduced, so reducing one segment overlaps moving the next. Afterwards block
-/// `(r + 1 + shift) mod n` holds the full reduction. Every send is waited for before return.
+/// reduces block `(r - k - 1 + shift) mod n` from its left: its own contribution (from
+/// `bufs.input`; copied first when the destination is elsewhere) ⊕ what arrived. Each segment
+/// is forwarded as soon as it is reduced, so reducing one segment overlaps moving the next.
+/// Afterwards `bufs.last` holds block `(r + 1 + shift) mod n` fully reduced. Every send is
+/// waited for before return.
 pub(crate) fn ring_reduce_scatter<T: Element>(
     c: &Coll<'_, '_>,
-    buf: Seg<T>,
+    bufs: RingBufs<T>,
     blocks: &[Range<usize>],
     op: &ReduceOp<T>,
     shift: usize,
@@ -73,13 +94,22 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     // reduced), because the right neighbour matches them by order alone. They are paced: one
     // credit per receive slot to start, one more per segment received, so segments land in
     // the neighbour's posted slots instead of its early-arrival buffer.
-    let mut queue: VecDeque<Seg<T>> = segments(&blocks[send_block(0)], seg).map(|s| buf.sub(s)).collect();
+    let mut queue: VecDeque<Seg<T>> = segments(&blocks[send_block(0)], seg).map(|s| bufs.input.sub(s)).collect();
+    let last_start = blocks[recv_block(n - 2)].start;
+    // Where the segment `range` received in step k is reduced.
+    let dst_of = |k: usize, range: &Range<usize>| {
+        if k == n - 2 {
+            bufs.last.sub(range.start - last_start..range.end - last_start)
+        } else {
+            bufs.work.sub(range.clone())
+        }
+    };
     let mut credit = RING_SLOTS;
     let mut sends = Vec::new();
     // SAFETY (every send below): a queued segment is final for this phase. Step-0 segments
-    // belong to block send_block(0), which is never written here (recv_block(k) ==
-    // send_block(0) has no solution k in 0..n-1); forwarded segments are queued only after
-    // their reduction, and nothing writes them again.
+    // are block send_block(0) of `input`, which is never written here (recv_block(k) ==
+    // send_block(0) has no solution k in 0..n-1, and a destination elsewhere is not `input`);
+    // forwarded segments are queued only after their reduction, and nothing writes them again.
     let mut issue = |queue: &mut VecDeque<Seg<T>>, credit: &mut usize, all: bool| -> Result<()> {
         while *credit > 0 || all {
             let Some(s) = queue.pop_front() else { break };
@@ -99,10 +129,17 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     for (k, range) in &items {
         let Some((req, i)) = pending.pop_front() else { break };
         c.wait(req)?;
-        let dst = buf.sub(range.clone());
-        // SAFETY: slot `i` is complete; block recv_block(k) has no pending operation: it was
-        // never sent before step k+1 and no receive targets `buf` in this phase.
-        unsafe { op.apply(dst.get_mut(), slot(i, range.len()).get()) };
+        let dst = dst_of(*k, range);
+        let mine = bufs.input.sub(range.clone());
+        // SAFETY: slot `i` is complete; `dst` (block recv_block(k)) has no pending operation:
+        // it was never sent before step k+1 and no receive targets it. `mine` is only read,
+        // here and by step-0 sends of another block; it is `dst` itself when in place.
+        unsafe {
+            if !dst.is(mine) {
+                dst.get_mut().copy_from_slice(mine.get());
+            }
+            op.apply(dst.get_mut(), slot(i, range.len()).get());
+        }
         if next < items.len() {
             // SAFETY: slot `i` was just consumed; see above.
             pending.push_back((unsafe { c.recv(left, slot(i, items[next].1.len()))? }, i));
@@ -160,8 +197,11 @@ pub(crate) fn ring_allgather<T: Element>(
 /// Ring allreduce: reduce-scatter then allgather. 2(n-1) steps; each rank sends and receives
 /// 2(n-1)/n of the buffer.
 pub(crate) fn ring<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>, seg: usize) -> Result<()> {
-    let blocks = partition(buf.len(), c.ctx().size());
-    ring_reduce_scatter(c, buf, &blocks, op, 0, seg)?;
+    let n = c.ctx().size();
+    let blocks = partition(buf.len(), n);
+    // With shift 0 the fully reduced block is (r + 1) mod n.
+    let last = blocks[(c.ctx().rank() + 1) % n].clone();
+    ring_reduce_scatter(c, RingBufs::in_place(buf, last), &blocks, op, 0, seg)?;
     ring_allgather(c, buf, &blocks, 1, seg)
 }
 

@@ -278,6 +278,11 @@ impl<T> Seg<T> {
         self.len
     }
 
+    /// Whether `other` is the same run of memory.
+    pub(crate) fn is(&self, other: Seg<T>) -> bool {
+        self.ptr == other.ptr && self.len == other.len
+    }
+
     /// The sub-run `r`; panics (a bug in the algorithm, never input-driven) if out of range.
     pub(crate) fn sub(&self, r: Range<usize>) -> Self {
         assert!(r.start <= r.end && r.end <= self.len, "segment {r:?} outside 0..{}", self.len);
