@@ -159,15 +159,20 @@ impl<'p> Arena<'p> {
         let words = (len * std::mem::size_of::<T>()).div_ceil(8);
         let mut v = {
             let mut pool = crate::sync::lock(self.pool);
-            match pool.iter().position(|b| b.capacity() >= words) {
+            // Best fit: the shortest buffer long enough, so that a small call (a scalar
+            // allreduce between gradient ones) does not take the buffer the next large call
+            // needs. When none is, the longest is replaced.
+            let fit = pool.iter().enumerate().filter(|(_, b)| b.len() >= words).min_by_key(|(_, b)| b.len());
+            let longest = || pool.iter().enumerate().max_by_key(|(_, b)| b.len());
+            match fit.or_else(longest).map(|(i, _)| i) {
                 Some(i) => pool.swap_remove(i),
-                None => pool.pop().unwrap_or_default(),
+                None => Vec::new(),
             }
         };
-        if v.len() >= words {
-            v.truncate(words);
-        } else {
-            v.resize(words, 0);
+        // A buffer keeps its whole length, so it is zeroed once, when it is allocated (by
+        // the allocator: fresh pages for a large one), never again on reuse.
+        if v.len() < words {
+            v = vec![0u64; words];
         }
         // The heap buffer does not move when the Vec is moved into `bufs`.
         let seg = Seg { ptr: v.as_mut_ptr().cast::<T>(), len };
@@ -353,4 +358,42 @@ pub(crate) fn check_counts(counts: &[usize], n: usize, what: &str) -> Result<usi
 /// Hash input for a list of counts.
 pub(crate) fn counts_hash(counts: &[usize]) -> u64 {
     counts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &c| (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_goes_to_the_call_it_fits_best_and_keeps_its_contents() {
+        let pool = Mutex::default();
+        let (big, small) = {
+            let a = Arena::new(&pool);
+            let big = a.seg::<u32>(1 << 20);
+            let small = a.seg::<u32>(16);
+            // SAFETY: arena scratch, no operation pending on it.
+            unsafe { big.get_mut().fill(7) };
+            (big.ptr, small.ptr)
+        };
+        // A small call between two large ones takes the small buffer, in either order.
+        for _ in 0..2 {
+            let a = Arena::new(&pool);
+            assert_eq!(a.seg::<u32>(1).ptr, small);
+            let b = a.seg::<u32>(1 << 20);
+            assert_eq!(b.ptr, big);
+            // SAFETY: as above.
+            assert!(unsafe { b.get() }.iter().all(|&x| x == 7), "reused scratch was cleared");
+        }
+        // With one buffer, a small call takes it and the large one after it finds it whole.
+        pool.lock().unwrap().retain(|b| b.len() > 16);
+        {
+            let a = Arena::new(&pool);
+            a.seg::<u32>(1);
+        }
+        let a = Arena::new(&pool);
+        let b = a.seg::<u32>(1 << 20);
+        assert_eq!(b.ptr, big);
+        // SAFETY: as above.
+        assert!(unsafe { b.get() }.iter().all(|&x| x == 7), "reused scratch was cleared");
+    }
 }
