@@ -190,7 +190,7 @@ impl Context {
                 input: Seg::of(input),
                 // (With two ranks the only block received is this rank's own.)
                 work: c.scratch::<T>(if n > 2 { total } else { 0 }),
-                last: Seg::new(output),
+                last: Some(Seg::new(output)),
             };
             allreduce::ring_reduce_scatter(c, bufs, &blocks, op, n - 1, seg)
         })

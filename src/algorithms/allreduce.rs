@@ -51,15 +51,15 @@ pub(crate) struct RingBufs<T> {
     pub(crate) input: Seg<T>,
     /// Where each block received before the last step is reduced, indexed like `input`.
     pub(crate) work: Seg<T>,
-    /// Where the block received in the last step (the fully reduced one) is reduced: a run of
-    /// that block's length.
-    pub(crate) last: Seg<T>,
+    /// Where the block received in the last step (the fully reduced one) is reduced, if not in
+    /// `work` like the others: a run of that block's length.
+    pub(crate) last: Option<Seg<T>>,
 }
 
 impl<T> RingBufs<T> {
     /// Reducing in place: every block is reduced where it lies in `buf`.
-    pub(crate) fn in_place(buf: Seg<T>, last_block: Range<usize>) -> Self {
-        RingBufs { input: buf, work: buf, last: buf.sub(last_block) }
+    pub(crate) fn in_place(buf: Seg<T>) -> Self {
+        RingBufs { input: buf, work: buf, last: None }
     }
 }
 
@@ -69,8 +69,8 @@ impl<T> RingBufs<T> {
 /// reduces block `(r - k - 1 + shift) mod n` from its left: its own contribution (from
 /// `bufs.input`; copied first when the destination is elsewhere) ⊕ what arrived. Each segment
 /// is forwarded as soon as it is reduced, so reducing one segment overlaps moving the next.
-/// Afterwards `bufs.last` holds block `(r + 1 + shift) mod n` fully reduced. Every send is
-/// waited for before return.
+/// Afterwards block `(r + 1 + shift) mod n` lies fully reduced in `bufs.last` (in `bufs.work`
+/// without it). Every send is waited for before return.
 pub(crate) fn ring_reduce_scatter<T: Element>(
     c: &Coll<'_, '_>,
     bufs: RingBufs<T>,
@@ -97,12 +97,9 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     let mut queue: VecDeque<Seg<T>> = segments(&blocks[send_block(0)], seg).map(|s| bufs.input.sub(s)).collect();
     let last_start = blocks[recv_block(n - 2)].start;
     // Where the segment `range` received in step k is reduced.
-    let dst_of = |k: usize, range: &Range<usize>| {
-        if k == n - 2 {
-            bufs.last.sub(range.start - last_start..range.end - last_start)
-        } else {
-            bufs.work.sub(range.clone())
-        }
+    let dst_of = |k: usize, range: &Range<usize>| match bufs.last {
+        Some(last) if k == n - 2 => last.sub(range.start - last_start..range.end - last_start),
+        _ => bufs.work.sub(range.clone()),
     };
     let mut credit = RING_SLOTS;
     let mut sends = Vec::new();
@@ -197,11 +194,8 @@ pub(crate) fn ring_allgather<T: Element>(
 /// Ring allreduce: reduce-scatter then allgather. 2(n-1) steps; each rank sends and receives
 /// 2(n-1)/n of the buffer.
 pub(crate) fn ring<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>, seg: usize) -> Result<()> {
-    let n = c.ctx().size();
-    let blocks = partition(buf.len(), n);
-    // With shift 0 the fully reduced block is (r + 1) mod n.
-    let last = blocks[(c.ctx().rank() + 1) % n].clone();
-    ring_reduce_scatter(c, RingBufs::in_place(buf, last), &blocks, op, 0, seg)?;
+    let blocks = partition(buf.len(), c.ctx().size());
+    ring_reduce_scatter(c, RingBufs::in_place(buf), &blocks, op, 0, seg)?;
     ring_allgather(c, buf, &blocks, 1, seg)
 }
 
