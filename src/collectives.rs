@@ -3,18 +3,23 @@
 //! Every collective must be called by every rank of the context, with the same arguments where
 //! they must agree (counts, root, reduction, element type), and in the same order for one tag.
 //! Ranks that disagree get [`Error::Mismatch`] (or [`Error::Timeout`] at the deadline) instead
-//! of corrupted data. All take [`CollectiveOptions`] in their `_with` form.
+//! of corrupted data. Every call takes [`CollectiveOptions`] (tag, deadline, algorithm, segment
+//! size), except `allreduce` and `barrier`, whose `_with` forms take them.
+//!
+//! Each typed call has a runtime-typed twin over bytes and a [`DType`] (`allreduce_bytes`, ...)
+//! for engines and bindings that learn the element type at run time.
 //!
 //! Costs are per rank, for n ranks, S bytes of buffer, α the per-message latency and β the
 //! time per byte.
 
 use crate::algorithms::{
-    self, Algorithm, CollectiveOptions, OpCode, Seg, allgather, allreduce, barrier, blocks_of, broadcast, check_counts,
-    counts_hash, meta, partition, personalized, reduce,
+    self, Algorithm, CollectiveOptions, Seg, allgather, allreduce, barrier, blocks_of, broadcast, check_counts,
+    counts_hash, partition, personalized, reduce,
 };
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::types::{Element, ReduceOp};
+use crate::types::{Call, DType, Element, OpDesc, ReduceOp, Reduction};
+use std::borrow::Cow;
 
 /// `Auto` allreduce uses recursive doubling (fewest steps, but S·log₂p bytes per rank against
 /// halving-doubling's 2S(p-1)/p) while S·log₂p stays below this many bytes. Measured with
@@ -39,15 +44,74 @@ fn bytes_of<T>(n: usize) -> usize {
     n.saturating_mul(std::mem::size_of::<T>())
 }
 
+/// The algorithm `Auto` allreduce picks for `bytes` on `n` ranks, or the one asked for.
+fn allreduce_algorithm(n: usize, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
+    let log2p = n.ilog2() as usize;
+    Ok(match asked {
+        Algorithm::Auto if bytes.saturating_mul(log2p) < ALLREDUCE_DOUBLING_BELOW => Algorithm::RecursiveDoubling,
+        Algorithm::Auto if bytes <= ALLREDUCE_RING_ABOVE => Algorithm::HalvingDoubling,
+        Algorithm::Auto => Algorithm::Ring,
+        a @ (Algorithm::Ring | Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling) => a,
+        a => return Err(Error::invalid(format!("allreduce does not support the {a} algorithm"))),
+    })
+}
+
+/// The algorithm allgather runs for `bytes` of output on `n` ranks when asked for `asked`.
+fn allgather_algorithm(n: usize, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
+    Ok(match asked {
+        Algorithm::Auto if n.is_power_of_two() && bytes <= ALLGATHER_DOUBLING_UPTO => Algorithm::RecursiveDoubling,
+        Algorithm::Auto | Algorithm::Ring => Algorithm::Ring,
+        // Power-of-two world sizes only; others run the ring.
+        Algorithm::RecursiveDoubling if n.is_power_of_two() => Algorithm::RecursiveDoubling,
+        Algorithm::RecursiveDoubling => Algorithm::Ring,
+        a => return Err(Error::invalid(format!("allgather does not support the {a} algorithm"))),
+    })
+}
+
+/// The algorithm broadcast runs for `bytes` when asked for `asked`.
+fn broadcast_algorithm(bytes: usize, asked: Algorithm) -> Result<Algorithm> {
+    Ok(match asked {
+        Algorithm::Auto if bytes <= BROADCAST_PIPELINE_ABOVE => Algorithm::BinomialTree,
+        Algorithm::Auto => Algorithm::Pipeline,
+        a @ (Algorithm::BinomialTree | Algorithm::Pipeline) => a,
+        a => return Err(Error::invalid(format!("broadcast does not support the {a} algorithm"))),
+    })
+}
+
 impl Context {
+    /// Blocks until every rank has called `barrier` (dissemination barrier: ⌈log₂ N⌉ rounds of
+    /// one empty message sent and one received per rank).
+    pub fn barrier(&self) -> Result<()> {
+        self.barrier_with(&CollectiveOptions::default())
+    }
+
     /// Barrier with options (a tag, so barriers of different tags run independently, and a
     /// deadline). Dissemination: ⌈log₂ n⌉ rounds of one empty message each way.
     pub fn barrier_with(&self, opts: &CollectiveOptions) -> Result<()> {
         if self.size() == 1 {
             return Ok(());
         }
-        let m = meta(OpCode::Barrier, 0, &[]);
-        algorithms::run(self, "barrier", m, opts, barrier::dissemination)
+        let desc = OpDesc::new(Call::Barrier);
+        algorithms::run(self.comm(), "barrier", desc, opts, barrier::dissemination)
+    }
+
+    /// The algorithm [`allreduce_with`](Self::allreduce_with) runs on this context for a
+    /// buffer of `bytes` when `asked` for an algorithm: what `Auto` picks, or the one asked for
+    /// (an error for one allreduce does not have).
+    pub fn allreduce_algorithm(&self, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
+        allreduce_algorithm(self.size(), bytes, asked)
+    }
+
+    /// The algorithm [`allgather`](Self::allgather) runs on this context for `bytes` of output
+    /// when `asked` for an algorithm.
+    pub fn allgather_algorithm(&self, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
+        allgather_algorithm(self.size(), bytes, asked)
+    }
+
+    /// The algorithm [`broadcast`](Self::broadcast) runs for a buffer of `bytes` when `asked`
+    /// for an algorithm.
+    pub fn broadcast_algorithm(&self, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
+        broadcast_algorithm(bytes, asked)
     }
 
     /// Reduces `buf` element-wise across all ranks, in place: afterwards every rank's `buf`
@@ -83,22 +147,14 @@ impl Context {
     /// [`allreduce`](Self::allreduce) with options.
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
-        let bytes = bytes_of::<T>(buf.len());
-        let log2p = n.ilog2() as usize;
-        let algo = match opts.algorithm {
-            Algorithm::Auto if bytes.saturating_mul(log2p) < ALLREDUCE_DOUBLING_BELOW => Algorithm::RecursiveDoubling,
-            Algorithm::Auto if bytes <= ALLREDUCE_RING_ABOVE => Algorithm::HalvingDoubling,
-            Algorithm::Auto => Algorithm::Ring,
-            a @ (Algorithm::Ring | Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling) => a,
-            a => return Err(Error::invalid(format!("allreduce does not support the {a:?} algorithm"))),
-        };
+        let algo = allreduce_algorithm(n, bytes_of::<T>(buf.len()), opts.algorithm)?;
         if n == 1 {
             return Ok(());
         }
         let seg = opts.segment_elems::<T>();
-        let m = meta(OpCode::Allreduce, T::DTYPE as u8, &[buf.len() as u64, op.code(), algo as u64]);
+        let desc = OpDesc::new(Call::Allreduce).dtype(T::DTYPE).count(buf.len()).reduce(op.code()).algo(algo);
         let buf = Seg::new(buf);
-        algorithms::run(self, "allreduce", m, opts, |c| match algo {
+        algorithms::run(self.comm(), "allreduce", desc, opts, |c| match algo {
             Algorithm::Ring => allreduce::ring(c, buf, op, seg),
             Algorithm::RecursiveDoubling => allreduce::recursive_doubling(c, buf, op),
             _ => allreduce::halving_doubling(c, buf, op),
@@ -180,9 +236,10 @@ impl Context {
             return Ok(());
         }
         let seg = opts.segment_elems::<T>();
-        let m = meta(OpCode::ReduceScatter, T::DTYPE as u8, &[counts_hash(counts), op.code()]);
+        let desc =
+            OpDesc::new(Call::ReduceScatter).dtype(T::DTYPE).count(total).reduce(op.code()).extra(counts_hash(counts));
         let blocks = blocks_of(counts);
-        algorithms::run(self, "reduce_scatter", m, opts, |c| {
+        algorithms::run(self.comm(), "reduce_scatter", desc, opts, |c| {
             // `input` is only read: each received segment is reduced into a copy of this
             // rank's part made just before (in the context's scratch pool, reused from call
             // to call), and this rank's own block straight into `output`.
@@ -242,23 +299,19 @@ impl Context {
         }
         let seg = opts.segment_elems::<T>();
         let blocks = blocks_of(counts);
+        let algo = allgather_algorithm(n, bytes_of::<T>(total), opts.algorithm)?;
+        // This rank's own block, while `output` is still a plain slice.
+        output[blocks[self.rank()].clone()].copy_from_slice(input);
         if n == 1 {
-            output.copy_from_slice(input);
             return Ok(());
         }
-        let doubling = match opts.algorithm {
-            Algorithm::Auto => n.is_power_of_two() && bytes_of::<T>(total) <= ALLGATHER_DOUBLING_UPTO,
-            Algorithm::Ring => false,
-            Algorithm::RecursiveDoubling => n.is_power_of_two(),
-            a => return Err(Error::invalid(format!("allgather does not support the {a:?} algorithm"))),
-        };
-        let m = meta(OpCode::Allgather, T::DTYPE as u8, &[counts_hash(counts), u64::from(doubling)]);
+        let desc = OpDesc::new(Call::Allgather).dtype(T::DTYPE).count(total).algo(algo).extra(counts_hash(counts));
         let out = Seg::new(output);
-        algorithms::run(self, "allgather", m, opts, |c| {
-            if doubling {
-                allgather::recursive_doubling(c, input, out, &blocks)
+        algorithms::run(self.comm(), "allgather", desc, opts, |c| {
+            if algo == Algorithm::RecursiveDoubling {
+                allgather::recursive_doubling(c, out, &blocks)
             } else {
-                allgather::ring(c, input, out, &blocks, seg)
+                allgather::ring(c, out, &blocks, seg)
             }
         })
     }
@@ -275,19 +328,14 @@ impl Context {
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
         check_root(root, n, "broadcast")?;
-        let algo = match opts.algorithm {
-            Algorithm::Auto if bytes_of::<T>(buf.len()) <= BROADCAST_PIPELINE_ABOVE => Algorithm::BinomialTree,
-            Algorithm::Auto => Algorithm::Pipeline,
-            a @ (Algorithm::BinomialTree | Algorithm::Pipeline) => a,
-            a => return Err(Error::invalid(format!("broadcast does not support the {a:?} algorithm"))),
-        };
+        let algo = broadcast_algorithm(bytes_of::<T>(buf.len()), opts.algorithm)?;
         if n == 1 {
             return Ok(());
         }
         let seg = opts.segment_elems::<T>();
-        let m = meta(OpCode::Broadcast, T::DTYPE as u8, &[buf.len() as u64, root as u64, algo as u64]);
+        let desc = OpDesc::new(Call::Broadcast).dtype(T::DTYPE).count(buf.len()).root(root).algo(algo);
         let b = Seg::new(buf);
-        algorithms::run(self, "broadcast", m, opts, |c| match algo {
+        algorithms::run(self.comm(), "broadcast", desc, opts, |c| match algo {
             Algorithm::Pipeline => broadcast::pipeline(c, b, root, seg),
             _ => broadcast::tree(c, b, root),
         })
@@ -310,9 +358,9 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let m = meta(OpCode::Reduce, T::DTYPE as u8, &[buf.len() as u64, root as u64, op.code()]);
+        let desc = OpDesc::new(Call::Reduce).dtype(T::DTYPE).count(buf.len()).root(root).reduce(op.code());
         let b = Seg::new(buf);
-        algorithms::run(self, "reduce", m, opts, |c| reduce::tree(c, b, root, op))
+        algorithms::run(self.comm(), "reduce", desc, opts, |c| reduce::tree(c, b, root, op))
     }
 
     /// Rank `root` receives every rank's `input`, concatenated in rank order, in `output`
@@ -351,13 +399,16 @@ impl Context {
             )));
         }
         let blocks = blocks_of(counts);
+        if self.rank() == root {
+            // The root's own block, while `output` is still a plain slice.
+            output[blocks[root].clone()].copy_from_slice(input);
+        }
         if n == 1 {
-            output.copy_from_slice(input);
             return Ok(());
         }
-        let m = meta(OpCode::Gather, T::DTYPE as u8, &[counts_hash(counts), root as u64]);
+        let desc = OpDesc::new(Call::Gather).dtype(T::DTYPE).count(total).root(root).extra(counts_hash(counts));
         let out = Seg::new(output);
-        algorithms::run(self, "gather", m, opts, |c| personalized::gather(c, input, out, &blocks, root))
+        algorithms::run(self.comm(), "gather", desc, opts, |c| personalized::gather(c, input, out, &blocks, root))
     }
 
     /// Rank `root` sends block i of its `input` (`n * output.len()` elements) to rank i, which
@@ -385,9 +436,8 @@ impl Context {
             output.copy_from_slice(input);
             return Ok(());
         }
-        let m = meta(OpCode::Scatter, T::DTYPE as u8, &[output.len() as u64, root as u64]);
-        let inp = Seg::of(input);
-        algorithms::run(self, "scatter", m, opts, |c| personalized::scatter(c, inp, output, &blocks, root))
+        let desc = OpDesc::new(Call::Scatter).dtype(T::DTYPE).count(output.len()).root(root);
+        algorithms::run(self.comm(), "scatter", desc, opts, |c| personalized::scatter(c, input, output, &blocks, root))
     }
 
     /// Rank i's block p of `input` goes to block i of rank p's `output`; equal blocks:
@@ -435,19 +485,15 @@ impl Context {
             return Err(Error::invalid("alltoall: this rank's send and receive counts for itself differ"));
         }
         let (sb, rb) = (blocks_of(send_counts), blocks_of(recv_counts));
-        let m = meta(OpCode::Alltoall, T::DTYPE as u8, &[]);
-        let (inp, out) = (Seg::of(input), Seg::new(output));
+        // This rank's own block, while `output` is still a plain slice.
+        output[rb[r].clone()].copy_from_slice(&input[sb[r].clone()]);
         if n == 1 {
-            output_copy(inp, out);
             return Ok(());
         }
-        algorithms::run(self, "alltoall", m, opts, |c| personalized::alltoall(c, inp, &sb, out, &rb))
+        let desc = OpDesc::new(Call::Alltoall).dtype(T::DTYPE);
+        let (inp, out) = (Seg::of(input), Seg::new(output));
+        algorithms::run(self.comm(), "alltoall", desc, opts, |c| personalized::alltoall(c, inp, &sb, out, &rb))
     }
-}
-
-fn output_copy<T: Copy>(inp: Seg<T>, out: Seg<T>) {
-    // SAFETY: no operation is pending; `out` is exclusively borrowed by the caller.
-    unsafe { out.get_mut().copy_from_slice(inp.get()) }
 }
 
 fn check_root(root: usize, n: usize, what: &str) -> Result<()> {
@@ -455,4 +501,155 @@ fn check_root(root: usize, n: usize, what: &str) -> Result<()> {
         return Err(Error::invalid(format!("{what}: root {root} is out of range for size {n}")));
     }
     Ok(())
+}
+
+/// `bytes` viewed as elements of `T`: borrowed when aligned, else an aligned copy.
+fn typed<'a, T: Element>(bytes: &'a [u8], what: &str) -> Result<Cow<'a, [T]>> {
+    whole::<T>(bytes.len(), what)?;
+    Ok(match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(t) => Cow::Borrowed(t),
+        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    })
+}
+
+/// Runs `f` on `bytes` viewed as elements of `T`: in place when aligned, else on an aligned
+/// copy that is copied back afterwards.
+fn typed_mut<T: Element, R>(bytes: &mut [u8], what: &str, f: impl FnOnce(&mut [T]) -> Result<R>) -> Result<R> {
+    whole::<T>(bytes.len(), what)?;
+    if let Ok(t) = bytemuck::try_cast_slice_mut::<u8, T>(bytes) {
+        return f(t);
+    }
+    let mut copy: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
+    let r = f(&mut copy);
+    bytes.copy_from_slice(bytemuck::cast_slice(&copy));
+    r
+}
+
+/// Checks that `len` bytes are whole elements of `T`.
+fn whole<T: Element>(len: usize, what: &str) -> Result<()> {
+    let size = std::mem::size_of::<T>();
+    if !len.is_multiple_of(size) {
+        return Err(Error::invalid(format!(
+            "{what}: {len} bytes are not a whole number of {}-byte {} elements",
+            size,
+            T::DTYPE
+        )));
+    }
+    Ok(())
+}
+
+/// The runtime-typed collectives: the same calls on bytes holding elements of a [`DType`] (in
+/// native byte order), for engines and bindings that learn the type at run time. Lengths are
+/// in bytes and must be whole elements. A buffer not aligned for its element type works too,
+/// through an aligned copy (allocate with the type's alignment to avoid it).
+///
+/// ```
+/// # use ferrogloo::{Context, DType, Reduction, CollectiveOptions, device::Device, rendezvous::HashStore};
+/// # let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process())?;
+/// let mut grads: Vec<u8> = [1.5f32, 2.0].iter().flat_map(|x| x.to_ne_bytes()).collect();
+/// ctx.allreduce_bytes(&mut grads, DType::F32, Reduction::Sum, &CollectiveOptions::default())?;
+/// assert_eq!(grads[..4], (1.5 * ctx.size() as f32).to_ne_bytes());
+/// # Ok::<(), ferrogloo::Error>(())
+/// ```
+impl Context {
+    /// [`allreduce_with`](Self::allreduce_with) on bytes of `dtype`.
+    pub fn allreduce_bytes(&self, buf: &mut [u8], dtype: DType, op: Reduction, opts: &CollectiveOptions) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            typed_mut::<T, _>(buf, "allreduce", |b| self.allreduce_with(b, &op.into(), opts))
+        })
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) on bytes of `dtype`.
+    pub fn reduce_scatter_bytes(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: Reduction,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            let input = typed::<T>(input, "reduce_scatter")?;
+            typed_mut::<T, _>(output, "reduce_scatter", |o| self.reduce_scatter(&input, o, &op.into(), opts))
+        })
+    }
+
+    /// [`allgather`](Self::allgather) on bytes of `dtype`.
+    pub fn allgather_bytes(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            let input = typed::<T>(input, "allgather")?;
+            typed_mut::<T, _>(output, "allgather", |o| self.allgather(&input, o, opts))
+        })
+    }
+
+    /// [`broadcast`](Self::broadcast) on bytes of `dtype`.
+    pub fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize, opts: &CollectiveOptions) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            typed_mut::<T, _>(buf, "broadcast", |b| self.broadcast(b, root, opts))
+        })
+    }
+
+    /// [`reduce`](Self::reduce) on bytes of `dtype`.
+    pub fn reduce_bytes(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+        op: Reduction,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            typed_mut::<T, _>(buf, "reduce", |b| self.reduce(b, root, &op.into(), opts))
+        })
+    }
+
+    /// [`gather`](Self::gather) on bytes of `dtype`.
+    pub fn gather_bytes(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        root: usize,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            let input = typed::<T>(input, "gather")?;
+            typed_mut::<T, _>(output, "gather", |o| self.gather(&input, o, root, opts))
+        })
+    }
+
+    /// [`scatter`](Self::scatter) on bytes of `dtype`.
+    pub fn scatter_bytes(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        root: usize,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            let input = typed::<T>(input, "scatter")?;
+            typed_mut::<T, _>(output, "scatter", |o| self.scatter(&input, o, root, opts))
+        })
+    }
+
+    /// [`alltoall`](Self::alltoall) on bytes of `dtype`.
+    pub fn alltoall_bytes(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            let input = typed::<T>(input, "alltoall")?;
+            typed_mut::<T, _>(output, "alltoall", |o| self.alltoall(&input, o, opts))
+        })
+    }
 }

@@ -11,12 +11,18 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Every way a ferrogloo call can fail.
 ///
 /// Errors are `Clone` because one failure (a peer closing its connection, say) fails every
-/// operation pending on that pair, and each of them gets its own copy.
+/// operation pending on that pair, and each of them gets its own copy. Ranks are named by
+/// their rank in the context the mesh was formed for (the job's "world" ranks), also in a
+/// sub-group made by [`Context::split`](crate::Context::split).
+///
+/// When a collective fails on one rank, that rank aborts the context and tells every peer the
+/// cause, so every rank reports the *first* cause (the rank that died, the rank that timed
+/// out), not a generic "aborted".
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A deadline passed before the operation completed.
-    #[error("{op} timed out after {waited:?}{}{}", fmt_ranks(ranks), fmt_keys(keys))]
+    #[error("{op} timed out after {}{}{}", secs(waited), fmt_waiting(ranks), fmt_keys(keys))]
     Timeout {
         /// What was being waited for ("recv", "store get", "rendezvous", ...).
         op: String,
@@ -27,36 +33,62 @@ pub enum Error {
         /// How long the caller waited.
         waited: Duration,
     },
-    /// The connection to a peer was closed or reset (the peer exited or crashed).
-    #[error("peer rank {rank} closed the connection ({detail})")]
+    /// The connection to a peer was closed or reset: the peer exited, crashed or dropped its
+    /// context.
+    #[error("rank {rank} closed its connection{}: {detail}", fmt_op(op))]
     PeerClosed {
         /// The rank whose connection is gone.
         rank: usize,
-        /// What was observed (EOF, reset, ...).
+        /// The operation that noticed it, when known ("allreduce", "recv", ...).
+        op: String,
+        /// What was observed (EOF, reset, and which rank reported it when another did).
         detail: String,
     },
-    /// Both sides exchanged messages that do not agree: a different length, element type,
-    /// collective or root. Reported instead of corrupting data.
-    #[error("mismatch with rank {rank}: {detail}")]
-    Mismatch {
-        /// The peer whose message did not match.
+    /// A peer gave up on an operation at its deadline and aborted the context, so this rank's
+    /// operations with it cannot finish either.
+    #[error("rank {rank} timed out{} and aborted the context: {detail}", fmt_op(op))]
+    PeerTimedOut {
+        /// The rank that timed out.
         rank: usize,
-        /// What differed.
+        /// The operation it timed out in.
+        op: String,
+        /// Its timeout, in its words (what it was still waiting for).
         detail: String,
     },
-    /// A peer or stranger sent bytes that do not follow the wire protocol.
+    /// The context was aborted with [`Context::abort`](crate::Context::abort), by this rank or
+    /// by a peer.
+    #[error("rank {rank} aborted the context: {reason}")]
+    Aborted {
+        /// The rank that called `abort`.
+        rank: usize,
+        /// Its reason.
+        reason: String,
+    },
+    /// Ranks called different collectives, or the same one with arguments that do not agree (a
+    /// different length, element type, root, reduction or order). Reported instead of
+    /// corrupting data.
+    #[error("the ranks disagree: {detail}")]
+    Mismatch {
+        /// The peer whose message did not match this rank's call.
+        rank: usize,
+        /// What differed, in words: "rank 1 called allreduce with 1001 f32 elements, rank 0
+        /// with 1000".
+        detail: String,
+    },
+    /// A peer or stranger sent bytes that do not follow the wire protocol, or a connection
+    /// was left unusable (a send cancelled half-written).
     #[error("protocol error{}: {detail}", fmt_peer(peer))]
     Protocol {
-        /// The peer that sent them, when the connection belongs to one.
+        /// The peer concerned, when the connection belongs to one.
         peer: Option<usize>,
         /// What was wrong.
         detail: String,
     },
     /// A rendezvous store failed (not a timeout: an unusable directory, a server error, ...).
-    #[error("store error on key {key:?}: {detail}")]
+    #[error("store error{}: {detail}", fmt_key(key))]
     Store {
-        /// The key being accessed.
-        key: String,
+        /// The key being accessed, when the failure concerns one.
+        key: Option<String>,
         /// What failed.
         detail: String,
     },
@@ -72,10 +104,21 @@ pub enum Error {
     /// The caller passed something that cannot work (rank >= size, wrong buffer length, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// The operation was aborted, or the context is no longer usable after an earlier failure.
-    #[error("aborted: {detail}")]
-    Aborted {
-        /// Why.
+    /// The operation needs something this build or this machine does not have: a cargo feature
+    /// left off, memory of a kind the transport cannot reach.
+    #[error("{what} is not supported{}", fmt_feature(feature))]
+    Unsupported {
+        /// What was asked for.
+        what: String,
+        /// The cargo feature that provides it, when one does.
+        feature: Option<String>,
+    },
+    /// Rank processes of a local job failed (see [`launch::spawn_local`](crate::launch::spawn_local)).
+    #[error("{}", fmt_failed(ranks, detail))]
+    RanksFailed {
+        /// The ranks that failed, in rank order.
+        ranks: Vec<usize>,
+        /// How each failed.
         detail: String,
     },
 }
@@ -91,30 +134,99 @@ impl Error {
         Error::InvalidArgument(msg.into())
     }
 
-    /// Builds an [`Error::Store`].
+    /// Builds an [`Error::Store`] about `key`.
     pub fn store(key: impl Into<String>, detail: impl fmt::Display) -> Self {
-        Error::Store { key: key.into(), detail: detail.to_string() }
+        Error::Store { key: Some(key.into()), detail: detail.to_string() }
+    }
+
+    /// Builds an [`Error::Unsupported`] for `what`, provided by cargo feature `feature` when
+    /// given.
+    pub fn unsupported(what: impl Into<String>, feature: Option<&str>) -> Self {
+        Error::Unsupported { what: what.into(), feature: feature.map(str::to_string) }
     }
 
     /// True for [`Error::Timeout`].
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout { .. })
     }
+
+    /// The rank this error blames, when it blames one: the peer that closed, timed out,
+    /// aborted, disagreed or broke the protocol.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            Error::PeerClosed { rank, .. }
+            | Error::PeerTimedOut { rank, .. }
+            | Error::Aborted { rank, .. }
+            | Error::Mismatch { rank, .. } => Some(*rank),
+            Error::Protocol { peer, .. } => *peer,
+            Error::Timeout { ranks, .. } if ranks.len() == 1 => Some(ranks[0]),
+            _ => None,
+        }
+    }
+
+    /// Names the operation in which a peer's failure was noticed, unless it already names one.
+    pub(crate) fn during(mut self, what: &str) -> Self {
+        if let Error::PeerClosed { op, .. } | Error::PeerTimedOut { op, .. } = &mut self
+            && op.is_empty()
+        {
+            *op = what.to_string();
+        }
+        self
+    }
 }
 
-fn fmt_ranks(ranks: &[usize]) -> String {
-    if ranks.is_empty() { String::new() } else { format!("; waiting on rank(s) {ranks:?}") }
+/// "rank 1", "ranks 1 and 2", "ranks 1, 2 and 5".
+pub(crate) fn ranks_text(ranks: &[usize]) -> String {
+    match ranks {
+        [] => "no rank".to_string(),
+        [r] => format!("rank {r}"),
+        [init @ .., last] => {
+            let init: Vec<String> = init.iter().map(|r| r.to_string()).collect();
+            format!("ranks {} and {last}", init.join(", "))
+        }
+    }
+}
+
+/// A duration as people write it: "250 ms", "3.0 s".
+pub(crate) fn secs(d: &Duration) -> String {
+    if *d < Duration::from_secs(1) { format!("{} ms", d.as_millis()) } else { format!("{:.1} s", d.as_secs_f64()) }
+}
+
+fn fmt_waiting(ranks: &[usize]) -> String {
+    if ranks.is_empty() { String::new() } else { format!("; still waiting for {}", ranks_text(ranks)) }
 }
 
 fn fmt_keys(keys: &[String]) -> String {
-    if keys.is_empty() { String::new() } else { format!("; missing key(s) {keys:?}") }
+    if keys.is_empty() { String::new() } else { format!("; missing store key(s) {}", keys.join(", ")) }
 }
 
 fn fmt_peer(peer: &Option<usize>) -> String {
     match peer {
-        Some(r) => format!(" from rank {r}"),
+        Some(r) => format!(" with rank {r}"),
         None => String::new(),
     }
+}
+
+fn fmt_op(op: &str) -> String {
+    if op.is_empty() { String::new() } else { format!(" during {op}") }
+}
+
+fn fmt_key(key: &Option<String>) -> String {
+    match key {
+        Some(k) => format!(" on key {k:?}"),
+        None => String::new(),
+    }
+}
+
+fn fmt_feature(feature: &Option<String>) -> String {
+    match feature {
+        Some(f) => format!(" by this build (enable the cargo feature `{f}`)"),
+        None => String::new(),
+    }
+}
+
+fn fmt_failed(ranks: &[usize], detail: &str) -> String {
+    format!("{} failed: {detail}", ranks_text(ranks))
 }
 
 #[cfg(test)]
@@ -122,18 +234,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn messages_name_what_failed() {
+    fn messages_name_what_failed_in_words() {
         let e = Error::Timeout {
             op: "store get".into(),
             ranks: vec![3],
             keys: vec!["addr/3".into()],
             waited: Duration::from_millis(1500),
         };
-        let s = e.to_string();
-        assert!(s.contains("store get") && s.contains("[3]") && s.contains("addr/3"), "{s}");
-        let s = Error::PeerClosed { rank: 2, detail: "EOF".into() }.to_string();
-        assert!(s.contains("rank 2"), "{s}");
+        assert_eq!(
+            e.to_string(),
+            "store get timed out after 1.5 s; still waiting for rank 3; missing store key(s) addr/3"
+        );
+        let e =
+            Error::Timeout { op: "recv".into(), ranks: vec![1, 2, 5], keys: vec![], waited: Duration::from_millis(20) };
+        assert_eq!(e.to_string(), "recv timed out after 20 ms; still waiting for ranks 1, 2 and 5");
+        let s = Error::PeerClosed { rank: 2, op: "allreduce".into(), detail: "EOF".into() }.to_string();
+        assert_eq!(s, "rank 2 closed its connection during allreduce: EOF");
         let s = Error::Protocol { peer: Some(5), detail: "bad kind".into() }.to_string();
-        assert!(s.contains("rank 5") && s.contains("bad kind"), "{s}");
+        assert_eq!(s, "protocol error with rank 5: bad kind");
+        let s = Error::Store { key: None, detail: "cannot create the directory at path /x".into() }.to_string();
+        assert_eq!(s, "store error: cannot create the directory at path /x");
+        let s = Error::unsupported("the ibverbs transport", Some("ibverbs")).to_string();
+        assert_eq!(s, "the ibverbs transport is not supported by this build (enable the cargo feature `ibverbs`)");
+        let s = Error::RanksFailed { ranks: vec![0, 3], detail: "exit status 1".into() }.to_string();
+        assert_eq!(s, "ranks 0 and 3 failed: exit status 1");
+    }
+
+    #[test]
+    fn the_operation_is_filled_in_once() {
+        let e = Error::PeerClosed { rank: 1, op: String::new(), detail: "EOF".into() }.during("recv");
+        let e = e.during("allreduce");
+        assert!(matches!(&e, Error::PeerClosed { op, .. } if op == "recv"), "{e}");
+        assert_eq!(e.rank(), Some(1));
     }
 }

@@ -7,6 +7,7 @@
 //! [`RankEnv::from_env`]. The same variables let any launcher (mpirun-like scripts, a cluster
 //! scheduler) start ferrogloo programs.
 
+use crate::device::{ADDR_ENV, HOSTNAME_ENV, IFACE_ENV};
 use crate::error::{Error, Result};
 use crate::rendezvous::STORE_ENV;
 use std::process::{Child, Command, ExitStatus};
@@ -29,33 +30,43 @@ pub struct RankEnv {
 }
 
 impl RankEnv {
-    /// Reads `FERROGLOO_RANK`, `FERROGLOO_SIZE` and `FERROGLOO_STORE`. `None` when
-    /// `FERROGLOO_RANK` is unset (the process was not started as a rank); an error when the
-    /// variables are present but unusable.
-    pub fn from_env() -> Option<Result<Self>> {
-        let rank = std::env::var(RANK_ENV).ok()?;
-        Some((|| {
-            let num = |name: &str, v: &str| {
-                v.parse::<usize>().map_err(|_| Error::invalid(format!("{name}={v:?} is not a number")))
-            };
-            let size = std::env::var(SIZE_ENV)
-                .map_err(|_| Error::invalid(format!("{RANK_ENV} is set but {SIZE_ENV} is not")))?;
-            let store = std::env::var(STORE_ENV)
-                .map_err(|_| Error::invalid(format!("{RANK_ENV} is set but {STORE_ENV} is not")))?;
-            let env = RankEnv { rank: num(RANK_ENV, &rank)?, size: num(SIZE_ENV, &size)?, store };
-            if env.rank >= env.size {
-                return Err(Error::invalid(format!(
-                    "{RANK_ENV}={} is out of range for {SIZE_ENV}={}",
-                    env.rank, env.size
-                )));
-            }
-            Ok(env)
-        })())
+    /// Whether this process was started as a rank (`FERROGLOO_RANK` is set).
+    pub fn is_set() -> bool {
+        std::env::var_os(RANK_ENV).is_some()
     }
-}
 
-impl RankEnv {
-    /// Joins the job: opens the store and connects this rank's context on a new device
+    /// Reads `FERROGLOO_RANK`, `FERROGLOO_SIZE` and `FERROGLOO_STORE`. An error says which is
+    /// missing or unusable (use [`RankEnv::is_set`] to ask whether this process is a rank at
+    /// all).
+    ///
+    /// ```no_run
+    /// # fn main() -> ferrogloo::Result<()> {
+    /// let env = ferrogloo::launch::RankEnv::from_env()?;
+    /// let ctx = env.connect(&ferrogloo::device::TcpAttr::from_env()?, std::time::Duration::from_secs(30))?;
+    /// println!("rank {} of {}", ctx.rank(), ctx.size());
+    /// # Ok(()) }
+    /// ```
+    pub fn from_env() -> Result<Self> {
+        let var = |name: &str| {
+            std::env::var(name).map_err(|_| {
+                Error::invalid(format!(
+                    "{name} is not set: start this program as a rank of a job (with --np N, or with \
+                     {RANK_ENV}, {SIZE_ENV} and {STORE_ENV} set)"
+                ))
+            })
+        };
+        let num = |name: &str, v: &str| {
+            v.trim().parse::<usize>().map_err(|_| Error::invalid(format!("{name}={v:?} is not a number")))
+        };
+        let (rank, size) = (var(RANK_ENV)?, var(SIZE_ENV)?);
+        let env = RankEnv { rank: num(RANK_ENV, &rank)?, size: num(SIZE_ENV, &size)?, store: var(STORE_ENV)? };
+        if env.rank >= env.size {
+            return Err(Error::invalid(format!("{RANK_ENV}={} is out of range for {SIZE_ENV}={}", env.rank, env.size)));
+        }
+        Ok(env)
+    }
+
+    /// Joins the job: opens the store and connects this rank's context on a new TCP device
     /// described by `attr`, with `timeout` as its deadline.
     pub fn connect(&self, attr: &crate::device::TcpAttr, timeout: Duration) -> Result<crate::Context> {
         let store = crate::rendezvous::open(&self.store)?;
@@ -81,14 +92,16 @@ pub fn spawn_local(n: usize, args: &[String], timeout: Duration) -> Result<()> {
         .tempdir()
         .map_err(|e| Error::io("creating a temporary store directory", e))?;
     let url = format!("file:{}", dir.path().display());
+    // Every rank runs on this host: loopback, unless the caller chose where to listen.
+    let chosen = [ADDR_ENV, IFACE_ENV, HOSTNAME_ENV].iter().any(|v| std::env::var_os(v).is_some());
     let mut children: Vec<Child> = Vec::with_capacity(n);
     for rank in 0..n {
-        let child = Command::new(&exe)
-            .args(args)
-            .env(RANK_ENV, rank.to_string())
-            .env(SIZE_ENV, n.to_string())
-            .env(STORE_ENV, &url)
-            .spawn();
+        let mut cmd = Command::new(&exe);
+        cmd.args(args).env(RANK_ENV, rank.to_string()).env(SIZE_ENV, n.to_string()).env(STORE_ENV, &url);
+        if !chosen {
+            cmd.env(ADDR_ENV, "127.0.0.1");
+        }
+        let child = cmd.spawn();
         match child {
             Ok(c) => children.push(c),
             Err(e) => {
@@ -101,19 +114,20 @@ pub fn spawn_local(n: usize, args: &[String], timeout: Duration) -> Result<()> {
         }
     }
     let statuses = wait_all(&mut children, timeout);
-    let failed: Vec<String> = statuses
+    let failed: Vec<(usize, String)> = statuses
         .iter()
         .enumerate()
         .filter(|(_, s)| !s.is_some_and(|s| s.success()))
         .map(|(r, s)| match s {
-            Some(s) => format!("rank {r} ({s})"),
-            None => format!("rank {r} (killed at the {timeout:?} deadline)"),
+            Some(s) => (r, format!("rank {r}: {s}")),
+            None => (r, format!("rank {r}: killed at the {} deadline", crate::error::secs(&timeout))),
         })
         .collect();
     if failed.is_empty() {
         Ok(())
     } else {
-        Err(Error::Aborted { detail: format!("local job failed: {}", failed.join(", ")) })
+        let detail = failed.iter().map(|(_, d)| d.as_str()).collect::<Vec<_>>().join("; ");
+        Err(Error::RanksFailed { ranks: failed.into_iter().map(|(r, _)| r).collect(), detail })
     }
 }
 

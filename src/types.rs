@@ -8,6 +8,16 @@ pub use half::{bf16, f16};
 
 /// The element types collectives work on, with a wire code so ranks that disagree on the type
 /// get [`Error::Mismatch`](crate::Error) instead of reinterpreted bytes.
+///
+/// Also the runtime type of the byte-buffer collectives (`Context::allreduce_bytes` and its
+/// siblings), for engines and bindings that learn the type at run time:
+///
+/// ```
+/// use ferrogloo::DType;
+/// let t: DType = "bf16".parse()?;
+/// assert_eq!((t.size(), t.name()), (2, "bf16"));
+/// # Ok::<(), ferrogloo::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 #[repr(u8)]
@@ -38,6 +48,75 @@ pub enum DType {
     U64 = 12,
 }
 
+impl DType {
+    /// Every element type, in wire-code order.
+    pub const ALL: [DType; 12] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+    ];
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::I8 | DType::U8 => 1,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+        }
+    }
+
+    /// The Rust name of the type (`"f32"`, `"bf16"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I8 => "i8",
+            DType::I16 => "i16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+            DType::U16 => "u16",
+            DType::U32 => "u32",
+            DType::U64 => "u64",
+        }
+    }
+
+    /// The type with wire code `code`.
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| *d as u8 == code)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = crate::Error;
+
+    /// Parses a type name as [`DType::name`] writes it (`"f32"`, `"bf16"`, ...).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|d| d.name()).collect();
+            crate::Error::invalid(format!("unknown element type {s:?} (one of {})", names.join(", ")))
+        })
+    }
+}
+
 mod sealed {
     pub trait Sealed {}
 }
@@ -58,7 +137,7 @@ pub trait Element: Pod + PartialOrd + Send + Sync + fmt::Debug + sealed::Sealed 
     /// Folds `src` into `acc` with a built-in reduction. The default is the element-wise loop;
     /// half-precision types override it to work in f32 chunks.
     #[doc(hidden)]
-    fn fold(kind: Builtin, acc: &mut [Self], src: &[Self]) {
+    fn fold(kind: Reduction, acc: &mut [Self], src: &[Self]) {
         fold_scalar(kind, acc, src);
     }
 }
@@ -66,7 +145,7 @@ pub trait Element: Pod + PartialOrd + Send + Sync + fmt::Debug + sealed::Sealed 
 /// The element-wise loop of every built-in reduction, in the widest vectors the CPU has: the
 /// crate is built for baseline x86-64 (SSE2), so on a CPU with AVX2 the same loop compiled for
 /// AVX2 is chosen at run time (the detection is cached by std).
-fn fold_scalar<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
+fn fold_scalar<T: Element>(kind: Reduction, acc: &mut [T], src: &[T]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
@@ -78,28 +157,161 @@ fn fold_scalar<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
 /// [`fold_loop`] compiled for AVX2. The caller must have checked that the CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn fold_avx2<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
+unsafe fn fold_avx2<T: Element>(kind: Reduction, acc: &mut [T], src: &[T]) {
     fold_loop(kind, acc, src);
 }
 
 #[inline(always)]
-fn fold_loop<T: Element>(kind: Builtin, acc: &mut [T], src: &[T]) {
+fn fold_loop<T: Element>(kind: Reduction, acc: &mut [T], src: &[T]) {
     match kind {
-        Builtin::Sum => zip_with(acc, src, T::add),
-        Builtin::Product => zip_with(acc, src, T::mul),
-        Builtin::Min => zip_with(acc, src, |a, b| if b < a { b } else { a }),
-        Builtin::Max => zip_with(acc, src, |a, b| if b > a { b } else { a }),
+        Reduction::Sum => zip_with(acc, src, T::add),
+        Reduction::Product => zip_with(acc, src, T::mul),
+        Reduction::Min => zip_with(acc, src, |a, b| if b < a { b } else { a }),
+        Reduction::Max => zip_with(acc, src, |a, b| if b > a { b } else { a }),
     }
 }
 
-/// The built-in reductions, for [`Element::fold`].
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy)]
-pub enum Builtin {
+/// The built-in reductions, for collectives whose element type is known only at run time
+/// (`Context::allreduce_bytes` and its siblings). [`ReduceOp`] is the typed form, which also
+/// takes custom closures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Reduction {
+    /// Sum (wrapping for integers).
     Sum,
+    /// Product (wrapping for integers).
     Product,
+    /// Minimum.
     Min,
+    /// Maximum.
     Max,
+}
+
+impl Reduction {
+    /// The name the benchmark and error messages use (`"sum"`, `"product"`, `"min"`, `"max"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Reduction::Sum => "sum",
+            Reduction::Product => "product",
+            Reduction::Min => "min",
+            Reduction::Max => "max",
+        }
+    }
+
+    /// Folds `src` into `acc` element-wise, both holding elements of `dtype` as bytes (in native
+    /// byte order). Errors when the lengths differ or are not whole elements.
+    ///
+    /// ```
+    /// use ferrogloo::{DType, Reduction};
+    /// let mut acc = 2.0f32.to_ne_bytes().to_vec();
+    /// Reduction::Max.apply_bytes(DType::F32, &mut acc, &5.0f32.to_ne_bytes())?;
+    /// assert_eq!(acc, 5.0f32.to_ne_bytes());
+    /// # Ok::<(), ferrogloo::Error>(())
+    /// ```
+    pub fn apply_bytes(self, dtype: DType, acc: &mut [u8], src: &[u8]) -> crate::Result<()> {
+        if acc.len() != src.len() || !acc.len().is_multiple_of(dtype.size()) {
+            return Err(crate::Error::invalid(format!(
+                "{} of {dtype} bytes: {} and {} bytes are not equal runs of whole {}-byte elements",
+                self.name(),
+                acc.len(),
+                src.len(),
+                dtype.size()
+            )));
+        }
+        crate::dispatch_dtype!(dtype, T => {
+            let mut a: Vec<T> = bytemuck::pod_collect_to_vec(acc);
+            let b: Vec<T> = bytemuck::pod_collect_to_vec(src);
+            T::fold(self, &mut a, &b);
+            acc.copy_from_slice(bytemuck::cast_slice(&a));
+        });
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for Reduction {
+    type Err = crate::Error;
+
+    /// Parses `sum`, `product` (or `prod`), `min` or `max`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "sum" => Reduction::Sum,
+            "product" | "prod" => Reduction::Product,
+            "min" => Reduction::Min,
+            "max" => Reduction::Max,
+            other => {
+                return Err(crate::Error::invalid(format!("unknown reduction {other:?} (sum, product, min or max)")));
+            }
+        })
+    }
+}
+
+impl<T: Element> From<Reduction> for ReduceOp<T> {
+    fn from(r: Reduction) -> Self {
+        match r {
+            Reduction::Sum => ReduceOp::Sum,
+            Reduction::Product => ReduceOp::Product,
+            Reduction::Min => ReduceOp::Min,
+            Reduction::Max => ReduceOp::Max,
+        }
+    }
+}
+
+/// Runs `$body` with `$t` bound to the Rust type of the [`DType`] `$d`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! dispatch_dtype {
+    ($d:expr, $t:ident => $body:block) => {
+        match $d {
+            $crate::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $t = $crate::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $t = $crate::bf16;
+                $body
+            }
+            $crate::DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            $crate::DType::I16 => {
+                type $t = i16;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            $crate::DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            $crate::DType::U16 => {
+                type $t = u16;
+                $body
+            }
+            $crate::DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            $crate::DType::U64 => {
+                type $t = u64;
+                $body
+            }
+        }
+    };
 }
 
 macro_rules! int_element {
@@ -146,9 +358,9 @@ impl Element for f16 {
     /// scalar `+`/`*` of `half` do, so the results are the same bits, 10x faster (criterion:
     /// 0.35 -> 3.7 GiB/s). Comparisons need no conversion. bf16 widens with a shift, so its
     /// scalar loop is already as fast and it keeps the default.
-    fn fold(kind: Builtin, acc: &mut [Self], src: &[Self]) {
+    fn fold(kind: Reduction, acc: &mut [Self], src: &[Self]) {
         use half::slice::HalfFloatSliceExt;
-        if matches!(kind, Builtin::Min | Builtin::Max) {
+        if matches!(kind, Reduction::Min | Reduction::Max) {
             return fold_scalar(kind, acc, src);
         }
         const CHUNK: usize = 256;
@@ -201,8 +413,8 @@ impl<T: Element> ReduceOp<T> {
         ReduceOp::Custom(Arc::new(f))
     }
 
-    /// A code for the wire descriptor (every custom reduction shares one).
-    pub(crate) fn code(&self) -> u64 {
+    /// A code for the wire descriptor (every custom reduction shares one; see [`OpDesc`]).
+    pub(crate) fn code(&self) -> u8 {
         match self {
             ReduceOp::Sum => 1,
             ReduceOp::Product => 2,
@@ -216,11 +428,315 @@ impl<T: Element> ReduceOp<T> {
     pub fn apply(&self, acc: &mut [T], src: &[T]) {
         debug_assert_eq!(acc.len(), src.len());
         match self {
-            ReduceOp::Sum => T::fold(Builtin::Sum, acc, src),
-            ReduceOp::Product => T::fold(Builtin::Product, acc, src),
-            ReduceOp::Min => T::fold(Builtin::Min, acc, src),
-            ReduceOp::Max => T::fold(Builtin::Max, acc, src),
+            ReduceOp::Sum => T::fold(Reduction::Sum, acc, src),
+            ReduceOp::Product => T::fold(Reduction::Product, acc, src),
+            ReduceOp::Min => T::fold(Reduction::Min, acc, src),
+            ReduceOp::Max => T::fold(Reduction::Max, acc, src),
             ReduceOp::Custom(f) => f(acc, src),
+        }
+    }
+}
+
+/// Which algorithm a collective uses. Each collective documents the ones it accepts; `Auto`
+/// (the default) picks by message size and world size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Choose by message size and world size.
+    #[default]
+    Auto,
+    /// Ring: reduce-scatter then allgather around the ring, pipelined in segments (allreduce,
+    /// allgather, reduce-scatter).
+    Ring,
+    /// Recursive halving then doubling, with a pre/post step for world sizes that are not
+    /// powers of two (allreduce).
+    HalvingDoubling,
+    /// Recursive doubling: exchanges with the ranks 1, 2, 4… away, the fewest steps (allreduce;
+    /// allgather with a power-of-two world size).
+    RecursiveDoubling,
+    /// Binomial tree (broadcast, reduce).
+    BinomialTree,
+    /// A chain from the root, pipelined in segments (broadcast).
+    Pipeline,
+    /// Every block straight from its sender to its receiver (gather, scatter, alltoall).
+    Direct,
+    /// Dissemination: ⌈log₂ n⌉ rounds of one message each way (barrier).
+    Dissemination,
+}
+
+impl Algorithm {
+    /// Every algorithm, in wire-code order.
+    pub const ALL: [Algorithm; 8] = [
+        Algorithm::Auto,
+        Algorithm::Ring,
+        Algorithm::HalvingDoubling,
+        Algorithm::RecursiveDoubling,
+        Algorithm::BinomialTree,
+        Algorithm::Pipeline,
+        Algorithm::Direct,
+        Algorithm::Dissemination,
+    ];
+
+    /// The short name the benchmark prints and parses (`"ring"`, `"hd"`, `"rd"`, `"tree"`,
+    /// `"pipeline"`, `"direct"`, `"dissemination"`, `"auto"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Auto => "auto",
+            Algorithm::Ring => "ring",
+            Algorithm::HalvingDoubling => "hd",
+            Algorithm::RecursiveDoubling => "rd",
+            Algorithm::BinomialTree => "tree",
+            Algorithm::Pipeline => "pipeline",
+            Algorithm::Direct => "direct",
+            Algorithm::Dissemination => "dissemination",
+        }
+    }
+
+    fn long_name(code: u8) -> Option<&'static str> {
+        Some(match Self::ALL.get(usize::from(code))? {
+            Algorithm::Auto => "automatic",
+            Algorithm::Ring => "ring",
+            Algorithm::HalvingDoubling => "halving-doubling",
+            Algorithm::RecursiveDoubling => "recursive-doubling",
+            Algorithm::BinomialTree => "binomial-tree",
+            Algorithm::Pipeline => "pipeline",
+            Algorithm::Direct => "direct",
+            Algorithm::Dissemination => "dissemination",
+        })
+    }
+
+    /// The wire code (the position in [`Algorithm::ALL`]).
+    pub(crate) fn code(self) -> u8 {
+        Self::ALL.iter().position(|a| *a == self).map_or(0, |i| i as u8)
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = crate::Error;
+
+    /// Parses a name as [`Algorithm::name`] writes it; also `halving-doubling` and
+    /// `recursive-doubling`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "halving-doubling" => return Ok(Algorithm::HalvingDoubling),
+            "recursive-doubling" => return Ok(Algorithm::RecursiveDoubling),
+            _ => {}
+        }
+        Self::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|a| a.name()).collect();
+            crate::Error::invalid(format!("unknown algorithm {s:?} (one of {})", names.join(", ")))
+        })
+    }
+}
+
+/// The kinds of call a message can belong to (the first byte of an [`OpDesc`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Call {
+    /// A user's point-to-point message.
+    P2p = 0,
+    Barrier = 1,
+    Allreduce = 2,
+    ReduceScatter = 3,
+    Allgather = 4,
+    Broadcast = 5,
+    Reduce = 6,
+    Gather = 7,
+    Scatter = 8,
+    Alltoall = 9,
+}
+
+impl Call {
+    const NAMES: [&'static str; 10] = [
+        "point-to-point",
+        "barrier",
+        "allreduce",
+        "reduce_scatter",
+        "allgather",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "alltoall",
+    ];
+}
+
+/// No root, in [`OpDesc::root`].
+pub(crate) const NO_ROOT: u32 = u32::MAX;
+
+/// What every message of one call carries, so that ranks which disagree on the call learn it
+/// from the first message instead of reinterpreting bytes: which collective, element type,
+/// reduction, algorithm, root, element count, and a hash of whatever else must agree
+/// (per-rank counts, a member list). The transport compares it whole; [`OpDesc::explain`]
+/// turns a difference into words.
+///
+/// Fields are raw codes, so a descriptor off the wire always decodes (an unknown code prints as
+/// a number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct OpDesc {
+    /// A [`Call`] code.
+    pub(crate) call: u8,
+    /// A [`DType`] code, 0 for none (untyped bytes).
+    pub(crate) dtype: u8,
+    /// A [`ReduceOp::code`], 0 for none.
+    pub(crate) reduce: u8,
+    /// An [`Algorithm::code`].
+    pub(crate) algo: u8,
+    /// The root rank, or [`NO_ROOT`].
+    pub(crate) root: u32,
+    /// Elements in the call (the user's buffer, or the total of per-rank counts).
+    pub(crate) count: u64,
+    /// A hash of whatever else must agree, 0 when nothing does.
+    pub(crate) extra: u64,
+}
+
+/// Bytes in an encoded [`OpDesc`].
+pub(crate) const DESC_LEN: usize = 24;
+
+impl OpDesc {
+    /// A user's point-to-point message: nothing to compare but the byte length.
+    pub(crate) const P2P: OpDesc = OpDesc::new(Call::P2p);
+
+    /// A descriptor of `call` with no type, reduction, root or count.
+    pub(crate) const fn new(call: Call) -> Self {
+        OpDesc { call: call as u8, dtype: 0, reduce: 0, algo: 0, root: NO_ROOT, count: 0, extra: 0 }
+    }
+
+    /// With element type `dtype`.
+    pub(crate) fn dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype as u8;
+        self
+    }
+
+    /// With `count` elements.
+    pub(crate) fn count(mut self, count: usize) -> Self {
+        self.count = count as u64;
+        self
+    }
+
+    /// With reduction code `code` ([`ReduceOp::code`]).
+    pub(crate) fn reduce(mut self, code: u8) -> Self {
+        self.reduce = code;
+        self
+    }
+
+    /// With algorithm `algo`.
+    pub(crate) fn algo(mut self, algo: Algorithm) -> Self {
+        self.algo = algo.code();
+        self
+    }
+
+    /// With root `root`.
+    pub(crate) fn root(mut self, root: usize) -> Self {
+        self.root = u32::try_from(root).unwrap_or(NO_ROOT - 1);
+        self
+    }
+
+    /// With `extra`, a hash of whatever else must agree.
+    pub(crate) fn extra(mut self, extra: u64) -> Self {
+        self.extra = extra;
+        self
+    }
+
+    pub(crate) fn encode(&self) -> [u8; DESC_LEN] {
+        let mut b = [0u8; DESC_LEN];
+        b[0] = self.call;
+        b[1] = self.dtype;
+        b[2] = self.reduce;
+        b[3] = self.algo;
+        b[4..8].copy_from_slice(&self.root.to_le_bytes());
+        b[8..16].copy_from_slice(&self.count.to_le_bytes());
+        b[16..24].copy_from_slice(&self.extra.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; DESC_LEN]) -> Self {
+        let word = |r: std::ops::Range<usize>| {
+            let mut a = [0u8; 8];
+            a[..r.len()].copy_from_slice(&b[r]);
+            u64::from_le_bytes(a)
+        };
+        OpDesc {
+            call: b[0],
+            dtype: b[1],
+            reduce: b[2],
+            algo: b[3],
+            root: word(4..8) as u32,
+            count: word(8..16),
+            extra: word(16..24),
+        }
+    }
+
+    fn call_name(&self) -> String {
+        Call::NAMES.get(usize::from(self.call)).map_or_else(|| format!("call #{}", self.call), |n| n.to_string())
+    }
+
+    fn dtype_name(&self) -> String {
+        DType::from_code(self.dtype).map_or_else(|| format!("type #{}", self.dtype), |d| d.name().to_string())
+    }
+
+    fn reduce_name(&self) -> String {
+        match self.reduce {
+            1 => "sum".into(),
+            2 => "product".into(),
+            3 => "min".into(),
+            4 => "max".into(),
+            5 => "a custom reduction".into(),
+            c => format!("reduction #{c}"),
+        }
+    }
+
+    fn algo_name(&self) -> String {
+        Algorithm::long_name(self.algo)
+            .map_or_else(|| format!("algorithm #{}", self.algo), |n| format!("the {n} algorithm"))
+    }
+
+    /// The call in words: "allreduce of 1000 f32 elements (sum)", "broadcast of 16 u8
+    /// elements from root 2", "barrier".
+    pub(crate) fn describe(&self) -> String {
+        let mut s = self.call_name();
+        if self.dtype != 0 {
+            s += &format!(" of {} {} elements", self.count, self.dtype_name());
+        }
+        if self.root != NO_ROOT {
+            s += &format!(" from root {}", self.root);
+        }
+        if self.reduce != 0 {
+            s += &format!(" ({})", self.reduce_name());
+        }
+        s
+    }
+
+    /// How rank `peer`'s call (`theirs`) differs from this rank's (`mine`), in words: "rank 1
+    /// called allreduce with 1001 f32 elements, rank 0 with 1000".
+    pub(crate) fn explain(me: usize, mine: &OpDesc, peer: usize, theirs: &OpDesc) -> String {
+        if mine.call != theirs.call {
+            return format!("rank {peer} called {}, rank {me} {}", theirs.describe(), mine.describe());
+        }
+        let call = theirs.call_name();
+        let with = |t: String, m: String| format!("rank {peer} called {call} with {t}, rank {me} with {m}");
+        if mine.dtype != theirs.dtype {
+            with(format!("{} elements", theirs.dtype_name()), mine.dtype_name())
+        } else if mine.count != theirs.count {
+            with(format!("{} {} elements", theirs.count, theirs.dtype_name()), mine.count.to_string())
+        } else if mine.root != theirs.root {
+            with(format!("root {}", theirs.root), format!("root {}", mine.root))
+        } else if mine.reduce != theirs.reduce {
+            with(theirs.reduce_name(), mine.reduce_name())
+        } else if mine.algo != theirs.algo {
+            with(theirs.algo_name(), mine.algo_name())
+        } else {
+            format!(
+                "rank {peer} called {call} with other per-rank counts or members than rank {me} \
+                 ({:#018x} against {:#018x})",
+                theirs.extra, mine.extra
+            )
         }
     }
 }

@@ -7,12 +7,12 @@ use std::net::{IpAddr, Ipv4Addr, TcpListener};
 #[test]
 fn interface_hostname_and_ip_select_the_address() {
     let by_iface = Device::new(&TcpAttr::iface("lo")).unwrap();
-    assert_eq!(by_iface.local_addr().ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    assert_eq!(by_iface.local_addr().expect("a TCP device").ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
     let by_host = Device::new(&TcpAttr::hostname("localhost")).unwrap();
-    assert!(by_host.local_addr().ip().is_loopback());
+    assert!(by_host.local_addr().expect("a TCP device").ip().is_loopback());
     let by_ip = Device::new(&TcpAttr::ip("127.0.0.2".parse().unwrap())).unwrap();
-    assert_eq!(by_ip.local_addr().ip().to_string(), "127.0.0.2");
-    assert_ne!(by_iface.local_addr().port(), 0);
+    assert_eq!(by_ip.local_addr().expect("a TCP device").ip().to_string(), "127.0.0.2");
+    assert_ne!(by_iface.local_addr().expect("a TCP device").port(), 0);
 }
 
 #[test]
@@ -25,7 +25,9 @@ fn a_port_range_skips_ports_in_use() {
     }
     let attr = TcpAttr { ports: p..=p.saturating_add(20), ..TcpAttr::loopback() };
     let dev = Device::new(&attr).unwrap();
-    assert!(dev.local_addr().port() > p && dev.local_addr().port() <= p + 20);
+    assert!(
+        dev.local_addr().expect("a TCP device").port() > p && dev.local_addr().expect("a TCP device").port() <= p + 20
+    );
     // A range with every port taken is an I/O error naming the address.
     let only = TcpAttr { ports: p..=p, ..TcpAttr::loopback() };
     assert!(matches!(Device::new(&only), Err(Error::Io { .. })));
@@ -39,5 +41,5 @@ fn bad_device_attributes_are_clear_errors() {
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     let v6_on_v4_iface = TcpAttr { family: Family::V6, ..TcpAttr::ip("127.0.0.1".parse().unwrap()) };
     // An explicit IP wins over the family.
-    assert!(Device::new(&v6_on_v4_iface).unwrap().local_addr().is_ipv4());
+    assert!(Device::new(&v6_on_v4_iface).unwrap().local_addr().expect("a TCP device").is_ipv4());
 }

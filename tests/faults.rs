@@ -92,7 +92,8 @@ fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
 /// connections of the pair with their handshakes, and publishes an entry. Returns the main
 /// connection (which carries every frame of the higher rank) and the bulk one.
 fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
-    // Rank 0's entry: "ferrogloo-v1 <context id hex> <size> <address>".
+    // Rank 0's entry: "ferrogloo-v2 <context id hex> <size> <backend> <host> <address>" (see
+    // src/mesh.rs; a loopback address needs no escaping).
     let raw = store.get("ferrogloo.rank.0", TIMEOUT).expect("rank 0's entry");
     let entry = String::from_utf8(raw).expect("utf-8 entry");
     let fields: Vec<&str> = entry.split(' ').collect();
@@ -101,19 +102,23 @@ fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
         *b = u8::from_str_radix(&fields[1][2 * i..2 * i + 2], 16).expect("hex");
     }
     let lanes = [false, true].map(|bulk| {
-        let mut sock = TcpStream::connect(fields[3]).expect("connect to rank 0");
-        sock.write_all(&hello_lane(b"FGLO", 2, ctx, 1, 0, 2, bulk)).expect("hello");
+        assert_eq!(fields[3], "tcp");
+        let mut sock = TcpStream::connect(fields[5]).expect("connect to rank 0");
+        sock.write_all(&hello_lane(b"FGLO", 3, ctx, 1, 0, 2, bulk)).expect("hello");
         let mut ack = [0u8; 64];
         sock.read_exact(&mut ack).expect("ack");
         assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");
         sock
     });
-    store.set("ferrogloo.rank.1", format!("ferrogloo-v1 {} 2 127.0.0.1:1", fields[1]).as_bytes()).expect("set");
+    store
+        .set("ferrogloo.rank.1", format!("ferrogloo-v2 {} 2 tcp fake 127.0.0.1:1", fields[1]).as_bytes())
+        .expect("set");
     lanes
 }
 
 /// A peer that gives up sends an abort frame naming the cause, then closes. A send that then
-/// finds the connection reset must report the abort's cause, not the broken pipe. Here rank 0
+/// finds the connection reset must report the abort's cause (here: rank 7 died, as rank 1
+/// saw it), not the broken pipe. Here rank 0
 /// drives its pair in a receive that times out, which leaves the pair parked (nobody reads it
 /// for a few milliseconds); meanwhile the fake rank 1 writes an abort frame and resets the bulk
 /// connection, so rank 0's next send, a large one for the bulk connection, is the first to
@@ -122,7 +127,14 @@ fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
 #[test]
 fn a_send_that_finds_the_peer_gone_reports_the_peers_abort() {
     let store = HashStore::new();
-    let reason = b"rank 7 of the job died";
+    // An abort cause (src/transport/mod.rs): peer closed (2), seen by rank 1 during an
+    // allreduce, about rank 7.
+    let mut cause = vec![2u8];
+    cause.extend_from_slice(&1u32.to_le_bytes());
+    cause.extend_from_slice(&7u32.to_le_bytes());
+    cause.extend_from_slice(&9u16.to_le_bytes());
+    cause.extend_from_slice(b"allreduce");
+    cause.extend_from_slice(b"connection closed (EOF)");
     let (parked, fake_gone) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
     let err = std::thread::scope(|s| {
         let real = s.spawn(|| {
@@ -138,8 +150,8 @@ fn a_send_that_finds_the_peer_gone_reports_the_peers_abort() {
         });
         let [mut main, bulk] = join_as_fake_rank_1(&store);
         parked.wait();
-        let mut abort = header(ABORT, 0, 0, reason.len() as u64);
-        abort.extend_from_slice(reason);
+        let mut abort = header(ABORT, 0, 0, cause.len() as u64);
+        abort.extend_from_slice(&cause);
         main.write_all(&abort).expect("abort frame");
         // Reset the bulk connection (RST, not FIN: a send to it fails at once).
         socket2::SockRef::from(&bulk).set_linger(Some(Duration::ZERO)).expect("SO_LINGER");
@@ -150,10 +162,11 @@ fn a_send_that_finds_the_peer_gone_reports_the_peers_abort() {
         err
     });
     match &err {
-        Error::Aborted { detail } => {
-            assert!(detail.contains("rank 1") && detail.contains("rank 7 of the job died"), "{detail}")
+        Error::PeerClosed { rank: 7, op, detail } => {
+            assert_eq!(op, "allreduce");
+            assert!(detail.contains("reported by rank 1") && detail.contains("EOF"), "{detail}")
         }
-        other => panic!("expected the abort naming its cause, got {other:?}"),
+        other => panic!("expected the abort's cause (rank 7 closed), got {other:?}"),
     }
 }
 
@@ -161,11 +174,19 @@ fn a_send_that_finds_the_peer_gone_reports_the_peers_abort() {
 const DATA: u8 = 1;
 const ABORT: u8 = 2;
 
-/// A 24-byte frame header: kind, 3 reserved, meta u32, tag u64, len u64 (little-endian).
+/// A 56-byte frame header: kind, 7 reserved, group u64 (0), tag u64, len u64, and a 24-byte
+/// call descriptor (little-endian): a point-to-point one for data frames (no root: u32::MAX
+/// at offset 4), zeros for others.
 fn header(kind: u8, reserved: u8, tag: u64, len: u64) -> Vec<u8> {
     let mut h = vec![kind, reserved, 0, 0, 0, 0, 0, 0];
+    h.extend_from_slice(&0u64.to_le_bytes());
     h.extend_from_slice(&tag.to_le_bytes());
     h.extend_from_slice(&len.to_le_bytes());
+    let mut desc = [0u8; 24];
+    if kind == DATA {
+        desc[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    }
+    h.extend_from_slice(&desc);
     h
 }
 

@@ -566,7 +566,7 @@ fn bad_arguments_are_clear_errors() {
 
 #[test]
 fn ipv6_loopback_works_when_available() {
-    let attr = TcpAttr { family: ferrogloo::device::Family::V6, ..TcpAttr::loopback() };
+    let attr = TcpAttr::ip(std::net::Ipv6Addr::LOCALHOST.into());
     if Device::new(&attr).is_err() {
         eprintln!("SKIPPED: no IPv6 loopback on this machine");
         return;
@@ -578,7 +578,7 @@ fn ipv6_loopback_works_when_available() {
         &attr,
         |b| b,
         |ctx| {
-            assert!(ctx.device().local_addr().is_ipv6());
+            assert!(ctx.device().local_addr().expect("a TCP device").is_ipv6());
             ctx.barrier()
         },
     );

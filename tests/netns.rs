@@ -38,14 +38,21 @@ fn now_ns() -> u128 {
 #[test]
 #[ignore = "run as a child process by the other tests in this file"]
 fn netns_rank_worker() {
-    let Some(env) = RankEnv::from_env() else { return };
-    let env = env.expect("rank environment");
+    if !RankEnv::is_set() {
+        return;
+    }
+    let env = RankEnv::from_env().expect("rank environment");
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     // Interface selection by name: each host also has a decoy interface whose address the
     // other hosts cannot reach, so picking the wrong one fails the job.
     let dev = Device::new(&TcpAttr::iface(IFACE)).expect("device on the named interface");
     let want = std::env::var(EXPECT_IP_ENV).expect("expected address");
-    assert_eq!(dev.local_addr().ip().to_string(), want, "rank {} bound the wrong interface", env.rank);
+    assert_eq!(
+        dev.local_addr().expect("a TCP device").ip().to_string(),
+        want,
+        "rank {} bound the wrong interface",
+        env.rank
+    );
     match std::env::var(SCENARIO_ENV).unwrap_or_default().as_str() {
         "shaped" => shaped(&env, &store, &dev),
         "link_down" => link_down(&env, &store, &dev),

@@ -36,10 +36,10 @@ fn strangers(addr: SocketAddr) -> Vec<(&'static str, TcpStream)> {
     let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     send("random bytes", &noise);
     send("http request", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
-    send("wrong magic", &hello(b"GLOO", 2, [1; 16], 1, 0, 2));
+    send("wrong magic", &hello(b"GLOO", 3, [1; 16], 1, 0, 2));
     send("wrong version", &hello(b"FGLO", 99, [1; 16], 1, 0, 2));
-    send("wrong context id", &hello(b"FGLO", 2, [0xEE; 16], 1, 0, 2));
-    send("short handshake then silence", &hello(b"FGLO", 2, [1; 16], 1, 0, 2)[..10]);
+    send("wrong context id", &hello(b"FGLO", 3, [0xEE; 16], 1, 0, 2));
+    send("short handshake then silence", &hello(b"FGLO", 3, [1; 16], 1, 0, 2)[..10]);
     out.push(("silent", TcpStream::connect(addr).unwrap()));
     out
 }
@@ -50,7 +50,7 @@ fn strangers_are_refused_and_the_mesh_still_forms() {
     let attr = TcpAttr { handshake_timeout: Duration::from_millis(1500), ..TcpAttr::loopback() };
     let devs: Vec<Device> = (0..n).map(|_| Device::new(&attr).unwrap()).collect();
     // Strangers arrive at every listener before and while the ranks meet.
-    let early: Vec<_> = devs.iter().map(|d| strangers(d.local_addr())).collect();
+    let early: Vec<_> = devs.iter().map(|d| strangers(d.local_addr().expect("a TCP device"))).collect();
     let store = HashStore::new();
     let t = Instant::now();
     let results: Vec<ferrogloo::Result<u64>> = std::thread::scope(|s| {
@@ -60,7 +60,7 @@ fn strangers_are_refused_and_the_mesh_still_forms() {
                 s.spawn(move || {
                     let ctx = Context::builder(rank, n).timeout(TIMEOUT).connect(store, dev)?;
                     // More strangers during traffic.
-                    let late = strangers(dev.local_addr());
+                    let late = strangers(dev.local_addr().expect("a TCP device"));
                     let mut sum = 0u64;
                     for round in 0..50u64 {
                         for p in (0..n).filter(|&p| p != rank) {
@@ -113,8 +113,10 @@ fn many_silent_connections_do_not_block_the_listener() {
     let attr = TcpAttr { handshake_timeout: Duration::from_secs(30), max_pending: 64, ..TcpAttr::loopback() };
     let devs: Vec<Device> = (0..2).map(|_| Device::new(&attr).unwrap()).collect();
     // More silent connections than the handshake table holds, on both listeners.
-    let _silent: Vec<TcpStream> =
-        devs.iter().flat_map(|d| (0..100).map(move |_| TcpStream::connect(d.local_addr()).unwrap())).collect();
+    let _silent: Vec<TcpStream> = devs
+        .iter()
+        .flat_map(|d| (0..100).map(move |_| TcpStream::connect(d.local_addr().expect("a TCP device")).unwrap()))
+        .collect();
     let store = HashStore::new();
     let t = Instant::now();
     let results: Vec<ferrogloo::Result<()>> = std::thread::scope(|s| {

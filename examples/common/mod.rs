@@ -38,9 +38,9 @@ pub struct JobArgs {
 /// when it is a rank.
 pub fn join(args: &JobArgs) -> Result<Option<Context>> {
     let timeout = Duration::from_secs(args.timeout);
-    let env = match RankEnv::from_env() {
-        Some(env) => env?,
-        None => match (args.np, args.rank, args.size) {
+    let env = match RankEnv::is_set() {
+        true => RankEnv::from_env()?,
+        false => match (args.np, args.rank, args.size) {
             (Some(n), None, None) => {
                 let argv: Vec<String> = std::env::args().skip(1).collect();
                 spawn_local(n, &argv, timeout * 4)?;
@@ -57,7 +57,7 @@ pub fn join(args: &JobArgs) -> Result<Option<Context>> {
             _ => return Err(Error::invalid("give --np N, or --rank R --size N [--store URL]")),
         },
     };
-    let mut attr = TcpAttr::from_env();
+    let mut attr = TcpAttr::from_env()?;
     if let Some(i) = &args.iface {
         attr.iface = Some(i.clone());
     }

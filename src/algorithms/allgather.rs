@@ -1,5 +1,7 @@
 //! Allgather: the ring of `allreduce::ring_allgather`, starting from each rank's own block, and
-//! recursive doubling for power-of-two world sizes.
+//! recursive doubling for power-of-two world sizes. Both start with this rank's input already
+//! in its block of the output (the caller copies it there while the output is still a plain
+//! slice).
 
 use super::allreduce::ring_allgather;
 use super::{Coll, Seg};
@@ -7,34 +9,17 @@ use crate::error::Result;
 use crate::types::Element;
 use std::ops::Range;
 
-/// Copies `input` into this rank's block of `out`, then runs the pipelined ring: n-1 steps;
-/// every rank sends and receives everything but its own block.
-pub(crate) fn ring<T: Element>(
-    c: &Coll<'_, '_>,
-    input: &[T],
-    out: Seg<T>,
-    blocks: &[Range<usize>],
-    seg: usize,
-) -> Result<()> {
-    let r = c.ctx().rank();
-    // SAFETY: no operation is pending yet.
-    unsafe { out.sub(blocks[r].clone()).get_mut().copy_from_slice(input) };
+/// The pipelined ring: n-1 steps; every rank sends and receives everything but its own block.
+pub(crate) fn ring<T: Element>(c: &Coll<'_, '_>, out: Seg<T>, blocks: &[Range<usize>], seg: usize) -> Result<()> {
     ring_allgather(c, out, blocks, 0, seg)
 }
 
 /// Recursive doubling, for a power-of-two n: in step k every rank swaps the 2^k blocks it holds
 /// (one contiguous range of `out`, since blocks are in rank order) with the rank 2^k away.
 /// log₂n steps instead of the ring's n-1, the same bytes; no pipelining.
-pub(crate) fn recursive_doubling<T: Element>(
-    c: &Coll<'_, '_>,
-    input: &[T],
-    out: Seg<T>,
-    blocks: &[Range<usize>],
-) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
+pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_, '_>, out: Seg<T>, blocks: &[Range<usize>]) -> Result<()> {
+    let (r, n) = (c.rank(), c.size());
     debug_assert!(n.is_power_of_two());
-    // SAFETY: no operation is pending yet.
-    unsafe { out.sub(blocks[r].clone()).get_mut().copy_from_slice(input) };
     // The `count` blocks from `first` on, as one range of `out`.
     let span = |first: usize, count: usize| blocks[first].start..blocks[first + count - 1].end;
     let mut dist = 1;

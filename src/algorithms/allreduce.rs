@@ -29,7 +29,7 @@ struct Ring {
 impl Ring {
     /// `None` for a ring of one (nothing to exchange).
     fn of(c: &Coll<'_, '_>, shift: usize) -> Option<Self> {
-        let (r, n) = (c.ctx().rank(), c.ctx().size());
+        let (r, n) = (c.rank(), c.size());
         (n > 1).then(|| Ring { r, n, right: (r + 1) % n, left: (r + n - 1) % n, shift })
     }
 
@@ -194,7 +194,7 @@ pub(crate) fn ring_allgather<T: Element>(
 /// Ring allreduce: reduce-scatter then allgather. 2(n-1) steps; each rank sends and receives
 /// 2(n-1)/n of the buffer.
 pub(crate) fn ring<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>, seg: usize) -> Result<()> {
-    let blocks = partition(buf.len(), c.ctx().size());
+    let blocks = partition(buf.len(), c.size());
     ring_reduce_scatter(c, RingBufs::in_place(buf), &blocks, op, 0, seg)?;
     ring_allgather(c, buf, &blocks, 1, seg)
 }
@@ -211,7 +211,7 @@ impl Group {
     /// Enters the group: ranks beyond the first p fold in (see [`pre_fold`]). `None` for a
     /// rank that folded into its neighbour and already holds the result.
     fn enter<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, tmp: Seg<T>, op: &ReduceOp<T>) -> Result<Option<Self>> {
-        let (r, n) = (c.ctx().rank(), c.ctx().size());
+        let (r, n) = (c.rank(), c.size());
         let p = 1usize << n.ilog2();
         let rem = n - p;
         Ok(pre_fold(c, buf, tmp, op, r, rem)?.map(|v| Group { p, rem, v }))
@@ -224,7 +224,7 @@ impl Group {
 
     /// Leaves the group: hands the result to the rank folded in at the start.
     fn leave<T>(&self, c: &Coll<'_, '_>, buf: Seg<T>) -> Result<()> {
-        post_fold(c, buf, c.ctx().rank(), self.rem)
+        post_fold(c, buf, c.rank(), self.rem)
     }
 }
 
@@ -233,7 +233,7 @@ impl Group {
 /// log₂p steps (+2 when n is not a power of two); each rank sends S·log₂p bytes. Fewest steps:
 /// the choice for small buffers.
 pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>) -> Result<()> {
-    if c.ctx().size() == 1 {
+    if c.size() == 1 {
         return Ok(());
     }
     let tmp = c.scratch::<T>(buf.len());
@@ -311,7 +311,7 @@ fn post_fold<T>(c: &Coll<'_, '_>, buf: Seg<T>, r: usize, rem: usize) -> Result<(
 /// the odd one above and receive the result at the end. 2·log₂p steps (+2 when n is not a
 /// power of two); each rank sends and receives 2(p-1)/p of the buffer.
 pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, op: &ReduceOp<T>) -> Result<()> {
-    if c.ctx().size() == 1 {
+    if c.size() == 1 {
         return Ok(());
     }
     let tmp = c.scratch::<T>(buf.len());

@@ -8,7 +8,7 @@ use crate::error::Result;
 /// heard, directly or through others, from every rank. Cost: ⌈log₂ N⌉ latencies, 0 payload
 /// bytes.
 pub(crate) fn dissemination(c: &Coll<'_, '_>) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    let (r, n) = (c.rank(), c.size());
     let empty = Seg::<u8>::new(&mut []);
     let mut dist = 1;
     while dist < n {

@@ -5,7 +5,7 @@ use crate::error::Result;
 
 /// Binomial tree from `root`: ⌈log₂ n⌉ steps; the root sends the whole buffer ⌈log₂ n⌉ times.
 pub(crate) fn tree<T>(c: &Coll<'_, '_>, buf: Seg<T>, root: usize) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    let (r, n) = (c.rank(), c.size());
     let vr = (r + n - root) % n;
     let real = |v: usize| (v + root) % n;
     let mut mask = 1;
@@ -33,7 +33,7 @@ pub(crate) fn tree<T>(c: &Coll<'_, '_>, buf: Seg<T>, root: usize) -> Result<()> 
 /// A chain root → root+1 → … pipelined in segments: n-1+S-1 segment steps for S segments; every
 /// rank but the last sends the buffer once.
 pub(crate) fn pipeline<T>(c: &Coll<'_, '_>, buf: Seg<T>, root: usize, seg: usize) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    let (r, n) = (c.rank(), c.size());
     let vr = (r + n - root) % n;
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let whole = 0..buf.len();

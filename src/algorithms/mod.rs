@@ -1,5 +1,7 @@
-//! Collective algorithms, written once against the transport's Pair API (through a
-//! [`Scope`]) so they run unchanged on every backend.
+//! Collective algorithms, written once against the transport contract (through a
+//! communicator's [`Scope`]) so they run unchanged on every backend. Nothing here knows a
+//! backend or the [`Context`](crate::Context): a collective is a communicator, a key, a
+//! descriptor and a deadline.
 
 pub(crate) mod allgather;
 pub(crate) mod allreduce;
@@ -8,37 +10,16 @@ pub(crate) mod broadcast;
 pub(crate) mod personalized;
 pub(crate) mod reduce;
 
-use crate::context::{Context, Scope};
+pub use crate::types::Algorithm;
+
+use crate::comm::{Comm, Scope, fnv};
 use crate::error::{Error, Result};
-use crate::transport::{RecvBuf, SendBuf};
-use crate::types::Element;
+use crate::transport::{Key, MemKind, RecvBuf, RecvTarget, SendBuf};
+use crate::types::{Element, OpDesc};
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// Which algorithm a collective uses. Each collective documents the ones it accepts; `Auto`
-/// (the default) picks by message size and world size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Algorithm {
-    /// Choose by message size and world size.
-    #[default]
-    Auto,
-    /// Ring: reduce-scatter then allgather around the ring, pipelined in segments (allreduce,
-    /// allgather, reduce-scatter).
-    Ring,
-    /// Recursive halving then doubling, with a pre/post step for world sizes that are not
-    /// powers of two (allreduce).
-    HalvingDoubling,
-    /// Recursive doubling: exchanges with the ranks 1, 2, 4… away, the fewest steps (allreduce;
-    /// allgather with a power-of-two world size).
-    RecursiveDoubling,
-    /// Binomial tree (broadcast, reduce).
-    BinomialTree,
-    /// A chain from the root, pipelined in segments (broadcast).
-    Pipeline,
-}
 
 /// Per-call options of a collective. `Default` gives tag 0, the context's timeout, `Auto`
 /// and the default segment size.
@@ -95,41 +76,11 @@ impl CollectiveOptions {
 /// slower than both.
 pub(crate) const DEFAULT_SEGMENT: usize = 1 << 20;
 
-/// Collective codes for the descriptor word.
-#[derive(Debug, Clone, Copy)]
-#[repr(u32)]
-pub(crate) enum OpCode {
-    Barrier = 1,
-    Allreduce = 2,
-    ReduceScatter = 3,
-    Allgather = 4,
-    Broadcast = 5,
-    Reduce = 6,
-    Gather = 7,
-    Scatter = 8,
-    Alltoall = 9,
-}
-
-/// The descriptor word of a collective's messages: `op:6 | dtype:4 | hash:22`, the hash over
-/// everything ranks must agree on (counts, root, reduction, algorithm). Ranks that disagree
-/// exchange messages whose words differ, and the receiver reports [`Error::Mismatch`].
-pub(crate) fn meta(op: OpCode, dtype: u8, params: &[u64]) -> u32 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325; // FNV-1a
-    for p in params {
-        for b in p.to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    let h = (h ^ (h >> 22) ^ (h >> 44)) as u32 & 0x3f_ffff;
-    ((op as u32) << 26) | (u32::from(dtype & 0xf) << 22) | h
-}
-
-/// One collective call in progress: its scope, wire tag, descriptor, deadline and scratch.
+/// One collective call in progress: its scope, key, descriptor, deadline and scratch.
 pub(crate) struct Coll<'scope, 'env> {
     pub(crate) s: &'scope Scope<'scope, 'env>,
-    wire: u64,
-    meta: u32,
+    key: Key,
+    desc: OpDesc,
     deadline: Instant,
     what: &'static str,
     arena: &'scope Arena<'env>,
@@ -192,31 +143,38 @@ impl Drop for Arena<'_> {
     }
 }
 
-/// Runs `body` as one collective: takes the next sequence number of `opts.tag`, one deadline
-/// for the whole call, and a scope that withdraws every operation left if `body` fails.
+/// Runs `body` as one collective `desc` on `comm`: takes the next sequence number of
+/// `opts.tag`, one deadline for the whole call, and a scope that withdraws every operation left
+/// if `body` fails. A failure aborts the communicator (the ranks' collective state no longer
+/// agrees) and tells every peer its cause.
 pub(crate) fn run<R>(
-    ctx: &Context,
+    comm: &Comm,
     what: &'static str,
-    meta: u32,
+    desc: OpDesc,
     opts: &CollectiveOptions,
     body: impl for<'scope, 'env> FnOnce(&Coll<'scope, 'env>) -> Result<R>,
 ) -> Result<R> {
-    ctx.check_usable()?;
-    let wire = ctx.next_collective_tag(opts.tag)?;
-    let deadline = Instant::now() + opts.timeout.unwrap_or(ctx.timeout());
+    comm.check_usable()?;
+    let key = comm.next_collective_key(opts.tag)?;
+    let deadline = Instant::now() + opts.timeout.unwrap_or(comm.timeout());
     // Declared before the scope, so dropped after it (see `Arena`).
-    let arena = Arena::new(ctx.scratch_pool());
-    let result = ctx.scope(|s| body(&Coll { s, wire, meta, deadline, what, arena: &arena }));
+    let arena = Arena::new(comm.scratch_pool());
+    let result = comm.scope(|s| body(&Coll { s, key, desc, deadline, what, arena: &arena }));
     if let Err(e) = &result {
-        // The ranks' collective state no longer agrees: make sure every rank learns it.
-        ctx.abort(&format!("{what} #{} of tag {} failed on rank {}: {e}", wire as u32, opts.tag, ctx.rank()));
+        comm.fail(e);
     }
     result
 }
 
 impl<'scope, 'env> Coll<'scope, 'env> {
-    pub(crate) fn ctx(&self) -> &'env Context {
-        self.s.context()
+    /// This rank in the communicator.
+    pub(crate) fn rank(&self) -> usize {
+        self.s.comm().rank()
+    }
+
+    /// The number of ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.s.comm().size()
     }
 
     /// Scratch for this call: valid until the call's scope has finished every operation.
@@ -231,7 +189,7 @@ impl<'scope, 'env> Coll<'scope, 'env> {
     /// collective's scope ends.
     pub(crate) unsafe fn send<T>(&self, peer: usize, buf: Seg<T>) -> Result<usize> {
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.s.isend_raw(peer, self.wire, self.meta, buf.send_buf(), self.what) }
+        unsafe { self.s.isend_raw(peer, self.key, self.desc, buf.send_buf(), self.what) }
     }
 
     /// Starts receiving into `buf` from `peer`.
@@ -241,7 +199,7 @@ impl<'scope, 'env> Coll<'scope, 'env> {
     /// collective's scope ends.
     pub(crate) unsafe fn recv<T>(&self, peer: usize, buf: Seg<T>) -> Result<usize> {
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.s.irecv_raw(&[peer], self.wire, self.meta, buf.recv_buf(), self.what) }
+        unsafe { self.s.irecv_raw(&[peer], self.key, self.desc, RecvTarget::Exact(buf.recv_buf()), self.what) }
     }
 
     /// Waits for an operation until the collective's deadline.
@@ -311,11 +269,11 @@ impl<T> Seg<T> {
     }
 
     fn send_buf(&self) -> SendBuf {
-        SendBuf { ptr: self.ptr as *const u8, len: self.len * std::mem::size_of::<T>() }
+        SendBuf { ptr: self.ptr as *const u8, len: self.len * std::mem::size_of::<T>(), mem: MemKind::Host }
     }
 
     fn recv_buf(&self) -> RecvBuf {
-        RecvBuf { ptr: self.ptr as *mut u8, len: self.len * std::mem::size_of::<T>() }
+        RecvBuf { ptr: self.ptr as *mut u8, len: self.len * std::mem::size_of::<T>(), mem: MemKind::Host }
     }
 }
 
@@ -355,9 +313,10 @@ pub(crate) fn check_counts(counts: &[usize], n: usize, what: &str) -> Result<usi
         .ok_or_else(|| Error::invalid(format!("{what}: counts overflow")))
 }
 
-/// Hash input for a list of counts.
+/// A hash of per-rank counts, for [`OpDesc::extra`].
 pub(crate) fn counts_hash(counts: &[usize]) -> u64 {
-    counts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &c| (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    let words: Vec<u64> = counts.iter().map(|&c| c as u64).collect();
+    fnv(&words)
 }
 
 #[cfg(test)]

@@ -4,8 +4,9 @@ use super::{Coll, Seg};
 use crate::error::Result;
 use std::ops::Range;
 
-/// The root receives block i of `out` from rank i (its own block is copied from `input`).
-/// One step; the root receives everything, the others send once.
+/// The root receives block i of `out` from rank i (its own block is already there: the caller
+/// copies it while `out` is a plain slice). One step; the root receives everything, the others
+/// send once.
 pub(crate) fn gather<T: Copy>(
     c: &Coll<'_, '_>,
     input: &[T],
@@ -13,7 +14,7 @@ pub(crate) fn gather<T: Copy>(
     blocks: &[Range<usize>],
     root: usize,
 ) -> Result<()> {
-    let r = c.ctx().rank();
+    let r = c.rank();
     if r != root {
         // SAFETY: `input` is borrowed for this call and only read; the send is waited below.
         let s = unsafe { c.send(root, Seg::of(input))? };
@@ -24,20 +25,18 @@ pub(crate) fn gather<T: Copy>(
         // SAFETY: the blocks are disjoint parts of `out`, each written by one receive.
         recvs.push(unsafe { c.recv(p, out.sub(b.clone()))? });
     }
-    // SAFETY: the root's own block is no receive's target.
-    unsafe { out.sub(blocks[root].clone()).get_mut().copy_from_slice(input) };
     c.wait_all(recvs)
 }
 
 /// The root sends block i of `input` to rank i; every rank's `out` gets its block.
 pub(crate) fn scatter<T: Copy>(
     c: &Coll<'_, '_>,
-    input: Seg<T>,
+    input: &[T],
     out: &mut [T],
     blocks: &[Range<usize>],
     root: usize,
 ) -> Result<()> {
-    let r = c.ctx().rank();
+    let r = c.rank();
     if r != root {
         let got = unsafe {
             // SAFETY: `out` is exclusively borrowed for this call and waited for below.
@@ -45,19 +44,19 @@ pub(crate) fn scatter<T: Copy>(
         };
         return c.wait(got);
     }
+    out.copy_from_slice(&input[blocks[root].clone()]);
     let mut sends = Vec::new();
     for (p, b) in blocks.iter().enumerate().filter(|&(p, _)| p != root) {
-        // SAFETY: the root's input is only read.
-        sends.push(unsafe { c.send(p, input.sub(b.clone()))? });
+        // SAFETY: the root's input is borrowed for this call and only read.
+        sends.push(unsafe { c.send(p, Seg::of(&input[b.clone()]))? });
     }
-    // SAFETY: reading the root's own block, which no operation writes.
-    out.copy_from_slice(unsafe { input.sub(blocks[root].clone()).get() });
     c.wait_all(sends)
 }
 
 /// Every rank sends block p of `input` to rank p and receives rank p's block into block p of
-/// `out`. One step of n-1 sends and n-1 receives per rank, peers visited in a rotated order so
-/// no rank is everyone's first target.
+/// `out` (its own block is already there: the caller copies it while `out` is a plain slice).
+/// One step of n-1 sends and n-1 receives per rank, peers visited in a rotated order so no
+/// rank is everyone's first target.
 pub(crate) fn alltoall<T: Copy>(
     c: &Coll<'_, '_>,
     input: Seg<T>,
@@ -65,7 +64,7 @@ pub(crate) fn alltoall<T: Copy>(
     out: Seg<T>,
     recv_blocks: &[Range<usize>],
 ) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    let (r, n) = (c.rank(), c.size());
     let mut ops = Vec::new();
     for i in 1..n {
         let from = (r + n - i) % n;
@@ -77,7 +76,5 @@ pub(crate) fn alltoall<T: Copy>(
         // SAFETY: `input` is only read.
         ops.push(unsafe { c.send(to, input.sub(send_blocks[to].clone()))? });
     }
-    // SAFETY: this rank's own blocks are targeted by no operation.
-    unsafe { out.sub(recv_blocks[r].clone()).get_mut().copy_from_slice(input.sub(send_blocks[r].clone()).get()) };
     c.wait_all(ops)
 }

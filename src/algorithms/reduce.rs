@@ -7,7 +7,7 @@ use crate::types::{Element, ReduceOp};
 /// Binomial tree towards `root`: ⌈log₂ n⌉ steps; an inner node receives one buffer per child
 /// and sends one. The root's `buf` gets the result; other ranks' buffers are left unchanged.
 pub(crate) fn tree<T: Element>(c: &Coll<'_, '_>, buf: Seg<T>, root: usize, op: &ReduceOp<T>) -> Result<()> {
-    let (r, n) = (c.ctx().rank(), c.ctx().size());
+    let (r, n) = (c.rank(), c.size());
     let vr = (r + n - root) % n;
     let real = |v: usize| (v + root) % n;
     // Children of vr: vr + 2^i for every 2^i below vr's lowest set bit (all, for the root).

@@ -1,19 +1,67 @@
-//! Devices: where a rank listens and how it reaches its peers.
+//! Devices: which transport a rank's contexts use, where it listens, and which host it is on.
 //!
-//! A [`Device`] owns one listening socket and one event-loop thread; every
-//! [`Context`](crate::Context) made on it shares them. Build one from [`TcpAttr`]:
+//! A [`Device`] is one transport backend that every [`Context`](crate::Context) made on it
+//! shares: TCP ([`Device::new`] with a [`TcpAttr`]: one listening socket and one event-loop
+//! thread), or ranks as threads of one process ([`Device::in_process`]: no sockets).
 //!
 //! ```
 //! use ferrogloo::device::{Device, TcpAttr};
-//! let dev = Device::new(&TcpAttr::loopback()).unwrap();
-//! assert!(dev.local_addr().ip().is_loopback());
+//! let dev = Device::new(&TcpAttr::loopback())?;
+//! assert_eq!(dev.backend_name(), "tcp");
+//! assert!(dev.local_addr().is_some_and(|a| a.ip().is_loopback()));
+//! assert_eq!(Device::in_process().backend_name(), "memory");
+//! # Ok::<(), ferrogloo::Error>(())
 //! ```
 
 use crate::error::{Error, Result};
-use crate::transport::tcp::device::{DeviceCore, Shared, TcpOptions};
+use crate::transport::Backend;
+use crate::transport::memory::MemoryDevice;
+use crate::transport::tcp::device::{TcpDevice, TcpOptions};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The environment variable that names the network interface to listen on.
+pub const IFACE_ENV: &str = "FERROGLOO_IFACE";
+/// The environment variable that names a host name whose address to listen on.
+pub const HOSTNAME_ENV: &str = "FERROGLOO_HOSTNAME";
+/// The environment variable that gives the IP address to listen on.
+pub const ADDR_ENV: &str = "FERROGLOO_ADDR";
+/// The environment variable that overrides this host's identity (see [`host_id`]).
+pub const HOST_ID_ENV: &str = "FERROGLOO_HOST_ID";
+
+/// This host's identity, which decides which ranks share a host (never IP addresses):
+/// `FERROGLOO_HOST_ID` when set, else the host name and the kernel's boot id
+/// (`/proc/sys/kernel/random/boot_id`; `/etc/machine-id` where there is none). Two processes
+/// with the same identity can share memory.
+pub fn host_id() -> String {
+    if let Ok(id) = std::env::var(HOST_ID_ENV)
+        && !id.is_empty()
+    {
+        return id;
+    }
+    let name = hostname().unwrap_or_else(|| "localhost".to_string());
+    let boot = ["/proc/sys/kernel/random/boot_id", "/etc/machine-id"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()));
+    match boot {
+        Some(b) => format!("{name}/{b}"),
+        None => name,
+    }
+}
+
+/// This host's name (`gethostname`).
+fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is a live, writable buffer and we pass its exact length; gethostname
+    // writes at most that many bytes.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    std::str::from_utf8(&buf[..end]).ok().map(str::to_string).filter(|s| !s.is_empty())
+}
 
 /// IPv4 or IPv6.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,9 +75,12 @@ pub enum Family {
 /// How to build a TCP [`Device`]: which address to listen on and socket tunables.
 ///
 /// The address comes from the first of these that is set: `ip`, `iface` (the interface's
-/// first address of `family`), `hostname` (resolved), else the loopback address of `family`.
-/// [`TcpAttr::from_env`] fills `iface` and `hostname` from `FERROGLOO_IFACE` and
-/// `FERROGLOO_HOSTNAME`, the usual way to point a multi-host job at the right network.
+/// first address of `family`), `hostname` (resolved). With none of them (the default) the
+/// device listens where other hosts can reach it, as Gloo does: on the address this host's name
+/// resolves to unless that is a loopback address, else on the address of the interface of the
+/// default route, else (a host without a network) on loopback. [`TcpAttr::loopback`] is the
+/// choice for ranks that all run on one host. [`TcpAttr::from_env`] fills `ip`, `iface` and
+/// `hostname` from `FERROGLOO_ADDR`, `FERROGLOO_IFACE` and `FERROGLOO_HOSTNAME`.
 #[derive(Debug, Clone)]
 pub struct TcpAttr {
     /// Listen on this address.
@@ -38,7 +89,7 @@ pub struct TcpAttr {
     pub iface: Option<String>,
     /// Listen on the address this host name resolves to.
     pub hostname: Option<String>,
-    /// Address family when choosing by interface, hostname or loopback (default IPv4).
+    /// Address family when choosing by interface, hostname or default (default IPv4).
     pub family: Family,
     /// Ports to try, in order; `0..=0` (the default) lets the OS choose.
     pub ports: std::ops::RangeInclusive<u16>,
@@ -80,7 +131,7 @@ impl Default for TcpAttr {
 impl TcpAttr {
     /// Loopback (127.0.0.1), any port: every rank on this host.
     pub fn loopback() -> Self {
-        Self::default()
+        Self::ip(IpAddr::V4(Ipv4Addr::LOCALHOST))
     }
 
     /// Listen on `ip`.
@@ -98,18 +149,27 @@ impl TcpAttr {
         TcpAttr { hostname: Some(name.into()), ..Self::default() }
     }
 
-    /// Defaults, with `iface` from `FERROGLOO_IFACE` and `hostname` from
-    /// `FERROGLOO_HOSTNAME` when set.
-    pub fn from_env() -> Self {
-        TcpAttr {
-            iface: std::env::var("FERROGLOO_IFACE").ok().filter(|s| !s.is_empty()),
-            hostname: std::env::var("FERROGLOO_HOSTNAME").ok().filter(|s| !s.is_empty()),
-            ..Self::default()
-        }
+    /// Defaults, with `ip` from `FERROGLOO_ADDR`, `iface` from `FERROGLOO_IFACE` and
+    /// `hostname` from `FERROGLOO_HOSTNAME` when set. An address that does not parse is an
+    /// error.
+    pub fn from_env() -> Result<Self> {
+        let var = |name| std::env::var(name).ok().filter(|s: &String| !s.is_empty());
+        let ip = match var(ADDR_ENV) {
+            Some(a) => Some(a.parse().map_err(|_| Error::invalid(format!("{ADDR_ENV}={a:?} is not an IP address")))?),
+            None => None,
+        };
+        Ok(TcpAttr { ip, iface: var(IFACE_ENV), hostname: var(HOSTNAME_ENV), ..Self::default() })
     }
 
     fn wants(&self, ip: &IpAddr) -> bool {
         matches!((self.family, ip), (Family::V4, IpAddr::V4(_)) | (Family::V6, IpAddr::V6(_)))
+    }
+
+    fn loopback_of(&self) -> IpAddr {
+        match self.family {
+            Family::V4 => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            Family::V6 => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        }
     }
 
     /// The IP address to listen on.
@@ -119,12 +179,24 @@ impl TcpAttr {
         }
         if let Some(name) = &self.iface {
             let ifs = if_addrs::get_if_addrs().map_err(|e| Error::io("listing network interfaces", e))?;
-            return ifs
-                .iter()
-                .filter(|i| &i.name == name)
-                .map(|i| i.ip())
-                .find(|ip| self.wants(ip))
-                .ok_or_else(|| Error::invalid(format!("network interface {name:?} has no {:?} address", self.family)));
+            let listed = || {
+                let mut all: Vec<String> = ifs.iter().map(|i| format!("{} ({})", i.name, i.ip())).collect();
+                all.sort();
+                all.join(", ")
+            };
+            if !ifs.iter().any(|i| &i.name == name) {
+                return Err(Error::invalid(format!(
+                    "network interface {name:?} does not exist; this host has: {}",
+                    listed()
+                )));
+            }
+            return ifs.iter().filter(|i| &i.name == name).map(|i| i.ip()).find(|ip| self.wants(ip)).ok_or_else(|| {
+                Error::invalid(format!(
+                    "network interface {name:?} has no {:?} address; this host has: {}",
+                    self.family,
+                    listed()
+                ))
+            });
         }
         if let Some(host) = &self.hostname {
             let addrs = (host.as_str(), 0)
@@ -135,29 +207,67 @@ impl TcpAttr {
                 .find(|ip| self.wants(ip))
                 .ok_or_else(|| Error::invalid(format!("host name {host:?} has no {:?} address", self.family)));
         }
-        Ok(match self.family {
-            Family::V4 => IpAddr::V4(Ipv4Addr::LOCALHOST),
-            Family::V6 => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        Ok(self.default_address())
+    }
+
+    /// Gloo's choice: this host name's address unless it is loopback, else the default route's
+    /// interface, else loopback.
+    fn default_address(&self) -> IpAddr {
+        let by_name = hostname()
+            .and_then(|h| (h.as_str(), 0).to_socket_addrs().ok())
+            .and_then(|addrs| addrs.map(|a| a.ip()).find(|ip| self.wants(ip) && !ip.is_loopback()));
+        if let Some(ip) = by_name {
+            return ip;
+        }
+        let by_route = default_route_iface().and_then(|name| {
+            if_addrs::get_if_addrs()
+                .ok()?
+                .into_iter()
+                .filter(|i| i.name == name)
+                .map(|i| i.ip())
+                .find(|ip| self.wants(ip) && !ip.is_loopback())
+        });
+        by_route.unwrap_or_else(|| {
+            tracing::debug!("no host name address and no default route: listening on loopback");
+            self.loopback_of()
         })
     }
 }
 
-/// A TCP device: a listening socket plus the event-loop thread that drives every connection of
-/// every context made on it. Cheap to clone; the thread stops (and every socket closes) when the
-/// last clone and the last context using it are dropped.
+/// The interface of the IPv4 default route (`/proc/net/route`), if any.
+fn default_route_iface() -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/route").ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let mut f = line.split_whitespace();
+        let (iface, dest) = (f.next()?, f.next()?);
+        (dest == "00000000").then(|| iface.to_string())
+    })
+}
+
+/// What a device is made of.
+enum Kind {
+    Tcp(TcpDevice),
+    Memory(MemoryDevice),
+    /// A backend with no constructor of its own here.
+    Other(Arc<dyn Backend>),
+}
+
+/// A transport backend shared by every context made on it. Cheap to clone; the backend stops
+/// (its thread ends, its sockets close) when the last clone and the last context using it
+/// are dropped.
 #[derive(Clone)]
 pub struct Device {
-    core: Arc<DeviceCore>,
+    kind: Arc<Kind>,
 }
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Device").field("addr", &self.local_addr()).finish()
+        f.debug_struct("Device").field("backend", &self.backend_name()).field("addr", &self.local_addr()).finish()
     }
 }
 
 impl Device {
-    /// Binds the listener described by `attr` and starts its event loop.
+    /// A TCP device: binds the listener described by `attr` and starts its event loop.
     pub fn new(attr: &TcpAttr) -> Result<Self> {
         let ip = attr.resolve()?;
         if ip.is_unspecified() {
@@ -173,20 +283,52 @@ impl Device {
             handshake_timeout: attr.handshake_timeout,
             max_pending: attr.max_pending.max(1),
         };
-        Ok(Device { core: Arc::new(DeviceCore::start(&addrs, opts)?) })
+        Ok(Device { kind: Arc::new(Kind::Tcp(TcpDevice::start(&addrs, opts)?)) })
     }
 
-    /// A device on loopback with default settings.
+    /// A TCP device on loopback with default settings: for ranks that all run on this host.
     pub fn loopback() -> Result<Self> {
         Self::new(&TcpAttr::loopback())
     }
 
-    /// The address peers connect to.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.core.shared.addr
+    /// The in-process transport: for ranks that are threads of this process (tests, examples,
+    /// a job inside one program). No sockets and no thread; a send is copied straight into a
+    /// posted receive. Holds up to 8 MiB per pair and direction of messages sent before their
+    /// receive is posted.
+    pub fn in_process() -> Self {
+        Self::in_process_with(8 << 20)
     }
 
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.core.shared
+    /// [`Device::in_process`] with `early_budget` bytes per pair and direction for messages
+    /// sent before their receive is posted (a larger one waits until it is).
+    pub fn in_process_with(early_budget: usize) -> Self {
+        Device { kind: Arc::new(Kind::Memory(MemoryDevice::new(early_budget))) }
+    }
+
+    /// The ibverbs (RDMA) transport on device `name` (the first one found for `None`). Not
+    /// written yet: always [`Error::Unsupported`].
+    pub fn ibverbs(name: Option<&str>) -> Result<Self> {
+        crate::transport::ibverbs::open(name).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
+    }
+
+    /// The backend's name: `"tcp"` or `"memory"`.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend().name()
+    }
+
+    /// The address peers connect to, for a TCP device.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        match &*self.kind {
+            Kind::Tcp(t) => Some(t.local_addr()),
+            Kind::Memory(_) | Kind::Other(_) => None,
+        }
+    }
+
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        match &*self.kind {
+            Kind::Tcp(t) => t,
+            Kind::Memory(m) => m,
+            Kind::Other(b) => &**b,
+        }
     }
 }

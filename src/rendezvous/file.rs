@@ -41,17 +41,18 @@ const MAX_NAME: usize = 200;
 
 impl FileStore {
     /// Opens (creating if needed) the store in `dir`. Fails at once, with
-    /// [`Error::Store`], when the directory cannot be created or written.
+    /// [`Error::Store`] naming the path, when the directory cannot be created or written.
     pub fn new(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let shown = dir.display().to_string();
-        fs::create_dir_all(&dir).map_err(|e| Error::store(&shown, format!("cannot create store directory: {e}")))?;
-        let store = FileStore { dir };
+        let failed = |what: &str, e: io::Error| Error::Store {
+            key: None,
+            detail: format!("{what} the store directory at path {}: {e}", dir.display()),
+        };
+        fs::create_dir_all(&dir).map_err(|e| failed("cannot create", e))?;
         // Prove the directory is writable now rather than at the first `set`.
+        let store = FileStore { dir: dir.clone() };
         let probe = store.temp_path();
-        fs::write(&probe, b"")
-            .and_then(|()| fs::remove_file(&probe))
-            .map_err(|e| Error::store(&shown, format!("store directory is not writable: {e}")))?;
+        fs::write(&probe, b"").and_then(|()| fs::remove_file(&probe)).map_err(|e| failed("cannot write to", e))?;
         Ok(store)
     }
 
@@ -84,7 +85,7 @@ impl FileStore {
         })();
         res.map_err(|e| {
             let _ = fs::remove_file(&tmp);
-            Error::store(key, format!("cannot write {}: {e}", self.dir.display()))
+            Error::store(key, format!("cannot write in the store directory at path {}: {e}", self.dir.display()))
         })
     }
 }
@@ -98,7 +99,10 @@ impl Store for FileStore {
         match fs::read(self.key_path(key)) {
             Ok(v) => Ok(Some(v)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(Error::store(key, format!("cannot read {}: {e}", self.dir.display()))),
+            Err(e) => Err(Error::store(
+                key,
+                format!("cannot read in the store directory at path {}: {e}", self.dir.display()),
+            )),
         }
     }
 
@@ -129,8 +133,43 @@ impl Store for FileStore {
         match fs::remove_file(self.key_path(key)) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(Error::store(key, format!("cannot delete in {}: {e}", self.dir.display()))),
+            Err(e) => Err(Error::store(
+                key,
+                format!("cannot delete in the store directory at path {}: {e}", self.dir.display()),
+            )),
         }
+    }
+
+    fn describe(&self) -> String {
+        format!("file:{}", self.dir.display())
+    }
+
+    /// Whether the directory is on a network filesystem (NFS, SMB/CIFS, Lustre, GPFS, Ceph,
+    /// 9P, AFS, or FUSE, which sshfs and the like use), by `statfs`.
+    fn reaches_other_hosts(&self) -> bool {
+        const NETWORK: [i64; 10] = [
+            0x6969,      // NFS
+            0x517b,      // SMB
+            0xff53_4d42, // CIFS
+            0xfe53_4d42, // SMB2
+            0x0bd0_0bd0, // Lustre
+            0x4750_4653, // GPFS
+            0x00c3_6400, // Ceph
+            0x0102_1997, // 9P
+            0x5346_414f, // AFS
+            0x6573_5546, // FUSE
+        ];
+        let Ok(path) = std::ffi::CString::new(self.dir.as_os_str().as_encoded_bytes()) else { return true };
+        let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+        // SAFETY: `path` is a NUL-terminated string and `st` a writable statfs buffer, both
+        // alive for the call.
+        if unsafe { libc::statfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
+            return true;
+        }
+        // SAFETY: statfs succeeded, so it filled the buffer.
+        #[allow(clippy::unnecessary_cast, reason = "f_type's integer type differs between targets")]
+        let kind = unsafe { st.assume_init() }.f_type as i64;
+        NETWORK.contains(&kind)
     }
 }
 
@@ -183,6 +222,16 @@ mod tests {
         // A path under a regular file can never be created.
         let f = tempfile::NamedTempFile::new().unwrap();
         let err = FileStore::new(f.path().join("sub")).unwrap_err();
-        assert!(matches!(err, Error::Store { .. }), "{err}");
+        assert!(matches!(err, Error::Store { key: None, .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("path") && !text.contains("key"), "{text}");
+    }
+
+    #[test]
+    fn a_local_directory_is_not_a_network_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path()).unwrap();
+        assert!(!store.reaches_other_hosts());
+        assert_eq!(store.describe(), format!("file:{}", dir.path().display()));
     }
 }

@@ -85,6 +85,14 @@ impl Store for HashStore {
         Ok(self.lock().remove(key).is_some())
     }
 
+    fn describe(&self) -> String {
+        "an in-process HashStore".to_string()
+    }
+
+    fn reaches_other_hosts(&self) -> bool {
+        false
+    }
+
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.wait_for(timeout, |m| m.get(key).cloned().ok_or_else(|| vec![key.to_string()]), "store get")
     }

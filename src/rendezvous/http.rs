@@ -180,6 +180,21 @@ impl Store for HttpStore {
         Ok(existed)
     }
 
+    fn describe(&self) -> String {
+        format!("{}/{}", self.base, self.scope)
+    }
+
+    /// Unless the server's host is a loopback address or `localhost`.
+    fn reaches_other_hosts(&self) -> bool {
+        let authority = self.base.trim_start_matches("http://");
+        let host = match authority.rsplit_once(':') {
+            Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+            _ => authority,
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        !(host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()))
+    }
+
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::new();

@@ -50,6 +50,18 @@ pub trait Store: Send + Sync {
     /// Removes `key`; returns whether it existed.
     fn delete(&self, key: &str) -> Result<bool>;
 
+    /// The store in words, for messages ("file:/shared/job", "http://host:29500/job").
+    fn describe(&self) -> String {
+        "a store".to_string()
+    }
+
+    /// Whether processes on other hosts can read this store (a network filesystem, a server on
+    /// a non-loopback address). Unknown stores say yes. A rank that publishes an address only
+    /// its own host can reach into such a store is warned.
+    fn reaches_other_hosts(&self) -> bool {
+        true
+    }
+
     /// Returns the value of `key`, waiting until it exists or `timeout` passes
     /// ([`Error::Timeout`] naming the key).
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
@@ -105,6 +117,12 @@ macro_rules! forward_store {
             }
             fn delete(&self, key: &str) -> Result<bool> {
                 (**self).delete(key)
+            }
+            fn describe(&self) -> String {
+                (**self).describe()
+            }
+            fn reaches_other_hosts(&self) -> bool {
+                (**self).reaches_other_hosts()
             }
             fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
                 (**self).get(key, timeout)

@@ -58,6 +58,14 @@ impl<S: Store> Store for PrefixStore<S> {
         self.inner.delete(&self.key(key))
     }
 
+    fn describe(&self) -> String {
+        format!("{} (prefix {:?})", self.inner.describe(), self.prefix)
+    }
+
+    fn reaches_other_hosts(&self) -> bool {
+        self.inner.reaches_other_hosts()
+    }
+
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         // Errors name the full key, so a user can find it in the inner store.
         self.inner.get(&self.key(key), timeout)

@@ -492,7 +492,7 @@ fn plot(path: &PathBuf, n: usize, cells: &[Cell]) -> std::result::Result<(), Box
 }
 
 fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
-    let mut attr = TcpAttr::from_env();
+    let mut attr = TcpAttr::from_env()?;
     if args.iface.is_some() {
         attr.iface = args.iface.clone();
     }
@@ -546,9 +546,9 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
 
 fn main() {
     let args = Args::parse();
-    let result = match RankEnv::from_env() {
-        Some(env) => env.and_then(|env| rank_main(&args, env)),
-        None => match (args.np, args.rank, args.size, &args.store) {
+    let result = match RankEnv::is_set() {
+        true => RankEnv::from_env().and_then(|env| rank_main(&args, env)),
+        false => match (args.np, args.rank, args.size, &args.store) {
             (Some(n), None, None, _) => {
                 let argv: Vec<String> = std::env::args().skip(1).collect();
                 // Bounded: a sweep's worth of deadlines.

@@ -1,11 +1,13 @@
 //! The TCP device: one listening socket and one mio event-loop thread that drives every pair of
-//! every context made on it.
+//! every context made on it, and the accepting side of the handshake. (The connecting side and
+//! the mesh a context forms are in [`super::mesh`].)
 
-use super::handshake::{self, ACK_LEN, AUTH_LEN, Ack, ContextId, HELLO_LEN, Hello, Status};
-use super::pair::{Lane, PARK_GRACE, TcpPair};
+use super::handshake::{self, ACK_LEN, AUTH_LEN, Ack, HELLO_LEN, Hello, Status};
+use super::pair::{Lane, TcpPair};
+use super::parking::Parking;
 use crate::error::{Error, Result};
 use crate::sync::{lock, wait_timeout};
-use crate::transport::Pair;
+use crate::transport::{ContextId, Pair, random16};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use std::collections::HashMap;
@@ -19,9 +21,6 @@ use std::time::{Duration, Instant};
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
-/// How often the loop looks for overdue holds while there are any: a hold lasts at most
-/// [`HOLD`](super::pair::HOLD) plus this.
-const HOLD_TICK: Duration = Duration::from_micros(500);
 
 /// `SO_SNDBUF` of connections between ranks on one host unless [`TcpOptions::send_buffer`]
 /// says otherwise (the kernel doubles it: 1 MiB of socket memory). With the kernel's
@@ -45,7 +44,7 @@ const SAME_HOST_SEND_BUFFER: usize = 512 << 10;
 /// Sets a connected socket's options: no Nagle delay, and the buffer sizes of `opts` (with
 /// [`SAME_HOST_SEND_BUFFER`] for a same-host connection when `opts` leaves the send buffer
 /// to the default).
-fn configure(s: &socket2::SockRef<'_>, opts: &TcpOptions) -> io::Result<()> {
+pub(super) fn configure(s: &socket2::SockRef<'_>, opts: &TcpOptions) -> io::Result<()> {
     s.set_tcp_nodelay(true)?;
     match opts.send_buffer {
         Some(n) => s.set_send_buffer_size(n)?,
@@ -59,7 +58,8 @@ fn configure(s: &socket2::SockRef<'_>, opts: &TcpOptions) -> io::Result<()> {
 }
 
 /// Whether the connection's two ends have the same address (loopback, or both on this
-/// host's address): the ranks share this host's cores and caches.
+/// host's address): a socket tuning only (the path is the host's own); which ranks share a
+/// host is decided by the host identity in the store entries, never by addresses.
 fn same_host(s: &socket2::SockRef<'_>) -> io::Result<bool> {
     let ip = |a: socket2::SockAddr| a.as_socket().map(|a| a.ip());
     Ok(ip(s.local_addr()?) == ip(s.peer_addr()?))
@@ -96,7 +96,7 @@ impl Route {
         Arc::new(Route { rank, size, secret, pairs, attached: Mutex::new(()), attached_cv: Condvar::new() })
     }
 
-    fn notify(&self) {
+    pub(super) fn notify(&self) {
         let _g = lock(&self.attached);
         self.attached_cv.notify_all();
     }
@@ -117,65 +117,6 @@ impl Route {
     }
 }
 
-/// The event loop's timers: pairs parked by waits (see `progress`), which the loop takes back
-/// after [`PARK_GRACE`] unless a wait takes them first, and the count of the pairs it watches
-/// that hold a message in their socket, whose holds it ends after [`HOLD`](super::pair::HOLD).
-pub(crate) struct Parking {
-    list: Mutex<Vec<Arc<TcpPair>>>,
-    /// Pairs the loop watches that hold a message (see `TcpPair::count_hold`).
-    held: AtomicUsize,
-    /// Whether the loop sleeps with a timeout (it had parked pairs or holds when it last looked).
-    timed: AtomicBool,
-    waker: Waker,
-}
-
-impl Parking {
-    /// Puts freshly parked pairs on the list; wakes the loop only when it sleeps without a
-    /// timeout (once per burst of activity, not per wait).
-    pub(crate) fn park(&self, pairs: Vec<Arc<TcpPair>>) {
-        lock(&self.list).extend(pairs);
-        self.arm();
-    }
-
-    /// A pair started holding a message. Wakes the loop if it sleeps without a timeout.
-    pub(crate) fn hold_started(&self) {
-        self.held.fetch_add(1, Ordering::SeqCst);
-        self.arm();
-    }
-
-    /// Wakes the loop if it sleeps without a timeout, after a pair was listed or a hold counted.
-    /// [`Parking::sweep`] stores `timed` while it holds the list lock and before it reads the
-    /// count, so either the loop sees the new pair or hold, or this sees `timed` false.
-    fn arm(&self) {
-        if !self.timed.swap(true, Ordering::SeqCst) {
-            let _ = self.waker.wake();
-        }
-    }
-
-    /// A pair's hold ended.
-    pub(crate) fn hold_ended(&self) {
-        self.held.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// The loop's turn: hands back pairs parked for the grace period. Returns how long the
-    /// loop may sleep (`None`: until an event) and whether holds are to be looked at.
-    fn sweep(&self) -> (Option<Duration>, bool) {
-        let now = Instant::now();
-        let mut list = lock(&self.list);
-        list.retain(|p| p.sweep(now));
-        let parked = !list.is_empty();
-        self.timed.store(parked, Ordering::SeqCst);
-        // After the store: a hold started since is either counted here or sees `timed` false
-        // and wakes the loop (both sides are SeqCst).
-        let holds = self.held.load(Ordering::SeqCst) > 0;
-        if holds {
-            self.timed.store(true, Ordering::SeqCst);
-        }
-        let tick = if holds { Some(HOLD_TICK) } else { None };
-        (parked.then_some(PARK_GRACE).into_iter().chain(tick).min(), holds)
-    }
-}
-
 /// State shared by the device handle, its event loop and its pairs.
 pub(crate) struct Shared {
     pub(crate) registry: Arc<Registry>,
@@ -189,13 +130,14 @@ pub(crate) struct Shared {
     stop: AtomicBool,
 }
 
-/// Owns the event-loop thread; dropping the last handle stops and joins it.
-pub(crate) struct DeviceCore {
+/// The TCP backend of a [`Device`](crate::device::Device): owns the listener and the
+/// event-loop thread; dropping it stops and joins the thread.
+pub(crate) struct TcpDevice {
     pub(crate) shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl DeviceCore {
+impl TcpDevice {
     /// Binds `addr` (trying each port of `ports` in turn, or the address's own port) and starts
     /// the event loop.
     pub(crate) fn start(addrs: &[SocketAddr], opts: TcpOptions) -> Result<Self> {
@@ -222,12 +164,7 @@ impl DeviceCore {
             .map_err(|e| Error::io("registering the listener", e))?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the event-loop waker", e))?;
         let registry = Arc::new(poll.registry().try_clone().map_err(|e| Error::io("cloning the poll registry", e))?);
-        let parking = Arc::new(Parking {
-            list: Mutex::default(),
-            held: AtomicUsize::new(0),
-            timed: AtomicBool::new(false),
-            waker,
-        });
+        let parking = Arc::new(Parking::new(waker));
         let shared = Arc::new(Shared {
             registry,
             parking,
@@ -243,14 +180,19 @@ impl DeviceCore {
             .name(format!("ferrogloo-tcp-{}", addr.port()))
             .spawn(move || EventLoop { poll, listener, shared: loop_shared, incoming: HashMap::new() }.run())
             .map_err(|e| Error::io("spawning the event-loop thread", e))?;
-        Ok(DeviceCore { shared, thread: Some(thread) })
+        Ok(TcpDevice { shared, thread: Some(thread) })
+    }
+
+    /// The address peers connect to.
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.shared.addr
     }
 }
 
-impl Drop for DeviceCore {
+impl Drop for TcpDevice {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        let _ = self.shared.parking.waker.wake();
+        self.shared.parking.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -290,7 +232,13 @@ impl Shared {
 
     /// Registers a connected stream for `pair` and attaches it as `lane`; returns whether the
     /// pair is complete now.
-    fn attach(&self, pair: &Arc<TcpPair>, lane: Lane, mut stream: TcpStream, token: Option<Token>) -> Result<bool> {
+    pub(super) fn attach(
+        &self,
+        pair: &Arc<TcpPair>,
+        lane: Lane,
+        mut stream: TcpStream,
+        token: Option<Token>,
+    ) -> Result<bool> {
         let token = match token {
             Some(t) => t,
             None => {
@@ -313,87 +261,6 @@ impl Shared {
                 })
             }
         }
-    }
-
-    /// Connects the pair of `route` to `peer` at `addr`: both lanes that are not connected yet,
-    /// each with the connector's handshake. Errors say why; the caller decides whether to retry
-    /// (stale addresses fail here).
-    pub(crate) fn connect(
-        &self,
-        ctx: ContextId,
-        route: &Route,
-        peer: usize,
-        addr: SocketAddr,
-        deadline: Instant,
-    ) -> Result<()> {
-        let pair = route
-            .pairs
-            .get(peer)
-            .and_then(|p| p.clone())
-            .ok_or_else(|| Error::invalid(format!("no pair for rank {peer}")))?;
-        for lane in [Lane::Main, Lane::Bulk] {
-            if !pair.lane_attached(lane) {
-                let s = self.connect_lane(ctx, route, peer, addr, deadline, lane)?;
-                if self.attach(&pair, lane, TcpStream::from_std(s), None)? {
-                    route.notify();
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Opens the pair's `lane` connection to `peer` and runs the handshake.
-    fn connect_lane(
-        &self,
-        ctx: ContextId,
-        route: &Route,
-        peer: usize,
-        addr: SocketAddr,
-        deadline: Instant,
-        lane: Lane,
-    ) -> Result<std::net::TcpStream> {
-        let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let io_err = |what: &str, e: io::Error| Error::io(format!("{what} rank {peer} at {addr}"), e);
-        let mut s = std::net::TcpStream::connect_timeout(&addr, left().min(self.opts.handshake_timeout))
-            .map_err(|e| io_err("connecting to", e))?;
-        configure(&socket2::SockRef::from(&s), &self.opts).map_err(|e| io_err("configuring the socket to", e))?;
-        let hs_deadline = left().min(self.opts.handshake_timeout);
-        s.set_read_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
-        s.set_write_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
-        let secret = route.secret.as_deref();
-        let hello = Hello {
-            with_secret: secret.is_some(),
-            ctx,
-            from: route.rank as u32,
-            to: peer as u32,
-            size: route.size as u32,
-            nonce: handshake::random16(),
-            bulk: lane == Lane::Bulk,
-        }
-        .encode();
-        s.write_all(&hello).map_err(|e| io_err("sending the handshake to", e))?;
-        let mut raw = [0u8; ACK_LEN];
-        s.read_exact(&mut raw).map_err(|e| io_err("reading the handshake answer of", e))?;
-        let ack = Ack::decode(&raw).map_err(|detail| Error::Protocol { peer: Some(peer), detail })?;
-        if ack.status != Status::Ok {
-            return Err(Error::Protocol {
-                peer: Some(peer),
-                detail: format!("handshake refused: {}", ack.status.describe()),
-            });
-        }
-        if secret.is_some() {
-            let want = handshake::mac(secret, "ferrogloo-ack", &hello, &ack.nonce);
-            if !handshake::mac_eq(&want, &ack.mac) {
-                return Err(Error::Protocol {
-                    peer: Some(peer),
-                    detail: "the peer failed to prove the shared secret".into(),
-                });
-            }
-            let auth = handshake::mac(secret, "ferrogloo-auth", &hello, &ack.nonce);
-            s.write_all(&auth).map_err(|e| io_err("sending the handshake proof to", e))?;
-        }
-        s.set_nonblocking(true).map_err(|e| io_err("configuring the socket to", e))?;
-        Ok(s)
     }
 }
 
@@ -470,7 +337,7 @@ impl EventLoop {
             self.expire();
         }
         lock(&self.shared.pairs).clear();
-        lock(&self.shared.parking.list).clear();
+        self.shared.parking.clear();
     }
 
     fn accept(&mut self) {
@@ -584,7 +451,7 @@ impl EventLoop {
             };
             let target = self.check(&hello);
             let status = target.as_ref().err().copied().unwrap_or(Status::Ok);
-            let nonce = handshake::random16();
+            let nonce = random16();
             let secret = target.as_ref().ok().and_then(|(_, r, _)| r.secret.clone());
             let mac = if status == Status::Ok {
                 handshake::mac(secret.as_deref(), "ferrogloo-ack", &raw, &nonce)

@@ -2,8 +2,9 @@
 //! both sides hold the job's shared secret.
 //!
 //! The connecting side (always the higher rank) sends a [`Hello`]; the accepting side answers an
-//! [`Ack`]; when a secret is in use the connector then sends an [`Auth`]. Every message has a
-//! fixed size, so nothing a stranger sends sizes an allocation.
+//! [`Ack`]; when a secret is in use the connector then sends its proof, the 32-byte Auth
+//! message below (plain bytes, no type of its own). Every message has a fixed size, so nothing
+//! a stranger sends sizes an allocation.
 //!
 //! A pair is two connections, both opened by the higher rank (see `pair::Lane`); the Hello's
 //! `bulk` flag says which one this is.
@@ -20,22 +21,21 @@
 //! fresh random bytes, so a recorded handshake cannot be replayed. Without a secret the MACs are
 //! zero.
 
+use crate::transport::ContextId;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
 /// "FGLO" in little-endian.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"FGLO");
-/// Wire protocol version; both sides must agree. (2: two connections per pair.)
-pub(crate) const VERSION: u16 = 2;
+/// Wire protocol version; both sides must agree. (2: two connections per pair; 3: frame headers
+/// with a group and a call descriptor.)
+pub(crate) const VERSION: u16 = 3;
 pub(crate) const HELLO_LEN: usize = 64;
 pub(crate) const ACK_LEN: usize = 64;
 pub(crate) const AUTH_LEN: usize = 32;
 
 const FLAG_SECRET: u16 = 1;
 const FLAG_BULK: u16 = 2;
-
-/// A context id: random bytes chosen by rank 0 for one rendezvous.
-pub(crate) type ContextId = [u8; 16];
 
 /// The connector's opening message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,20 +187,6 @@ pub(crate) fn mac(secret: Option<&[u8]>, label: &str, hello: &[u8; HELLO_LEN], n
 /// Constant-time MAC comparison.
 pub(crate) fn mac_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// Fresh random bytes for nonces and context ids.
-pub(crate) fn random16() -> [u8; 16] {
-    let mut b = [0u8; 16];
-    if getrandom::fill(&mut b).is_err() {
-        // No OS entropy (never seen on Linux): fall back to time, process id and a counter.
-        // Context ids need uniqueness, which this keeps; nonces lose unpredictability.
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        b = (t ^ (u128::from(std::process::id()) << 64) ^ (u128::from(n) << 96)).to_le_bytes();
-    }
-    b
 }
 
 #[cfg(test)]

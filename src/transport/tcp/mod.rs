@@ -4,6 +4,8 @@
 pub(crate) mod device;
 pub(crate) mod frame;
 pub(crate) mod handshake;
+mod mesh;
 pub(crate) mod pair;
-pub(crate) mod progress;
-pub(crate) mod wake;
+mod parking;
+mod progress;
+mod wake;

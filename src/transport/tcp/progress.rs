@@ -10,23 +10,23 @@
 //! When the wait ends the pairs are parked rather than handed back: the next wait (the next
 //! round of the collective, the next collective) takes them again without a system call, and
 //! no message wakes the event loop meanwhile. The loop takes back pairs left parked for
-//! [`super::pair::PARK_GRACE`], so a message nobody waits for is still read and a queued send
-//! still flushed.
+//! [`PARK_GRACE`](super::parking::PARK_GRACE), so a message nobody waits for is still read and
+//! a queued send still flushed.
 //!
 //! A pair already driven by another thread is not shared: a wait on it counts itself as
 //! waiting, so the driver hands the pair to the event loop when it is done, and sleeps on its
 //! completion like any waiter.
 
-use super::device::Parking;
 use super::pair::{Acquired, TcpPair};
+use super::parking::{Parked, Parking};
 use super::wake::poll_fds;
 use crate::error::Result;
-use crate::transport::{BusyWait, Completion, Progress};
+use crate::transport::{BusyWait, Completion, Done, Progress};
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The TCP progress engine of one context.
+/// The TCP progress engine of one mesh.
 pub(crate) struct TcpProgress {
     /// Indexed by peer rank; `None` at our own rank.
     pairs: Vec<Option<Arc<TcpPair>>>,
@@ -45,8 +45,11 @@ impl TcpProgress {
     /// Ends driving `mine`; parks them (or hands them to the loop with `to_loop`).
     fn release(&self, mine: &[(&Arc<TcpPair>, [RawFd; 2])], to_loop: bool) {
         let now = Instant::now();
-        let newly: Vec<Arc<TcpPair>> =
-            mine.iter().filter(|(p, _)| p.release(now, to_loop)).map(|(p, _)| Arc::clone(p)).collect();
+        let newly: Vec<Arc<dyn Parked>> = mine
+            .iter()
+            .filter(|(p, _)| p.release(now, to_loop))
+            .map(|(p, _)| Arc::clone(p) as Arc<dyn Parked>)
+            .collect();
         if !newly.is_empty() {
             self.parking.park(newly);
         }
@@ -59,7 +62,7 @@ impl TcpProgress {
         done: &Completion,
         deadline: Instant,
         busy: BusyWait,
-    ) -> Option<Option<Result<usize>>> {
+    ) -> Option<Option<Result<Done>>> {
         let mut ready = vec![true; mine.len()];
         // Per pair: its main connection, its bulk connection, its eventfd.
         let mut fds: Vec<libc::pollfd> = mine
@@ -129,7 +132,7 @@ impl Progress for TcpProgress {
         others: &[usize],
         deadline: Instant,
         busy: BusyWait,
-    ) -> Option<Result<usize>> {
+    ) -> Option<Result<Done>> {
         if let Some(o) = done.outcome() {
             return Some(o);
         }

@@ -1,0 +1,611 @@
+//! A communicator: a group of ranks over a formed mesh, with what point-to-point calls and
+//! collectives need: posting to pairs, waiting with deadlines, [`Scope`]s, sequence numbers,
+//! the abort state and scratch memory.
+//!
+//! A [`Context`](crate::Context) is a communicator plus the device it was formed on; the
+//! algorithms work on communicators only, so they depend on the transport contract and nothing
+//! above it. A sub-group ([`Context::split`](crate::Context::split)) is another communicator
+//! over the same mesh: it has its own group id in every message key, so its messages never
+//! meet the parent's, and it reaches its members through the parent's pairs.
+
+use crate::error::{Error, Result};
+use crate::sync::lock;
+use crate::transport::{
+    AbortCause, BusyWait, Completion, Done, Key, Mesh, Pair, RecvBuf, RecvTarget, SEQUENCED, SendBuf,
+};
+use crate::types::OpDesc;
+use bytemuck::Pod;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Tag namespace of user point-to-point messages.
+const NS_P2P: u64 = 1 << 62;
+/// Tag namespace of collectives: `NS_COLL | tag << 32 | sequence`, a sequenced tag family per
+/// user tag (see the transport contract).
+const NS_COLL: u64 = SEQUENCED;
+/// Collective tags are below this (the family must fit 30 bits).
+pub(crate) const MAX_TAG: u32 = 1 << 30;
+
+/// A formed mesh and what every communicator over it shares.
+pub(crate) struct Shared {
+    pub(crate) mesh: Mesh,
+    /// This process's rank in the mesh.
+    pub(crate) world_rank: usize,
+    /// Each mesh rank's host identity, as published in its store entry.
+    pub(crate) hosts: Vec<String>,
+    /// Operations posted and not yet waited for or cancelled, per mesh rank: the pairs a wait
+    /// may progress besides its own.
+    pending: Arc<[AtomicU32]>,
+    /// How waits busy-poll before sleeping.
+    pub(crate) spin: BusyWait,
+}
+
+impl Shared {
+    pub(crate) fn new(mesh: Mesh, world_rank: usize, hosts: Vec<String>, spin: BusyWait) -> Self {
+        let pending = (0..mesh.pairs.len()).map(|_| AtomicU32::new(0)).collect();
+        Shared { mesh, world_rank, hosts, pending, spin }
+    }
+}
+
+/// A group of ranks over a mesh; see the module documentation.
+pub(crate) struct Comm {
+    rank: usize,
+    size: usize,
+    /// The group id in message keys (0 for the mesh's own context).
+    group: u64,
+    /// Mesh rank of each member, indexed by rank in the group.
+    members: Arc<[usize]>,
+    /// Indexed by rank in the group; `None` at this rank.
+    pairs: Vec<Option<Arc<dyn Pair>>>,
+    shared: Arc<Shared>,
+    timeout: Duration,
+    collective_seq: Mutex<HashMap<u32, u32>>,
+    /// Set once the communicator is aborted (by `abort` or a failed collective).
+    aborted: Mutex<Option<Error>>,
+    /// Scratch buffers reused by collectives (see `algorithms::Arena`).
+    scratch: Mutex<Vec<Vec<u64>>>,
+    /// How many sub-groups of each kind were made from this one (see `subgroup_id`).
+    made: Mutex<HashMap<u64, u64>>,
+}
+
+impl Comm {
+    /// The communicator of the whole mesh (group 0).
+    pub(crate) fn root(shared: Arc<Shared>, timeout: Duration) -> Self {
+        let size = shared.mesh.pairs.len();
+        let members: Arc<[usize]> = (0..size).collect();
+        Self::over(shared, 0, members, timeout)
+    }
+
+    /// The communicator of `members` (mesh ranks, in group-rank order; this process is one of
+    /// them) with group id `group`.
+    pub(crate) fn over(shared: Arc<Shared>, group: u64, members: Arc<[usize]>, timeout: Duration) -> Self {
+        let me = shared.world_rank;
+        let rank = members.iter().position(|&m| m == me).unwrap_or(0);
+        let pairs = members.iter().map(|&m| shared.mesh.pairs.get(m).cloned().flatten()).collect();
+        Comm {
+            rank,
+            size: members.len(),
+            group,
+            members,
+            pairs,
+            shared,
+            timeout,
+            collective_seq: Mutex::default(),
+            aborted: Mutex::default(),
+            scratch: Mutex::default(),
+            made: Mutex::default(),
+        }
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// The mesh rank of group rank `r`.
+    pub(crate) fn world_rank(&self, r: usize) -> Option<usize> {
+        self.members.get(r).copied()
+    }
+
+    /// A fresh group id for a sub-group made from this one: the same on every member as long
+    /// as they make sub-groups of `kind` (a hash of how the group is chosen) in the same
+    /// order, and distinct from every other group any two members share.
+    pub(crate) fn subgroup_id(&self, kind: u64) -> u64 {
+        let mut made = lock(&self.made);
+        let n = made.entry(kind).or_insert(0);
+        *n += 1;
+        let id = fnv(&[self.group, kind, *n]);
+        if id == 0 { 1 } else { id }
+    }
+
+    /// The scratch pool of this communicator's collectives.
+    pub(crate) fn scratch_pool(&self) -> &Mutex<Vec<Vec<u64>>> {
+        &self.scratch
+    }
+
+    /// Whether the communicator was aborted (it then fails every call).
+    pub(crate) fn is_aborted(&self) -> bool {
+        lock(&self.aborted).is_some()
+    }
+
+    /// The abort error, if the communicator was aborted.
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        match &*lock(&self.aborted) {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Aborts with `reason` on behalf of the user.
+    pub(crate) fn abort(&self, reason: &str) {
+        let err = Error::Aborted { rank: self.shared.world_rank, reason: reason.to_string() };
+        self.fail(&err);
+    }
+
+    /// Makes the communicator unusable because of `err`, and tells every peer the cause, so
+    /// that each of them fails its pending and future operations of this group with it.
+    pub(crate) fn fail(&self, err: &Error) {
+        {
+            let mut a = lock(&self.aborted);
+            if a.is_some() {
+                return;
+            }
+            *a = Some(err.clone());
+        }
+        tracing::debug!(rank = self.rank, group = self.group, error = %err, "context aborted");
+        let cause = AbortCause::of(err, self.shared.world_rank);
+        for p in self.pairs.iter().flatten() {
+            p.abort(self.group, err, &cause);
+        }
+    }
+
+    pub(crate) fn pair(&self, peer: usize) -> Result<&Arc<dyn Pair>> {
+        self.check_usable()?;
+        match self.pairs.get(peer) {
+            Some(Some(p)) => Ok(p),
+            Some(None) => Err(Error::invalid(format!("rank {peer} is this rank; it has no connection to itself"))),
+            None => Err(Error::invalid(format!("rank {peer} is out of range for size {}", self.size))),
+        }
+    }
+
+    /// The key of user point-to-point messages with `tag`.
+    pub(crate) fn p2p_key(&self, tag: u32) -> Key {
+        Key { group: self.group, tag: NS_P2P | u64::from(tag) }
+    }
+
+    /// The key of the next collective with user tag `tag`. Every rank calls collectives with
+    /// one tag in the same order, so every rank computes the same sequence.
+    pub(crate) fn next_collective_key(&self, tag: u32) -> Result<Key> {
+        if tag >= MAX_TAG {
+            return Err(Error::invalid(format!("collective tag {tag} must be below 2^30")));
+        }
+        let mut seqs = lock(&self.collective_seq);
+        let seq = seqs.entry(tag).or_insert(0);
+        let wire = NS_COLL | (u64::from(tag) << 32) | u64::from(*seq);
+        *seq = seq.wrapping_add(1);
+        Ok(Key { group: self.group, tag: wire })
+    }
+
+    /// Runs `f` with a [`Scope`]; see [`Context::scope`](crate::Context::scope).
+    pub(crate) fn scope<'env, R>(
+        &'env self,
+        f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,
+    ) -> Result<R> {
+        let scope = Scope { comm: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
+        let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
+        let leftover: Vec<Op> = lock(&scope.ops).drain(..).flatten().collect();
+        match result {
+            Err(panic) => {
+                for op in &leftover {
+                    op.cancel();
+                }
+                resume_unwind(panic)
+            }
+            Ok(Err(e)) => {
+                // Whatever `f` left in flight is abandoned with it: cancel rather than wait.
+                for op in &leftover {
+                    op.cancel();
+                }
+                Err(e)
+            }
+            Ok(Ok(v)) => {
+                let deadline = Instant::now() + self.timeout;
+                let mut first = None;
+                for op in leftover {
+                    if let Err(e) = op.wait(deadline, &self.shared) {
+                        first.get_or_insert(e);
+                    }
+                }
+                first.map_or(Ok(v), Err)
+            }
+        }
+    }
+}
+
+/// FNV-1a over words: ids and hashes that must come out the same on every rank.
+pub(crate) fn fnv(words: &[u64]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// One operation started in a scope.
+struct Op {
+    pairs: Vec<Arc<dyn Pair>>,
+    done: Arc<Completion>,
+    what: &'static str,
+    /// The mesh's per-rank counts of outstanding operations, which this one is part of.
+    pending: Arc<[AtomicU32]>,
+}
+
+impl Op {
+    fn new(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str, shared: &Shared) -> Self {
+        for p in &pairs {
+            shared.pending[p.peer()].fetch_add(1, Ordering::Relaxed);
+        }
+        Op { pairs, done, what, pending: shared.pending.clone() }
+    }
+
+    fn cancel(&self) {
+        for p in &self.pairs {
+            p.cancel(&self.done);
+        }
+    }
+
+    /// Waits until finished or `deadline`; on timeout withdraws the operation so its buffer is
+    /// released.
+    fn wait(&self, deadline: Instant, shared: &Shared) -> Result<Done> {
+        let start = Instant::now();
+        let own: Vec<usize> = self.pairs.iter().map(|p| p.peer()).collect();
+        let others: Vec<usize> = (0..self.pending.len())
+            .filter(|r| self.pending[*r].load(Ordering::Relaxed) > 0 && !own.contains(r))
+            .collect();
+        let finished = shared.mesh.progress.wait(&self.done, &own, &others, deadline, shared.spin);
+        let outcome = match finished {
+            Some(o) => o,
+            None => {
+                self.cancel();
+                // It may have finished between the timeout and the cancel.
+                self.done.outcome().unwrap_or_else(|| {
+                    let e = Error::Timeout {
+                        op: self.what.to_string(),
+                        ranks: own,
+                        keys: Vec::new(),
+                        waited: start.elapsed(),
+                    };
+                    self.done.complete(Err(e.clone()));
+                    Err(e)
+                })
+            }
+        };
+        if self.pairs.len() > 1 {
+            // Receive from any: withdraw the entries the winner left on the other pairs.
+            self.cancel();
+        }
+        outcome.map_err(|e| e.during(self.what))
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        for p in &self.pairs {
+            self.pending[p.peer()].fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A region in which non-blocking sends and receives may borrow buffers; see
+/// [`Context::scope`](crate::Context::scope).
+pub struct Scope<'scope, 'env: 'scope> {
+    comm: &'env Comm,
+    ops: Mutex<Vec<Option<Op>>>,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+impl<'scope, 'env> Scope<'scope, 'env> {
+    /// The communicator this scope belongs to.
+    pub(crate) fn comm(&self) -> &'env Comm {
+        self.comm
+    }
+
+    /// This rank in the scope's context.
+    pub fn rank(&self) -> usize {
+        self.comm.rank
+    }
+
+    /// The number of ranks of the scope's context.
+    pub fn size(&self) -> usize {
+        self.comm.size
+    }
+
+    fn push(&'scope self, op: Op) -> usize {
+        let mut ops = lock(&self.ops);
+        ops.push(Some(op));
+        ops.len() - 1
+    }
+
+    fn wait_index(&self, idx: usize, timeout: Option<Duration>) -> Result<Done> {
+        self.wait_deadline(idx, Instant::now() + timeout.unwrap_or(self.comm.timeout))
+    }
+
+    fn is_done(&self, idx: usize) -> bool {
+        let ops = lock(&self.ops);
+        ops.get(idx).and_then(Option::as_ref).is_none_or(|op| op.done.outcome().is_some())
+    }
+
+    /// Starts a send of raw memory with `key` and descriptor `desc`.
+    ///
+    /// # Safety
+    /// `buf` must stay valid and unwritten until the operation is waited for or the scope ends.
+    pub(crate) unsafe fn isend_raw(
+        &'scope self,
+        peer: usize,
+        key: Key,
+        desc: OpDesc,
+        buf: SendBuf,
+        what: &'static str,
+    ) -> Result<usize> {
+        let pair = self.comm.pair(peer)?.clone();
+        let done = Completion::new();
+        // SAFETY: forwarded from this function's contract.
+        unsafe { pair.post_send(key, desc, buf, &done)? };
+        Ok(self.push(Op::new(vec![pair], done, what, &self.comm.shared)))
+    }
+
+    /// Waits for an operation of this scope until an absolute deadline.
+    pub(crate) fn wait_deadline(&self, idx: usize, deadline: Instant) -> Result<Done> {
+        self.finish(idx, deadline).map(|(done, _)| done)
+    }
+
+    /// Waits for an operation until `deadline`; also returns an owned receive's message.
+    fn finish(&self, idx: usize, deadline: Instant) -> Result<(Done, Option<Vec<u8>>)> {
+        let op = lock(&self.ops).get_mut(idx).and_then(Option::take);
+        let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
+        let done = op.wait(deadline, &self.comm.shared)?;
+        Ok((done, op.done.take_payload()))
+    }
+
+    /// Starts a receive into `target` from whichever of `peers` sends first.
+    ///
+    /// # Safety
+    /// The target's buffer must stay valid and untouched until the operation is waited for or
+    /// the scope ends.
+    pub(crate) unsafe fn irecv_raw(
+        &'scope self,
+        peers: &[usize],
+        key: Key,
+        desc: OpDesc,
+        target: RecvTarget,
+        what: &'static str,
+    ) -> Result<usize> {
+        if peers.is_empty() {
+            return Err(Error::invalid("receive from an empty set of ranks"));
+        }
+        let pairs = peers.iter().map(|&p| self.comm.pair(p).cloned()).collect::<Result<Vec<_>>>()?;
+        let done = Completion::for_pairs(pairs.len());
+        let idx = self.push(Op::new(pairs.clone(), done.clone(), what, &self.comm.shared));
+        for p in &pairs {
+            // SAFETY: forwarded from this function's contract (the scope finishes or cancels the
+            // operation on every pair it was posted to before the scope ends).
+            if let Err(e) = unsafe { p.post_recv(key, desc, target, &done) } {
+                if let Some(Some(op)) = lock(&self.ops).get(idx) {
+                    op.cancel();
+                }
+                done.complete(Err(e.clone()));
+                return Err(e);
+            }
+        }
+        Ok(idx)
+    }
+
+    /// Starts sending `buf` to `peer` with `tag`; see [`Context::send`](crate::Context::send).
+    pub fn isend<T: Pod>(&'scope self, peer: usize, tag: u32, buf: &'scope [T]) -> Result<SendRequest<'scope, 'env>> {
+        let key = self.comm.p2p_key(tag);
+        // SAFETY: `buf` is borrowed for 'scope, and the scope finishes or cancels the operation
+        // before 'scope ends (Comm::scope), so it stays valid and unwritten as required.
+        let idx = unsafe { self.isend_raw(peer, key, OpDesc::P2P, SendBuf::from_slice(as_bytes(buf)), "send")? };
+        Ok(SendRequest { scope: self, idx })
+    }
+
+    /// Starts receiving the next message with `tag` from `peer` into `buf`, which it must fill
+    /// exactly; see [`Context::recv`](crate::Context::recv).
+    pub fn irecv<T: Pod>(
+        &'scope self,
+        peer: usize,
+        tag: u32,
+        buf: &'scope mut [T],
+    ) -> Result<RecvRequest<'scope, 'env, T>> {
+        self.irecv_into(&[peer], tag, buf, false)
+    }
+
+    /// Starts receiving the next message with `tag` from whichever of `peers` sends first.
+    pub fn irecv_any<T: Pod>(
+        &'scope self,
+        peers: &[usize],
+        tag: u32,
+        buf: &'scope mut [T],
+    ) -> Result<RecvRequest<'scope, 'env, T>> {
+        self.irecv_into(peers, tag, buf, false)
+    }
+
+    /// Starts receiving the next message with `tag` from `peer` into the front of `buf`: the
+    /// message may be shorter than `buf` (a whole number of elements), and waiting returns the
+    /// part it filled. A longer message is [`Error::Mismatch`].
+    pub fn irecv_upto<T: Pod>(
+        &'scope self,
+        peer: usize,
+        tag: u32,
+        buf: &'scope mut [T],
+    ) -> Result<RecvRequest<'scope, 'env, T>> {
+        self.irecv_into(&[peer], tag, buf, true)
+    }
+
+    fn irecv_into<T: Pod>(
+        &'scope self,
+        peers: &[usize],
+        tag: u32,
+        buf: &'scope mut [T],
+        upto: bool,
+    ) -> Result<RecvRequest<'scope, 'env, T>> {
+        let ptr: *mut [T] = buf;
+        // SAFETY: reborrow of the same 'scope-long exclusive borrow: the byte view is handed to
+        // the transport, the typed pointer is only turned back into a slice after the operation
+        // finished (RecvRequest::wait), so the two are never used at once.
+        let bytes = RecvBuf::from_slice(as_bytes_mut(unsafe { &mut *ptr }));
+        let target = if upto { RecvTarget::Upto(bytes) } else { RecvTarget::Exact(bytes) };
+        let key = self.comm.p2p_key(tag);
+        // SAFETY: the bytes are exclusively borrowed for 'scope, and the scope finishes or
+        // cancels the operation (on every pair it was posted to) before 'scope ends.
+        let idx = unsafe { self.irecv_raw(peers, key, OpDesc::P2P, target, "recv")? };
+        Ok(RecvRequest { scope: self, idx, buf: ptr, _t: PhantomData })
+    }
+
+    /// Starts receiving the next message with `tag` from whichever of `peers` sends first, of
+    /// a length the sender decides (at most `max_bytes`), into a buffer allocated for it:
+    /// waiting returns the sender's rank and the message. A longer message is
+    /// [`Error::Mismatch`].
+    pub fn irecv_bytes(
+        &'scope self,
+        peers: &[usize],
+        tag: u32,
+        max_bytes: usize,
+    ) -> Result<BytesRequest<'scope, 'env>> {
+        let key = self.comm.p2p_key(tag);
+        // SAFETY: an owned receive lends no memory of the caller's.
+        let idx = unsafe { self.irecv_raw(peers, key, OpDesc::P2P, RecvTarget::Owned { max: max_bytes }, "recv")? };
+        Ok(BytesRequest { scope: self, idx })
+    }
+}
+
+/// A send started in a [`Scope`].
+#[must_use = "a request does nothing unless waited for (the scope waits for it at its end)"]
+pub struct SendRequest<'scope, 'env> {
+    scope: &'scope Scope<'scope, 'env>,
+    idx: usize,
+}
+
+impl SendRequest<'_, '_> {
+    /// Waits (up to the context's timeout) until the send is handed to the transport.
+    pub fn wait(self) -> Result<()> {
+        self.scope.wait_index(self.idx, None).map(drop)
+    }
+
+    /// Waits up to `timeout`; on timeout the send is withdrawn.
+    pub fn wait_timeout(self, timeout: Duration) -> Result<()> {
+        self.scope.wait_index(self.idx, Some(timeout)).map(drop)
+    }
+
+    /// Whether the send has finished (successfully or not).
+    pub fn is_done(&self) -> bool {
+        self.scope.is_done(self.idx)
+    }
+}
+
+/// A receive started in a [`Scope`]; waiting gives the buffer back, filled.
+#[must_use = "a request does nothing unless waited for (the scope waits for it at its end)"]
+pub struct RecvRequest<'scope, 'env, T> {
+    scope: &'scope Scope<'scope, 'env>,
+    idx: usize,
+    buf: *mut [T],
+    _t: PhantomData<&'scope mut [T]>,
+}
+
+impl<'scope, T: Pod> RecvRequest<'scope, '_, T> {
+    /// Waits (up to the context's timeout) for the message and returns the filled buffer (the
+    /// part filled, for [`Scope::irecv_upto`]).
+    pub fn wait(self) -> Result<&'scope mut [T]> {
+        self.wait_from().map(|(_, b)| b)
+    }
+
+    /// Like [`wait`](Self::wait), also returning the rank the message came from.
+    pub fn wait_from(self) -> Result<(usize, &'scope mut [T])> {
+        let done = self.scope.wait_index(self.idx, None)?;
+        self.filled(done)
+    }
+
+    /// Waits up to `timeout`; on timeout the receive is withdrawn.
+    pub fn wait_timeout(self, timeout: Duration) -> Result<&'scope mut [T]> {
+        let done = self.scope.wait_index(self.idx, Some(timeout))?;
+        self.filled(done).map(|(_, b)| b)
+    }
+
+    /// Whether the receive has finished (successfully or not).
+    pub fn is_done(&self) -> bool {
+        self.scope.is_done(self.idx)
+    }
+
+    fn filled(&self, done: Done) -> Result<(usize, &'scope mut [T])> {
+        let size = std::mem::size_of::<T>();
+        if size > 0 && !done.len.is_multiple_of(size) {
+            return Err(Error::Mismatch {
+                rank: done.peer,
+                detail: format!(
+                    "rank {} sent {} bytes, not a whole number of the receive's {size}-byte elements",
+                    done.peer, done.len
+                ),
+            });
+        }
+        // SAFETY: the operation has finished, so the transport no longer touches the buffer,
+        // and this request held the 'scope-long exclusive borrow it came from.
+        let buf = unsafe { &mut *self.buf };
+        let n = done.len.checked_div(size).unwrap_or(buf.len());
+        Ok((done.peer, &mut buf[..n]))
+    }
+}
+
+/// A receive of a length the sender decides, started with [`Scope::irecv_bytes`].
+#[must_use = "a request does nothing unless waited for (the scope waits for it at its end)"]
+pub struct BytesRequest<'scope, 'env> {
+    scope: &'scope Scope<'scope, 'env>,
+    idx: usize,
+}
+
+impl BytesRequest<'_, '_> {
+    /// Waits (up to the context's timeout) for the message; returns the sender and the bytes.
+    pub fn wait(self) -> Result<(usize, Vec<u8>)> {
+        let timeout = self.scope.comm.timeout;
+        self.wait_timeout(timeout)
+    }
+
+    /// Waits up to `timeout`; on timeout the receive is withdrawn.
+    pub fn wait_timeout(self, timeout: Duration) -> Result<(usize, Vec<u8>)> {
+        let (done, data) = self.scope.finish(self.idx, Instant::now() + timeout)?;
+        Ok((done.peer, data.unwrap_or_default()))
+    }
+
+    /// Whether the receive has finished (successfully or not).
+    pub fn is_done(&self) -> bool {
+        self.scope.is_done(self.idx)
+    }
+}
+
+/// The bytes of a slice of plain-old-data values.
+pub(crate) fn as_bytes<T: Pod>(s: &[T]) -> &[u8] {
+    if std::mem::size_of::<T>() == 0 { &[] } else { bytemuck::cast_slice(s) }
+}
+
+/// The bytes of a mutable slice of plain-old-data values.
+pub(crate) fn as_bytes_mut<T: Pod>(s: &mut [T]) -> &mut [u8] {
+    if std::mem::size_of::<T>() == 0 { &mut [] } else { bytemuck::cast_slice_mut(s) }
+}

@@ -1,0 +1,671 @@
+//! Posted receives against arrived messages: the matching rules of the transport contract
+//! (rules 2, 3, 4, 6, 7 and the group part of 8), with no I/O, shared by every backend.
+//!
+//! A backend keeps one [`Matcher`] per pair, for the messages coming from the peer. It tells
+//! the matcher about receives as they are posted ([`Matcher::post`]) and about messages as
+//! their headers arrive ([`Matcher::incoming`]); the matcher answers where each message's
+//! payload goes: straight into a claimed receive ([`Dispatch::Deliver`]), into an early-arrival
+//! buffer within the pair's budget ([`Dispatch::Early`]), nowhere ([`Dispatch::Discard`]), or
+//! not yet ([`Dispatch::Stall`]: the backend stops taking the peer's messages until a receive
+//! is posted). Moving the bytes is the backend's job, which is what keeps this module free of
+//! sockets and testable on its own.
+
+use super::{Completion, Done, Key, RecvBuf, RecvTarget, seq_after, sequence_mismatch, sequenced};
+use crate::error::{Error, Result};
+use crate::types::OpDesc;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// Early-arrival buffers kept for reuse (their capacity also stays within the early budget):
+/// a fresh multi-megabyte allocation per early message costs page faults on every touch.
+const SPARE_BUFFERS: usize = 8;
+
+/// What precedes a message: its key, its call's descriptor and its payload length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub(crate) key: Key,
+    pub(crate) desc: OpDesc,
+    pub(crate) len: u64,
+}
+
+/// A posted receive.
+#[derive(Debug)]
+pub(crate) struct RecvOp {
+    pub(crate) key: Key,
+    pub(crate) desc: OpDesc,
+    pub(crate) target: RecvTarget,
+    pub(crate) done: Arc<Completion>,
+}
+
+/// A message on its way into the receive that claimed it.
+#[derive(Debug)]
+pub(crate) struct Delivery {
+    op: RecvOp,
+    len: usize,
+    filled: usize,
+    /// The buffer of an owned receive, of the message's length.
+    owned: Option<Vec<u8>>,
+}
+
+impl Delivery {
+    fn new(op: RecvOp, len: usize) -> Self {
+        let owned = matches!(op.target, RecvTarget::Owned { .. }).then(|| vec![0u8; len]);
+        Delivery { op, len, filled: 0, owned }
+    }
+
+    /// The completion of the receive.
+    pub(crate) fn done(&self) -> &Arc<Completion> {
+        &self.op.done
+    }
+
+    /// Payload bytes still to come.
+    pub(crate) fn remaining(&self) -> usize {
+        self.len - self.filled
+    }
+
+    /// Where the rest of the payload goes (`remaining()` bytes).
+    pub(crate) fn dst(&mut self) -> &mut [u8] {
+        match (&mut self.owned, self.op.target.buf()) {
+            (Some(v), _) => &mut v[self.filled..],
+            (None, Some(RecvBuf { ptr, .. })) => {
+                // SAFETY: the poster lent this buffer to the pair until the receive is completed
+                // or cancelled (contract rule 5); a delivery exists only for a receive this pair
+                // claimed and has not finished, and `filled <= len <= buf.len` (checked when the
+                // delivery was made).
+                unsafe { std::slice::from_raw_parts_mut(ptr.add(self.filled), self.len - self.filled) }
+            }
+            (None, None) => &mut [],
+        }
+    }
+
+    /// `n` more bytes were written into [`Delivery::dst`].
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.filled = (self.filled + n).min(self.len);
+    }
+
+    /// Whether the whole payload is in.
+    pub(crate) fn is_full(&self) -> bool {
+        self.filled == self.len
+    }
+
+    /// Completes the receive: the message came from `peer`.
+    pub(crate) fn finish(self, peer: usize) {
+        match self.owned {
+            Some(data) => self.op.done.complete_owned(peer, data),
+            None => self.op.done.complete(Ok(Done { peer, len: self.len })),
+        }
+    }
+}
+
+/// An early message whose payload is being read into a buffer of the pair's budget.
+#[derive(Debug)]
+pub(crate) struct EarlyRx {
+    header: Header,
+    data: Vec<u8>,
+}
+
+impl EarlyRx {
+    /// Payload bytes still to come.
+    pub(crate) fn remaining(&self) -> usize {
+        self.header.len as usize - self.data.len()
+    }
+
+    /// Appends payload bytes (at most [`EarlyRx::remaining`] of them are taken).
+    pub(crate) fn extend(&mut self, bytes: &[u8]) -> usize {
+        let n = bytes.len().min(self.remaining());
+        self.data.extend_from_slice(&bytes[..n]);
+        n
+    }
+}
+
+/// Where an arriving message's payload goes.
+#[derive(Debug)]
+pub(crate) enum Dispatch {
+    /// Into this claimed receive.
+    Deliver(Delivery),
+    /// Into this early buffer; hand it back with [`Matcher::early_arrived`] once full.
+    Early(EarlyRx),
+    /// Nowhere: the message was for a receive that failed on it, or is of a finished call.
+    Discard,
+    /// Not yet: no receive takes it and the early budget cannot hold it. Take no more of the
+    /// peer's messages until a receive is posted (or budget freed), then ask again.
+    Stall,
+}
+
+/// What became of a posted receive.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Posted {
+    /// Queued for a message to come.
+    Queued,
+    /// Finished at once (from an early message, or failed by a mismatch); early budget may have
+    /// been freed, so a stalled message may go somewhere now.
+    Finished,
+}
+
+/// A message that arrived before its receive.
+#[derive(Debug)]
+struct Early {
+    header: Header,
+    data: Vec<u8>,
+}
+
+/// One pair's matching state for the messages coming from its peer.
+#[derive(Debug)]
+pub(crate) struct Matcher {
+    me: usize,
+    peer: usize,
+    budget: usize,
+    posted: VecDeque<RecvOp>,
+    early: VecDeque<Early>,
+    /// Bytes of the budget taken: complete early messages and one being read.
+    early_bytes: usize,
+    spare: Vec<Vec<u8>>,
+    /// Set once the connection failed: posts fail with it (early messages stay receivable).
+    closed: Option<Error>,
+    /// Groups aborted on this pair, with the error their operations get.
+    aborted: Vec<(u64, Error)>,
+}
+
+impl Matcher {
+    /// Matching for messages from `peer` to `me`, holding at most `budget` bytes early.
+    pub(crate) fn new(me: usize, peer: usize, budget: usize) -> Self {
+        Matcher {
+            me,
+            peer,
+            budget,
+            posted: VecDeque::new(),
+            early: VecDeque::new(),
+            early_bytes: 0,
+            spare: Vec::new(),
+            closed: None,
+            aborted: Vec::new(),
+        }
+    }
+
+    /// Bytes of the early budget in use.
+    #[cfg(test)]
+    pub(crate) fn early_bytes(&self) -> usize {
+        self.early_bytes
+    }
+
+    /// Whether any receive is posted.
+    pub(crate) fn has_posted(&self) -> bool {
+        !self.posted.is_empty()
+    }
+
+    /// The oldest posted receive.
+    pub(crate) fn front(&self) -> Option<&RecvOp> {
+        self.posted.front()
+    }
+
+    /// The error operations of `group` get, if the group was aborted or the pair closed.
+    pub(crate) fn refusal(&self, group: u64) -> Option<Error> {
+        self.aborted.iter().find(|(g, _)| *g == group).map(|(_, e)| e.clone()).or_else(|| self.closed.clone())
+    }
+
+    /// A receive is posted. Errors (without touching `op.done`) when the pair is closed or the
+    /// group aborted and no early message satisfies it.
+    pub(crate) fn post(&mut self, op: RecvOp) -> Result<Posted> {
+        if let Some((_, e)) = self.aborted.iter().find(|(g, _)| *g == op.key.group) {
+            return Err(e.clone());
+        }
+        if let Some(i) = self.early.iter().position(|m| m.header.key == op.key) {
+            if op.done.try_claim()
+                && let Some(msg) = self.early.remove(i)
+            {
+                self.deliver_early(op, msg);
+            }
+            return Ok(Posted::Finished);
+        }
+        if let Some((group, family, want)) = sequenced(op.key) {
+            // An early message of the same family but another sequence: the ranks disagree.
+            let other = self
+                .early
+                .iter()
+                .position(|m| sequenced(m.header.key).is_some_and(|(g, f, s)| g == group && f == family && s != want));
+            if let Some(i) = other {
+                let got = sequenced(self.early[i].header.key).map_or(0, |(_, _, s)| s);
+                if !seq_after(got, want)
+                    && let Some(m) = self.early.remove(i)
+                {
+                    self.early_bytes -= m.data.len(); // a finished collective's message: drop it
+                    self.recycle(m.data);
+                }
+                op.done.complete(Err(sequence_mismatch(self.me, self.peer, family, want, got)));
+                return Ok(Posted::Finished);
+            }
+        }
+        if let Some(e) = &self.closed {
+            return Err(e.clone());
+        }
+        if !op.done.is_open() {
+            return Ok(Posted::Finished); // claimed elsewhere meanwhile (receive from any)
+        }
+        self.posted.push_back(op);
+        Ok(Posted::Queued)
+    }
+
+    /// A message's header arrived: where its payload goes.
+    pub(crate) fn incoming(&mut self, h: Header) -> Dispatch {
+        if self.aborted.iter().any(|(g, _)| *g == h.key.group) {
+            return Dispatch::Discard;
+        }
+        // The oldest posted receive for this key that nobody else has claimed.
+        while let Some(i) = self.posted.iter().position(|op| op.key == h.key) {
+            let Some(op) = self.posted.remove(i) else { break };
+            if !op.done.try_claim() {
+                continue; // taken by another pair (receive from any) or already finished
+            }
+            return match self.check(op, &h) {
+                Some(op) => Dispatch::Deliver(Delivery::new(op, h.len as usize)),
+                None => Dispatch::Discard,
+            };
+        }
+        if let Some((group, family, got)) = sequenced(h.key) {
+            // Receives of the same family waiting for another sequence: the ranks disagree.
+            let mut stale = false;
+            let mut i = 0;
+            while i < self.posted.len() {
+                match sequenced(self.posted[i].key) {
+                    Some((g, f, want)) if g == group && f == family && want != got => {
+                        stale |= seq_after(want, got);
+                        if let Some(op) = self.posted.remove(i) {
+                            op.done.complete(Err(sequence_mismatch(self.me, self.peer, family, want, got)));
+                        }
+                    }
+                    _ => i += 1,
+                }
+            }
+            if stale {
+                // Nobody will ever receive a message of a finished collective.
+                return Dispatch::Discard;
+            }
+        }
+        match usize::try_from(h.len) {
+            Ok(len) if len <= self.budget.saturating_sub(self.early_bytes) => {
+                self.early_bytes += len;
+                Dispatch::Early(EarlyRx { header: h, data: self.early_buffer(len) })
+            }
+            _ => Dispatch::Stall,
+        }
+    }
+
+    /// The oldest posted receive, taken for a message with header `h` that is known to be its
+    /// (the TCP pair's read-ahead), if it can still be claimed and `h` fits it. Returns `None`
+    /// and leaves the receive posted otherwise.
+    pub(crate) fn take_front_for(&mut self, h: &Header) -> Option<Delivery> {
+        let fits = self.posted.front().is_some_and(|op| {
+            op.key == h.key && op.desc == h.desc && op.target.misfit(h.len).is_none() && !op.done.is_shared()
+        });
+        if !fits || !self.posted.front().is_some_and(|op| op.done.try_claim()) {
+            return None;
+        }
+        self.posted.pop_front().map(|op| Delivery::new(op, h.len as usize))
+    }
+
+    /// An early payload is complete: hand it to a receive posted meanwhile, or keep it.
+    pub(crate) fn early_arrived(&mut self, rx: EarlyRx) {
+        let msg = Early { header: rx.header, data: rx.data };
+        while let Some(i) = self.posted.iter().position(|op| op.key == msg.header.key) {
+            let Some(op) = self.posted.remove(i) else { break };
+            if op.done.try_claim() {
+                self.deliver_early(op, msg);
+                return;
+            }
+        }
+        self.early.push_back(msg);
+    }
+
+    /// An early payload that will never be complete (the pair failed while reading it).
+    pub(crate) fn early_dropped(&mut self, rx: EarlyRx) {
+        self.early_bytes -= rx.header.len as usize;
+    }
+
+    /// Withdraws the receive of `done`, if posted here.
+    pub(crate) fn cancel(&mut self, done: &Arc<Completion>) {
+        self.posted.retain(|op| !Arc::ptr_eq(&op.done, done));
+    }
+
+    /// The connection failed: every posted receive fails with `err`, and so will later posts
+    /// that no early message satisfies.
+    pub(crate) fn close(&mut self, err: &Error) {
+        if self.closed.is_none() {
+            self.closed = Some(err.clone());
+        }
+        for op in self.posted.drain(..) {
+            op.done.complete(Err(err.clone()));
+        }
+    }
+
+    /// `group` was aborted: its posted receives fail with `err` and so will its later posts;
+    /// its messages are discarded, early ones included.
+    pub(crate) fn abort_group(&mut self, group: u64, err: &Error) {
+        if self.aborted.iter().any(|(g, _)| *g == group) {
+            return;
+        }
+        self.aborted.push((group, err.clone()));
+        let mut i = 0;
+        while i < self.posted.len() {
+            if self.posted[i].key.group == group {
+                if let Some(op) = self.posted.remove(i) {
+                    op.done.complete(Err(err.clone()));
+                }
+            } else {
+                i += 1;
+            }
+        }
+        let (dropped, kept): (VecDeque<Early>, VecDeque<Early>) =
+            std::mem::take(&mut self.early).into_iter().partition(|m| m.header.key.group == group);
+        self.early = kept;
+        for m in dropped {
+            self.early_bytes -= m.data.len();
+            self.recycle(m.data);
+        }
+    }
+
+    /// Checks a claimed receive against a message; completes it with the mismatch and returns
+    /// `None` when they disagree.
+    fn check(&self, op: RecvOp, h: &Header) -> Option<RecvOp> {
+        let detail = if op.desc != h.desc {
+            Some(OpDesc::explain(self.me, &op.desc, self.peer, &h.desc))
+        } else {
+            op.target.misfit(h.len).map(|m| {
+                let what = if op.desc == OpDesc::P2P {
+                    format!("point-to-point tag {}", op.key.tag as u32)
+                } else {
+                    op.desc.describe()
+                };
+                format!("rank {} sent {m} on rank {} ({what})", self.peer, self.me)
+            })
+        };
+        match detail {
+            Some(detail) => {
+                op.done.complete(Err(Error::Mismatch { rank: self.peer, detail }));
+                None
+            }
+            None => Some(op),
+        }
+    }
+
+    /// Delivers an early message (no longer on the early list) to the receive that claimed it,
+    /// returns its bytes to the early budget and keeps its buffer for reuse.
+    fn deliver_early(&mut self, op: RecvOp, msg: Early) {
+        self.early_bytes -= msg.data.len();
+        let Some(op) = self.check(op, &msg.header) else {
+            self.recycle(msg.data);
+            return;
+        };
+        match op.target.buf() {
+            None => op.done.complete_owned(self.peer, msg.data),
+            Some(buf) => {
+                // SAFETY: the receive buffer is lent to this pair until its completion, which
+                // follows; the message fits it (checked above).
+                unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), buf.ptr, msg.data.len()) };
+                op.done.complete(Ok(Done { peer: self.peer, len: msg.data.len() }));
+                self.recycle(msg.data);
+            }
+        }
+    }
+
+    /// A buffer for an early payload of `len` bytes: the smallest spare that fits, else new.
+    fn early_buffer(&mut self, len: usize) -> Vec<u8> {
+        let best = self.spare.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
+        match best.map(|(i, _)| i) {
+            Some(i) => self.spare.swap_remove(i),
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// Keeps an emptied early buffer for reuse while the spares stay within their bounds.
+    fn recycle(&mut self, mut data: Vec<u8>) {
+        let held: usize = self.spare.iter().map(Vec::capacity).sum();
+        if data.capacity() > 0 && self.spare.len() < SPARE_BUFFERS && held + data.capacity() <= self.budget {
+            data.clear();
+            self.spare.push(data);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{Completion, RecvBuf, SEQUENCED};
+    use crate::types::Call;
+    use proptest::prelude::*;
+
+    fn key(tag: u64) -> Key {
+        Key { group: 0, tag }
+    }
+
+    fn seq_key(family: u64, seq: u32) -> Key {
+        Key { group: 0, tag: SEQUENCED | (family << 32) | u64::from(seq) }
+    }
+
+    fn header(k: Key, len: usize) -> Header {
+        Header { key: k, desc: OpDesc::P2P, len: len as u64 }
+    }
+
+    /// Moves a whole payload where `d` says (what a backend does with the bytes).
+    fn feed(m: &mut Matcher, d: Dispatch, payload: &[u8]) {
+        match d {
+            Dispatch::Deliver(mut del) => {
+                del.dst().copy_from_slice(payload);
+                del.advance(payload.len());
+                assert!(del.is_full());
+                del.finish(1);
+            }
+            Dispatch::Early(mut rx) => {
+                assert_eq!(rx.extend(payload), payload.len());
+                m.early_arrived(rx);
+            }
+            Dispatch::Discard => {}
+            Dispatch::Stall => panic!("stalled"),
+        }
+    }
+
+    /// A message arrives whole.
+    fn arrive(m: &mut Matcher, h: Header, payload: &[u8]) {
+        let d = m.incoming(h);
+        feed(m, d, payload);
+    }
+
+    fn recv(k: Key, buf: &mut [u8]) -> (RecvOp, Arc<Completion>) {
+        let done = Completion::new();
+        (
+            RecvOp {
+                key: k,
+                desc: OpDesc::P2P,
+                target: RecvTarget::Upto(RecvBuf::from_slice(buf)),
+                done: done.clone(),
+            },
+            done,
+        )
+    }
+
+    #[test]
+    fn a_posted_receive_takes_the_message_directly_and_an_early_one_from_the_buffer() {
+        let mut m = Matcher::new(0, 1, 1024);
+        let mut a = [0u8; 4];
+        let (op, done) = recv(key(1), &mut a);
+        assert_eq!(m.post(op).unwrap(), Posted::Queued);
+        let d = m.incoming(header(key(1), 3));
+        assert!(matches!(d, Dispatch::Deliver(_)));
+        feed(&mut m, d, b"abc");
+        assert_eq!(done.outcome().unwrap().unwrap(), Done { peer: 1, len: 3 });
+        assert_eq!(&a[..3], b"abc");
+        // Early: held, then handed over when posted; the budget is freed.
+        let d = m.incoming(header(key(2), 4));
+        feed(&mut m, d, b"wxyz");
+        assert_eq!(m.early_bytes(), 4);
+        let mut b = [0u8; 4];
+        let (op, done) = recv(key(2), &mut b);
+        assert_eq!(m.post(op).unwrap(), Posted::Finished);
+        assert_eq!(done.outcome().unwrap().unwrap().len, 4);
+        assert_eq!(&b, b"wxyz");
+        assert_eq!(m.early_bytes(), 0);
+    }
+
+    #[test]
+    fn beyond_the_budget_a_message_stalls_until_a_receive_is_posted() {
+        let mut m = Matcher::new(0, 1, 8);
+        arrive(&mut m, header(key(1), 6), b"123456");
+        assert!(matches!(m.incoming(header(key(1), 6)), Dispatch::Stall));
+        let mut a = [0u8; 6];
+        let (op, _done) = recv(key(1), &mut a);
+        assert_eq!(m.post(op).unwrap(), Posted::Finished); // takes the early one, frees the budget
+        assert!(matches!(m.incoming(header(key(1), 6)), Dispatch::Early(_)));
+    }
+
+    #[test]
+    fn owned_receives_get_a_buffer_of_the_message_length() {
+        let mut m = Matcher::new(0, 1, 64);
+        let done = Completion::new();
+        let op = RecvOp { key: key(5), desc: OpDesc::P2P, target: RecvTarget::Owned { max: 100 }, done: done.clone() };
+        m.post(op).unwrap();
+        let d = m.incoming(header(key(5), 10));
+        feed(&mut m, d, b"0123456789");
+        assert_eq!(done.take_payload().unwrap(), b"0123456789");
+        // Early, then owned: the early buffer itself is handed over.
+        arrive(&mut m, header(key(5), 3), b"abc");
+        let done = Completion::new();
+        let op = RecvOp { key: key(5), desc: OpDesc::P2P, target: RecvTarget::Owned { max: 2 }, done: done.clone() };
+        m.post(op).unwrap();
+        let e = done.outcome().unwrap().unwrap_err();
+        assert!(e.to_string().contains("at most 2"), "{e}");
+    }
+
+    #[test]
+    fn a_different_call_is_a_mismatch_in_words_and_the_payload_is_dropped() {
+        let mut m = Matcher::new(0, 1, 64);
+        let mine = OpDesc::new(Call::Allreduce).dtype(crate::DType::F32).count(1000).reduce(1);
+        let theirs = mine.count(1001);
+        let done = Completion::new();
+        let mut buf = [0u8; 4000];
+        let op = RecvOp {
+            key: key(1),
+            desc: mine,
+            target: RecvTarget::Exact(RecvBuf::from_slice(&mut buf)),
+            done: done.clone(),
+        };
+        m.post(op).unwrap();
+        assert!(matches!(m.incoming(Header { key: key(1), desc: theirs, len: 4004 }), Dispatch::Discard));
+        let e = done.outcome().unwrap().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the ranks disagree: rank 1 called allreduce with 1001 f32 elements, rank 0 with 1000"
+        );
+    }
+
+    #[test]
+    fn sequences_that_disagree_fail_the_receive_and_drop_stale_messages() {
+        let mut m = Matcher::new(0, 1, 64);
+        let mut a = [0u8; 1];
+        let (op, done) = recv(seq_key(7, 4), &mut a);
+        m.post(op).unwrap();
+        assert!(matches!(m.incoming(header(seq_key(7, 3), 1)), Dispatch::Discard), "an older sequence is stale");
+        assert!(matches!(done.outcome(), Some(Err(Error::Mismatch { .. }))));
+        // Another group's sequence numbers are independent.
+        let mut b = [0u8; 1];
+        let (op, done) = recv(seq_key(7, 9), &mut b);
+        m.post(op).unwrap();
+        let other = Key { group: 5, tag: seq_key(7, 2).tag };
+        assert!(matches!(m.incoming(header(other, 1)), Dispatch::Early(_)));
+        assert!(done.outcome().is_none());
+    }
+
+    #[test]
+    fn closing_fails_posted_receives_but_early_messages_stay_receivable() {
+        let mut m = Matcher::new(0, 1, 64);
+        arrive(&mut m, header(key(1), 2), b"hi");
+        let mut a = [0u8; 2];
+        let (op, pending) = recv(key(9), &mut a);
+        m.post(op).unwrap();
+        let err = Error::PeerClosed { rank: 1, op: String::new(), detail: "EOF".into() };
+        m.close(&err);
+        assert!(matches!(pending.outcome(), Some(Err(Error::PeerClosed { .. }))));
+        let mut b = [0u8; 2];
+        let (op, done) = recv(key(1), &mut b);
+        assert_eq!(m.post(op).unwrap(), Posted::Finished);
+        assert!(done.outcome().unwrap().is_ok());
+        let mut c = [0u8; 2];
+        let (op, _) = recv(key(1), &mut c);
+        assert!(m.post(op).is_err());
+    }
+
+    #[test]
+    fn aborting_a_group_leaves_the_others_alone() {
+        let mut m = Matcher::new(0, 1, 64);
+        let (g1, g2) = (Key { group: 1, tag: 3 }, Key { group: 2, tag: 3 });
+        arrive(&mut m, header(g1, 2), b"xx");
+        let mut a = [0u8; 2];
+        let (op, in_g1) = recv(g1, &mut a);
+        let mut a2 = [0u8; 2];
+        let (op2, in_g2) = recv(g2, &mut a2);
+        // The early message of group 1 satisfies the first post; queue a second one.
+        m.post(op).unwrap();
+        let (op, waiting_g1) = recv(g1, &mut a);
+        m.post(op).unwrap();
+        m.post(op2).unwrap();
+        let err = Error::Aborted { rank: 1, reason: "stop".into() };
+        m.abort_group(1, &err);
+        assert!(in_g1.outcome().unwrap().is_ok());
+        assert!(matches!(waiting_g1.outcome(), Some(Err(Error::Aborted { .. }))));
+        assert!(in_g2.outcome().is_none());
+        assert!(matches!(m.incoming(header(g1, 1)), Dispatch::Discard));
+        assert!(matches!(m.incoming(header(g2, 2)), Dispatch::Deliver(_)));
+        assert!(m.refusal(1).is_some() && m.refusal(2).is_none());
+    }
+
+    proptest! {
+        /// Any interleaving of arrivals and posts: the j-th receive of a key gets the j-th
+        /// message of that key, whole; the early budget is never exceeded; a stalled message
+        /// goes on once a receive is posted.
+        #[test]
+        fn receives_get_their_key_s_messages_in_order_within_the_budget(
+            msgs in proptest::collection::vec((0u64..3, 0usize..40), 1..40),
+            order in proptest::collection::vec(any::<bool>(), 0..120),
+            budget in 0usize..100,
+        ) {
+            let mut m = Matcher::new(0, 1, budget);
+            let payload = |i: usize, len: usize| -> Vec<u8> { (0..len).map(|j| (i * 31 + j) as u8).collect() };
+            let mut bufs: Vec<Box<[u8; 64]>> = (0..msgs.len()).map(|_| Box::new([0u8; 64])).collect();
+            let mut posts_of: Vec<Vec<(usize, Arc<Completion>)>> = vec![Vec::new(); 3];
+            let (mut next_msg, mut next_post) = (0, 0);
+            // Receives are posted in message order per key, one per message, to random keys' turns.
+            let post_order: Vec<usize> = (0..msgs.len()).collect();
+            let mut stalled = false;
+            let mut steps = order.into_iter().chain(std::iter::repeat_n(true, 200)).chain(std::iter::repeat_n(false, 200));
+            while next_msg < msgs.len() || next_post < msgs.len() {
+                let arrive = steps.next().unwrap_or(false);
+                if arrive && next_msg < msgs.len() && !stalled {
+                    let (k, len) = msgs[next_msg];
+                    match m.incoming(header(key(k), len)) {
+                        Dispatch::Stall => stalled = true,
+                        d => { feed(&mut m, d, &payload(next_msg, len)); next_msg += 1; }
+                    }
+                } else if next_post < msgs.len() {
+                    let i = post_order[next_post];
+                    let k = msgs[i].0;
+                    let (op, done) = recv(key(k), &mut bufs[i][..]);
+                    m.post(op).unwrap();
+                    posts_of[k as usize].push((i, done));
+                    next_post += 1;
+                    stalled = false;
+                } else if stalled {
+                    prop_assert!(false, "stalled with every receive posted");
+                }
+                prop_assert!(m.early_bytes() <= budget);
+            }
+            // Per key, the j-th receive (in post order) got the j-th message of that key.
+            for k in 0..3u64 {
+                let want: Vec<usize> = (0..msgs.len()).filter(|&i| msgs[i].0 == k).collect();
+                for ((slot, done), &msg) in posts_of[k as usize].iter().zip(&want) {
+                    let got = done.outcome().expect("finished").expect("no error");
+                    let len = msgs[msg].1;
+                    prop_assert_eq!(got.len, len);
+                    prop_assert_eq!(&bufs[*slot][..len], &payload(msg, len)[..]);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! The sending half of a TCP pair: the queue of frames and its flush onto the pair's two
+//! connections.
+
+use super::super::frame::{FrameHeader, HEADER_LEN};
+use super::{Lane, Sock};
+use crate::error::Error;
+use crate::transport::{Completion, Done, SendBuf};
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+use std::sync::Arc;
+
+/// Most iovecs handed to one `sendmsg`.
+const MAX_IOV: usize = 64;
+/// Most bytes handed to one `sendmsg`. Measured with `ferrogloo-bench` on the 2-core machine,
+/// eight alternating runs of each build, median p50: 1 MiB broadcast 166 µs with this cap
+/// against 364 µs without (2 ranks), 1191 vs 1287 µs (4 ranks); 1 MiB allgather 298 vs 344 µs
+/// (2 ranks), 863 vs 948 µs (4 ranks). Much smaller caps cost more calls than they save
+/// (128 KiB: 1 MiB broadcast 360–420 µs).
+const MAX_SEND: usize = 1 << 20;
+
+/// One frame waiting to be written.
+struct SendOp {
+    /// The connection it goes on.
+    lane: Lane,
+    /// The group it belongs to (so that an aborted group's frames can be withdrawn).
+    group: u64,
+    hdr: [u8; HEADER_LEN],
+    buf: SendBuf,
+    /// Memory `buf` points into when the pair owns the payload (abort frames).
+    _owned: Option<Box<[u8]>>,
+    /// Bytes of header + payload written so far.
+    off: usize,
+    done: Arc<Completion>,
+}
+
+impl SendOp {
+    fn total(&self) -> usize {
+        HEADER_LEN + self.buf.len
+    }
+}
+
+/// What [`Sender::cancel`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Cancelled {
+    /// Not queued (finished, or never here).
+    No,
+    /// Withdrawn before a byte of it was written.
+    Whole,
+    /// Partly written already: the stream cannot go on.
+    Partly,
+}
+
+/// The frames queued on a pair, in the order they go out.
+pub(super) struct Sender {
+    queue: VecDeque<SendOp>,
+    /// The connection of the last frame queued (a switch frame goes first when it changes).
+    lane: Lane,
+}
+
+impl Sender {
+    pub(super) fn new() -> Self {
+        Sender { queue: VecDeque::new(), lane: Lane::Main }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// The connection of the last frame queued.
+    pub(super) fn lane(&self) -> Lane {
+        self.lane
+    }
+
+    /// The connection the next frame to write goes on.
+    pub(super) fn front_lane(&self) -> Option<Lane> {
+        self.queue.front().map(|op| op.lane)
+    }
+
+    /// Queues a frame (header `hdr`, payload `buf`) on `lane`, behind a switch frame on the
+    /// connection it leaves when the lane changes.
+    pub(super) fn push(
+        &mut self,
+        lane: Lane,
+        group: u64,
+        hdr: [u8; HEADER_LEN],
+        buf: SendBuf,
+        owned: Option<Box<[u8]>>,
+        done: Arc<Completion>,
+    ) {
+        if lane != self.lane {
+            // Tell the peer to read on at the other connection.
+            self.queue.push_back(SendOp {
+                lane: self.lane,
+                group: 0,
+                hdr: FrameHeader::switch().encode(),
+                buf: SendBuf::empty(),
+                _owned: None,
+                off: 0,
+                done: Completion::new(),
+            });
+            self.lane = lane;
+        }
+        self.queue.push_back(SendOp { lane, group, hdr, buf, _owned: owned, off: 0, done });
+    }
+
+    /// Writes as much of the queue as the sockets take, in order: a frame for the other
+    /// connection waits until the ones before it are written. Completes each frame's send,
+    /// from `peer`'s point of view, once its last byte is written.
+    pub(super) fn flush(&mut self, socks: &mut [Sock; 2], peer: usize) -> io::Result<()> {
+        while let Some(lane) = self.front_lane() {
+            // The queue's next slices for this connection, at most MAX_IOV of them and
+            // MAX_SEND bytes in all.
+            let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
+            let (mut n_iov, mut budget) = (0, MAX_SEND);
+            for op in self.queue.iter() {
+                if n_iov + 2 > MAX_IOV || budget == 0 || op.lane != lane {
+                    break;
+                }
+                // SAFETY: the poster guarantees (Pair::post_send) that the buffer stays valid
+                // and unwritten until the completion is completed, which happens below only
+                // after the last byte is written.
+                let payload = unsafe { std::slice::from_raw_parts(op.buf.ptr, op.buf.len) };
+                let (hdr, body): (&[u8], &[u8]) = match op.off.checked_sub(HEADER_LEN) {
+                    None => (&op.hdr[op.off..], payload),
+                    Some(sent) => (&[], &payload[sent..]),
+                };
+                for part in [hdr, body] {
+                    let take = part.len().min(budget);
+                    if take > 0 {
+                        iov[n_iov] = IoSlice::new(&part[..take]);
+                        n_iov += 1;
+                        budget -= take;
+                    }
+                }
+            }
+            let sock = socket2::SockRef::from(&socks[lane.index()].stream);
+            match sock.send_vectored_with_flags(&iov[..n_iov], libc::MSG_NOSIGNAL) {
+                Ok(mut n) => {
+                    for op in self.queue.iter_mut() {
+                        let take = (op.total() - op.off).min(n);
+                        op.off += take;
+                        n -= take;
+                        if n == 0 {
+                            break;
+                        }
+                    }
+                    while let Some(op) = self.queue.pop_front_if(|op| op.off == op.total()) {
+                        op.done.complete(Ok(Done { peer, len: op.buf.len }));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Withdraws the frame of `done`.
+    pub(super) fn cancel(&mut self, done: &Arc<Completion>) -> Cancelled {
+        let Some(i) = self.queue.iter().position(|op| Arc::ptr_eq(&op.done, done)) else { return Cancelled::No };
+        if self.queue[i].off > 0 {
+            return Cancelled::Partly;
+        }
+        self.queue.remove(i);
+        Cancelled::Whole
+    }
+
+    /// Fails every queued frame (the pair failed).
+    pub(super) fn fail_all(&mut self, err: &Error) {
+        for op in self.queue.drain(..) {
+            op.done.complete(Err(err.clone()));
+        }
+    }
+
+    /// Fails the frames of `group` that have not started (a partly written one must finish,
+    /// or the stream breaks).
+    pub(super) fn fail_group(&mut self, group: u64, err: &Error) {
+        self.queue.retain(|op| {
+            let drop = op.group == group && op.off == 0 && op._owned.is_none();
+            if drop {
+                op.done.complete(Err(err.clone()));
+            }
+            !drop
+        });
+    }
+}
