@@ -369,7 +369,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let pair = self.comm.pair(peer)?.clone();
         let done = Completion::new();
         // SAFETY: forwarded from this function's contract.
-        unsafe { pair.post_send(key, desc, buf, &done)? };
+        unsafe { pair.post_send(key, desc, buf, &done) }.map_err(|e| e.during(what))?;
         Ok(self.push(Op::new(vec![pair], done, what, &self.comm.shared)))
     }
 
@@ -408,7 +408,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         for p in &pairs {
             // SAFETY: forwarded from this function's contract (the scope finishes or cancels the
             // operation on every pair it was posted to before the scope ends).
-            if let Err(e) = unsafe { p.post_recv(key, desc, target, &done) } {
+            if let Err(e) = unsafe { p.post_recv(key, desc, target, &done) }.map_err(|e| e.during(what)) {
                 if let Some(Some(op)) = lock(&self.ops).get(idx) {
                     op.cancel();
                 }

@@ -25,12 +25,24 @@ pub fn run_ranks_with<T: Send>(
     build: impl Fn(ferrogloo::ContextBuilder) -> ferrogloo::ContextBuilder + Sync,
     f: impl Fn(Context) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
+    run_ranks_on(n, store, &|| Device::new(attr), build, f)
+}
+
+/// Runs `f` on `n` ranks that are threads, each with its own device from `device`, meeting
+/// through `store`. Returns each rank's result in rank order.
+pub fn run_ranks_on<T: Send>(
+    n: usize,
+    store: &dyn Store,
+    device: &(dyn Fn() -> Result<Device> + Sync),
+    build: impl Fn(ferrogloo::ContextBuilder) -> ferrogloo::ContextBuilder + Sync,
+    f: impl Fn(Context) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
                 let (f, build) = (&f, &build);
                 s.spawn(move || {
-                    let dev = Device::new(attr)?;
+                    let dev = device()?;
                     let ctx = build(Context::builder(rank, n).timeout(TIMEOUT)).connect(store, &dev)?;
                     f(ctx)
                 })
