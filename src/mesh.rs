@@ -35,6 +35,11 @@ pub(crate) struct MeshSpec {
 /// How often a waiting rank says what it waits for.
 const LOG_EVERY: Duration = Duration::from_secs(5);
 
+/// What a rank waits for, in words.
+const FIRST_ENTRY: &str = "to publish its entry (rank 0 chooses the context id)";
+const ENTRY: &str = "to publish its entry";
+const CONNECT: &str = "to connect";
+
 /// Bytes escaped in the entry's text fields.
 const FIELD: &AsciiSet = &CONTROLS.add(b' ').add(b'%');
 
@@ -139,7 +144,7 @@ pub(crate) fn form<S: Store + ?Sized>(
         // that what it has connected stays (rank 0 refuses a lane twice).
         let mut current: Option<(ContextId, Box<dyn Endpoint>)> = None;
         let mut retry = Backoff::new();
-        let mut log = rv.log("rank 0's entry (it chooses the context id)");
+        let mut log = rv.log(FIRST_ENTRY);
         loop {
             // A connection that failed (a link still coming up, a listener not reachable yet)
             // is tried again with backoff unless a fresh entry shows up; a refused connection
@@ -148,12 +153,7 @@ pub(crate) fn form<S: Store + ?Sized>(
             let raw = if again {
                 rv.store.try_get(&key(0))?
             } else {
-                Some(rv.next_value(
-                    0,
-                    last.as_deref(),
-                    "rank 0's entry (it chooses the context id)",
-                    refused.as_ref(),
-                )?)
+                Some(rv.next_value(0, last.as_deref(), FIRST_ENTRY, refused.as_ref())?)
             };
             let Some(raw) = raw else { continue };
             log.tick(&rv, &[0]);
@@ -207,7 +207,7 @@ pub(crate) fn form<S: Store + ?Sized>(
     for (peer, peer_host) in hosts.iter_mut().enumerate().take(rank).skip(1) {
         let mut last: Option<Vec<u8>> = None;
         let entry = loop {
-            let raw = rv.next_value(peer, last.as_deref(), "its entry", None)?;
+            let raw = rv.next_value(peer, last.as_deref(), ENTRY, None)?;
             match Entry::parse(&raw) {
                 Some(e) if e.ctx == ctx && e.size == size => break e,
                 _ => last = Some(raw),
@@ -229,7 +229,7 @@ pub(crate) fn form<S: Store + ?Sized>(
 
     // 3. Wait for every higher rank to connect to us.
     let mut higher: Vec<usize> = (rank + 1..size).collect();
-    let mut log = rv.log("to connect");
+    let mut log = rv.log(CONNECT);
     while !higher.is_empty() {
         let until = rv.deadline.min(Instant::now() + LOG_EVERY);
         higher = ep.wait_connected(&higher, until);
@@ -241,7 +241,7 @@ pub(crate) fn form<S: Store + ?Sized>(
                 higher.iter().filter(|&&r| store.try_get(&key(r)).ok().flatten().is_none()).map(|&r| key(r)).collect();
             return Err(Error::Timeout {
                 op: format!(
-                    "rendezvous of rank {rank} (of {size}) in {}: waiting for higher ranks to connect",
+                    "rendezvous of rank {rank} (of {size}) in {}: waiting for higher ranks {CONNECT}",
                     store.describe()
                 ),
                 ranks: higher,
@@ -282,7 +282,7 @@ impl WaitLog {
         if now >= self.next {
             self.next = now + LOG_EVERY;
             tracing::info!(
-                "rank {} of {}: still waiting for {} ({}) after {} of {}, in {}",
+                "rank {} of {}: still waiting for {} {}, {} of {}, in {}",
                 rv.rank,
                 rv.size,
                 ranks_text(ranks),
@@ -343,7 +343,7 @@ impl<'a, S: Store + ?Sized> Rendezvous<'a, S> {
                 };
                 return Err(Error::Timeout {
                     op: format!(
-                        "rendezvous of rank {} (of {}) in {}: waiting for rank {rank}'s {what}{stale}",
+                        "rendezvous of rank {} (of {}) in {}: waiting for rank {rank} {what}{stale}",
                         self.rank,
                         self.size,
                         self.store.describe()

@@ -29,15 +29,28 @@ pub struct JobArgs {
     /// Network interface to listen on (default: $FERROGLOO_IFACE, else loopback).
     #[arg(long)]
     pub iface: Option<String>,
-    /// Deadline of every operation, in seconds.
-    #[arg(long, default_value_t = 30)]
-    pub timeout: u64,
+    /// Deadline of every operation, in seconds (default: $FERROGLOO_TIMEOUT, else 30).
+    #[arg(long)]
+    pub timeout: Option<f64>,
 }
 
 /// `Ok(None)` when this process launched local ranks (they have finished); `Ok(Some(ctx))`
-/// when it is a rank.
+/// when it is a rank. Library logs (a rank waiting for others, say) go to stderr at `info`
+/// unless `RUST_LOG` says otherwise.
 pub fn join(args: &JobArgs) -> Result<Option<Context>> {
-    let timeout = Duration::from_secs(args.timeout);
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+    let timeout = match args.timeout {
+        Some(t) => {
+            Duration::try_from_secs_f64(t).map_err(|_| Error::invalid(format!("--timeout {t} is not a duration")))?
+        }
+        None => ferrogloo::context::default_timeout()?,
+    };
     let env = match RankEnv::is_set() {
         true => RankEnv::from_env()?,
         false => match (args.np, args.rank, args.size) {

@@ -40,8 +40,11 @@ impl StoreUrl {
             let (host, scope) = rest.split_once('/').unwrap_or((rest, ""));
             let scope = scope.trim_end_matches('/');
             if host.is_empty() || scope.is_empty() {
-                return Err(Error::invalid(format!("store URL {url:?} must look like http://HOST:PORT/SCOPE")));
+                return Err(Error::invalid(format!(
+                    "store URL {url:?} must look like http://HOST:PORT/SCOPE (the scope names the job's keys)"
+                )));
             }
+            check_authority(url, host)?;
             return Ok(StoreUrl::Http { base: format!("http://{host}"), scope: scope.to_string() });
         }
         Err(Error::invalid(format!("unknown store URL {url:?}: expected file:DIR or http://HOST:PORT/SCOPE")))
@@ -62,6 +65,35 @@ impl std::fmt::Display for StoreUrl {
             StoreUrl::File(dir) => write!(f, "file:{}", dir.display()),
             StoreUrl::Http { base, scope } => write!(f, "{base}/{scope}"),
         }
+    }
+}
+
+/// Checks the `HOST[:PORT]` part of an HTTP store URL: a port, when given, is a number from 1
+/// to 65535; an IPv6 host is bracketed.
+fn check_authority(url: &str, authority: &str) -> Result<()> {
+    let bad = |why: &str| Err(Error::invalid(format!("store URL {url:?}: {why}")));
+    let port = if let Some(v6) = authority.strip_prefix('[') {
+        let Some((ip, after)) = v6.split_once(']') else { return bad("an IPv6 host must be closed with ']'") };
+        if ip.parse::<std::net::Ipv6Addr>().is_err() {
+            return bad(&format!("{ip:?} is not an IPv6 address"));
+        }
+        match after {
+            "" => None,
+            p => match p.strip_prefix(':') {
+                Some(p) => Some(p),
+                None => return bad("expected ':PORT' after the IPv6 host"),
+            },
+        }
+    } else {
+        match authority.split_once(':') {
+            Some(("", _)) => return bad("the host is empty"),
+            Some((_, p)) => Some(p),
+            None => None,
+        }
+    };
+    match port.map(|p| (p, p.parse::<u16>())) {
+        Some((p, Ok(0) | Err(_))) => bad(&format!("the port {p:?} is not a number from 1 to 65535")),
+        _ => Ok(()),
     }
 }
 
@@ -89,8 +121,30 @@ mod tests {
             StoreUrl::parse("http://127.0.0.1:80/job/a").unwrap(),
             StoreUrl::Http { base: "http://127.0.0.1:80".into(), scope: "job/a".into() }
         );
-        for bad in ["", "file:", "http://host:1", "http:///scope", "ftp://x/y", "/tmp/x"] {
-            assert!(matches!(StoreUrl::parse(bad), Err(Error::InvalidArgument(_))), "{bad}");
+        assert_eq!(
+            StoreUrl::parse("http://[::1]:29500/j").unwrap(),
+            StoreUrl::Http { base: "http://[::1]:29500".into(), scope: "j".into() }
+        );
+        assert!(StoreUrl::parse("http://store-host/j").is_ok(), "the port may be left to the default");
+        for bad in [
+            "",
+            "file:",
+            "http://host:1",
+            "http:///scope",
+            "ftp://x/y",
+            "/tmp/x",
+            "http://host:99999/j",
+            "http://host:0/j",
+            "http://host:80x/j",
+            "http://host:/j",
+            "http://:80/j",
+            "http://[::1/j",
+            "http://[nope]:80/j",
+        ] {
+            let e = StoreUrl::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
         }
+        let e = StoreUrl::parse("http://host:99999/j").unwrap_err().to_string();
+        assert!(e.contains("port") && e.contains("99999"), "{e}");
     }
 }

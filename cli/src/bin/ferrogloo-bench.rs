@@ -2,19 +2,26 @@
 //! nccl-tests.
 //!
 //! `ferrogloo-bench --np 4 --op allreduce,allgather -b 8 -e 64M -f 4` runs 4 local ranks (a
-//! temporary FileStore) and prints one line per size: time (p50 of the slowest rank per
-//! iteration), algorithm and bus bandwidth, min/p99, and how many results were wrong.
+//! temporary FileStore) and prints one line per size and algorithm: time (p50 of the slowest
+//! rank per iteration), algorithm (for `auto`, the one it picked) and bus bandwidth, min/p99,
+//! and how many results were wrong.
 //!
 //! Timing rule (the same as the Gloo and MPI anchors in `../shared/bench`): warm-up with the
 //! same count on every rank, then timed iterations, each after a barrier, each counted at the
 //! slowest rank; p50/min/p99 over iterations. Sizes follow nccl-tests: allreduce, broadcast,
 //! reduce and sendrecv move S bytes per rank; allgather's S is the total output; reduce_scatter's
 //! S is the input; alltoall's S is each rank's send buffer.
+//!
+//! Every run warms the whole job up first (each collective once at the largest size), then
+//! measures the cells of one collective size by size, with the algorithms in a rotated order
+//! at each size, so no algorithm is always the first measured after a change of size.
+//! Collectives run on bytes with a runtime element type (`Context::allreduce_bytes` and its
+//! siblings), as an engine or a binding would call them.
 
 use clap::Parser;
 use ferrogloo::device::TcpAttr;
 use ferrogloo::launch::{RankEnv, spawn_local};
-use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, Error, ReduceOp, Result, bf16, f16};
+use ferrogloo::{Algorithm, CollectiveOptions, Context, DType, Error, Reduction, Result, bf16, f16};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -57,7 +64,7 @@ struct Args {
     #[arg(long, default_value = "sum")]
     reduce: String,
     /// Algorithms (comma-separated; `all` = every one the collective has): auto, ring, hd, rd,
-    /// tree, pipeline.
+    /// tree, pipeline. With `auto` the table and JSON say which one it picked.
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     algorithm: Vec<String>,
     /// Root of broadcast and reduce.
@@ -72,9 +79,10 @@ struct Args {
     /// Warm-up iterations per cell.
     #[arg(short = 'w', long = "warmup", default_value_t = 3)]
     warmup: usize,
-    /// Deadline of every collective, in seconds.
-    #[arg(long, default_value_t = 120)]
-    timeout: u64,
+    /// Deadline of rendezvous and of every collective, in seconds (default: FERROGLOO_TIMEOUT
+    /// when set, else 120).
+    #[arg(long)]
+    timeout: Option<f64>,
     /// Skip checking results.
     #[arg(long)]
     no_check: bool,
@@ -87,14 +95,16 @@ struct Args {
     /// Pipeline segment size of the pipelined algorithms, in bytes (K/M suffixes allowed).
     #[arg(long)]
     segment_bytes: Option<String>,
-    /// `SO_SNDBUF` and `SO_RCVBUF` of every connection, in bytes (K/M suffixes allowed; default:
-    /// the kernel's autotuning).
+    /// `SO_SNDBUF` and `SO_RCVBUF` of every connection, in bytes (K/M suffixes allowed).
+    /// Default: a 512 KiB send buffer for connections between ranks on one host and the
+    /// kernel's autotuning otherwise, and the kernel's autotuning for receive buffers.
     #[arg(long)]
     socket_buffer: Option<String>,
     /// Busy-poll this many microseconds before sleeping in a wait (default: automatic).
     #[arg(long)]
     busy_poll_us: Option<u64>,
-    /// Write one JSON object per measured cell and line to this file.
+    /// Append one JSON object per measured cell and line to this file (created if missing;
+    /// earlier lines are kept).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Draw bus bandwidth against size, one line per collective and algorithm, as SVG.
@@ -106,7 +116,10 @@ struct Args {
 #[derive(Debug, Clone)]
 struct Cell {
     op: String,
-    algorithm: String,
+    /// The algorithm asked for.
+    algorithm: Algorithm,
+    /// The algorithm that ran (what `auto` picked).
+    picked: Option<Algorithm>,
     bytes: usize,
     count: usize,
     iters: usize,
@@ -118,6 +131,16 @@ struct Cell {
     wrong: u32,
 }
 
+impl Cell {
+    /// "ring", or "auto:rd" when `auto` picked recursive doubling.
+    fn algorithm_label(&self) -> String {
+        match (self.algorithm, self.picked) {
+            (Algorithm::Auto, Some(p)) => format!("auto:{}", p.name()),
+            (a, _) => a.name().to_string(),
+        }
+    }
+}
+
 fn parse_size(s: &str) -> Result<usize> {
     let s = s.trim();
     let (num, mul) = match s.chars().last() {
@@ -127,6 +150,17 @@ fn parse_size(s: &str) -> Result<usize> {
         _ => (s, 1),
     };
     num.parse::<usize>().map(|v| v * mul).map_err(|_| Error::invalid(format!("bad size {s:?}")))
+}
+
+/// A size as the plot's ticks and notes write it: 512, 4K, 64K, 1M, 16M, 1G.
+fn human(bytes: usize) -> String {
+    let units = [(1usize << 30, "G"), (1 << 20, "M"), (1 << 10, "K")];
+    for (u, suffix) in units {
+        if bytes >= u && bytes.is_multiple_of(u) {
+            return format!("{}{suffix}", bytes / u);
+        }
+    }
+    bytes.to_string()
 }
 
 fn sizes(args: &Args) -> Result<Vec<usize>> {
@@ -154,47 +188,74 @@ fn algorithms(op: &str, wanted: &[String]) -> Result<Vec<Algorithm>> {
     };
     let mut out = Vec::new();
     for w in wanted {
-        let a = match w.as_str() {
-            "all" => {
-                out.extend_from_slice(has);
-                continue;
+        let wanted: Vec<Algorithm> = if w == "all" { has.to_vec() } else { vec![w.parse()?] };
+        for a in wanted {
+            if has.contains(&a) && !out.contains(&a) {
+                out.push(a);
             }
-            "auto" => Algorithm::Auto,
-            "ring" => Algorithm::Ring,
-            "hd" | "halving-doubling" => Algorithm::HalvingDoubling,
-            "rd" | "recursive-doubling" => Algorithm::RecursiveDoubling,
-            "tree" => Algorithm::BinomialTree,
-            "pipeline" => Algorithm::Pipeline,
-            other => return Err(Error::invalid(format!("unknown algorithm {other:?}"))),
-        };
-        if has.contains(&a) && !out.contains(&a) {
-            out.push(a);
         }
     }
     Ok(out)
 }
 
-fn algo_name(a: Algorithm) -> &'static str {
-    match a {
-        Algorithm::Ring => "ring",
-        Algorithm::HalvingDoubling => "hd",
-        Algorithm::RecursiveDoubling => "rd",
-        Algorithm::BinomialTree => "tree",
-        Algorithm::Pipeline => "pipeline",
-        _ => "auto",
+/// One element of `dtype` holding the small integer `v` (exact in every reduction order).
+fn element(dtype: DType, v: u32) -> Vec<u8> {
+    match dtype {
+        DType::F32 => (v as f32).to_ne_bytes().to_vec(),
+        DType::F64 => f64::from(v).to_ne_bytes().to_vec(),
+        DType::F16 => f16::from_f32(v as f32).to_ne_bytes().to_vec(),
+        DType::BF16 => bf16::from_f32(v as f32).to_ne_bytes().to_vec(),
+        DType::I8 | DType::U8 => vec![v as u8],
+        DType::I16 | DType::U16 => (v as u16).to_ne_bytes().to_vec(),
+        DType::I32 | DType::U32 => v.to_ne_bytes().to_vec(),
+        _ => u64::from(v).to_ne_bytes().to_vec(),
     }
 }
 
-/// Small integer values in every element type (exact in every reduction order).
-trait Val: Element {
-    fn of(v: u32) -> Self;
+/// A buffer of `bytes` bytes aligned for every element type (backed by `u64`s).
+struct Buf {
+    words: Vec<u64>,
+    len: usize,
 }
-macro_rules! val {
-    ($($t:ty: $e:expr),*) => {$( impl Val for $t { fn of(v: u32) -> Self { let f: fn(u32) -> $t = $e; f(v) } } )*};
+
+impl Buf {
+    fn new(len: usize) -> Self {
+        Buf { words: vec![0; len.div_ceil(8)], len }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// Fills with the element `e` repeated.
+    fn fill(&mut self, e: &[u8]) {
+        for chunk in self.bytes_mut().chunks_exact_mut(e.len()) {
+            chunk.copy_from_slice(e);
+        }
+    }
+
+    /// Fills block `i` of `per` bytes with `e` repeated, for every block.
+    fn fill_blocks(&mut self, per: usize, e: impl Fn(usize) -> Vec<u8>) {
+        if per == 0 {
+            return;
+        }
+        for (i, block) in self.bytes_mut().chunks_exact_mut(per).enumerate() {
+            let v = e(i);
+            for chunk in block.chunks_exact_mut(v.len()) {
+                chunk.copy_from_slice(&v);
+            }
+        }
+    }
+
+    /// Whether every element equals `e`.
+    fn all(&self, e: &[u8]) -> bool {
+        self.bytes().chunks_exact(e.len()).all(|c| c == e)
+    }
 }
-val!(i8: |v| v as i8, i16: |v| v as i16, i32: |v| v as i32, i64: i64::from, u8: |v| v as u8, u16: |v| v as u16,
-     u32: |v| v, u64: u64::from, f32: |v| v as f32, f64: f64::from, f16: |v| f16::from_f32(v as f32),
-     bf16: |v| bf16::from_f32(v as f32));
 
 /// Times `iters` calls of `call` (each after a barrier, `reset` and a barrier); returns every
 /// iteration's time at the slowest rank, in microseconds.
@@ -217,7 +278,7 @@ fn timed<S>(
                 call(state)?;
             }
             let mut per = [t.elapsed().as_secs_f64() / 3.0];
-            ctx.allreduce(&mut per, ReduceOp::Max)?;
+            ctx.allreduce(&mut per, ferrogloo::ReduceOp::Max)?;
             ((secs / per[0].max(1e-9)) as usize).clamp(5, 2000)
         }
         None => args.iters.max(1),
@@ -235,91 +296,139 @@ fn timed<S>(
         call(state)?;
         times.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    ctx.allreduce(&mut times, ReduceOp::Max)?;
+    ctx.allreduce(&mut times, ferrogloo::ReduceOp::Max)?;
     Ok(times)
 }
 
-/// Measures one (op, algorithm, size) cell with element type `T`.
-fn measure<T: Val + PartialEq>(ctx: &Context, args: &Args, op: &str, algo: Algorithm, bytes: usize) -> Result<Cell> {
-    let (r, n) = (ctx.rank(), ctx.size());
-    let ts = std::mem::size_of::<T>();
-    let red = match args.reduce.as_str() {
-        "sum" => ReduceOp::Sum,
-        "prod" | "product" => ReduceOp::Product,
-        "min" => ReduceOp::Min,
-        "max" => ReduceOp::Max,
-        other => return Err(Error::invalid(format!("unknown reduction {other:?}"))),
-    };
-    let mut opts = CollectiveOptions::new().algorithm(algo);
-    if let Some(seg) = &args.segment_bytes {
-        opts = opts.segment_bytes(parse_size(seg)?);
-    }
-    let root = args.root % n;
-    // Reduction of `v(p)` over every rank p, in the element type.
-    let reduced = |v: &dyn Fn(usize) -> u32| {
-        let mut acc = [T::of(v(0))];
-        for p in 1..n {
-            red.apply(&mut acc, &[T::of(v(p))]);
+/// What a run measures: element type, reduction, options.
+struct Setup<'a> {
+    args: &'a Args,
+    dtype: DType,
+    red: Reduction,
+    seg: Option<usize>,
+}
+
+impl Setup<'_> {
+    fn opts(&self, algo: Algorithm) -> CollectiveOptions {
+        let mut o = CollectiveOptions::new().algorithm(algo);
+        if let Some(seg) = self.seg {
+            o = o.segment_bytes(seg);
         }
-        acc[0]
-    };
-    let own = T::of(r as u32 + 1);
+        o
+    }
+
+    /// The reduction of `v(p)` over every rank p, as one element.
+    fn reduced(&self, n: usize, v: impl Fn(usize) -> u32) -> Result<Vec<u8>> {
+        let mut acc = element(self.dtype, v(0));
+        for p in 1..n {
+            self.red.apply_bytes(self.dtype, &mut acc, &element(self.dtype, v(p)))?;
+        }
+        Ok(acc)
+    }
+}
+
+/// Measures one (op, algorithm, size) cell.
+fn measure(ctx: &Context, s: &Setup<'_>, op: &str, algo: Algorithm, bytes: usize) -> Result<Cell> {
+    let (args, dtype) = (s.args, s.dtype);
+    let (r, n) = (ctx.rank(), ctx.size());
+    let ts = dtype.size();
+    let opts = s.opts(algo);
+    let root = args.root % n;
+    let own = element(dtype, r as u32 + 1);
+    let mut picked = None;
     let mut wrong = false;
     let (count, moved, factor, times) = match op {
         "allreduce" => {
             let count = bytes / ts;
-            let mut buf = vec![own; count];
-            let times = timed(ctx, args, &mut buf, |b| b.fill(own), |b| ctx.allreduce_with(b, &red, &opts))?;
-            let want = reduced(&|p| p as u32 + 1);
-            wrong = buf.iter().any(|&x| x != want);
+            let mut buf = Buf::new(count * ts);
+            picked = Some(ctx.allreduce_algorithm(count * ts, algo)?);
+            let times = timed(
+                ctx,
+                args,
+                &mut buf,
+                |b| b.fill(&own),
+                |b| ctx.allreduce_bytes(b.bytes_mut(), dtype, s.red, &opts),
+            )?;
+            wrong = !buf.all(&s.reduced(n, |p| p as u32 + 1)?);
             (count, count * ts, 2.0 * (n - 1) as f64 / n as f64, times)
         }
         "allgather" => {
             let per = bytes / ts / n;
-            let mine = vec![own; per];
-            let mut out = vec![T::of(0); per * n];
-            let times = timed(ctx, args, &mut out, |_| {}, |o| ctx.allgather(&mine, o, &opts))?;
-            wrong = out.iter().enumerate().any(|(i, &x)| x != T::of((i / per.max(1)) as u32 + 1));
+            let mut mine = Buf::new(per * ts);
+            mine.fill(&own);
+            let mut out = Buf::new(per * n * ts);
+            picked = Some(ctx.allgather_algorithm(per * n * ts, algo)?);
+            let times =
+                timed(ctx, args, &mut out, |_| {}, |o| ctx.allgather_bytes(mine.bytes(), o.bytes_mut(), dtype, &opts))?;
+            wrong = per > 0
+                && out.bytes().chunks_exact(per * ts).enumerate().any(|(p, b)| {
+                    let e = element(dtype, p as u32 + 1);
+                    b.chunks_exact(ts).any(|c| c != e)
+                });
             (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
         }
         "reduce_scatter" => {
             let per = bytes / ts / n;
-            let input = vec![own; per * n];
-            let mut out = vec![T::of(0); per];
-            let times = timed(ctx, args, &mut out, |_| {}, |o| ctx.reduce_scatter(&input, o, &red, &opts))?;
-            let want = reduced(&|p| p as u32 + 1);
-            wrong = out.iter().any(|&x| x != want);
+            let mut input = Buf::new(per * n * ts);
+            input.fill(&own);
+            let mut out = Buf::new(per * ts);
+            let times = timed(
+                ctx,
+                args,
+                &mut out,
+                |_| {},
+                |o| ctx.reduce_scatter_bytes(input.bytes(), o.bytes_mut(), dtype, s.red, &opts),
+            )?;
+            wrong = !out.all(&s.reduced(n, |p| p as u32 + 1)?);
             (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
         }
         "broadcast" => {
             let count = bytes / ts;
-            let fresh = if r == root { own } else { T::of(0) };
-            let mut buf = vec![fresh; count];
-            let times = timed(ctx, args, &mut buf, |b| b.fill(fresh), |b| ctx.broadcast(b, root, &opts))?;
-            wrong = buf.iter().any(|&x| x != T::of(root as u32 + 1));
+            let fresh = if r == root { own.clone() } else { element(dtype, 0) };
+            let mut buf = Buf::new(count * ts);
+            picked = Some(ctx.broadcast_algorithm(count * ts, algo)?);
+            let times = timed(
+                ctx,
+                args,
+                &mut buf,
+                |b| b.fill(&fresh),
+                |b| ctx.broadcast_bytes(b.bytes_mut(), dtype, root, &opts),
+            )?;
+            wrong = !buf.all(&element(dtype, root as u32 + 1));
             (count, count * ts, 1.0, times)
         }
         "reduce" => {
             let count = bytes / ts;
-            let mut buf = vec![own; count];
-            let times = timed(ctx, args, &mut buf, |b| b.fill(own), |b| ctx.reduce(b, root, &red, &opts))?;
-            let want = if r == root { reduced(&|p| p as u32 + 1) } else { own };
-            wrong = buf.iter().any(|&x| x != want);
+            let mut buf = Buf::new(count * ts);
+            let times = timed(
+                ctx,
+                args,
+                &mut buf,
+                |b| b.fill(&own),
+                |b| ctx.reduce_bytes(b.bytes_mut(), dtype, root, s.red, &opts),
+            )?;
+            let want = if r == root { s.reduced(n, |p| p as u32 + 1)? } else { own.clone() };
+            wrong = !buf.all(&want);
             (count, count * ts, 1.0, times)
         }
         "alltoall" => {
             let per = bytes / ts / n;
-            let input: Vec<T> = (0..per * n).map(|i| T::of((r * n + i / per.max(1)) as u32 % 100)).collect();
-            let mut out = vec![T::of(0); per * n];
-            let times = timed(ctx, args, &mut out, |_| {}, |o| ctx.alltoall(&input, o, &opts))?;
-            wrong = out.iter().enumerate().any(|(i, &x)| x != T::of(((i / per.max(1)) * n + r) as u32 % 100));
+            let mut input = Buf::new(per * n * ts);
+            input.fill_blocks(per * ts, |p| element(dtype, ((r * n + p) % 100) as u32));
+            let mut out = Buf::new(per * n * ts);
+            let times =
+                timed(ctx, args, &mut out, |_| {}, |o| ctx.alltoall_bytes(input.bytes(), o.bytes_mut(), dtype, &opts))?;
+            let mut want = Buf::new(per * n * ts);
+            want.fill_blocks(per * ts, |p| element(dtype, ((p * n + r) % 100) as u32));
+            wrong = out.bytes() != want.bytes();
             (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
         }
         "sendrecv" => {
             let count = bytes / ts;
             let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-            let out = vec![own; count];
-            let mut inbox = vec![T::of(0); count];
+            let mut out = Buf::new(count * ts);
+            out.fill(&own);
+            let mut inbox = Buf::new(count * ts);
             let times = timed(
                 ctx,
                 args,
@@ -329,15 +438,15 @@ fn measure<T: Val + PartialEq>(ctx: &Context, args: &Args, op: &str, algo: Algor
                     if n == 1 {
                         return Ok(());
                     }
-                    ctx.scope(|s| {
-                        let sent = s.isend(right, 1, &out)?;
-                        let got = s.irecv(left, 1, inbox)?;
+                    ctx.scope(|sc| {
+                        let sent = sc.isend(right, 1, out.bytes())?;
+                        let got = sc.irecv(left, 1, inbox.bytes_mut())?;
                         sent.wait()?;
                         got.wait().map(drop)
                     })
                 },
             )?;
-            wrong = n > 1 && inbox.iter().any(|&x| x != T::of(left as u32 + 1));
+            wrong = n > 1 && !inbox.all(&element(dtype, left as u32 + 1));
             (count, count * ts, 1.0, times)
         }
         "barrier" => {
@@ -347,34 +456,77 @@ fn measure<T: Val + PartialEq>(ctx: &Context, args: &Args, op: &str, algo: Algor
         other => return Err(Error::invalid(format!("unknown collective {other:?}"))),
     };
     let mut bad = [u32::from(wrong && !args.no_check)];
-    ctx.allreduce(&mut bad, ReduceOp::Max)?;
-    let mut s = times.clone();
-    s.sort_by(f64::total_cmp);
-    let p50 = s[s.len() / 2];
+    ctx.allreduce(&mut bad, ferrogloo::ReduceOp::Max)?;
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let p50 = sorted[sorted.len() / 2];
     let algbw = if p50 > 0.0 { moved as f64 / p50 / 1e3 } else { 0.0 };
     Ok(Cell {
         op: op.to_string(),
-        algorithm: algo_name(algo).to_string(),
+        algorithm: algo,
+        picked,
         bytes: moved,
         count,
-        iters: s.len(),
+        iters: sorted.len(),
         p50,
-        min: s[0],
-        p99: s[((s.len() - 1) as f64 * 0.99) as usize],
+        min: sorted[0],
+        p99: sorted[((sorted.len() - 1) as f64 * 0.99) as usize],
         algbw,
         busbw: algbw * factor,
         wrong: bad[0],
     })
 }
 
-fn run<T: Val + PartialEq>(ctx: &Context, args: &Args) -> Result<Vec<Cell>> {
+/// The bytes a cell of `op` really moves when asked for `bytes`: whole elements, and for the
+/// collectives whose size is split over the ranks, whole blocks per rank.
+fn effective(op: &str, bytes: usize, ts: usize, n: usize) -> usize {
+    match op {
+        "allgather" | "reduce_scatter" | "alltoall" => bytes / ts / n * n * ts,
+        "barrier" => 0,
+        _ => bytes / ts * ts,
+    }
+}
+
+fn run(ctx: &Context, s: &Setup<'_>) -> Result<Vec<Cell>> {
+    let args = s.args;
     let sizes = sizes(args)?;
+    let (n, ts) = (ctx.size(), s.dtype.size());
+    // The plan: per collective, size by size, the algorithms rotated by one at each size.
     let mut plan = Vec::new();
     for op in &args.op {
         let sz: Vec<usize> = if op == "barrier" { vec![0] } else { sizes.clone() };
-        for a in algorithms(op, &args.algorithm)? {
-            plan.extend(sz.iter().map(|&b| (op.clone(), a, b)));
+        let algos = algorithms(op, &args.algorithm)?;
+        for (i, &b) in sz.iter().enumerate() {
+            for k in 0..algos.len() {
+                plan.push((op.clone(), algos[(i + k) % algos.len()], b));
+            }
         }
+    }
+    if ctx.rank() == 0 {
+        for op in &args.op {
+            for &b in &sizes {
+                let e = effective(op, b, ts, n);
+                if e != b && op != "barrier" {
+                    println!(
+                        "# {op}: {b} bytes is not a whole number of {ts}-byte {} elements{}; measured {e} bytes",
+                        s.dtype,
+                        if matches!(op.as_str(), "allgather" | "reduce_scatter" | "alltoall") {
+                            format!(" per each of the {n} ranks")
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+            }
+        }
+    }
+    // Warm the whole job up once (connections, socket buffers, page faults, scratch) so the
+    // first cell measured is not the one that pays for it.
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    for op in &args.op {
+        let warm = Args { warmup: 1, iters: 1, seconds: None, ..args.clone() };
+        let w = Setup { args: &warm, dtype: s.dtype, red: s.red, seg: s.seg };
+        measure(ctx, &w, op, Algorithm::Auto, largest)?;
     }
     let bar = if ctx.rank() == 0 {
         let b =
@@ -390,8 +542,8 @@ fn run<T: Val + PartialEq>(ctx: &Context, args: &Args) -> Result<Vec<Cell>> {
     let mut cells = Vec::new();
     let mut last_op = String::new();
     for (op, algo, bytes) in plan {
-        bar.set_message(format!("{op} {} {bytes} B", algo_name(algo)));
-        let cell = measure::<T>(ctx, args, &op, algo, bytes)?;
+        bar.set_message(format!("{op} {algo} {}", human(bytes)));
+        let cell = measure(ctx, s, &op, algo, bytes)?;
         if ctx.rank() == 0 {
             if op != last_op {
                 bar.suspend(|| header(ctx, args, &op));
@@ -409,11 +561,11 @@ fn run<T: Val + PartialEq>(ctx: &Context, args: &Args) -> Result<Vec<Cell>> {
 fn header(ctx: &Context, args: &Args, op: &str) {
     println!("#\n# {op}: {} ranks, type {}, reduction {}, root {}", ctx.size(), args.dtype, args.reduce, args.root);
     println!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>9} {:>10} {:>8} {:>8} {:>10} {:>10} {:>7}",
+        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>10} {:>10} {:>7}",
         "size", "count", "type", "redop", "root", "algorithm", "time", "algbw", "busbw", "min", "p99", "#wrong"
     );
     println!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>9} {:>10} {:>8} {:>8} {:>10} {:>10} {:>7}",
+        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>10} {:>10} {:>7}",
         "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "(us)", "(us)", ""
     );
 }
@@ -422,13 +574,13 @@ fn print_cell(args: &Args, c: &Cell) {
     let rooted = matches!(c.op.as_str(), "broadcast" | "reduce");
     let reducing = matches!(c.op.as_str(), "allreduce" | "reduce_scatter" | "reduce");
     println!(
-        "  {:>12} {:>12} {:>6} {:>6} {:>5} {:>9} {:>10.1} {:>8.3} {:>8.3} {:>10.1} {:>10.1} {:>7}",
+        "  {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10.1} {:>8.3} {:>8.3} {:>10.1} {:>10.1} {:>7}",
         c.bytes,
         c.count,
         args.dtype,
         if reducing { args.reduce.as_str() } else { "-" },
         if rooted { args.root.to_string() } else { "-1".to_string() },
-        c.algorithm,
+        c.algorithm_label(),
         c.p50,
         c.algbw,
         c.busbw,
@@ -438,55 +590,129 @@ fn print_cell(args: &Args, c: &Cell) {
     );
 }
 
+/// Appends the cells to `path`, one JSON object per line (the shared schema, plus `picked`:
+/// the algorithm `auto` ran).
 fn write_json(path: &PathBuf, args: &Args, n: usize, cells: &[Cell]) -> Result<()> {
+    use std::io::Write;
     let mut out = String::new();
     for c in cells {
         let row = serde_json::json!({
-            "impl": "ferrogloo", "op": c.op, "algorithm": c.algorithm, "ranks": n, "bytes": c.bytes,
+            "impl": "ferrogloo", "op": c.op, "algorithm": c.algorithm.name(),
+            "picked": c.picked.map(|a| a.name()), "ranks": n, "bytes": c.bytes,
             "dtype": args.dtype, "iters": c.iters, "p50_us": c.p50, "min_us": c.min, "p99_us": c.p99,
             "algbw_gbps": c.algbw, "busbw_gbps": c.busbw, "wrong": c.wrong,
         });
         out.push_str(&row.to_string());
         out.push('\n');
     }
-    std::fs::write(path, out).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(out.as_bytes()))
+        .map_err(|e| Error::io(format!("appending to {}", path.display()), e))
 }
 
-fn plot(path: &PathBuf, n: usize, cells: &[Cell]) -> std::result::Result<(), Box<dyn std::error::Error>> {
+/// Colours told apart easily (Okabe and Ito's palette, safe for colour blindness, then grey
+/// and brown); each collective also has a marker shape of its own.
+const COLOURS: [(u8, u8, u8); 10] = [
+    (0, 114, 178),
+    (213, 94, 0),
+    (0, 158, 115),
+    (204, 121, 167),
+    (230, 159, 0),
+    (86, 180, 233),
+    (0, 0, 0),
+    (240, 228, 66),
+    (128, 128, 128),
+    (153, 79, 0),
+];
+
+fn plot(path: &PathBuf, args: &Args, n: usize, cells: &[Cell]) -> std::result::Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
     let drawn: Vec<&Cell> = cells.iter().filter(|c| c.bytes > 0).collect();
     if drawn.is_empty() {
         return Ok(());
     }
-    let xmin = drawn.iter().map(|c| c.bytes).min().unwrap_or(1) as f64;
-    let xmax = drawn.iter().map(|c| c.bytes).max().unwrap_or(2) as f64;
+    // Sizes on a log2 axis, ticked at powers of two (4K, 64K, 1M).
+    let log2 = |b: usize| (b as f64).log2();
+    let xmin = drawn.iter().map(|c| log2(c.bytes)).fold(f64::INFINITY, f64::min).floor();
+    let xmax = drawn.iter().map(|c| log2(c.bytes)).fold(0.0, f64::max).ceil().max(xmin + 1.0);
     let ymax = drawn.iter().map(|c| c.busbw).fold(0.0, f64::max) * 1.1 + 1e-3;
-    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    let ops: Vec<&str> = {
+        let mut o: Vec<&str> = drawn.iter().map(|c| c.op.as_str()).collect();
+        o.dedup();
+        o
+    };
+    let host = ferrogloo::device::host_id();
+    let host = host.split('/').next().unwrap_or("");
+    let iters = drawn.iter().map(|c| c.iters).min().unwrap_or(0);
+    let title = format!(
+        "{}: {} {}, {n} ranks, ≥{iters} iterations per point, host {host}",
+        ops.join(", "),
+        args.dtype,
+        args.reduce
+    );
+    let root = SVGBackend::new(path, (1100, 600)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("ferrogloo bus bandwidth, {n} ranks"), ("sans-serif", 22))
+    // The chart on the left, the legend in a column of its own on the right.
+    let (chart_area, legend_area) = root.split_horizontally(860);
+    let mut chart = ChartBuilder::on(&chart_area)
+        .caption(title, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(55)
-        .build_cartesian_2d((xmin..xmax * 1.01).log_scale(), 0.0..ymax)?;
-    chart.configure_mesh().x_desc("message size (bytes)").y_desc("busbw (GB/s)").draw()?;
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        .build_cartesian_2d(xmin..xmax, 0.0..ymax)?;
+    let ticks = (xmax - xmin) as usize;
+    let step = ticks.div_ceil(12).max(1);
+    chart
+        .configure_mesh()
+        .x_desc("message size (bytes)")
+        .y_desc("bus bandwidth (GB/s)")
+        .x_labels(ticks / step + 1)
+        .x_label_formatter(&|x| if x.fract() == 0.0 { human(2f64.powf(*x) as usize) } else { String::new() })
+        .draw()?;
+    // One series per collective and algorithm asked for.
+    struct Series {
+        name: String,
+        /// The collective's marker.
+        shape: usize,
+        pts: Vec<(f64, f64)>,
+    }
+    let mut series: Vec<Series> = Vec::new();
     for c in &drawn {
-        let name = format!("{} {}", c.op, c.algorithm);
-        match series.iter_mut().find(|(s, _)| *s == name) {
-            Some((_, pts)) => pts.push((c.bytes as f64, c.busbw)),
-            None => series.push((name, vec![(c.bytes as f64, c.busbw)])),
+        let name =
+            if ops.len() > 1 { format!("{} {}", c.op, c.algorithm.name()) } else { c.algorithm.name().to_string() };
+        let shape = ops.iter().position(|o| *o == c.op).unwrap_or(0);
+        let pt = (log2(c.bytes), c.busbw);
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.pts.push(pt),
+            None => series.push(Series { name, shape, pts: vec![pt] }),
         }
     }
-    for (i, (name, pts)) in series.into_iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+    for (i, Series { name, shape, mut pts }) in series.into_iter().enumerate() {
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (r, g, b) = COLOURS[i % COLOURS.len()];
+        let colour = RGBColor(r, g, b);
+        chart.draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))?;
+        let marker = |p: (f64, f64)| -> DynElement<'static, SVGBackend<'_>, (f64, f64)> {
+            match shape % 3 {
+                0 => Circle::new(p, 4, colour.filled()).into_dyn(),
+                1 => TriangleMarker::new(p, 5, colour.filled()).into_dyn(),
+                _ => Cross::new(p, 4, colour.stroke_width(2)).into_dyn(),
+            }
+        };
+        chart.draw_series(pts.into_iter().map(marker))?;
+        let y = 60 + 26 * i as i32;
+        legend_area.draw(&PathElement::new(vec![(10, y), (40, y)], colour.stroke_width(3)))?;
+        let mark: DynElement<'static, SVGBackend<'_>, (i32, i32)> = match shape % 3 {
+            0 => Circle::new((25, y), 4, colour.filled()).into_dyn(),
+            1 => TriangleMarker::new((25, y), 5, colour.filled()).into_dyn(),
+            _ => Cross::new((25, y), 4, colour.stroke_width(2)).into_dyn(),
+        };
+        legend_area.draw(&mark)?;
+        legend_area.draw(&Text::new(name, (48, y - 8), ("sans-serif", 15)))?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
     root.present()?;
     Ok(())
 }
@@ -503,28 +729,27 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
         let b = parse_size(b)?;
         (attr.send_buffer, attr.recv_buffer) = (Some(b), Some(b));
     }
+    let timeout = match args.timeout {
+        Some(t) => {
+            Duration::try_from_secs_f64(t).map_err(|_| Error::invalid(format!("--timeout {t} is not a duration")))?
+        }
+        None if std::env::var_os(ferrogloo::context::TIMEOUT_ENV).is_some() => ferrogloo::context::default_timeout()?,
+        None => Duration::from_secs(120),
+    };
+    let setup = Setup {
+        args,
+        dtype: args.dtype.parse()?,
+        red: args.reduce.parse()?,
+        seg: args.segment_bytes.as_deref().map(parse_size).transpose()?,
+    };
     let store = ferrogloo::rendezvous::open(&env.store)?;
     let device = ferrogloo::device::Device::new(&attr)?;
-    let mut builder = Context::builder(env.rank, env.size).timeout(Duration::from_secs(args.timeout));
+    let mut builder = Context::builder(env.rank, env.size).timeout(timeout);
     if let Some(us) = args.busy_poll_us {
         builder = builder.busy_poll(Duration::from_micros(us));
     }
     let ctx = builder.connect(&store, &device)?;
-    let cells = match args.dtype.as_str() {
-        "f32" => run::<f32>(&ctx, args),
-        "f64" => run::<f64>(&ctx, args),
-        "f16" => run::<f16>(&ctx, args),
-        "bf16" => run::<bf16>(&ctx, args),
-        "i8" => run::<i8>(&ctx, args),
-        "i16" => run::<i16>(&ctx, args),
-        "i32" => run::<i32>(&ctx, args),
-        "i64" => run::<i64>(&ctx, args),
-        "u8" => run::<u8>(&ctx, args),
-        "u16" => run::<u16>(&ctx, args),
-        "u32" => run::<u32>(&ctx, args),
-        "u64" => run::<u64>(&ctx, args),
-        other => Err(Error::invalid(format!("unknown type {other:?}"))),
-    }?;
+    let cells = run(&ctx, &setup)?;
     if ctx.rank() == 0 {
         let bus: Vec<f64> = cells.iter().filter(|c| c.bytes > 0).map(|c| c.busbw).collect();
         let avg = if bus.is_empty() { 0.0 } else { bus.iter().sum::<f64>() / bus.len() as f64 };
@@ -535,7 +760,7 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
             write_json(p, args, ctx.size(), &cells)?;
         }
         if let Some(p) = &args.plot {
-            plot(p, ctx.size(), &cells).map_err(|e| Error::invalid(format!("drawing {}: {e}", p.display())))?;
+            plot(p, args, ctx.size(), &cells).map_err(|e| Error::invalid(format!("drawing {}: {e}", p.display())))?;
         }
         if wrong > 0 {
             return Err(Error::invalid(format!("{wrong} cells gave wrong results")));
@@ -545,23 +770,56 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
 }
 
 fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     let args = Args::parse();
-    let result = match RankEnv::is_set() {
-        true => RankEnv::from_env().and_then(|env| rank_main(&args, env)),
-        false => match (args.np, args.rank, args.size, &args.store) {
+    let result = if RankEnv::is_set() {
+        RankEnv::from_env().and_then(|env| rank_main(&args, env))
+    } else {
+        match (args.np, args.rank, args.size, &args.store) {
             (Some(n), None, None, _) => {
                 let argv: Vec<String> = std::env::args().skip(1).collect();
                 // Bounded: a sweep's worth of deadlines.
-                spawn_local(n, &argv, Duration::from_secs(args.timeout * 30))
+                let per = args.timeout.map_or(Duration::from_secs(120), Duration::from_secs_f64);
+                spawn_local(n, &argv, per * 30)
             }
             (None, Some(rank), Some(size), Some(store)) => {
                 rank_main(&args, RankEnv { rank, size, store: store.clone() })
             }
             _ => Err(Error::invalid("give --np N, or --rank R --size N --store URL")),
-        },
+        }
     };
     if let Err(e) = result {
         eprintln!("ferrogloo-bench: {e}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_and_print_in_human_units() {
+        assert_eq!(parse_size("64K").unwrap(), 65536);
+        assert_eq!(human(4096), "4K");
+        assert_eq!(human(1 << 20), "1M");
+        assert_eq!(human(3 << 20), "3M");
+        assert_eq!(human(1000), "1000");
+        assert_eq!(effective("allgather", 1000, 4, 3), 996);
+        assert_eq!(effective("allreduce", 1001, 4, 3), 1000);
+    }
+
+    #[test]
+    fn all_expands_to_every_algorithm_once() {
+        let all = algorithms("allreduce", &["auto".into(), "all".into()]).unwrap();
+        assert_eq!(all.len(), 4);
+        assert!(algorithms("broadcast", &["nope".into()]).is_err());
     }
 }

@@ -1,19 +1,25 @@
 //! `ferrogloo-store-server`: the embedded HTTP rendezvous server as a standalone program.
 //!
-//! Speaks Horovod's rendezvous protocol (plus atomic add); point ranks at it with
-//! `FERROGLOO_STORE=http://HOST:PORT/SCOPE`. Serves until killed (or for `--seconds`).
+//! Speaks Horovod's rendezvous protocol (plus atomic add). Its first line of output is the
+//! store URL to give every rank, exactly as printed: `FERROGLOO_STORE=http://HOST:PORT/SCOPE`
+//! (or `--store` of the examples and the benchmark). Serves until killed (or for `--seconds`).
 
 use clap::Parser;
+use ferrogloo::device::TcpAttr;
 use ferrogloo::rendezvous::HttpStoreServer;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 /// HTTP rendezvous store for ferrogloo jobs (Horovod's protocol).
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// Address to listen on (port 0 picks a free one).
+    /// Address to listen on (port 0 picks a free one; 0.0.0.0 listens everywhere).
     #[arg(long, default_value = "127.0.0.1:0")]
     bind: String,
+    /// The scope in the printed URL: the namespace of one job's keys.
+    #[arg(long, default_value = "ferrogloo")]
+    scope: String,
     /// Keep the entries in this journal file too, so that a server restarted on the same file
     /// (and address) carries on a rendezvous where the old one stopped.
     #[arg(long)]
@@ -24,7 +30,14 @@ struct Args {
 }
 
 fn main() {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     let args = Args::parse();
     let started = match &args.journal {
         Some(path) => HttpStoreServer::start_with_journal(args.bind.as_str(), path),
@@ -37,8 +50,15 @@ fn main() {
             std::process::exit(1);
         }
     };
-    // The first line names the URL, so scripts can read it.
-    println!("{}", server.base_url());
+    // A server listening everywhere is reached at this host's address, as a device finds it.
+    let mut addr: SocketAddr = server.local_addr();
+    if addr.ip().is_unspecified()
+        && let Ok(ip) = TcpAttr::default().resolve()
+    {
+        addr.set_ip(ip);
+    }
+    // The first line is the URL, so scripts can read it; ranks take it as printed.
+    println!("http://{addr}/{}", args.scope);
     match args.seconds {
         Some(s) => std::thread::sleep(Duration::from_secs(s)),
         None => loop {
