@@ -42,12 +42,23 @@ pub(crate) struct Shared {
     pending: Arc<[AtomicU32]>,
     /// How waits busy-poll before sleeping.
     pub(crate) spin: BusyWait,
+    /// This rank's pair with itself (whatever the backend).
+    own: Arc<dyn Pair>,
 }
+
+/// What a rank may send itself before it posts the receive (a larger send waits for it).
+const SELF_BUDGET: usize = 8 << 20;
 
 impl Shared {
     pub(crate) fn new(mesh: Mesh, world_rank: usize, hosts: Vec<String>, spin: BusyWait) -> Self {
         let pending = (0..mesh.pairs.len()).map(|_| AtomicU32::new(0)).collect();
-        Shared { mesh, world_rank, hosts, pending, spin }
+        let own = crate::transport::memory::loopback(world_rank, SELF_BUDGET);
+        Shared { mesh, world_rank, hosts, pending, spin, own }
+    }
+
+    /// The pair to mesh rank `r` (the loopback pair for this rank).
+    fn pair(&self, r: usize) -> Option<Arc<dyn Pair>> {
+        if r == self.world_rank { Some(self.own.clone()) } else { self.mesh.pairs.get(r).cloned().flatten() }
     }
 }
 
@@ -59,7 +70,7 @@ pub(crate) struct Comm {
     group: u64,
     /// Mesh rank of each member, indexed by rank in the group.
     members: Arc<[usize]>,
-    /// Indexed by rank in the group; `None` at this rank.
+    /// Indexed by rank in the group (this rank's is its loopback pair).
     pairs: Vec<Option<Arc<dyn Pair>>>,
     shared: Arc<Shared>,
     timeout: Duration,
@@ -85,7 +96,7 @@ impl Comm {
     pub(crate) fn over(shared: Arc<Shared>, group: u64, members: Arc<[usize]>, timeout: Duration) -> Self {
         let me = shared.world_rank;
         let rank = members.iter().position(|&m| m == me).unwrap_or(0);
-        let pairs = members.iter().map(|&m| shared.mesh.pairs.get(m).cloned().flatten()).collect();
+        let pairs = members.iter().map(|&m| shared.pair(m)).collect();
         Comm {
             rank,
             size: members.len(),
@@ -178,8 +189,7 @@ impl Comm {
         self.check_usable()?;
         match self.pairs.get(peer) {
             Some(Some(p)) => Ok(p),
-            Some(None) => Err(Error::invalid(format!("rank {peer} is this rank; it has no connection to itself"))),
-            None => Err(Error::invalid(format!("rank {peer} is out of range for size {}", self.size))),
+            _ => Err(Error::invalid(format!("rank {peer} is out of range for size {}", self.size))),
         }
     }
 

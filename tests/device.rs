@@ -36,10 +36,46 @@ fn a_port_range_skips_ports_in_use() {
 #[test]
 fn bad_device_attributes_are_clear_errors() {
     let e = Device::new(&TcpAttr::iface("no-such-if0")).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(ref m) if m.contains("no-such-if0")), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("no-such-if0") && m.contains("lo (127.0.0.1)")),
+        "{e}"
+    );
     let e = Device::new(&TcpAttr::ip("0.0.0.0".parse().unwrap())).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     let v6_on_v4_iface = TcpAttr { family: Family::V6, ..TcpAttr::ip("127.0.0.1".parse().unwrap()) };
     // An explicit IP wins over the family.
     assert!(Device::new(&v6_on_v4_iface).unwrap().local_addr().expect("a TCP device").is_ipv4());
+}
+
+#[test]
+fn by_default_a_device_listens_where_other_hosts_can_reach_it() {
+    // Gloo's rule: the host name's address unless it is loopback, else the default route's
+    // interface; loopback only on a host with neither.
+    let route = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
+    let has_default_route = route.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some("00000000"));
+    let ip = TcpAttr::default().resolve().unwrap();
+    if has_default_route {
+        assert!(!ip.is_loopback(), "default address {ip} with a default route present");
+        let dev = Device::new(&TcpAttr::default()).unwrap();
+        assert_eq!(dev.local_addr().expect("a TCP device").ip(), ip);
+    } else {
+        eprintln!("SKIPPED: no default route; the default is {ip}");
+    }
+    assert_eq!(Device::loopback().unwrap().local_addr().expect("a TCP device").ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+}
+
+#[test]
+fn the_host_identity_is_stable_and_names_the_host() {
+    let id = ferrogloo::device::host_id();
+    assert_eq!(id, ferrogloo::device::host_id());
+    if std::env::var_os("FERROGLOO_HOST_ID").is_none() {
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        assert!(id.starts_with(&format!("{}/", name.trim())), "{id:?} does not start with the host name");
+    }
+    assert_eq!(Device::in_process().backend_name(), "memory");
+    assert!(Device::in_process().local_addr().is_none());
+    match Device::ibverbs(None) {
+        Err(Error::Unsupported { what, .. }) => assert!(what.contains("ibverbs"), "{what}"),
+        other => panic!("the ibverbs transport is not written yet: expected Unsupported, got {other:?}"),
+    }
 }

@@ -114,7 +114,7 @@ fn link_down(env: &RankEnv, store: &impl Store, dev: &Device) {
     };
     println!("ERROR_AT {} {err}", now_ns());
     assert!(
-        matches!(err, Error::Timeout { .. } | Error::Aborted { .. } | Error::PeerClosed { .. } | Error::Io { .. }),
+        matches!(err, Error::Timeout { .. } | Error::PeerTimedOut { .. } | Error::PeerClosed { .. } | Error::Io { .. }),
         "rank {r}: unexpected kind of error {err:?}"
     );
     assert!(ctx.is_aborted(), "rank {r}: a failed collective leaves the context aborted");

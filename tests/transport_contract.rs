@@ -166,6 +166,31 @@ fn large(dev: MakeDevice) {
     });
 }
 
+/// A rank's messages to itself follow the same rules: order, any length, receive from any.
+fn to_itself(dev: MakeDevice) {
+    run(dev, 2, |ctx| {
+        let me = ctx.rank();
+        ctx.send(me, 1, &[1u16, 2])?;
+        ctx.send(me, 1, &[3u16])?;
+        let mut a = [0u16; 2];
+        ctx.recv(me, 1, &mut a)?;
+        assert_eq!(a, [1, 2]);
+        assert_eq!(ctx.recv_bytes(me, 1, 64)?, 3u16.to_ne_bytes());
+        let (mut got, out) = ([0u64; 1], [me as u64]);
+        ctx.scope(|s| {
+            let r = s.irecv_any(&[0, 1], 2, &mut got)?;
+            s.isend(me, 2, &out)?.wait()?;
+            let (from, v) = r.wait_from()?;
+            assert_eq!((from, v[0]), (me, me as u64));
+            Ok(())
+        })?;
+        // A receive of the wrong length from itself is a mismatch too.
+        ctx.send(me, 3, &[0u8; 5])?;
+        assert!(matches!(ctx.recv(me, 3, &mut [0u8; 4]), Err(Error::Mismatch { .. })));
+        ctx.barrier()
+    });
+}
+
 /// Rule 10: a receive nobody answers ends at its deadline naming the peer, is withdrawn, and
 /// the pair works on.
 fn deadline(dev: MakeDevice) {
@@ -447,6 +472,7 @@ macro_rules! backends {
             #[test] fn recv_any() { super::recv_any(DEVICE) }
             #[test] fn unknown_length() { super::unknown_length(DEVICE) }
             #[test] fn zero_length() { super::zero_length(DEVICE) }
+            #[test] fn to_itself() { super::to_itself(DEVICE) }
             #[test] fn large() { super::large(DEVICE) }
             #[test] fn deadline() { super::deadline(DEVICE) }
             #[test] fn peer_gone() { super::peer_gone(DEVICE) }

@@ -60,6 +60,9 @@
 //!    written, the stream cannot continue, so the pair fails with [`Error::Protocol`].
 //! 10. **Deadlines** are the waiter's: [`Progress::wait`] returns `None` at the deadline and the
 //!     waiter cancels. A backend never blocks a poster or a waiter past the deadline it is given.
+//!
+//! A rank's messages to itself go through a loopback pair ([`memory::loopback`]) whatever the
+//! backend, under the same rules.
 
 pub(crate) mod ibverbs;
 pub(crate) mod matching;

@@ -285,9 +285,13 @@ struct Accepted {
     lane: Lane,
 }
 
-enum Progress {
+/// Where an accepted connection's handshake stands after a step.
+enum HandshakeStep {
+    /// Waiting for more bytes.
     More,
+    /// Accepted: the connection joins its pair.
     Done,
+    /// Refused, for this reason: the connection is closed.
     Drop(String),
 }
 
@@ -399,14 +403,14 @@ impl EventLoop {
     fn handshake_step(&mut self, token: Token) {
         let Some(mut inc) = self.incoming.remove(&token) else { return };
         match self.advance(&mut inc) {
-            Progress::More => {
+            HandshakeStep::More => {
                 self.incoming.insert(token, inc);
             }
-            Progress::Drop(why) => {
+            HandshakeStep::Drop(why) => {
                 self.incoming.insert(token, inc);
                 self.drop_incoming(token, &why);
             }
-            Progress::Done => {
+            HandshakeStep::Done => {
                 let Some(Accepted { pair, route, lane, .. }) = inc.accepted else { return };
                 let peer = pair.peer();
                 match self.shared.attach(&pair, lane, inc.stream, Some(token)) {
@@ -423,16 +427,16 @@ impl EventLoop {
     }
 
     /// Reads what the handshake still needs and acts on complete messages.
-    fn advance(&self, inc: &mut Incoming) -> Progress {
+    fn advance(&self, inc: &mut Incoming) -> HandshakeStep {
         loop {
             let need = if inc.accepted.is_some() { AUTH_LEN } else { HELLO_LEN };
             while inc.got < need {
                 match inc.stream.read(&mut inc.buf[inc.got..need]) {
-                    Ok(0) => return Progress::Drop("closed during the handshake".into()),
+                    Ok(0) => return HandshakeStep::Drop("closed during the handshake".into()),
                     Ok(n) => inc.got += n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Progress::More,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return HandshakeStep::More,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Progress::Drop(format!("read failed: {e}")),
+                    Err(e) => return HandshakeStep::Drop(format!("read failed: {e}")),
                 }
             }
             if let Some(a) = &inc.accepted {
@@ -440,14 +444,14 @@ impl EventLoop {
                 got.copy_from_slice(&inc.buf[..AUTH_LEN]);
                 let want = handshake::mac(a.route.secret.as_deref(), "ferrogloo-auth", &a.hello, &a.nonce);
                 if !handshake::mac_eq(&want, &got) {
-                    return Progress::Drop("wrong shared secret".into());
+                    return HandshakeStep::Drop("wrong shared secret".into());
                 }
-                return Progress::Done;
+                return HandshakeStep::Done;
             }
             let raw = inc.buf;
             let hello = match Hello::decode(&raw) {
                 Ok(h) => h,
-                Err(why) => return Progress::Drop(why),
+                Err(why) => return HandshakeStep::Drop(why),
             };
             let target = self.check(&hello);
             let status = target.as_ref().err().copied().unwrap_or(Status::Ok);
@@ -461,10 +465,10 @@ impl EventLoop {
             let ack = Ack { status, nonce, mac }.encode();
             // 64 bytes into an empty socket buffer: written whole or the connection is broken.
             if !matches!(inc.stream.write(&ack), Ok(ACK_LEN)) {
-                return Progress::Drop("could not answer the handshake".into());
+                return HandshakeStep::Drop("could not answer the handshake".into());
             }
             let Ok((pair, route, lane)) = target else {
-                return Progress::Drop(format!(
+                return HandshakeStep::Drop(format!(
                     "{} (from rank {} for rank {})",
                     status.describe(),
                     hello.from,
@@ -474,7 +478,7 @@ impl EventLoop {
             inc.got = 0;
             inc.accepted = Some(Accepted { hello: raw, nonce, pair, route, lane });
             if secret.is_none() {
-                return Progress::Done;
+                return HandshakeStep::Done;
             }
         }
     }

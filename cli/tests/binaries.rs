@@ -1,0 +1,170 @@
+//! The command-line tools as a new user runs them: the store server's printed URL, a rank that
+//! waits for one that never comes, a bad interface name, the benchmark's JSON rows, and the
+//! warning for a loopback address published where other hosts read.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BENCH: &str = env!("CARGO_BIN_EXE_ferrogloo-bench");
+const SERVER: &str = env!("CARGO_BIN_EXE_ferrogloo-store-server");
+
+/// Kills the child when dropped (a test that fails must not leave a server behind).
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts the store server with `args`; returns it and the URL it printed first.
+fn server(args: &[&str]) -> (Guard, String) {
+    let mut child = Command::new(SERVER)
+        .args(args)
+        .args(["--seconds", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start ferrogloo-store-server");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let guard = Guard(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("the server prints its URL");
+    (guard, line.trim().to_string())
+}
+
+/// Runs the benchmark with `args` and environment `env`, bounded by `limit`.
+fn bench(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
+    let mut cmd = Command::new("timeout");
+    cmd.arg(limit.as_secs().to_string()).arg(BENCH).args(args).env_remove("RUST_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run ferrogloo-bench")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn the_store_server_url_works_exactly_as_printed() {
+    let (_server, url) = server(&["--scope", "job1"]);
+    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/job1"), "{url}");
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            Command::new(BENCH)
+                .args(["--rank", &r.to_string(), "--size", "2", "--store", &url])
+                .args(["--op", "allreduce", "--sizes", "4096", "-n", "3"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().expect("a rank");
+        assert!(out.status.success(), "rank {r} with the printed URL {url}: {}", text(&out));
+    }
+}
+
+#[test]
+fn a_rank_alone_times_out_at_ferrogloo_timeout_naming_the_missing_rank() {
+    let dir = tempfile::tempdir().expect("temporary store directory");
+    let store = format!("file:{}", dir.path().display());
+    let t = Instant::now();
+    let out = bench(
+        &["--rank", "0", "--size", "2", "--store", &store, "--op", "allreduce", "--sizes", "4096"],
+        &[("FERROGLOO_TIMEOUT", "2")],
+        Duration::from_secs(30),
+    );
+    let took = t.elapsed();
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(took < Duration::from_secs(8), "gave up only after {took:?}");
+    assert!(said.contains("still waiting for rank 1"), "{said}");
+    assert!(said.contains("ferrogloo.rank.1"), "{said}");
+    assert!(!said.contains("Timeout {"), "errors print in Display form: {said}");
+}
+
+#[test]
+fn an_interface_that_does_not_exist_is_named_with_those_that_do() {
+    let out = bench(
+        &["--rank", "0", "--size", "2", "--store", "file:/tmp"],
+        &[("FERROGLOO_IFACE", "nope0")],
+        Duration::from_secs(30),
+    );
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("\"nope0\" does not exist") && said.contains("lo (127.0.0.1)"), "{said}");
+}
+
+#[test]
+fn json_rows_are_appended_one_per_cell() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let json = dir.path().join("rows.jsonl");
+    let json = json.to_str().expect("utf-8 path");
+    for run in 1..=2 {
+        let out = bench(
+            &[
+                "--np",
+                "2",
+                "--op",
+                "allreduce",
+                "--sizes",
+                "4K,64K",
+                "-n",
+                "3",
+                "--algorithm",
+                "auto,ring",
+                "--json",
+                json,
+            ],
+            &[],
+            Duration::from_secs(120),
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(json)
+            .expect("the JSON file")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+            .collect();
+        assert_eq!(rows.len(), 4 * run, "run {run} appends its 4 cells");
+        for row in &rows {
+            assert_eq!(row["wrong"], 0);
+            match row["algorithm"].as_str() {
+                Some("auto") => assert_eq!(row["picked"], "rd", "auto at 4K and 64K on 2 ranks: {row}"),
+                Some("ring") => assert_eq!(row["picked"], "ring"),
+                other => panic!("algorithm {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_loopback_address_published_where_other_hosts_read_is_warned_about() {
+    // A server on every address, reached at this host's network address (skip without one).
+    let (_server, url) = server(&["--bind", "0.0.0.0:0"]);
+    if url.starts_with("http://127.") {
+        eprintln!("SKIPPED: this host has no address other hosts could reach");
+        return;
+    }
+    let out = bench(
+        &["--rank", "0", "--size", "2", "--store", &url, "--op", "allreduce", "--sizes", "4096"],
+        &[("FERROGLOO_ADDR", "127.0.0.1"), ("FERROGLOO_TIMEOUT", "1")],
+        Duration::from_secs(30),
+    );
+    let said = text(&out);
+    assert!(said.contains("only this host can reach"), "{said}");
+    // Not for a store only this host reads.
+    let dir = tempfile::tempdir().expect("temporary store directory");
+    let store = format!("file:{}", dir.path().display());
+    let out = bench(
+        &["--rank", "0", "--size", "2", "--store", &store, "--op", "allreduce", "--sizes", "4096"],
+        &[("FERROGLOO_ADDR", "127.0.0.1"), ("FERROGLOO_TIMEOUT", "1")],
+        Duration::from_secs(30),
+    );
+    assert!(!text(&out).contains("only this host can reach"), "{}", text(&out));
+}
