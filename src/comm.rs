@@ -134,8 +134,9 @@ impl Comm {
     }
 
     /// A fresh group id for a sub-group made from this one: the same on every member as long
-    /// as they make sub-groups of `kind` (a hash of how the group is chosen) in the same
-    /// order, and distinct from every other group any two members share.
+    /// as they make sub-groups of `kind` (a hash of how the group is chosen) in the same order
+    /// (so not from two threads of one rank at once), and distinct, up to a 64-bit hash
+    /// collision, from every other group any two members share.
     pub(crate) fn subgroup_id(&self, kind: u64) -> u64 {
         let mut made = lock(&self.made);
         let n = made.entry(kind).or_insert(0);
@@ -419,8 +420,15 @@ impl<'scope, 'env> Scope<'scope, 'env> {
             // SAFETY: forwarded from this function's contract (the scope finishes or cancels the
             // operation on every pair it was posted to before the scope ends).
             if let Err(e) = unsafe { p.post_recv(key, desc, target, &done) }.map_err(|e| e.during(what)) {
-                if let Some(Some(op)) = lock(&self.ops).get(idx) {
+                let op = lock(&self.ops).get_mut(idx).and_then(Option::take);
+                if let Some(op) = &op {
                     op.cancel();
+                }
+                if let Some(Ok(_)) = done.outcome() {
+                    // An earlier pair already delivered the message (a receive from any): keep
+                    // it, the failed pair's error shows on the next operation with that peer.
+                    lock(&self.ops)[idx] = op;
+                    return Ok(idx);
                 }
                 done.complete(Err(e.clone()));
                 return Err(e);

@@ -23,6 +23,7 @@ mod comm;
 pub mod context;
 pub mod device;
 pub mod error;
+mod groups;
 pub mod launch;
 mod mesh;
 pub mod rendezvous;

@@ -441,6 +441,61 @@ fn subgroup_abort(dev: MakeDevice) {
     });
 }
 
+/// An abort from another thread stops this rank's own calls blocked in the group at once,
+/// and the peer's: in a sub-group (the parent goes on) and in the whole context.
+fn local_abort(dev: MakeDevice) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let store = HashStore::new();
+    // No busy-polling: a blocked call sleeps in the kernel at once, where only a wake-up reaches
+    // it.
+    let no_spin = |b: ferrogloo::ContextBuilder| b.busy_poll(Duration::ZERO);
+    // Rank 1 sends nothing more until rank 0's blocked call has returned, so no message from
+    // it can be what wakes that call. (A channel, not a barrier: if rank 0 fails, its end is
+    // dropped and rank 1 goes on.)
+    let (returned, quiet) = std::sync::mpsc::sync_channel::<()>(2);
+    let quiet = std::sync::Mutex::new(quiet);
+    all_ok(run_ranks_on(2, &store, &dev, no_spin, |ctx| {
+        let half = ctx.split(Some(0), 0)?.expect("a color");
+        for (what, target) in [("sub-group", &half), ("context", &ctx)] {
+            let t = Instant::now();
+            let got = if ctx.rank() == 0 {
+                let started = AtomicBool::new(false);
+                std::thread::scope(|s| {
+                    let waiter = s.spawn(|| {
+                        started.store(true, Ordering::SeqCst);
+                        target.recv(1, 6, &mut [0u8; 64])
+                    });
+                    while !started.load(Ordering::SeqCst) {
+                        std::thread::yield_now();
+                    }
+                    target.abort("stop");
+                    waiter.join().expect("the waiting thread")
+                })
+            } else {
+                // Waits for rank 0 (which never sends) until its abort arrives.
+                target.recv(0, 6, &mut [0u8; 64])
+            };
+            match got {
+                Err(Error::Aborted { rank: 0, reason }) => assert_eq!(reason, "stop", "{what}"),
+                other => panic!("{what}, rank {}: expected rank 0's abort, got {other:?}", ctx.rank()),
+            }
+            assert!(t.elapsed() < Duration::from_secs(3), "{what}: stopped only after {:?}", t.elapsed());
+            if ctx.rank() == 0 {
+                let _ = returned.send(());
+            } else {
+                let quiet = quiet.lock().expect("one rank 1");
+                let _ = quiet.recv_timeout(Duration::from_secs(30));
+            }
+            if what == "sub-group" {
+                let mut v = [1u8];
+                ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                assert_eq!(v, [2], "the parent works on after its sub-group's abort");
+            }
+        }
+        Ok(())
+    }));
+}
+
 /// Contract rule 3: a call that disagrees is a mismatch in words, on both sides.
 fn mismatch_in_words(dev: MakeDevice) {
     let store = HashStore::new();
@@ -481,6 +536,7 @@ macro_rules! backends {
             #[test] fn collectives() { super::collectives(DEVICE) }
             #[test] fn subgroups() { super::subgroups(DEVICE) }
             #[test] fn subgroup_abort() { super::subgroup_abort(DEVICE) }
+            #[test] fn local_abort() { super::local_abort(DEVICE) }
             #[test] fn mismatch_in_words() { super::mismatch_in_words(DEVICE) }
         }
     )*};

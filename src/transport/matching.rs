@@ -20,6 +20,15 @@ use std::sync::Arc;
 /// a fresh multi-megabyte allocation per early message costs page faults on every touch.
 const SPARE_BUFFERS: usize = 8;
 
+/// What an early message costs the budget beyond its payload (its place on the list), so that
+/// a flood of empty messages is bounded too.
+const EARLY_OVERHEAD: usize = 64;
+
+/// The budget an early message of `len` payload bytes takes.
+fn cost(len: usize) -> usize {
+    len + EARLY_OVERHEAD
+}
+
 /// What precedes a message: its key, its call's descriptor and its payload length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
@@ -132,16 +141,6 @@ pub(crate) enum Dispatch {
     Stall,
 }
 
-/// What became of a posted receive.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Posted {
-    /// Queued for a message to come.
-    Queued,
-    /// Finished at once (from an early message, or failed by a mismatch); early budget may have
-    /// been freed, so a stalled message may go somewhere now.
-    Finished,
-}
-
 /// A message that arrived before its receive.
 #[derive(Debug)]
 struct Early {
@@ -157,7 +156,8 @@ pub(crate) struct Matcher {
     budget: usize,
     posted: VecDeque<RecvOp>,
     early: VecDeque<Early>,
-    /// Bytes of the budget taken: complete early messages and one being read.
+    /// Bytes of the budget taken: complete early messages and one being read, each with
+    /// [`EARLY_OVERHEAD`].
     early_bytes: usize,
     spare: Vec<Vec<u8>>,
     /// Set once the connection failed: posts fail with it (early messages stay receivable).
@@ -203,9 +203,11 @@ impl Matcher {
         self.aborted.iter().find(|(g, _)| *g == group).map(|(_, e)| e.clone()).or_else(|| self.closed.clone())
     }
 
-    /// A receive is posted. Errors (without touching `op.done`) when the pair is closed or the
-    /// group aborted and no early message satisfies it.
-    pub(crate) fn post(&mut self, op: RecvOp) -> Result<Posted> {
+    /// A receive is posted: it takes an early message of its key, fails on one that proves the
+    /// ranks disagree, or is queued. Errors (without touching `op.done`) when the pair is closed
+    /// or the group aborted and no early message satisfies it. Early budget may be freed, so the
+    /// caller should ask again about a stalled message.
+    pub(crate) fn post(&mut self, op: RecvOp) -> Result<()> {
         if let Some((_, e)) = self.aborted.iter().find(|(g, _)| *g == op.key.group) {
             return Err(e.clone());
         }
@@ -215,34 +217,33 @@ impl Matcher {
             {
                 self.deliver_early(op, msg);
             }
-            return Ok(Posted::Finished);
+            return Ok(());
         }
         if let Some((group, family, want)) = sequenced(op.key) {
-            // An early message of the same family but another sequence: the ranks disagree.
-            let other = self
-                .early
-                .iter()
-                .position(|m| sequenced(m.header.key).is_some_and(|(g, f, s)| g == group && f == family && s != want));
-            if let Some(i) = other {
-                let got = sequenced(self.early[i].header.key).map_or(0, |(_, _, s)| s);
-                if !seq_after(got, want)
-                    && let Some(m) = self.early.remove(i)
-                {
-                    self.early_bytes -= m.data.len(); // a finished collective's message: drop it
-                    self.recycle(m.data);
+            // Early messages of the same family but another sequence: the ranks disagree. Those
+            // of earlier sequences belong to finished collectives: nobody will take them.
+            let other = |m: &Early| {
+                sequenced(m.header.key).filter(|&(g, f, s)| g == group && f == family && s != want).map(|t| t.2)
+            };
+            if let Some(got) = self.early.iter().find_map(other) {
+                let (stale, kept): (VecDeque<Early>, VecDeque<Early>) = std::mem::take(&mut self.early)
+                    .into_iter()
+                    .partition(|m| other(m).is_some_and(|s| !seq_after(s, want)));
+                self.early = kept;
+                for m in stale {
+                    self.drop_early(m);
                 }
-                op.done.complete(Err(sequence_mismatch(self.me, self.peer, family, want, got)));
-                return Ok(Posted::Finished);
+                fail(&op, sequence_mismatch(self.me, self.peer, family, want, got));
+                return Ok(());
             }
         }
         if let Some(e) = &self.closed {
             return Err(e.clone());
         }
-        if !op.done.is_open() {
-            return Ok(Posted::Finished); // claimed elsewhere meanwhile (receive from any)
+        if op.done.is_open() {
+            self.posted.push_back(op); // (else claimed elsewhere meanwhile: receive from any)
         }
-        self.posted.push_back(op);
-        Ok(Posted::Queued)
+        Ok(())
     }
 
     /// A message's header arrived: where its payload goes.
@@ -270,7 +271,7 @@ impl Matcher {
                     Some((g, f, want)) if g == group && f == family && want != got => {
                         stale |= seq_after(want, got);
                         if let Some(op) = self.posted.remove(i) {
-                            op.done.complete(Err(sequence_mismatch(self.me, self.peer, family, want, got)));
+                            fail(&op, sequence_mismatch(self.me, self.peer, family, want, got));
                         }
                     }
                     _ => i += 1,
@@ -282,8 +283,8 @@ impl Matcher {
             }
         }
         match usize::try_from(h.len) {
-            Ok(len) if len <= self.budget.saturating_sub(self.early_bytes) => {
-                self.early_bytes += len;
+            Ok(len) if cost(len) <= self.budget.saturating_sub(self.early_bytes) => {
+                self.early_bytes += cost(len);
                 Dispatch::Early(EarlyRx { header: h, data: self.early_buffer(len) })
             }
             _ => Dispatch::Stall,
@@ -291,21 +292,28 @@ impl Matcher {
     }
 
     /// The oldest posted receive, taken for a message with header `h` that is known to be its
-    /// (the TCP pair's read-ahead), if it can still be claimed and `h` fits it. Returns `None`
-    /// and leaves the receive posted otherwise.
+    /// (the TCP pair's read-ahead): what [`Matcher::incoming`] would decide, when the receive is
+    /// the first one posted, posted to this pair only, and takes `h`. Returns `None` and leaves
+    /// the receive posted otherwise.
     pub(crate) fn take_front_for(&mut self, h: &Header) -> Option<Delivery> {
-        let fits = self.posted.front().is_some_and(|op| {
-            op.key == h.key && op.desc == h.desc && op.target.misfit(h.len).is_none() && !op.done.is_shared()
-        });
-        if !fits || !self.posted.front().is_some_and(|op| op.done.try_claim()) {
+        let front = self.posted.front()?;
+        let takes = front.key == h.key
+            && !front.done.is_shared()
+            && self.refusal(h.key.group).is_none()
+            && self.misfit(front, h).is_none();
+        if !takes || !front.done.try_claim() {
             return None;
         }
         self.posted.pop_front().map(|op| Delivery::new(op, h.len as usize))
     }
 
-    /// An early payload is complete: hand it to a receive posted meanwhile, or keep it.
+    /// An early payload is complete: hand it to a receive posted meanwhile, or keep it (or drop
+    /// it, when its group was aborted while it came in).
     pub(crate) fn early_arrived(&mut self, rx: EarlyRx) {
         let msg = Early { header: rx.header, data: rx.data };
+        if self.aborted.iter().any(|(g, _)| *g == msg.header.key.group) {
+            return self.drop_early(msg);
+        }
         while let Some(i) = self.posted.iter().position(|op| op.key == msg.header.key) {
             let Some(op) = self.posted.remove(i) else { break };
             if op.done.try_claim() {
@@ -318,7 +326,13 @@ impl Matcher {
 
     /// An early payload that will never be complete (the pair failed while reading it).
     pub(crate) fn early_dropped(&mut self, rx: EarlyRx) {
-        self.early_bytes -= rx.header.len as usize;
+        self.early_bytes -= cost(rx.header.len as usize);
+    }
+
+    /// Forgets a complete early message nobody will take.
+    fn drop_early(&mut self, m: Early) {
+        self.early_bytes -= cost(m.data.len());
+        self.recycle(m.data);
     }
 
     /// Withdraws the receive of `done`, if posted here.
@@ -333,7 +347,7 @@ impl Matcher {
             self.closed = Some(err.clone());
         }
         for op in self.posted.drain(..) {
-            op.done.complete(Err(err.clone()));
+            fail(&op, err.clone());
         }
     }
 
@@ -348,7 +362,7 @@ impl Matcher {
         while i < self.posted.len() {
             if self.posted[i].key.group == group {
                 if let Some(op) = self.posted.remove(i) {
-                    op.done.complete(Err(err.clone()));
+                    fail(&op, err.clone());
                 }
             } else {
                 i += 1;
@@ -358,27 +372,29 @@ impl Matcher {
             std::mem::take(&mut self.early).into_iter().partition(|m| m.header.key.group == group);
         self.early = kept;
         for m in dropped {
-            self.early_bytes -= m.data.len();
-            self.recycle(m.data);
+            self.drop_early(m);
         }
+    }
+
+    /// How a message differs from a receive of its key, in words, if it does.
+    fn misfit(&self, op: &RecvOp, h: &Header) -> Option<String> {
+        if op.desc != h.desc {
+            return Some(OpDesc::explain(self.me, &op.desc, self.peer, &h.desc));
+        }
+        op.target.misfit(h.len).map(|m| {
+            let what = if op.desc == OpDesc::P2P {
+                format!("point-to-point tag {}", op.key.tag as u32)
+            } else {
+                op.desc.describe()
+            };
+            format!("rank {} sent {m} on rank {} ({what})", self.peer, self.me)
+        })
     }
 
     /// Checks a claimed receive against a message; completes it with the mismatch and returns
     /// `None` when they disagree.
     fn check(&self, op: RecvOp, h: &Header) -> Option<RecvOp> {
-        let detail = if op.desc != h.desc {
-            Some(OpDesc::explain(self.me, &op.desc, self.peer, &h.desc))
-        } else {
-            op.target.misfit(h.len).map(|m| {
-                let what = if op.desc == OpDesc::P2P {
-                    format!("point-to-point tag {}", op.key.tag as u32)
-                } else {
-                    op.desc.describe()
-                };
-                format!("rank {} sent {m} on rank {} ({what})", self.peer, self.me)
-            })
-        };
-        match detail {
+        match self.misfit(&op, h) {
             Some(detail) => {
                 op.done.complete(Err(Error::Mismatch { rank: self.peer, detail }));
                 None
@@ -390,7 +406,7 @@ impl Matcher {
     /// Delivers an early message (no longer on the early list) to the receive that claimed it,
     /// returns its bytes to the early budget and keeps its buffer for reuse.
     fn deliver_early(&mut self, op: RecvOp, msg: Early) {
-        self.early_bytes -= msg.data.len();
+        self.early_bytes -= cost(msg.data.len());
         let Some(op) = self.check(op, &msg.header) else {
             self.recycle(msg.data);
             return;
@@ -423,6 +439,14 @@ impl Matcher {
             data.clear();
             self.spare.push(data);
         }
+    }
+}
+
+/// Fails a posted receive with `err`, unless another pair has claimed it (a receive from any
+/// whose message is arriving elsewhere: that pair finishes it).
+fn fail(op: &RecvOp, err: Error) {
+    if op.done.try_claim() {
+        op.done.complete(Err(err));
     }
 }
 
@@ -487,7 +511,8 @@ mod tests {
         let mut m = Matcher::new(0, 1, 1024);
         let mut a = [0u8; 4];
         let (op, done) = recv(key(1), &mut a);
-        assert_eq!(m.post(op).unwrap(), Posted::Queued);
+        m.post(op).unwrap();
+        assert!(done.outcome().is_none(), "queued");
         let d = m.incoming(header(key(1), 3));
         assert!(matches!(d, Dispatch::Deliver(_)));
         feed(&mut m, d, b"abc");
@@ -496,10 +521,10 @@ mod tests {
         // Early: held, then handed over when posted; the budget is freed.
         let d = m.incoming(header(key(2), 4));
         feed(&mut m, d, b"wxyz");
-        assert_eq!(m.early_bytes(), 4);
+        assert_eq!(m.early_bytes(), 4 + EARLY_OVERHEAD);
         let mut b = [0u8; 4];
         let (op, done) = recv(key(2), &mut b);
-        assert_eq!(m.post(op).unwrap(), Posted::Finished);
+        m.post(op).unwrap();
         assert_eq!(done.outcome().unwrap().unwrap().len, 4);
         assert_eq!(&b, b"wxyz");
         assert_eq!(m.early_bytes(), 0);
@@ -507,18 +532,29 @@ mod tests {
 
     #[test]
     fn beyond_the_budget_a_message_stalls_until_a_receive_is_posted() {
-        let mut m = Matcher::new(0, 1, 8);
+        let mut m = Matcher::new(0, 1, 100);
         arrive(&mut m, header(key(1), 6), b"123456");
         assert!(matches!(m.incoming(header(key(1), 6)), Dispatch::Stall));
         let mut a = [0u8; 6];
         let (op, _done) = recv(key(1), &mut a);
-        assert_eq!(m.post(op).unwrap(), Posted::Finished); // takes the early one, frees the budget
+        m.post(op).unwrap(); // takes the early one, frees the budget
         assert!(matches!(m.incoming(header(key(1), 6)), Dispatch::Early(_)));
     }
 
     #[test]
+    fn empty_messages_cost_budget_too() {
+        let mut m = Matcher::new(0, 1, 10 * EARLY_OVERHEAD);
+        let mut held = 0;
+        while !matches!(m.incoming(header(key(1), 0)), Dispatch::Stall) {
+            held += 1;
+            assert!(held <= 10, "an unbounded number of empty messages was held");
+        }
+        assert_eq!(held, 10);
+    }
+
+    #[test]
     fn owned_receives_get_a_buffer_of_the_message_length() {
-        let mut m = Matcher::new(0, 1, 64);
+        let mut m = Matcher::new(0, 1, 1024);
         let done = Completion::new();
         let op = RecvOp { key: key(5), desc: OpDesc::P2P, target: RecvTarget::Owned { max: 100 }, done: done.clone() };
         m.post(op).unwrap();
@@ -536,7 +572,7 @@ mod tests {
 
     #[test]
     fn a_different_call_is_a_mismatch_in_words_and_the_payload_is_dropped() {
-        let mut m = Matcher::new(0, 1, 64);
+        let mut m = Matcher::new(0, 1, 1024);
         let mine = OpDesc::new(Call::Allreduce).dtype(crate::DType::F32).count(1000).reduce(1);
         let theirs = mine.count(1001);
         let done = Completion::new();
@@ -558,7 +594,7 @@ mod tests {
 
     #[test]
     fn sequences_that_disagree_fail_the_receive_and_drop_stale_messages() {
-        let mut m = Matcher::new(0, 1, 64);
+        let mut m = Matcher::new(0, 1, 1024);
         let mut a = [0u8; 1];
         let (op, done) = recv(seq_key(7, 4), &mut a);
         m.post(op).unwrap();
@@ -575,7 +611,7 @@ mod tests {
 
     #[test]
     fn closing_fails_posted_receives_but_early_messages_stay_receivable() {
-        let mut m = Matcher::new(0, 1, 64);
+        let mut m = Matcher::new(0, 1, 1024);
         arrive(&mut m, header(key(1), 2), b"hi");
         let mut a = [0u8; 2];
         let (op, pending) = recv(key(9), &mut a);
@@ -585,7 +621,7 @@ mod tests {
         assert!(matches!(pending.outcome(), Some(Err(Error::PeerClosed { .. }))));
         let mut b = [0u8; 2];
         let (op, done) = recv(key(1), &mut b);
-        assert_eq!(m.post(op).unwrap(), Posted::Finished);
+        m.post(op).unwrap();
         assert!(done.outcome().unwrap().is_ok());
         let mut c = [0u8; 2];
         let (op, _) = recv(key(1), &mut c);
@@ -594,7 +630,7 @@ mod tests {
 
     #[test]
     fn aborting_a_group_leaves_the_others_alone() {
-        let mut m = Matcher::new(0, 1, 64);
+        let mut m = Matcher::new(0, 1, 1024);
         let (g1, g2) = (Key { group: 1, tag: 3 }, Key { group: 2, tag: 3 });
         arrive(&mut m, header(g1, 2), b"xx");
         let mut a = [0u8; 2];
@@ -616,6 +652,34 @@ mod tests {
         assert!(m.refusal(1).is_some() && m.refusal(2).is_none());
     }
 
+    #[test]
+    fn a_message_of_an_aborted_group_still_coming_in_gives_its_budget_back() {
+        let mut m = Matcher::new(0, 1, 1024);
+        let g = Key { group: 4, tag: 1 };
+        let Dispatch::Early(mut rx) = m.incoming(header(g, 10)) else { panic!("expected an early message") };
+        m.abort_group(4, &Error::Aborted { rank: 0, reason: "done".into() });
+        rx.extend(&[0u8; 10]);
+        m.early_arrived(rx);
+        assert_eq!(m.early_bytes(), 0);
+    }
+
+    #[test]
+    fn failing_a_pair_leaves_a_receive_from_any_that_another_pair_claimed_to_that_pair() {
+        let mut m = Matcher::new(0, 1, 1024);
+        let mut a = [0u8; 4];
+        let done = Completion::for_pairs(2);
+        let op = RecvOp {
+            key: key(1),
+            desc: OpDesc::P2P,
+            target: RecvTarget::Upto(RecvBuf::from_slice(&mut a)),
+            done: done.clone(),
+        };
+        m.post(op).unwrap();
+        assert!(done.try_claim(), "another pair claims it");
+        m.close(&Error::PeerClosed { rank: 1, op: String::new(), detail: "EOF".into() });
+        assert!(done.outcome().is_none(), "the claiming pair finishes it, not this one");
+    }
+
     proptest! {
         /// Any interleaving of arrivals and posts: the j-th receive of a key gets the j-th
         /// message of that key, whole; the early budget is never exceeded; a stalled message
@@ -624,7 +688,7 @@ mod tests {
         fn receives_get_their_key_s_messages_in_order_within_the_budget(
             msgs in proptest::collection::vec((0u64..3, 0usize..40), 1..40),
             order in proptest::collection::vec(any::<bool>(), 0..120),
-            budget in 0usize..100,
+            budget in 0usize..400,
         ) {
             let mut m = Matcher::new(0, 1, budget);
             let payload = |i: usize, len: usize| -> Vec<u8> { (0..len).map(|j| (i * 31 + j) as u8).collect() };

@@ -41,9 +41,10 @@
 //!    the post and the moment the completion is completed or [`Pair::cancel`] returns; never
 //!    after. A buffer whose [`MemKind`] the backend cannot reach is refused with
 //!    [`Error::Unsupported`] at post time.
-//! 6. **Failure.** When the connection fails (EOF, reset), every pending and future operation
-//!    on the pair completes with an error naming the peer ([`Error::PeerClosed`]); messages
-//!    that arrived completely before the failure can still be received.
+//! 6. **Failure.** When the connection fails, every pending and future operation on the pair
+//!    completes with an error naming the peer: [`Error::PeerClosed`] when the peer is gone (EOF,
+//!    reset), [`Error::Io`] naming the peer when the path failed otherwise (unreachable, timed
+//!    out); messages that arrived completely before the failure can still be received.
 //! 7. **Sequenced tags.** A tag whose top two bits are `0b10` ([`SEQUENCED`]) belongs to the
 //!    *family* of its top 32 bits and has the sequence number of its low 32 bits (collectives
 //!    number their calls this way). Every rank sends a family's messages in sequence order, so
@@ -55,7 +56,9 @@
 //!    this side's operations of the group. For the mesh's own group (0) the pair then closes;
 //!    the peer fails every pending and future operation on it with the cause turned back into
 //!    an error ([`AbortCause::into_error`]). For a sub-group only that group's operations fail,
-//!    on both sides, and the pair goes on serving the others.
+//!    on both sides, and the pair goes on serving the others. A message of the group already on
+//!    its way (a send partly written, a payload partly read into its receive) finishes first,
+//!    as a stream must.
 //! 9. **Cancellation.** `cancel` removes a pending operation. If a send had already been partly
 //!    written, the stream cannot continue, so the pair fails with [`Error::Protocol`].
 //! 10. **Deadlines** are the waiter's: [`Progress::wait`] returns `None` at the deadline and the

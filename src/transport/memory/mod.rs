@@ -94,13 +94,9 @@ impl Drop for NodeGuard {
     fn drop(&mut self) {
         lock(table()).remove(&(self.ctx, self.node.rank));
         let me = self.node.rank;
+        let local = Error::Aborted { rank: me, reason: "this rank closed the context".into() };
+        let remote = Error::PeerClosed { rank: me, op: String::new(), detail: "it closed its context".into() };
         for link in lock(&self.node.links).iter().flatten() {
-            let local = Error::PeerClosed {
-                rank: link.other(me),
-                op: String::new(),
-                detail: "this rank closed the context".into(),
-            };
-            let remote = Error::PeerClosed { rank: me, op: String::new(), detail: "it closed its context".into() };
             link.shut(me, 0, &local, &remote);
         }
     }
@@ -146,7 +142,8 @@ impl Endpoint for MemoryEndpoint {
         if theirs.secret != mine.secret {
             return Err(refused("the shared secrets differ".into()));
         }
-        let link = Arc::new(Link::new(peer, mine.rank, mine.budget, theirs.budget));
+        // Each rank's budget bounds what it holds of messages sent to it.
+        let link = Arc::new(Link::new(peer, mine.rank, theirs.budget, mine.budget));
         {
             let mut their_links = lock(&theirs.links);
             if their_links[mine.rank].is_some() {
@@ -225,6 +222,43 @@ impl Dir {
         None
     }
 
+    /// A send: offered now, or queued behind the sends already waiting (order is kept).
+    fn send(&mut self, w: Waiting) {
+        if !self.waiting.is_empty() {
+            self.waiting.push_back(w);
+        } else if let Some(w) = self.offer(w) {
+            self.waiting.push_back(w);
+        }
+    }
+
+    /// A receive: posted, then the waiting sends get another chance.
+    fn recv(&mut self, op: RecvOp) -> Result<()> {
+        self.matcher.post(op)?;
+        self.drain();
+        Ok(())
+    }
+
+    /// Withdraws `done` as a receive and as a waiting send.
+    fn cancel(&mut self, done: &Arc<Completion>) {
+        self.matcher.cancel(done);
+        self.waiting.retain(|w| !Arc::ptr_eq(&w.done, done));
+        // A cancelled receive may have been what a waiting send stalled behind.
+        self.drain();
+    }
+
+    /// Gives up on `group` (0: everything) on this direction: posted receives and waiting sends
+    /// fail with `receiver` and `sender`, each side's error; what waited behind them goes on.
+    fn shut(&mut self, group: u64, receiver: &Error, sender: &Error) {
+        if group == 0 {
+            self.matcher.close(receiver);
+            self.fail_waiting(None, sender);
+        } else {
+            self.matcher.abort_group(group, receiver);
+            self.fail_waiting(Some(group), sender);
+            self.drain();
+        }
+    }
+
     /// Offers waiting sends, in order, until one finds no room.
     fn drain(&mut self) {
         while let Some(w) = self.waiting.pop_front() {
@@ -273,18 +307,10 @@ impl Link {
     fn shut(&self, me: usize, group: u64, local: &Error, remote: &Error) {
         let (mine, theirs) = (self.side(me), 1 - self.side(me));
         let mut dirs = lock(&self.dirs);
-        if group == 0 {
-            dirs[mine].matcher.close(local);
-            dirs[theirs].matcher.close(remote);
-            // My sends wait in the peer's direction; the peer's in mine.
-            dirs[theirs].fail_waiting(None, local);
-            dirs[mine].fail_waiting(None, remote);
-        } else {
-            dirs[mine].matcher.abort_group(group, local);
-            dirs[theirs].matcher.abort_group(group, remote);
-            dirs[theirs].fail_waiting(Some(group), local);
-            dirs[mine].fail_waiting(Some(group), remote);
-        }
+        // My receives and the peer's sends are in my direction; the peer's receives and my sends
+        // in the other.
+        dirs[mine].shut(group, local, remote);
+        dirs[theirs].shut(group, remote, local);
     }
 }
 
@@ -319,39 +345,21 @@ impl Pair for Loopback {
         if let Some(e) = dir.matcher.refusal(key.group) {
             return Err(e);
         }
-        let w = Waiting { header: Header { key, desc, len: buf.len as u64 }, buf, done: done.clone() };
-        if !dir.waiting.is_empty() {
-            dir.waiting.push_back(w);
-        } else if let Some(w) = dir.offer(w) {
-            dir.waiting.push_back(w);
-        }
+        dir.send(Waiting { header: Header { key, desc, len: buf.len as u64 }, buf, done: done.clone() });
         Ok(())
     }
 
     unsafe fn post_recv(&self, key: Key, desc: OpDesc, target: RecvTarget, done: &Arc<Completion>) -> Result<()> {
         target.mem().require_host("loopback")?;
-        let mut dir = lock(&self.dir);
-        dir.matcher.post(RecvOp { key, desc, target, done: done.clone() })?;
-        dir.drain();
-        Ok(())
+        lock(&self.dir).recv(RecvOp { key, desc, target, done: done.clone() })
     }
 
     fn abort(&self, group: u64, local: &Error, _cause: &AbortCause) {
-        let mut dir = lock(&self.dir);
-        if group == 0 {
-            dir.matcher.close(local);
-            dir.fail_waiting(None, local);
-        } else {
-            dir.matcher.abort_group(group, local);
-            dir.fail_waiting(Some(group), local);
-        }
+        lock(&self.dir).shut(group, local, local);
     }
 
     fn cancel(&self, done: &Arc<Completion>) {
-        let mut dir = lock(&self.dir);
-        dir.matcher.cancel(done);
-        dir.waiting.retain(|w| !Arc::ptr_eq(&w.done, done));
-        dir.drain();
+        lock(&self.dir).cancel(done);
     }
 }
 
@@ -373,26 +381,14 @@ impl Pair for MemoryPair {
         if let Some(e) = dirs[mine].matcher.refusal(key.group) {
             return Err(e);
         }
-        let w = Waiting { header: Header { key, desc, len: buf.len as u64 }, buf, done: done.clone() };
-        let dir = &mut dirs[theirs];
-        if !dir.waiting.is_empty() {
-            dir.waiting.push_back(w); // behind earlier sends: order is kept
-            return Ok(());
-        }
-        if let Some(w) = dir.offer(w) {
-            dir.waiting.push_back(w);
-        }
+        dirs[theirs].send(Waiting { header: Header { key, desc, len: buf.len as u64 }, buf, done: done.clone() });
         Ok(())
     }
 
     unsafe fn post_recv(&self, key: Key, desc: OpDesc, target: RecvTarget, done: &Arc<Completion>) -> Result<()> {
         target.mem().require_host("memory")?;
         let mine = self.link.side(self.me);
-        let mut dirs = lock(&self.link.dirs);
-        let dir = &mut dirs[mine];
-        dir.matcher.post(RecvOp { key, desc, target, done: done.clone() })?;
-        dir.drain();
-        Ok(())
+        lock(&self.link.dirs)[mine].recv(RecvOp { key, desc, target, done: done.clone() })
     }
 
     fn abort(&self, group: u64, local: &Error, cause: &AbortCause) {
@@ -400,11 +396,50 @@ impl Pair for MemoryPair {
     }
 
     fn cancel(&self, done: &Arc<Completion>) {
-        let (mine, theirs) = (self.link.side(self.me), 1 - self.link.side(self.me));
-        let mut dirs = lock(&self.link.dirs);
-        dirs[mine].matcher.cancel(done);
-        dirs[theirs].waiting.retain(|w| !Arc::ptr_eq(&w.done, done));
-        // A cancelled receive may have been what a waiting send of the peer's stalled behind.
-        dirs[mine].drain();
+        for dir in lock(&self.link.dirs).iter_mut() {
+            dir.cancel(done);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{Done, RecvBuf, random16};
+    use std::time::Duration;
+
+    /// The meshes of ranks 0 and 1 of a fresh context, on devices with early budgets `b0` and
+    /// `b1`.
+    fn meshes(b0: usize, b1: usize) -> (Mesh, Mesh) {
+        let ctx = random16();
+        let spec = |rank| EndpointSpec { ctx, rank, size: 2, secret: None };
+        let e0 = MemoryDevice::new(b0).endpoint(spec(0)).unwrap();
+        let mut e1 = MemoryDevice::new(b1).endpoint(spec(1)).unwrap();
+        e1.connect(0, &address(), Instant::now() + Duration::from_secs(1)).unwrap();
+        (e0.finish(), e1.finish())
+    }
+
+    #[test]
+    fn each_rank_s_budget_bounds_what_it_holds() {
+        // Rank 0 holds at most 1000 bytes early, rank 1 a megabyte.
+        let (m0, m1) = meshes(1000, 1 << 20);
+        let (p0, p1) = (m0.pairs[1].clone().unwrap(), m1.pairs[0].clone().unwrap());
+        let data = vec![7u8; 5000];
+        let key = Key { group: 0, tag: 1 };
+        let to_0 = Completion::new();
+        let to_1 = Completion::new();
+        // SAFETY: `data` outlives both sends, which finish below.
+        unsafe {
+            p1.post_send(key, OpDesc::P2P, SendBuf::from_slice(&data), &to_0).unwrap();
+            p0.post_send(key, OpDesc::P2P, SendBuf::from_slice(&data), &to_1).unwrap();
+        }
+        assert!(to_0.outcome().is_none(), "5000 bytes do not fit rank 0's budget: the send waits");
+        assert_eq!(to_1.outcome().unwrap().unwrap(), Done { peer: 1, len: 5000 }, "rank 1 holds it early");
+        let mut got = vec![0u8; 5000];
+        let recv = Completion::new();
+        // SAFETY: `got` outlives the receive, which finishes at once.
+        unsafe { p0.post_recv(key, OpDesc::P2P, RecvTarget::Exact(RecvBuf::from_slice(&mut got)), &recv).unwrap() };
+        assert_eq!(recv.outcome().unwrap().unwrap(), Done { peer: 1, len: 5000 });
+        assert!(to_0.outcome().unwrap().is_ok() && got == data);
     }
 }

@@ -138,16 +138,24 @@ impl Progress for TcpProgress {
         }
         let mut mine = Vec::with_capacity(own.len() + others.len());
         let mut contended = Vec::new();
-        for p in own.iter().filter_map(|&r| self.pair(r)) {
+        // A peer with no TCP pair here (this rank itself, on its loopback pair) completes the
+        // operation without any socket this thread could poll.
+        let mut elsewhere = false;
+        for &r in own {
+            let Some(p) = self.pair(r) else {
+                elsewhere = true;
+                continue;
+            };
             match p.acquire(true) {
                 Acquired::Fds(fds) => mine.push((p, fds)),
                 Acquired::Busy => contended.push(p),
                 Acquired::Unavailable => {}
             }
         }
-        if !contended.is_empty() || mine.is_empty() {
-            // Another thread drives (one of) our pairs and would not see our completion: let the
-            // event loop have all of them once it is done, and sleep until then.
+        if !contended.is_empty() || mine.is_empty() || elsewhere {
+            // Another thread drives (one of) our pairs, or the operation may finish off our
+            // sockets: a thread polling them would not see the completion. Let the event loop
+            // have our pairs and sleep on the completion.
             self.release(&mine, true);
             let outcome = done.wait_until(deadline);
             for p in contended {

@@ -23,7 +23,7 @@ use super::frame::FrameHeader;
 use super::parking::Parking;
 use super::wake::EventFd;
 use crate::error::{Error, Result};
-use crate::transport::matching::{Matcher, Posted, RecvOp};
+use crate::transport::matching::{Matcher, RecvOp};
 use crate::transport::{AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
 use crate::types::OpDesc;
 use mio::Token;
@@ -127,6 +127,7 @@ struct Inner {
 
 /// The TCP pair.
 pub(crate) struct TcpPair {
+    me: usize,
     peer: usize,
     /// This side is the lower rank, which sends large frames on [`Lane::Bulk`].
     sends_bulk: bool,
@@ -152,6 +153,7 @@ impl TcpPair {
         parking: Arc<Parking>,
     ) -> io::Result<Arc<Self>> {
         Ok(Arc::new(TcpPair {
+            me,
             peer,
             sends_bulk: me < peer,
             registry,
@@ -244,10 +246,7 @@ impl TcpPair {
     /// Closes the connection quietly (the context is going away).
     pub(crate) fn close(&self) {
         let mut g = self.lock();
-        self.fail_locked(
-            &mut g,
-            Error::PeerClosed { rank: self.peer, op: String::new(), detail: "this rank closed the context".into() },
-        );
+        self.fail_locked(&mut g, Error::Aborted { rank: self.me, reason: "this rank closed the context".into() });
     }
 
     fn io_error(&self, e: io::Error, what: &str) -> Error {
@@ -312,7 +311,7 @@ impl Pair for TcpPair {
                 self.fail_locked(&mut g, e);
             }
         }
-        if g.watching.watch == Watch::Driven && !g.tx.is_empty() {
+        if g.watching.is_driven() && !g.tx.is_empty() {
             self.wake.signal(); // the driver must poll for writability too
         }
         Ok(())
@@ -321,10 +320,9 @@ impl Pair for TcpPair {
     unsafe fn post_recv(&self, key: Key, desc: OpDesc, target: RecvTarget, done: &Arc<Completion>) -> Result<()> {
         target.mem().require_host("tcp")?;
         let mut g = self.lock();
-        match g.matcher.post(RecvOp { key, desc, target, done: done.clone() })? {
-            // A receive to take the stalled message, or early budget freed for it.
-            Posted::Queued | Posted::Finished => self.unstall(&mut g),
-        }
+        g.matcher.post(RecvOp { key, desc, target, done: done.clone() })?;
+        // A receive to take the stalled message, or early budget freed for it.
+        self.unstall(&mut g);
         Ok(())
     }
 
@@ -350,7 +348,11 @@ impl Pair for TcpPair {
             if let Err(e) = self.flush_or_explain(&mut g).and_then(|()| self.want_writable(&mut g)) {
                 self.fail_locked(&mut g, e);
             }
-            if g.watching.watch == Watch::Driven && !g.tx.is_empty() {
+            // The group's early messages freed budget: a stalled message may go on now. A
+            // driver polls with what it knew before: it must look again (its waits may have
+            // just failed, and it may have sends to flush).
+            self.unstall(&mut g);
+            if g.watching.is_driven() {
                 self.wake.signal();
             }
         }

@@ -334,6 +334,11 @@ impl TcpPair {
         tracing::debug!(peer = self.peer, group, error = %err, "peer aborted a sub-group");
         g.tx.fail_group(group, &err);
         g.matcher.abort_group(group, &err);
+        // Reading goes on here, so a stalled message is looked at again by the caller's loop;
+        // a driver that is not this thread must see the failed operations.
+        if g.watching.is_driven() {
+            self.wake.signal();
+        }
         Ok(())
     }
 
