@@ -233,27 +233,39 @@ impl Buf {
 
     /// Fills with the element `e` repeated.
     fn fill(&mut self, e: &[u8]) {
-        for chunk in self.bytes_mut().chunks_exact_mut(e.len()) {
-            chunk.copy_from_slice(e);
-        }
+        repeat(self.bytes_mut(), e);
     }
 
-    /// Fills block `i` of `per` bytes with `e` repeated, for every block.
+    /// Fills block `i` of `per` bytes with `e(i)` repeated, for every block.
     fn fill_blocks(&mut self, per: usize, e: impl Fn(usize) -> Vec<u8>) {
         if per == 0 {
             return;
         }
         for (i, block) in self.bytes_mut().chunks_exact_mut(per).enumerate() {
-            let v = e(i);
-            for chunk in block.chunks_exact_mut(v.len()) {
-                chunk.copy_from_slice(&v);
-            }
+            repeat(block, &e(i));
         }
     }
 
     /// Whether every element equals `e`.
     fn all(&self, e: &[u8]) -> bool {
         self.bytes().chunks_exact(e.len()).all(|c| c == e)
+    }
+}
+
+/// Fills `buf` with `e` repeated (whole copies; a remainder shorter than `e` is left), in
+/// doubling memcpys: as fast as `Vec::fill`, for an element of any size.
+fn repeat(buf: &mut [u8], e: &[u8]) {
+    let whole = buf.len() / e.len().max(1) * e.len();
+    let buf = &mut buf[..whole];
+    if buf.is_empty() {
+        return;
+    }
+    buf[..e.len()].copy_from_slice(e);
+    let mut done = e.len();
+    while done < buf.len() {
+        let n = done.min(buf.len() - done);
+        buf.copy_within(..n, done);
+        done += n;
     }
 }
 
@@ -814,6 +826,16 @@ mod tests {
         assert_eq!(human(1000), "1000");
         assert_eq!(effective("allgather", 1000, 4, 3), 996);
         assert_eq!(effective("allreduce", 1001, 4, 3), 1000);
+    }
+
+    #[test]
+    fn repeat_fills_whole_elements() {
+        let mut b = [0u8; 11];
+        repeat(&mut b, &[1, 2, 3]);
+        assert_eq!(b, [1, 2, 3, 1, 2, 3, 1, 2, 3, 0, 0]);
+        let mut big = vec![0u8; 1000];
+        repeat(&mut big, &[9, 8]);
+        assert!(big.chunks(2).all(|c| c == [9, 8]));
     }
 
     #[test]
