@@ -519,15 +519,13 @@ fn run(ctx: &Context, s: &Setup<'_>) -> Result<Vec<Cell>> {
             for &b in &sizes {
                 let e = effective(op, b, ts, n);
                 if e != b && op != "barrier" {
-                    println!(
-                        "# {op}: {b} bytes is not a whole number of {ts}-byte {} elements{}; measured {e} bytes",
-                        s.dtype,
-                        if matches!(op.as_str(), "allgather" | "reduce_scatter" | "alltoall") {
-                            format!(" per each of the {n} ranks")
-                        } else {
-                            String::new()
-                        }
-                    );
+                    let split = matches!(op.as_str(), "allgather" | "reduce_scatter" | "alltoall");
+                    let why = if split {
+                        format!("do not split into {n} equal blocks of whole {ts}-byte {} elements", s.dtype)
+                    } else {
+                        format!("are not a whole number of {ts}-byte {} elements", s.dtype)
+                    };
+                    println!("# {op}: {b} bytes {why}; measured {e} bytes");
                 }
             }
         }
