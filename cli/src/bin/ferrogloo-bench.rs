@@ -780,14 +780,7 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    ferrogloo_cli::init_logging();
     let args = Args::parse();
     let result = if RankEnv::is_set() {
         RankEnv::from_env().and_then(|env| rank_main(&args, env))

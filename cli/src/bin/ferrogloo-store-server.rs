@@ -30,14 +30,7 @@ struct Args {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    ferrogloo_cli::init_logging();
     let args = Args::parse();
     let started = match &args.journal {
         Some(path) => HttpStoreServer::start_with_journal(args.bind.as_str(), path),
