@@ -6,11 +6,19 @@
 //! [`FileStore`](crate::rendezvous::FileStore) directory) set; each child finds its place with
 //! [`RankEnv::from_env`]. The same variables let any launcher (mpirun-like scripts, a cluster
 //! scheduler) start ferrogloo programs.
+//!
+//! No rank outlives its launcher: every rank process is started with [`spawn_tied`], in a
+//! process group of its own and with a parent-death signal, so killing the launcher (even with
+//! SIGKILL) kills its ranks, and SIGINT or SIGTERM to the launcher reach them through it.
 
 use crate::device::{ADDR_ENV, HOSTNAME_ENV, IFACE_ENV};
 use crate::error::{Error, Result};
 use crate::rendezvous::STORE_ENV;
+use std::io;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 /// The environment variable holding this process's rank.
@@ -75,14 +83,44 @@ impl RankEnv {
     }
 }
 
+/// How long ranks get to stop on their own, after a SIGINT or SIGTERM forwarded to them or
+/// after one of them failed, before they are killed.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
+
+/// A job of local rank processes; see [`spawn_local_with`].
+#[derive(Debug, Clone)]
+pub struct LocalJob {
+    /// How many ranks.
+    pub ranks: usize,
+    /// The whole job's deadline: ranks still running then are killed.
+    pub timeout: Duration,
+    /// See [`DEFAULT_GRACE`].
+    pub grace: Duration,
+}
+
 /// Runs `n` copies of the current executable with `args`, as ranks `0..n` of one job that
 /// meets through a fresh temporary [`FileStore`](crate::rendezvous::FileStore) (removed
-/// afterwards). Waits for all of them, at most `timeout`.
-///
-/// When a rank fails, the others get a short grace period to report their own errors, then are
-/// killed; so are all ranks still running at the deadline. Returns an error naming the ranks
-/// that failed.
+/// afterwards). Waits for all of them, at most `timeout`. See [`spawn_local_with`].
 pub fn spawn_local(n: usize, args: &[String], timeout: Duration) -> Result<()> {
+    spawn_local_with(&LocalJob { ranks: n, timeout, grace: DEFAULT_GRACE }, args)
+}
+
+/// Runs `job.ranks` copies of the current executable with `args`, as ranks of one job that
+/// meets through a fresh temporary [`FileStore`](crate::rendezvous::FileStore) (removed
+/// afterwards), and waits for them.
+///
+/// - When a rank fails, the others get `job.grace` to report their own errors, then are
+///   killed; so are all ranks still running at `job.timeout`.
+/// - SIGINT and SIGTERM to this process are forwarded to every rank (each runs in a process
+///   group of its own, so a terminal's Ctrl-C reaches them only this way); ranks still running
+///   after `job.grace` are killed, and a second signal kills them at once. (The handlers are
+///   this process's while the job runs, and restored afterwards.)
+/// - Killing this process, even with SIGKILL, kills every rank ([`spawn_tied`]). Call it from a
+///   thread that lives until it returns (it does not return before its ranks have ended).
+///
+/// Returns an error naming the ranks that failed, and how.
+pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
+    let n = job.ranks;
     if n == 0 {
         return Err(Error::invalid("--np must be at least 1"));
     }
@@ -94,6 +132,7 @@ pub fn spawn_local(n: usize, args: &[String], timeout: Duration) -> Result<()> {
     let url = format!("file:{}", dir.path().display());
     // Every rank runs on this host: loopback, unless the caller chose where to listen.
     let chosen = [ADDR_ENV, IFACE_ENV, HOSTNAME_ENV].iter().any(|v| std::env::var_os(v).is_some());
+    let interrupts = Interrupts::install();
     let mut children: Vec<Child> = Vec::with_capacity(n);
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
@@ -101,8 +140,7 @@ pub fn spawn_local(n: usize, args: &[String], timeout: Duration) -> Result<()> {
         if !chosen {
             cmd.env(ADDR_ENV, "127.0.0.1");
         }
-        let child = cmd.spawn();
-        match child {
+        match spawn_tied(&mut cmd) {
             Ok(c) => children.push(c),
             Err(e) => {
                 for c in &mut children {
@@ -113,29 +151,128 @@ pub fn spawn_local(n: usize, args: &[String], timeout: Duration) -> Result<()> {
             }
         }
     }
-    let statuses = wait_all(&mut children, timeout);
+    let (statuses, signal) = wait_all(&mut children, job, &interrupts);
+    drop(interrupts);
     let failed: Vec<(usize, String)> = statuses
         .iter()
         .enumerate()
         .filter(|(_, s)| !s.is_some_and(|s| s.success()))
         .map(|(r, s)| match s {
             Some(s) => (r, format!("rank {r}: {s}")),
-            None => (r, format!("rank {r}: killed at the {} deadline", crate::error::secs(&timeout))),
+            None => (r, format!("rank {r}: killed at the {} deadline", crate::error::secs(&job.timeout))),
         })
         .collect();
     if failed.is_empty() {
-        Ok(())
-    } else {
-        let detail = failed.iter().map(|(_, d)| d.as_str()).collect::<Vec<_>>().join("; ");
-        Err(Error::RanksFailed { ranks: failed.into_iter().map(|(r, _)| r).collect(), detail })
+        return Ok(());
+    }
+    let mut detail = failed.iter().map(|(_, d)| d.as_str()).collect::<Vec<_>>().join("; ");
+    if let Some(sig) = signal {
+        detail = format!("the job was interrupted (signal {sig}, forwarded to every rank); {detail}");
+    }
+    Err(Error::RanksFailed { ranks: failed.into_iter().map(|(r, _)| r).collect(), detail })
+}
+
+/// Starts `cmd` as a process that cannot outlive this one: in a process group of its own (so
+/// that a signal for it can reach its own children too, and a terminal's Ctrl-C reaches it only
+/// through this process), with a parent-death signal (SIGKILL when the thread that spawned it
+/// ends, which covers this process being killed). The child checks its parent right after
+/// setting the signal, so a parent that died in between is noticed too.
+pub fn spawn_tied(cmd: &mut Command) -> io::Result<Child> {
+    // SAFETY: getpid has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    cmd.process_group(0);
+    // SAFETY: the closure runs in the child between fork and exec, and calls only
+    // async-signal-safe functions (prctl, getppid, _exit) with plain integer arguments.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                libc::_exit(137);
+            }
+            Ok(())
+        })
+    };
+    cmd.spawn()
+}
+
+/// Sends `sig` to the process group of `child` (which [`spawn_tied`] made its own).
+fn signal_group(child: &Child, sig: libc::c_int) {
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: kill takes plain integers; a group that is gone makes it fail harmlessly.
+        unsafe { libc::kill(-pid, sig) };
     }
 }
 
-/// Waits for every child; `None` for those killed at the deadline.
-fn wait_all(children: &mut [Child], timeout: Duration) -> Vec<Option<ExitStatus>> {
-    const GRACE: Duration = Duration::from_secs(5);
-    let mut deadline = Instant::now() + timeout;
+/// The last SIGINT or SIGTERM received while a local job runs (0: none).
+static INTERRUPTED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_interrupt(sig: libc::c_int) {
+    // An atomic store: async-signal-safe.
+    INTERRUPTED.store(sig, Ordering::SeqCst);
+}
+
+/// How many jobs have the handlers installed, and the actions they replaced.
+static HANDLERS: Mutex<(usize, Vec<(libc::c_int, libc::sigaction)>)> = Mutex::new((0, Vec::new()));
+
+/// SIGINT and SIGTERM recorded instead of ending this process, while a local job runs.
+struct Interrupts;
+
+impl Interrupts {
+    fn install() -> Self {
+        let mut h = crate::sync::lock(&HANDLERS);
+        if h.0 == 0 {
+            INTERRUPTED.store(0, Ordering::SeqCst);
+            for sig in [libc::SIGINT, libc::SIGTERM] {
+                // SAFETY: sigaction is plain data; zeroed is a valid empty mask and no flags.
+                let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+                act.sa_sigaction = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                act.sa_flags = libc::SA_RESTART;
+                // SAFETY: as above.
+                let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+                // SAFETY: both pointers are to live sigaction structs; the handler only stores an
+                // atomic.
+                if unsafe { libc::sigaction(sig, &act, &mut old) } == 0 {
+                    h.1.push((sig, old));
+                }
+            }
+        }
+        h.0 += 1;
+        Interrupts
+    }
+
+    /// The signal received since the last call, if any.
+    fn take(&self) -> Option<libc::c_int> {
+        let sig = INTERRUPTED.swap(0, Ordering::SeqCst);
+        (sig != 0).then_some(sig)
+    }
+}
+
+impl Drop for Interrupts {
+    fn drop(&mut self) {
+        let mut h = crate::sync::lock(&HANDLERS);
+        h.0 -= 1;
+        if h.0 == 0 {
+            for (sig, old) in h.1.drain(..) {
+                // SAFETY: restores the action saved by `install`, a valid sigaction.
+                unsafe { libc::sigaction(sig, &old, std::ptr::null_mut()) };
+            }
+        }
+    }
+}
+
+/// Waits for every child; `None` for those killed at the deadline. Also returns the signal that
+/// interrupted the job, if one did.
+fn wait_all(
+    children: &mut [Child],
+    job: &LocalJob,
+    interrupts: &Interrupts,
+) -> (Vec<Option<ExitStatus>>, Option<libc::c_int>) {
+    let end = Instant::now() + job.timeout;
+    let mut deadline = end;
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    let mut signal = None;
     let mut poll = Duration::from_millis(1);
     loop {
         for (c, s) in children.iter_mut().zip(statuses.iter_mut()) {
@@ -144,21 +281,43 @@ fn wait_all(children: &mut [Child], timeout: Duration) -> Vec<Option<ExitStatus>
             {
                 *s = Some(st);
                 if !st.success() {
-                    deadline = deadline.min(Instant::now() + GRACE);
+                    deadline = deadline.min(Instant::now() + job.grace);
                 }
             }
         }
         if statuses.iter().all(Option::is_some) {
-            return statuses;
+            return (statuses, signal);
+        }
+        if let Some(sig) = interrupts.take() {
+            if signal.is_none() {
+                // Forward it, and give the ranks the grace period to stop.
+                tracing::info!(signal = sig, "forwarding the signal to every rank");
+                for (c, s) in children.iter().zip(&statuses) {
+                    if s.is_none() {
+                        signal_group(c, sig);
+                    }
+                }
+                signal = Some(sig);
+                deadline = deadline.min(Instant::now() + job.grace);
+            } else {
+                deadline = Instant::now(); // a second one: stop now
+            }
         }
         if Instant::now() >= deadline {
-            for (c, s) in children.iter_mut().zip(statuses.iter()) {
+            // Killed at the job's deadline: no status (the report says so); killed at the end of a
+            // grace period: the kill's status.
+            let cut = deadline < end;
+            for (c, s) in children.iter_mut().zip(statuses.iter_mut()) {
                 if s.is_none() {
+                    signal_group(c, libc::SIGKILL);
                     let _ = c.kill();
-                    let _ = c.wait();
+                    let st = c.wait();
+                    if cut {
+                        *s = st.ok();
+                    }
                 }
             }
-            return statuses;
+            return (statuses, signal);
         }
         // Child exit has no portable wakeup we can wait on alongside a deadline; poll with
         // a growing interval.

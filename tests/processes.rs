@@ -44,6 +44,13 @@ fn rank_worker() {
         println!("DONE rank {}", env.rank);
         return;
     }
+    if scenario == "linger" {
+        // Says who it is, then stays alive (bounded) until its launcher's fate ends it.
+        println!("PID {}", std::process::id());
+        std::thread::sleep(WORKER_TIMEOUT);
+        println!("OUTLIVED rank {}", env.rank);
+        return;
+    }
     let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, &dev).expect("rendezvous");
     match scenario.as_str() {
         "mesh" => mesh(&ctx),
@@ -351,6 +358,78 @@ fn launch_spawn_local_runs_a_job_and_reports_failures() {
     };
     assert!(run("mesh").success(), "spawn_local failed on a good job");
     assert!(!run("bogus").success(), "spawn_local must report a failing rank");
+}
+
+/// Starts `launcher_parent` with scenario `linger` (3 ranks that stay alive) and returns it
+/// with the ranks' process ids, read from its output.
+fn lingering_job() -> (Child, Vec<u32>) {
+    let mut parent = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "launcher_parent", "--nocapture", "--test-threads=1"])
+        .env("FERROGLOO_TEST_LAUNCH", "linger")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(parent.stdout.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in out.lines().map_while(Result::ok) {
+            // (The test harness may print its own words before it on the line.)
+            if let Some(pid) = line.split("PID ").nth(1).and_then(|p| p.trim().parse::<u32>().ok()) {
+                let _ = tx.send(pid);
+            }
+        }
+    });
+    let deadline = Instant::now() + WORKER_TIMEOUT;
+    let pids: Vec<u32> =
+        (0..3).map_while(|_| rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).ok()).collect();
+    assert_eq!(pids.len(), 3, "the ranks did not all start");
+    (parent, pids)
+}
+
+/// Whether process `pid` still runs (a zombie waiting to be reaped does not).
+fn running(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name in parentheses: "pid (comm) S ...".
+    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+    matches!(state, Some(s) if s != "Z" && s != "X")
+}
+
+/// Waits until none of `pids` runs, at most `limit`; returns those still running.
+fn still_running(pids: &[u32], limit: Duration) -> Vec<u32> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let alive: Vec<u32> = pids.iter().copied().filter(|&p| running(p)).collect();
+        if alive.is_empty() || Instant::now() >= deadline {
+            return alive;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_launcher_killed_with_sigkill_leaves_no_rank_running() {
+    let (mut parent, pids) = lingering_job();
+    assert!(pids.iter().all(|&p| running(p)), "the ranks run before the kill");
+    parent.kill().unwrap(); // SIGKILL: no handler of the launcher runs
+    let _ = parent.wait();
+    let alive = still_running(&pids, Duration::from_secs(5));
+    assert!(alive.is_empty(), "ranks {alive:?} outlived their launcher");
+}
+
+#[test]
+fn sigint_to_a_launcher_is_forwarded_and_the_job_ends_within_the_grace_period() {
+    let (mut parent, pids) = lingering_job();
+    let t = Instant::now();
+    // SAFETY: kill takes plain integers; the parent is our child and still running.
+    assert_eq!(unsafe { libc::kill(parent.id() as libc::pid_t, libc::SIGINT) }, 0);
+    let status = common::wait_or_kill(&mut parent, Instant::now() + ferrogloo::launch::DEFAULT_GRACE * 2);
+    let took = t.elapsed();
+    assert!(status.is_some_and(|s| !s.success()), "the launcher reports the interrupted job: {status:?}");
+    // The ranks die of the forwarded SIGINT at once, well within the grace period.
+    assert!(took < ferrogloo::launch::DEFAULT_GRACE, "the launcher took {took:?} to stop");
+    let alive = still_running(&pids, Duration::from_secs(2));
+    assert!(alive.is_empty(), "ranks {alive:?} outlived their interrupted launcher");
 }
 
 /// Runs `spawn_local` in a process of its own (it re-executes the current binary).

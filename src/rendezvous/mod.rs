@@ -22,7 +22,7 @@ pub use file::FileStore;
 pub use hash::HashStore;
 pub use http::HttpStore;
 pub use prefix::PrefixStore;
-pub use server::HttpStoreServer;
+pub use server::{HttpStoreServer, ServerLimits};
 pub use url::{STORE_ENV, StoreUrl, open, open_from_env};
 
 use crate::error::{Error, Result};

@@ -1,22 +1,25 @@
-//! ferrogloo's own HTTP rendezvous server (Horovod's protocol plus atomic add).
+//! ferrogloo's own HTTP rendezvous server (Horovod's protocol plus atomic add), on hyper.
+//!
+//! Every request is bounded before anything is read or allocated for it: headers by size and
+//! time, a body by its declared length (checked against the value limit first: nothing is sized
+//! by what a client declares) and by time, connections by count. A request over a limit gets
+//! its status and the connection is closed, not drained; the server goes on serving the others.
 
 use super::{checked_add, parse_counter};
 use crate::error::{Error, Result};
 use crate::sync::lock;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-
-/// Largest value the server accepts (a rendezvous value is an address: tiny).
-const MAX_VALUE: usize = 64 << 20;
-
-/// Threads answering requests.
-const WORKERS: usize = 4;
+use std::time::Duration;
 
 /// The journal is rewritten when it is this much larger than the entries it describes.
 const COMPACT_SLACK: u64 = 1 << 20;
@@ -24,11 +27,51 @@ const COMPACT_SLACK: u64 = 1 << 20;
 type Key = (String, String);
 type Data = Mutex<State>;
 
+/// What a [`HttpStoreServer`] accepts, each limit with its default. A request beyond one gets a
+/// status that says which (and its connection is closed); the server goes on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Largest value (request body): 16 MiB. Beyond: `413 Payload Too Large`, without reading
+    /// the body.
+    pub max_value: usize,
+    /// Most keys in one scope: 65,536. A new key beyond: `507 Insufficient Storage`.
+    pub max_keys_per_scope: usize,
+    /// Most bytes of keys and values held in all: 1 GiB. Beyond: `507 Insufficient Storage`.
+    pub max_total_bytes: usize,
+    /// Most connections open at once: 1,024. Beyond: `503 Service Unavailable`, then closed.
+    pub max_connections: usize,
+    /// Time a connection has to send a request's headers (also the idle time allowed between
+    /// requests of a kept-alive connection): 10 s. Then it is closed.
+    pub header_timeout: Duration,
+    /// Time a request has to send its whole body once its headers are in: 30 s. Beyond:
+    /// `408 Request Timeout`.
+    pub body_timeout: Duration,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_value: 16 << 20,
+            max_keys_per_scope: 1 << 16,
+            max_total_bytes: 1 << 30,
+            max_connections: 1024,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Largest request head (request line and headers) read: beyond it, `431`.
+const MAX_HEAD: usize = 16 << 10;
+
 /// The server's entries, and the journal that makes them outlive the process (if any).
 #[derive(Default)]
 struct State {
     map: HashMap<Key, Vec<u8>>,
     journal: Option<Journal>,
+    /// Keys held per scope, and bytes of keys and values held in all.
+    per_scope: HashMap<String, usize>,
+    bytes: usize,
 }
 
 /// An embedded HTTP rendezvous server speaking the protocol of Horovod's `RendezvousServer`
@@ -36,7 +79,8 @@ struct State {
 /// body, an atomic add that answers the new value. [`HttpStore`](super::HttpStore) talks to it.
 ///
 /// Start it from code (it serves until dropped) or from the command line with the
-/// `ferrogloo-store-server` binary.
+/// `ferrogloo-store-server` binary. It keeps serving whatever clients send: see
+/// [`ServerLimits`].
 ///
 /// **Restarts.** [`start`](Self::start) keeps its entries in memory only (as Horovod's server
 /// does): a restarted server has forgotten every rank's entry, so a job mid-rendezvous times
@@ -55,10 +99,9 @@ struct State {
 /// assert_eq!(store.try_get("k").unwrap().as_deref(), Some(&b"v"[..]));
 /// ```
 pub struct HttpStoreServer {
-    server: Arc<tiny_http::Server>,
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    workers: Vec<JoinHandle<()>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for HttpStoreServer {
@@ -68,10 +111,10 @@ impl std::fmt::Debug for HttpStoreServer {
 }
 
 impl HttpStoreServer {
-    /// Binds `addr` (port 0 picks a free port) and starts serving in background threads. The
-    /// entries live in memory only.
+    /// Binds `addr` (port 0 picks a free port) and starts serving in a background thread, with
+    /// the default [`ServerLimits`]. The entries live in memory only.
     pub fn start(addr: impl ToSocketAddrs) -> Result<Self> {
-        Self::serve_state(addr, State::default())
+        Self::start_with(addr, ServerLimits::default(), None)
     }
 
     /// Like [`start`](Self::start), with the entries kept in the journal file `path` as well:
@@ -81,36 +124,44 @@ impl HttpStoreServer {
     /// live entries. Writes reach the operating system, not the disk (no `fsync` per request):
     /// the entries survive the server process dying, not the machine.
     pub fn start_with_journal(addr: impl ToSocketAddrs, path: impl AsRef<Path>) -> Result<Self> {
-        let (journal, map) = Journal::open(path.as_ref())?;
-        Self::serve_state(addr, State { map, journal: Some(journal) })
+        Self::start_with(addr, ServerLimits::default(), Some(path.as_ref()))
     }
 
-    fn serve_state(addr: impl ToSocketAddrs, state: State) -> Result<Self> {
+    /// The server on `addr` with `limits`, and a journal at `journal` when given (see
+    /// [`start_with_journal`](Self::start_with_journal)).
+    pub fn start_with(addr: impl ToSocketAddrs, limits: ServerLimits, journal: Option<&Path>) -> Result<Self> {
+        let mut state = State::default();
+        if let Some(path) = journal {
+            let (journal, map) = Journal::open(path)?;
+            for (id, v) in &map {
+                *state.per_scope.entry(id.0.clone()).or_insert(0) += 1;
+                state.bytes += id.1.len() + v.len();
+            }
+            state.map = map;
+            state.journal = Some(journal);
+        }
         let addr = addr
             .to_socket_addrs()
             .map_err(|e| Error::io("resolving the store server address", e))?
             .next()
             .ok_or_else(|| Error::invalid("store server address resolves to nothing"))?;
-        let server = tiny_http::Server::http(addr)
-            .map_err(|e| Error::io(format!("binding store server on {addr}"), std::io::Error::other(e.to_string())))?;
-        let addr = server
-            .server_addr()
-            .to_ip()
-            .ok_or_else(|| Error::invalid("store server is not listening on an IP address"))?;
-        let server = Arc::new(server);
-        let data: Arc<Data> = Arc::new(Mutex::new(state));
-        let stop = Arc::new(AtomicBool::new(false));
-        let workers = (0..WORKERS)
-            .map(|i| {
-                let (server, data, stop) = (server.clone(), data.clone(), stop.clone());
-                std::thread::Builder::new()
-                    .name(format!("ferrogloo-store-{i}"))
-                    .spawn(move || serve(&server, &data, &stop))
-                    .map_err(|e| Error::io("spawning a store server thread", e))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let listener = std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|e| Error::io(format!("binding the store server on {addr}"), e))?;
+        let addr = listener.local_addr().map_err(|e| Error::io("reading the store server's address", e))?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(|e| Error::io("starting the store server's runtime", e))?;
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let data = Arc::new(Mutex::new(state));
+        let thread = std::thread::Builder::new()
+            .name("ferrogloo-store".into())
+            .spawn(move || runtime.block_on(serve(listener, data, Arc::new(limits), stopped)))
+            .map_err(|e| Error::io("spawning the store server thread", e))?;
         tracing::info!(%addr, "ferrogloo store server listening");
-        Ok(HttpStoreServer { server, addr, stop, workers })
+        Ok(HttpStoreServer { addr, stop: Some(stop), thread: Some(thread) })
     }
 
     /// The address the server listens on.
@@ -131,33 +182,203 @@ impl HttpStoreServer {
 
 impl Drop for HttpStoreServer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for _ in &self.workers {
-            self.server.unblock();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
         }
-        for w in self.workers.drain(..) {
-            let _ = w.join();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
 
-impl State {
-    /// Sets `id` to `value` (journal first); `Err` is the status to answer.
-    fn set(&mut self, id: Key, value: Vec<u8>) -> std::result::Result<(), u16> {
-        if let Some(j) = &mut self.journal {
-            let old = self.map.get(&id).map(|v| Journal::record_len(&id, v.len()));
-            j.append(Op::Set, &id, &value, old, &self.map)?;
+/// Accepts connections until `stopped`, each served on its own task within the limits.
+async fn serve(
+    listener: std::net::TcpListener,
+    data: Arc<Data>,
+    limits: Arc<ServerLimits>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "store server cannot listen; it stops");
+            return;
         }
+    };
+    let open = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(MAX_HEAD.max(8192))
+        .keep_alive(true);
+    let http = Arc::new(http);
+    loop {
+        let (stream, from) = tokio::select! {
+            _ = &mut stopped => return,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: say so, and let the backlog wait a little.
+                    tracing::warn!(error = %e, "store server accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            // Too many open: a short answer, best effort, and the connection goes.
+            let _ =
+                stream.try_write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+            tracing::warn!(%from, limit = limits.max_connections, "store server refused a connection: too many open");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let (data, limits, http) = (data.clone(), limits.clone(), http.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let (data, limits) = (data.clone(), limits.clone());
+                async move { Ok::<_, std::convert::Infallible>(handle(req, &data, &limits).await) }
+            });
+            if let Err(e) = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await {
+                tracing::debug!(%from, error = %e, "store server connection ended");
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// An answer: its status and body; `close` asks for the connection to be closed after it
+/// (a request whose body was not read is never drained).
+fn reply(status: u16, body: impl Into<Bytes>, close: bool) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    if close {
+        r.headers_mut().insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
+    }
+    r
+}
+
+async fn handle(req: Request<Incoming>, data: &Data, limits: &ServerLimits) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    let parts: Vec<&str> = path.split('/').collect();
+    let [_, scope, key] = parts[..] else {
+        return reply(400, "path must be /<scope>/<key>", false);
+    };
+    if scope.is_empty() || key.is_empty() {
+        return reply(400, "path must be /<scope>/<key>", false);
+    }
+    let id = (scope.to_string(), key.to_string());
+    let method = req.method().clone();
+    let body = if method == Method::PUT || method == Method::POST {
+        match read_body(req, limits).await {
+            Ok(b) => b,
+            Err(r) => return r,
+        }
+    } else {
+        Vec::new()
+    };
+    match method {
+        Method::GET => match lock(data).map.get(&id) {
+            Some(v) => reply(200, v.clone(), false),
+            None => reply(404, Bytes::new(), false),
+        },
+        Method::PUT => match lock(data).set(id, body, limits) {
+            Ok(()) => reply(200, Bytes::new(), false),
+            Err((status, why)) => reply(status, why, false),
+        },
+        Method::DELETE => match lock(data).delete(id) {
+            Ok(()) => reply(200, Bytes::new(), false),
+            Err((status, why)) => reply(status, why, false),
+        },
+        Method::POST => {
+            let shown = format!("{scope}/{key}");
+            let mut state = lock(data);
+            let result = parse_counter(&shown, &body).and_then(|delta| {
+                let old = state.map.get(&id).map(|v| parse_counter(&shown, v)).transpose()?.unwrap_or(0);
+                checked_add(&shown, old, delta)
+            });
+            match result {
+                Ok(new) => match state.set(id, new.to_string().into_bytes(), limits) {
+                    Ok(()) => reply(200, new.to_string(), false),
+                    Err((status, why)) => reply(status, why, false),
+                },
+                // 409: the key holds something add cannot apply to (the request itself is fine).
+                Err(e) => reply(409, e.to_string(), false),
+            }
+        }
+        _ => reply(501, "only GET, PUT, DELETE and POST", false),
+    }
+}
+
+/// Reads a request body that must declare its length, within the value limit and the body
+/// timeout. Nothing is allocated before the declared length is checked, and only what arrives
+/// is kept.
+async fn read_body(
+    req: Request<Incoming>,
+    limits: &ServerLimits,
+) -> std::result::Result<Vec<u8>, Response<Full<Bytes>>> {
+    let declared = req.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let Some(len) = declared else {
+        return Err(reply(411, "a Content-Length is required", true));
+    };
+    if len > limits.max_value as u64 {
+        let why = format!("a value of {len} bytes is over this server's limit of {}", limits.max_value);
+        return Err(reply(413, why, true));
+    }
+    let body = Limited::new(req.into_body(), limits.max_value);
+    match tokio::time::timeout(limits.body_timeout, body.collect()).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes().to_vec()),
+        Ok(Err(e)) => Err(reply(400, format!("the body could not be read: {e}"), true)),
+        Err(_) => Err(reply(408, format!("the body did not arrive within {:?}", limits.body_timeout), true)),
+    }
+}
+
+impl State {
+    /// Sets `id` to `value` (journal first), within the limits; `Err` is the status to answer
+    /// and why.
+    fn set(&mut self, id: Key, value: Vec<u8>, limits: &ServerLimits) -> std::result::Result<(), (u16, String)> {
+        let old = self.map.get(&id).map(Vec::len);
+        if old.is_none() && self.per_scope.get(&id.0).copied().unwrap_or(0) >= limits.max_keys_per_scope {
+            return Err((
+                507,
+                format!("scope {:?} holds {} keys, this server's limit", id.0, limits.max_keys_per_scope),
+            ));
+        }
+        let grown = self.bytes - old.map_or(0, |o| o + id.1.len()) + id.1.len() + value.len();
+        if grown > limits.max_total_bytes {
+            return Err((
+                507,
+                format!("this server holds at most {} bytes of keys and values", limits.max_total_bytes),
+            ));
+        }
+        if let Some(j) = &mut self.journal {
+            let old = old.map(|len| Journal::record_len(&id, len));
+            j.append(Op::Set, &id, &value, old, &self.map)
+                .map_err(|s| (s, "the journal could not be written".into()))?;
+        }
+        if old.is_none() {
+            *self.per_scope.entry(id.0.clone()).or_insert(0) += 1;
+        }
+        self.bytes = grown;
         self.map.insert(id, value);
         Ok(())
     }
 
-    /// Deletes `id` (journal first); `Err` is the status to answer.
-    fn delete(&mut self, id: Key) -> std::result::Result<(), u16> {
+    /// Deletes `id` (journal first); `Err` is the status to answer and why.
+    fn delete(&mut self, id: Key) -> std::result::Result<(), (u16, String)> {
         let Some(old) = self.map.get(&id) else { return Ok(()) };
+        let old_len = old.len();
         if let Some(j) = &mut self.journal {
-            let old = Some(Journal::record_len(&id, old.len()));
-            j.append(Op::Delete, &id, &[], old, &self.map)?;
+            let old = Some(Journal::record_len(&id, old_len));
+            j.append(Op::Delete, &id, &[], old, &self.map)
+                .map_err(|s| (s, "the journal could not be written".into()))?;
+        }
+        self.bytes -= id.1.len() + old_len;
+        if let Some(n) = self.per_scope.get_mut(&id.0) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_scope.remove(&id.0);
+            }
         }
         self.map.remove(&id);
         Ok(())
@@ -191,7 +412,7 @@ impl Journal {
     fn encode(out: &mut Vec<u8>, op: Op, id: &Key, value: &[u8]) {
         out.push(op as u8);
         for len in [id.0.len(), id.1.len(), value.len()] {
-            // Scope and key come from a request line and values are capped at MAX_VALUE.
+            // Scope and key come from a request line and values are capped by the server's limit.
             out.extend_from_slice(&(len as u32).to_le_bytes());
         }
         out.extend_from_slice(id.0.as_bytes());
@@ -293,83 +514,6 @@ impl Journal {
         }
         Ok(())
     }
-}
-
-fn serve(server: &tiny_http::Server, data: &Data, stop: &AtomicBool) {
-    while !stop.load(Ordering::SeqCst) {
-        match server.recv() {
-            Ok(req) => handle(req, data),
-            Err(e) if !stop.load(Ordering::SeqCst) => tracing::debug!(error = %e, "store server accept failed"),
-            Err(_) => return,
-        }
-    }
-}
-
-fn handle(mut req: tiny_http::Request, data: &Data) {
-    let (status, body) = answer(&mut req, data);
-    let resp = tiny_http::Response::from_data(body).with_status_code(status);
-    if let Err(e) = req.respond(resp) {
-        tracing::debug!(error = %e, "store server could not answer");
-    }
-}
-
-fn answer(req: &mut tiny_http::Request, data: &Data) -> (u16, Vec<u8>) {
-    let url = req.url().to_string();
-    let parts: Vec<&str> = url.split('/').collect();
-    let [_, scope, key] = parts[..] else {
-        return (400, b"path must be /<scope>/<key>".to_vec());
-    };
-    let id = (scope.to_string(), key.to_string());
-    let method = req.method().clone();
-    let body = match method {
-        tiny_http::Method::Put | tiny_http::Method::Post => match read_body(req) {
-            Ok(b) => b,
-            Err(status) => return (status, Vec::new()),
-        },
-        _ => Vec::new(),
-    };
-    match method {
-        tiny_http::Method::Get => match lock(data).map.get(&id) {
-            Some(v) => (200, v.clone()),
-            None => (404, Vec::new()),
-        },
-        tiny_http::Method::Put => match lock(data).set(id, body) {
-            Ok(()) => (200, Vec::new()),
-            Err(status) => (status, Vec::new()),
-        },
-        tiny_http::Method::Delete => match lock(data).delete(id) {
-            Ok(()) => (200, Vec::new()),
-            Err(status) => (status, Vec::new()),
-        },
-        tiny_http::Method::Post => {
-            let shown = format!("{scope}/{key}");
-            let mut state = lock(data);
-            let result = parse_counter(&shown, &body).and_then(|delta| {
-                let old = state.map.get(&id).map(|v| parse_counter(&shown, v)).transpose()?.unwrap_or(0);
-                checked_add(&shown, old, delta)
-            });
-            match result {
-                Ok(new) => match state.set(id, new.to_string().into_bytes()) {
-                    Ok(()) => (200, new.to_string().into_bytes()),
-                    Err(status) => (status, Vec::new()),
-                },
-                // 409: the key holds something add cannot apply to (the request itself is fine).
-                Err(e) => (409, e.to_string().into_bytes()),
-            }
-        }
-        _ => (501, Vec::new()),
-    }
-}
-
-/// Reads a request body that must carry a Content-Length within [`MAX_VALUE`].
-fn read_body(req: &mut tiny_http::Request) -> std::result::Result<Vec<u8>, u16> {
-    let len = req.body_length().ok_or(411u16)?;
-    if len > MAX_VALUE {
-        return Err(413);
-    }
-    let mut body = Vec::with_capacity(len);
-    req.as_reader().take(len as u64).read_to_end(&mut body).map_err(|_| 400u16)?;
-    if body.len() != len { Err(400) } else { Ok(body) }
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 
 use clap::Parser;
 use ferrogloo::device::TcpAttr;
-use ferrogloo::rendezvous::HttpStoreServer;
+use ferrogloo::rendezvous::{HttpStoreServer, ServerLimits};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -27,15 +27,67 @@ struct Args {
     /// Stop after this many seconds (default: serve until killed).
     #[arg(long)]
     seconds: Option<u64>,
+    /// Largest value in bytes (K/M/G suffixes allowed); beyond it, 413 without reading the body.
+    #[arg(long, default_value = "16M")]
+    max_value: String,
+    /// Most keys in one scope; a new key beyond it gets 507.
+    #[arg(long, default_value_t = 65536)]
+    max_keys_per_scope: usize,
+    /// Most bytes of keys and values held in all (K/M/G suffixes allowed); beyond it, 507.
+    #[arg(long, default_value = "1G")]
+    max_total_bytes: String,
+    /// Most connections open at once; one beyond gets 503 and is closed.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds a connection has to send a request's headers (and may stay idle between
+    /// requests); then it is closed.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a request has to send its whole body; then 408.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+}
+
+/// Bytes with an optional K/M/G suffix.
+fn bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok().and_then(|v| v.checked_mul(mul)).ok_or_else(|| format!("{s:?} is not a size in bytes"))
+}
+
+fn seconds(what: &str, s: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(s).map_err(|_| format!("--{what} {s} is not a number of seconds"))
+}
+
+impl Args {
+    fn limits(&self) -> Result<ServerLimits, String> {
+        Ok(ServerLimits {
+            max_value: bytes(&self.max_value)?,
+            max_keys_per_scope: self.max_keys_per_scope,
+            max_total_bytes: bytes(&self.max_total_bytes)?,
+            max_connections: self.max_connections,
+            header_timeout: seconds("header-timeout", self.header_timeout)?,
+            body_timeout: seconds("body-timeout", self.body_timeout)?,
+        })
+    }
 }
 
 fn main() {
     ferrogloo_cli::init_logging();
     let args = Args::parse();
-    let started = match &args.journal {
-        Some(path) => HttpStoreServer::start_with_journal(args.bind.as_str(), path),
-        None => HttpStoreServer::start(args.bind.as_str()),
+    let limits = match args.limits() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("ferrogloo-store-server: {e}");
+            std::process::exit(2);
+        }
     };
+    let started = HttpStoreServer::start_with(args.bind.as_str(), limits, args.journal.as_deref());
     let server = match started {
         Ok(s) => s,
         Err(e) => {

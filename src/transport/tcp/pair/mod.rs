@@ -119,6 +119,9 @@ impl Conn {
 /// Everything behind the pair's lock.
 struct Inner {
     conn: Conn,
+    /// The event-loop tokens the pair's sockets were given, kept after they close: the device
+    /// forgets them when the context goes.
+    tokens: Vec<Token>,
     tx: Sender,
     rx: Reader,
     matcher: Matcher,
@@ -161,6 +164,7 @@ impl TcpPair {
             wake: EventFd::new()?,
             inner: Mutex::new(Inner {
                 conn: Conn::Pending([None, None]),
+                tokens: Vec::new(),
                 tx: Sender::new(),
                 rx: Reader::new(),
                 matcher: Matcher::new(me, peer, early_limit),
@@ -197,6 +201,7 @@ impl TcpPair {
             return Err(stream);
         }
         *slot = Some(Sock { stream, token });
+        g.tokens.push(token);
         if let Conn::Pending([Some(_), Some(_)]) = &g.conn
             && let Conn::Pending([Some(main), Some(bulk)]) = std::mem::replace(&mut g.conn, Conn::Pending([None, None]))
         {
@@ -207,9 +212,9 @@ impl TcpPair {
         Ok(false)
     }
 
-    /// The tokens the pair's sockets are registered under (none once closed).
+    /// The tokens the pair's sockets were registered under (also once they are closed).
     pub(crate) fn tokens(&self) -> Vec<Token> {
-        self.lock().conn.socks().into_iter().map(|s| s.token).collect()
+        self.lock().tokens.clone()
     }
 
     /// Flushes pending sends and reads what has arrived; fails the pair on error.
