@@ -545,4 +545,5 @@ macro_rules! backends {
 backends! {
     memory => || Ok(ferrogloo::device::Device::in_process()),
     tcp => ferrogloo::device::Device::loopback,
+    shm => || Ok(ferrogloo::device::Device::shared_memory()),
 }

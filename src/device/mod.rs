@@ -16,6 +16,7 @@
 use crate::error::{Error, Result};
 use crate::transport::Backend;
 use crate::transport::memory::MemoryDevice;
+use crate::transport::shm::{ShmDevice, ShmOptions};
 use crate::transport::tcp::device::{TcpDevice, TcpOptions};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -248,6 +249,7 @@ fn default_route_iface() -> Option<String> {
 enum Kind {
     Tcp(TcpDevice),
     Memory(MemoryDevice),
+    Shm(ShmDevice),
     /// A backend with no constructor of its own here.
     Other(Arc<dyn Backend>),
 }
@@ -305,13 +307,21 @@ impl Device {
         Device { kind: Arc::new(Kind::Memory(MemoryDevice::new(early_budget))) }
     }
 
+    /// Shared memory, for ranks (processes or threads) that all run on this host: each rank's
+    /// messages to a peer go through a ring in the peer's memory, and large ones are copied
+    /// once, straight from the sender's memory, where the kernel allows it
+    /// (`process_vm_readv`). Nothing is left behind when a job dies: the memory has no name.
+    pub fn shared_memory() -> Self {
+        Device { kind: Arc::new(Kind::Shm(ShmDevice::new(ShmOptions::default()))) }
+    }
+
     /// The ibverbs (RDMA) transport on device `name` (the first one found for `None`). Not
     /// written yet: always [`Error::Unsupported`].
     pub fn ibverbs(name: Option<&str>) -> Result<Self> {
         crate::transport::ibverbs::open(name).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
     }
 
-    /// The backend's name: `"tcp"` or `"memory"`.
+    /// The backend's name: `"tcp"`, `"shm"` or `"memory"`.
     pub fn backend_name(&self) -> &'static str {
         self.backend().name()
     }
@@ -320,7 +330,7 @@ impl Device {
     pub fn local_addr(&self) -> Option<SocketAddr> {
         match &*self.kind {
             Kind::Tcp(t) => Some(t.local_addr()),
-            Kind::Memory(_) | Kind::Other(_) => None,
+            Kind::Memory(_) | Kind::Shm(_) | Kind::Other(_) => None,
         }
     }
 
@@ -328,6 +338,7 @@ impl Device {
         match &*self.kind {
             Kind::Tcp(t) => t,
             Kind::Memory(m) => m,
+            Kind::Shm(s) => s,
             Kind::Other(b) => &**b,
         }
     }

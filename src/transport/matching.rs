@@ -125,6 +125,14 @@ impl EarlyRx {
         self.data.extend_from_slice(&bytes[..n]);
         n
     }
+
+    /// Appends `n` payload bytes (at most [`EarlyRx::remaining`]) that `fill` writes into the
+    /// buffer in place (a copy from another process's memory, say).
+    pub(crate) fn fill<E>(&mut self, n: usize, fill: impl FnOnce(&mut [u8]) -> Result<(), E>) -> Result<(), E> {
+        let start = self.data.len();
+        self.data.resize(start + n.min(self.remaining()), 0);
+        fill(&mut self.data[start..])
+    }
 }
 
 /// Where an arriving message's payload goes.

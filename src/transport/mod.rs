@@ -67,10 +67,13 @@
 //! A rank's messages to itself go through a loopback pair ([`memory::loopback`]) whatever the
 //! backend, under the same rules.
 
+pub(crate) mod auth;
 pub(crate) mod ibverbs;
 pub(crate) mod matching;
 pub(crate) mod memory;
+pub(crate) mod shm;
 pub(crate) mod tcp;
+pub(crate) mod wake;
 
 use crate::error::{Error, Result};
 use crate::types::OpDesc;

@@ -8,4 +8,3 @@ mod mesh;
 pub(crate) mod pair;
 mod parking;
 mod progress;
-mod wake;

@@ -19,8 +19,8 @@
 
 use super::pair::{Acquired, TcpPair};
 use super::parking::{Parked, Parking};
-use super::wake::poll_fds;
 use crate::error::Result;
+use crate::transport::wake::poll_fds;
 use crate::transport::{BusyWait, Completion, Done, Progress};
 use std::os::fd::RawFd;
 use std::sync::Arc;

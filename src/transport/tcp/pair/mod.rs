@@ -21,9 +21,9 @@ pub(crate) use watch::Acquired;
 
 use super::frame::FrameHeader;
 use super::parking::Parking;
-use super::wake::EventFd;
 use crate::error::{Error, Result};
 use crate::transport::matching::{Matcher, RecvOp};
+use crate::transport::wake::EventFd;
 use crate::transport::{AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
 use crate::types::OpDesc;
 use mio::Token;

@@ -5,9 +5,9 @@
 //! per message.
 
 use super::super::parking::{PARK_GRACE, Parked};
-use super::super::wake::EventFd;
 use super::recv::HOLD;
 use super::{Conn, Inner, Step, TcpPair};
+use crate::transport::wake::EventFd;
 use mio::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Instant;

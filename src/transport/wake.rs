@@ -1,5 +1,6 @@
-//! The two system calls the caller-driven wait needs that mio does not offer: an eventfd to
-//! wake a thread blocked on its pairs, and `poll(2)` on those pairs' sockets and eventfds.
+//! The two system calls caller-driven waits need that mio does not offer: an eventfd to wake a
+//! thread blocked on its pairs (TCP) or a rank sleeping on its rings (shared memory), and
+//! `poll(2)` on those sockets and eventfds.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -39,6 +40,17 @@ impl EventFd {
 
     pub(crate) fn raw(&self) -> RawFd {
         self.0.as_raw_fd()
+    }
+
+    /// An eventfd received from another process.
+    pub(crate) fn from_fd(fd: OwnedFd) -> Self {
+        EventFd(fd)
+    }
+
+    /// The descriptor, to hand to another process.
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.0.as_fd()
     }
 }
 

@@ -1,0 +1,95 @@
+//! How a wait makes progress on shared memory: the waiting thread drives its pairs (writes what
+//! waits to be sent, reads what came), spins or yields for the busy-wait budget, then sleeps in
+//! `poll(2)` on this rank's doorbell (rung by a peer that wrote into, or read from, a ring this
+//! rank waits on) and its pairs' lifelines (a peer that dies or aborts).
+
+use super::pair::ShmPair;
+use crate::error::Result;
+use crate::transport::wake::{EventFd, poll_fds};
+use crate::transport::{BusyWait, Completion, Done, Progress};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A sleep never lasts longer than this: a second thread waiting on the same rank may have
+/// taken the doorbell's wake-up.
+const MAX_SLEEP: Duration = Duration::from_millis(5);
+
+/// The shared-memory progress engine of one mesh.
+pub(crate) struct ShmProgress {
+    /// Indexed by rank; `None` where the pair is not a shared-memory one.
+    pairs: Vec<Option<Arc<ShmPair>>>,
+    bell: Arc<EventFd>,
+}
+
+impl ShmProgress {
+    pub(crate) fn new(pairs: Vec<Option<Arc<ShmPair>>>, bell: Arc<EventFd>) -> Self {
+        ShmProgress { pairs, bell }
+    }
+}
+
+impl Progress for ShmProgress {
+    fn wait(
+        &self,
+        done: &Completion,
+        own: &[usize],
+        others: &[usize],
+        deadline: Instant,
+        busy: BusyWait,
+    ) -> Option<Result<Done>> {
+        let pairs: Vec<&Arc<ShmPair>> =
+            own.iter().chain(others).filter_map(|&r| self.pairs.get(r).and_then(Option::as_ref)).collect();
+        let busy_until = Instant::now() + busy.budget;
+        let mut fds: Vec<libc::pollfd> = std::iter::once(self.bell.raw())
+            .chain(pairs.iter().map(|p| p.lifeline_fd()))
+            .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
+            .collect();
+        loop {
+            for p in &pairs {
+                p.drive();
+            }
+            if let Some(o) = done.outcome() {
+                return Some(o);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return done.outcome();
+            }
+            if now < busy_until {
+                if busy.yield_cpu {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            // Sleep, unless something came in while the sleep was being set up.
+            let mut armed = 0;
+            let ready = pairs.iter().all(|p| {
+                let ok = p.prepare_sleep();
+                armed += usize::from(ok);
+                ok
+            });
+            if ready && done.outcome().is_none() {
+                let hold = pairs.iter().filter_map(|p| p.hold_ends()).min();
+                let until = hold.map_or(deadline, |h| h.min(deadline)).min(now + MAX_SLEEP);
+                for f in &mut fds {
+                    f.revents = 0;
+                }
+                if poll_fds(&mut fds, until.saturating_duration_since(now)).is_err() {
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                if fds[0].revents != 0 {
+                    self.bell.drain();
+                }
+                for (p, f) in pairs.iter().zip(&fds[1..]) {
+                    if f.revents != 0 {
+                        p.check_lifeline();
+                    }
+                }
+            }
+            for p in pairs.iter().take(armed) {
+                p.woke();
+            }
+        }
+    }
+}
