@@ -74,11 +74,12 @@ impl RankEnv {
         Ok(env)
     }
 
-    /// Joins the job: opens the store and connects this rank's context on a new TCP device
-    /// described by `attr`, with `timeout` as its deadline.
+    /// Joins the job: opens the store and connects this rank's context, with `timeout` as its
+    /// deadline, on a new device of the transport `FERROGLOO_TRANSPORT` names (default auto:
+    /// shared memory to ranks on this host, TCP on the listener `attr` describes to the others).
     pub fn connect(&self, attr: &crate::device::TcpAttr, timeout: Duration) -> Result<crate::Context> {
         let store = crate::rendezvous::open(&self.store)?;
-        let device = crate::device::Device::new(attr)?;
+        let device = crate::device::Device::with_transport(crate::device::Transport::from_env()?, attr)?;
         crate::Context::builder(self.rank, self.size).timeout(timeout).connect(&store, &device)
     }
 }

@@ -16,7 +16,6 @@
 //! publishes its own entry, connects to every lower rank whose entry carries the id, and waits
 //! for the higher ranks to connect to it.
 
-use crate::device::host_id;
 use crate::error::{Error, Result, ranks_text, secs};
 use crate::rendezvous::{Backoff, Store};
 use crate::transport::{Backend, ConnectError, ContextId, Endpoint, EndpointSpec, Mesh, Passive, random16};
@@ -101,7 +100,7 @@ pub(crate) fn form<S: Store + ?Sized>(
     backend: &dyn Backend,
     spec: &MeshSpec,
 ) -> Result<(Mesh, Vec<String>)> {
-    let host = host_id();
+    let host = backend.host();
     if spec.size == 1 {
         return Ok((
             Mesh { pairs: vec![None], progress: std::sync::Arc::new(Passive), _guard: Box::new(()) },

@@ -346,6 +346,8 @@ fn a_rank_s_listener_under_attack_keeps_its_job_going() {
             // 8,000 checked 1 MiB allreduces (about 12 s here): the attack runs beside them.
             .args(["--op", "allreduce", "--sizes", "1M", "-n", "8000"])
             .env("FERROGLOO_ADDR", "127.0.0.1")
+            // The TCP listener is what is attacked.
+            .env("FERROGLOO_TRANSPORT", "tcp")
             .env("RUST_LOG", "error")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -1,20 +1,33 @@
 //! Devices: which transport a rank's contexts use, where it listens, and which host it is on.
 //!
 //! A [`Device`] is one transport backend that every [`Context`](crate::Context) made on it
-//! shares: TCP ([`Device::new`] with a [`TcpAttr`]: one listening socket and one event-loop
-//! thread), or ranks as threads of one process ([`Device::in_process`]: no sockets).
+//! shares:
+//!
+//! - [`Device::auto`]: shared memory between ranks on one host and TCP between hosts, chosen
+//!   per peer by host identity ([`host_id`]). What [`Device::from_env`] gives by default.
+//! - [`Device::new`] with a [`TcpAttr`]: TCP only (one listening socket and one event-loop
+//!   thread).
+//! - [`Device::shared_memory`]: shared memory only, for jobs on one host.
+//! - [`Device::in_process`]: ranks as threads of one process (no sockets).
+//!
+//! `FERROGLOO_TRANSPORT=tcp|shm|auto` ([`Transport::from_env`]) forces the choice of
+//! [`Device::from_env`] for a whole job, for testing or to work around a host where shared
+//! memory does not work.
 //!
 //! ```
-//! use ferrogloo::device::{Device, TcpAttr};
+//! use ferrogloo::device::{Device, TcpAttr, Transport};
 //! let dev = Device::new(&TcpAttr::loopback())?;
 //! assert_eq!(dev.backend_name(), "tcp");
 //! assert!(dev.local_addr().is_some_and(|a| a.ip().is_loopback()));
 //! assert_eq!(Device::in_process().backend_name(), "memory");
+//! let auto = Device::with_transport(Transport::Auto, &TcpAttr::loopback())?;
+//! assert_eq!(auto.backend_name(), "tcp+shm");
 //! # Ok::<(), ferrogloo::Error>(())
 //! ```
 
 use crate::error::{Error, Result};
 use crate::transport::Backend;
+use crate::transport::auto::AutoDevice;
 use crate::transport::memory::MemoryDevice;
 use crate::transport::shm::{ShmDevice, ShmOptions};
 use crate::transport::tcp::device::{TcpDevice, TcpOptions};
@@ -31,10 +44,16 @@ pub const ADDR_ENV: &str = "FERROGLOO_ADDR";
 /// The environment variable that overrides this host's identity (see [`host_id`]).
 pub const HOST_ID_ENV: &str = "FERROGLOO_HOST_ID";
 
-/// This host's identity, which decides which ranks share a host (never IP addresses):
-/// `FERROGLOO_HOST_ID` when set, else the host name and the kernel's boot id
-/// (`/proc/sys/kernel/random/boot_id`; `/etc/machine-id` where there is none). Two processes
-/// with the same identity can share memory.
+/// The environment variable that chooses the transport of [`Device::from_env`]
+/// ([`Transport::from_env`]).
+pub const TRANSPORT_ENV: &str = "FERROGLOO_TRANSPORT";
+
+/// This host's identity, which decides which ranks share memory (never IP addresses or
+/// `LOCAL_WORLD_SIZE`): `FERROGLOO_HOST_ID` when set, else the host name, the kernel's boot id
+/// (`/proc/sys/kernel/random/boot_id`; `/etc/machine-id` where there is none) and the network
+/// namespace (`/proc/self/ns/net`: ranks in two namespaces of one host cannot reach each other's
+/// abstract Unix sockets, so they talk TCP). Two processes with the same identity can share
+/// memory.
 pub fn host_id() -> String {
     if let Ok(id) = std::env::var(HOST_ID_ENV)
         && !id.is_empty()
@@ -45,9 +64,66 @@ pub fn host_id() -> String {
     let boot = ["/proc/sys/kernel/random/boot_id", "/etc/machine-id"]
         .iter()
         .find_map(|p| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()));
-    match boot {
+    let mut id = match boot {
         Some(b) => format!("{name}/{b}"),
         None => name,
+    };
+    if let Ok(ns) = std::fs::read_link("/proc/self/ns/net") {
+        id.push('/');
+        id.push_str(&ns.to_string_lossy());
+    }
+    id
+}
+
+/// Which transport a device uses between ranks (see [`Device::with_transport`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP to every peer.
+    Tcp,
+    /// Shared memory to every peer: every rank must be on this host.
+    Shm,
+    /// Shared memory to peers on this host, TCP to the others.
+    Auto,
+}
+
+impl Transport {
+    /// `FERROGLOO_TRANSPORT` (`tcp`, `shm` or `auto`); [`Transport::Auto`] when unset or empty.
+    /// Another value is an error.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(TRANSPORT_ENV) {
+            Ok(v) if !v.trim().is_empty() => {
+                v.parse().map_err(|e: Error| Error::invalid(format!("{TRANSPORT_ENV}: {e}")))
+            }
+            _ => Ok(Transport::Auto),
+        }
+    }
+
+    /// `"tcp"`, `"shm"` or `"auto"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+            Transport::Auto => "auto",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "tcp" => Ok(Transport::Tcp),
+            "shm" | "shared-memory" => Ok(Transport::Shm),
+            "auto" => Ok(Transport::Auto),
+            other => Err(Error::invalid(format!("unknown transport {other:?} (expected tcp, shm or auto)"))),
+        }
     }
 }
 
@@ -250,6 +326,7 @@ enum Kind {
     Tcp(TcpDevice),
     Memory(MemoryDevice),
     Shm(ShmDevice),
+    Auto(AutoDevice),
     /// A backend with no constructor of its own here.
     Other(Arc<dyn Backend>),
 }
@@ -271,6 +348,10 @@ impl std::fmt::Debug for Device {
 impl Device {
     /// A TCP device: binds the listener described by `attr` and starts its event loop.
     pub fn new(attr: &TcpAttr) -> Result<Self> {
+        Ok(Device { kind: Arc::new(Kind::Tcp(Self::tcp(attr)?)) })
+    }
+
+    fn tcp(attr: &TcpAttr) -> Result<TcpDevice> {
         let ip = attr.resolve()?;
         if ip.is_unspecified() {
             return Err(Error::invalid(format!(
@@ -285,7 +366,38 @@ impl Device {
             handshake_timeout: attr.handshake_timeout,
             max_pending: attr.max_pending.max(1),
         };
-        Ok(Device { kind: Arc::new(Kind::Tcp(TcpDevice::start(&addrs, opts)?)) })
+        TcpDevice::start(&addrs, opts)
+    }
+
+    /// Shared memory to the peers on this host (same [`host_id`]) and TCP, on the listener
+    /// `attr` describes, to the others.
+    pub fn auto(attr: &TcpAttr) -> Result<Self> {
+        Self::auto_on_host(attr, host_id())
+    }
+
+    /// [`Device::auto`] with `host` as this rank's host identity instead of [`host_id`]: ranks
+    /// whose devices name the same host use shared memory between them. For a launcher that
+    /// knows the hosts better, and for tests that make one machine look like several (ranks of
+    /// one process on "two hosts" talk TCP across).
+    pub fn auto_on_host(attr: &TcpAttr, host: impl Into<String>) -> Result<Self> {
+        let shm = ShmDevice::new(ShmOptions::default());
+        Ok(Device { kind: Arc::new(Kind::Auto(AutoDevice::new(Self::tcp(attr)?, shm, host.into()))) })
+    }
+
+    /// The device `transport` names: [`Device::new`], [`Device::shared_memory`] or
+    /// [`Device::auto`] (`attr` is unused for shared memory).
+    pub fn with_transport(transport: Transport, attr: &TcpAttr) -> Result<Self> {
+        match transport {
+            Transport::Tcp => Self::new(attr),
+            Transport::Shm => Ok(Self::shared_memory()),
+            Transport::Auto => Self::auto(attr),
+        }
+    }
+
+    /// The device a rank of a job gets from its environment: the transport of
+    /// `FERROGLOO_TRANSPORT` (default `auto`) with the TCP listener of [`TcpAttr::from_env`].
+    pub fn from_env() -> Result<Self> {
+        Self::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)
     }
 
     /// A TCP device on loopback with default settings: for ranks that all run on this host.
@@ -321,15 +433,16 @@ impl Device {
         crate::transport::ibverbs::open(name).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
     }
 
-    /// The backend's name: `"tcp"`, `"shm"` or `"memory"`.
+    /// The backend's name: `"tcp"`, `"shm"`, `"tcp+shm"` (auto) or `"memory"`.
     pub fn backend_name(&self) -> &'static str {
         self.backend().name()
     }
 
-    /// The address peers connect to, for a TCP device.
+    /// The address peers connect to over TCP (for a TCP or auto device).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         match &*self.kind {
             Kind::Tcp(t) => Some(t.local_addr()),
+            Kind::Auto(a) => Some(a.tcp().local_addr()),
             Kind::Memory(_) | Kind::Shm(_) | Kind::Other(_) => None,
         }
     }
@@ -339,6 +452,7 @@ impl Device {
             Kind::Tcp(t) => t,
             Kind::Memory(m) => m,
             Kind::Shm(s) => s,
+            Kind::Auto(a) => a,
             Kind::Other(b) => &**b,
         }
     }

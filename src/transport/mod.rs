@@ -68,6 +68,7 @@
 //! backend, under the same rules.
 
 pub(crate) mod auth;
+pub(crate) mod auto;
 pub(crate) mod ibverbs;
 pub(crate) mod matching;
 pub(crate) mod memory;
@@ -462,6 +463,12 @@ pub(crate) trait Backend: Send + Sync {
 
     /// A fresh endpoint for one context.
     fn endpoint(&self, spec: EndpointSpec) -> Result<Box<dyn Endpoint>>;
+
+    /// The host identity this rank publishes ([`host_id`](crate::device::host_id) unless the
+    /// device was told otherwise).
+    fn host(&self) -> String {
+        crate::device::host_id()
+    }
 }
 
 /// What an endpoint is made for.
@@ -546,6 +553,9 @@ struct CompletionState {
     outcome: Option<Result<Done>>,
     /// The message of an owned receive ([`RecvTarget::Owned`]).
     payload: Option<Vec<u8>>,
+    /// Rung when the operation finishes: a wait that sleeps in `poll(2)` on it rather than on
+    /// the condition variable (see [`Completion::ring_on_finish`]).
+    bell: Option<Arc<wake::EventFd>>,
 }
 
 impl Completion {
@@ -601,10 +611,26 @@ impl Completion {
             s.outcome = Some(outcome);
             s.payload = payload;
             let sleepers = s.sleepers;
+            let bell = s.bell.take();
             drop(s);
             if sleepers > 0 {
                 self.cond.notify_all();
             }
+            if let Some(b) = bell {
+                b.signal();
+            }
+        }
+    }
+
+    /// Rings `bell` when the operation finishes (at once if it has): for a wait that sleeps on
+    /// the eventfd while another thread may finish the operation.
+    pub(crate) fn ring_on_finish(&self, bell: &Arc<wake::EventFd>) {
+        let mut s = self.lock();
+        if s.outcome.is_some() {
+            drop(s);
+            bell.signal();
+        } else {
+            s.bell = Some(bell.clone());
         }
     }
 

@@ -54,7 +54,13 @@ pub fn run_ranks_on<T: Send>(
 
 /// Unwraps every rank's result, naming the rank that failed.
 pub fn all_ok<T>(results: Vec<Result<T>>) -> Vec<T> {
-    results.into_iter().enumerate().map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r} failed: {e}"))).collect()
+    let failed: Vec<String> = results
+        .iter()
+        .enumerate()
+        .filter_map(|(r, x)| x.as_ref().err().map(|e| format!("rank {r} failed: {e}")))
+        .collect();
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    results.into_iter().filter_map(|x| x.ok()).collect()
 }
 
 /// A payload that differs for every (from, to, index): catches misrouted or shifted data.

@@ -19,7 +19,7 @@
 //! siblings), as an engine or a binding would call them.
 
 use clap::Parser;
-use ferrogloo::device::TcpAttr;
+use ferrogloo::device::{TcpAttr, Transport};
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::{Algorithm, CollectiveOptions, Context, DType, Error, Reduction, Result, bf16, f16};
 use std::path::PathBuf;
@@ -103,6 +103,10 @@ struct Args {
     /// Busy-poll this many microseconds before sleeping in a wait (default: automatic).
     #[arg(long)]
     busy_poll_us: Option<u64>,
+    /// Transport between ranks: tcp, shm (shared memory) or auto (shared memory on one host,
+    /// TCP across hosts). Default: FERROGLOO_TRANSPORT when set, else auto.
+    #[arg(long)]
+    transport: Option<String>,
     /// Append one JSON object per measured cell and line to this file (created if missing;
     /// earlier lines are kept).
     #[arg(long)]
@@ -602,7 +606,7 @@ fn print_cell(args: &Args, c: &Cell) {
 
 /// Appends the cells to `path`, one JSON object per line (the shared schema, plus `picked`:
 /// the algorithm `auto` ran).
-fn write_json(path: &PathBuf, args: &Args, n: usize, cells: &[Cell]) -> Result<()> {
+fn write_json(path: &PathBuf, args: &Args, n: usize, transport: Transport, cells: &[Cell]) -> Result<()> {
     use std::io::Write;
     let mut out = String::new();
     for c in cells {
@@ -611,6 +615,7 @@ fn write_json(path: &PathBuf, args: &Args, n: usize, cells: &[Cell]) -> Result<(
             "picked": c.picked.map(|a| a.name()), "ranks": n, "bytes": c.bytes,
             "dtype": args.dtype, "iters": c.iters, "p50_us": c.p50, "min_us": c.min, "p99_us": c.p99,
             "algbw_gbps": c.algbw, "busbw_gbps": c.busbw, "wrong": c.wrong,
+            "transport": transport.name(),
         });
         out.push_str(&row.to_string());
         out.push('\n');
@@ -753,12 +758,19 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
         seg: args.segment_bytes.as_deref().map(parse_size).transpose()?,
     };
     let store = ferrogloo::rendezvous::open(&env.store)?;
-    let device = ferrogloo::device::Device::new(&attr)?;
+    let transport = match &args.transport {
+        Some(t) => t.parse()?,
+        None => Transport::from_env()?,
+    };
+    let device = ferrogloo::device::Device::with_transport(transport, &attr)?;
     let mut builder = Context::builder(env.rank, env.size).timeout(timeout);
     if let Some(us) = args.busy_poll_us {
         builder = builder.busy_poll(Duration::from_micros(us));
     }
     let ctx = builder.connect(&store, &device)?;
+    if ctx.rank() == 0 {
+        println!("# transport: {transport} ({} backend)", device.backend_name());
+    }
     let cells = run(&ctx, &setup)?;
     if ctx.rank() == 0 {
         let bus: Vec<f64> = cells.iter().filter(|c| c.bytes > 0).map(|c| c.busbw).collect();
@@ -767,7 +779,7 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
         println!("# Out of bounds values : {wrong} {}", if wrong == 0 { "OK" } else { "WRONG" });
         println!("# Avg bus bandwidth    : {avg:.3}");
         if let Some(p) = &args.json {
-            write_json(p, args, ctx.size(), &cells)?;
+            write_json(p, args, ctx.size(), transport, &cells)?;
         }
         if let Some(p) = &args.plot {
             plot(p, args, ctx.size(), &cells).map_err(|e| Error::invalid(format!("drawing {}: {e}", p.display())))?;

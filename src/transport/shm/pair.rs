@@ -574,7 +574,10 @@ impl ShmPair {
                     });
                 }
                 Err(e) => {
-                    return Err(Error::io(format!("reading a message of rank {} from its memory", self.peer), e.into()));
+                    return Err(Error::io(
+                        format!("reading a message of rank {} from its memory", self.peer),
+                        e.into(),
+                    ));
                 }
             }
         }

@@ -36,8 +36,13 @@ impl Progress for ShmProgress {
         deadline: Instant,
         busy: BusyWait,
     ) -> Option<Result<Done>> {
-        let pairs: Vec<&Arc<ShmPair>> =
-            own.iter().chain(others).filter_map(|&r| self.pairs.get(r).and_then(Option::as_ref)).collect();
+        let pair = |r: usize| self.pairs.get(r).and_then(Option::as_ref);
+        let pairs: Vec<&Arc<ShmPair>> = own.iter().chain(others).filter_map(|&r| pair(r)).collect();
+        // An operation that may finish elsewhere (on this rank's loopback pair, on a TCP pair's
+        // event loop) rings the doorbell this wait sleeps on.
+        if own.iter().any(|&r| pair(r).is_none()) {
+            done.ring_on_finish(&self.bell);
+        }
         let busy_until = Instant::now() + busy.budget;
         let mut fds: Vec<libc::pollfd> = std::iter::once(self.bell.raw())
             .chain(pairs.iter().map(|p| p.lifeline_fd()))

@@ -1,0 +1,175 @@
+//! Choice by locality: one backend made of a TCP device and a shared-memory one. Each pair
+//! uses shared memory when both ranks have the same host identity ([`host_id`](crate::device::host_id): the host,
+//! its boot and the network namespace; never IP addresses or `LOCAL_WORLD_SIZE`), and TCP
+//! otherwise, so one context may mix both.
+//!
+//! The endpoint's address carries the rank's host identity, its TCP address and its
+//! shared-memory address; the connecting (higher) rank compares host identities and connects
+//! with the backend they call for. The lower rank accepts on both.
+//!
+//! Waits: a TCP pair makes progress on the device's event loop or on the waiting thread, a
+//! shared-memory pair only on a thread that drives it. So a wait that involves no
+//! shared-memory pair (its own or others with operations outstanding) is the TCP engine's,
+//! and every other wait is the shared-memory engine's, which drives its pairs and leaves the
+//! TCP ones to the event loop: an operation that finishes there rings the shared-memory
+//! doorbell the wait sleeps on.
+
+use crate::error::{Error, Result};
+use crate::transport::shm::ShmDevice;
+use crate::transport::tcp::device::TcpDevice;
+use crate::transport::{Backend, BusyWait, Completion, ConnectError, Done, Endpoint, EndpointSpec, Mesh, Progress};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long each of the two endpoints is waited on in turn while higher ranks connect.
+const SLICE: Duration = Duration::from_millis(2);
+
+/// TCP between hosts, shared memory within one.
+pub(crate) struct AutoDevice {
+    tcp: TcpDevice,
+    shm: ShmDevice,
+    host: String,
+}
+
+impl AutoDevice {
+    /// Peers whose host identity is `host` are reached through `shm`, the others through `tcp`.
+    pub(crate) fn new(tcp: TcpDevice, shm: ShmDevice, host: String) -> Self {
+        AutoDevice { tcp, shm, host }
+    }
+
+    /// The TCP half.
+    pub(crate) fn tcp(&self) -> &TcpDevice {
+        &self.tcp
+    }
+}
+
+impl Backend for AutoDevice {
+    fn name(&self) -> &'static str {
+        "tcp+shm"
+    }
+
+    fn host_only(&self) -> bool {
+        self.tcp.host_only()
+    }
+
+    fn endpoint(&self, spec: EndpointSpec) -> Result<Box<dyn Endpoint>> {
+        let tcp = self.tcp.endpoint(spec.clone())?;
+        let shm = self.shm.endpoint(spec.clone())?;
+        Ok(Box::new(AutoEndpoint { host: self.host.clone(), tcp, shm, size: spec.size }))
+    }
+
+    fn host(&self) -> String {
+        self.host.clone()
+    }
+}
+
+struct AutoEndpoint {
+    host: String,
+    tcp: Box<dyn Endpoint>,
+    shm: Box<dyn Endpoint>,
+    size: usize,
+}
+
+/// The address blob: `u16` length and host identity, `u32` length and TCP address, then the
+/// shared-memory address.
+fn encode(host: &str, tcp: &[u8], shm: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(6 + host.len() + tcp.len() + shm.len());
+    b.extend_from_slice(&(host.len() as u16).to_le_bytes());
+    b.extend_from_slice(host.as_bytes());
+    b.extend_from_slice(&(tcp.len() as u32).to_le_bytes());
+    b.extend_from_slice(tcp);
+    b.extend_from_slice(shm);
+    b
+}
+
+/// The three parts of an address blob; `None` when it is not one.
+fn decode(b: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
+    let hl = u16::from_le_bytes(b.get(..2)?.try_into().ok()?) as usize;
+    let host = b.get(2..2 + hl)?;
+    let at = 2 + hl;
+    let tl = u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?) as usize;
+    let tcp = b.get(at + 4..at + 4 + tl)?;
+    let shm = b.get(at + 4 + tl..)?;
+    Some((host, tcp, shm))
+}
+
+impl Endpoint for AutoEndpoint {
+    fn address(&self) -> Vec<u8> {
+        encode(&self.host, &self.tcp.address(), &self.shm.address())
+    }
+
+    fn connect(&mut self, peer: usize, addr: &[u8], deadline: Instant) -> std::result::Result<(), ConnectError> {
+        let Some((host, tcp, shm)) = decode(addr) else {
+            return Err(ConnectError::Refused(Error::Protocol {
+                peer: Some(peer),
+                detail: format!("its address ({} bytes) is not a TCP-and-shared-memory address", addr.len()),
+            }));
+        };
+        if host == self.host.as_bytes() {
+            tracing::debug!(peer, "same host: connecting through shared memory");
+            self.shm.connect(peer, shm, deadline)
+        } else {
+            self.tcp.connect(peer, tcp, deadline)
+        }
+    }
+
+    fn wait_connected(&mut self, peers: &[usize], until: Instant) -> Vec<usize> {
+        let mut missing = peers.to_vec();
+        loop {
+            let slice = until.min(Instant::now() + SLICE);
+            missing = self.tcp.wait_connected(&missing, slice);
+            let slice = until.min(Instant::now() + SLICE);
+            missing = self.shm.wait_connected(&missing, slice);
+            if missing.is_empty() || Instant::now() >= until {
+                return missing;
+            }
+        }
+    }
+
+    fn finish(self: Box<Self>) -> Mesh {
+        let (tcp, shm) = (self.tcp.finish(), self.shm.finish());
+        let via_shm: Vec<bool> = shm.pairs.iter().map(Option::is_some).collect();
+        let pairs = (0..self.size).map(|r| shm.pairs[r].clone().or_else(|| tcp.pairs[r].clone())).collect();
+        let progress = Arc::new(AutoProgress { tcp: tcp.progress, shm: shm.progress, via_shm });
+        Mesh { pairs, progress, _guard: Box::new((tcp._guard, shm._guard)) }
+    }
+}
+
+/// Routes each wait to the engine that can finish it (see the module's documentation).
+struct AutoProgress {
+    tcp: Arc<dyn Progress>,
+    shm: Arc<dyn Progress>,
+    via_shm: Vec<bool>,
+}
+
+impl Progress for AutoProgress {
+    fn wait(
+        &self,
+        done: &Completion,
+        own: &[usize],
+        others: &[usize],
+        deadline: Instant,
+        busy: BusyWait,
+    ) -> Option<Result<Done>> {
+        let shm = |r: &usize| self.via_shm.get(*r).copied().unwrap_or(false);
+        if own.iter().chain(others).any(shm) {
+            self.shm.wait(done, own, others, deadline, busy)
+        } else {
+            self.tcp.wait(done, own, others, deadline, busy)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_round_trip_and_garbage_does_not_decode() {
+        let b = encode("node/boot/net:[1]", b"127.0.0.1:5000", b"\0ferrogloo-shm-x");
+        assert_eq!(decode(&b), Some((&b"node/boot/net:[1]"[..], &b"127.0.0.1:5000"[..], &b"\0ferrogloo-shm-x"[..])));
+        for bad in [&b""[..], b"\x05\x00ab", b"\x01\x00a\xff\xff\xff\xff"] {
+            assert_eq!(decode(bad), None);
+        }
+    }
+}
