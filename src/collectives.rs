@@ -14,12 +14,14 @@
 
 use crate::algorithms::{
     self, Algorithm, CollectiveOptions, Seg, allgather, allreduce, barrier, blocks_of, broadcast, check_counts,
-    counts_hash, partition, personalized, reduce,
+    counts_hash, local, partition, personalized, reduce,
 };
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::transport::LocalArea;
 use crate::types::{Call, DType, Element, OpDesc, ReduceOp, Reduction};
 use std::borrow::Cow;
+use std::sync::Arc;
 
 /// `Auto` allreduce uses recursive doubling (fewest steps, but S·log₂p bytes per rank against
 /// halving-doubling's 2S(p-1)/p) while S·log₂p stays below this many bytes. Measured with
@@ -78,7 +80,42 @@ fn broadcast_algorithm(bytes: usize, asked: Algorithm) -> Result<Algorithm> {
     })
 }
 
+/// The error for [`Algorithm::SharedMemory`] asked where it cannot run.
+fn no_area(what: &str) -> Error {
+    Error::invalid(format!(
+        "{what}: the shared-memory algorithm needs every rank of the context on this host, \
+         connected through shared memory (a shared-memory or auto device), tag 0, and not a sub-group"
+    ))
+}
+
+/// `asked` when it is not about shared memory; [`Algorithm::SharedMemory`] when `Auto` may
+/// use `area`, or it was asked for and there is one; an error when it was asked for and there
+/// is none.
+/// (A context of one rank has nothing to share and needs no algorithm: any is fine.)
+fn area_choice(
+    area: Option<&Arc<dyn LocalArea>>,
+    asked: Algorithm,
+    what: &str,
+    size: usize,
+) -> Result<Option<Algorithm>> {
+    match (asked, area) {
+        (Algorithm::Auto | Algorithm::SharedMemory, Some(_)) => Ok(Some(Algorithm::SharedMemory)),
+        (Algorithm::SharedMemory, None) if size == 1 => Ok(Some(Algorithm::SharedMemory)),
+        (Algorithm::SharedMemory, None) => Err(no_area(what)),
+        _ => Ok(None),
+    }
+}
+
 impl Context {
+    /// The shared area when every rank of the context is in it and a collective with `tag`
+    /// may use it.
+    fn whole_area(&self, tag: u32) -> Option<&Arc<dyn LocalArea>> {
+        if tag != 0 {
+            return None;
+        }
+        self.comm().local_area().filter(|a| a.members().len() == self.size())
+    }
+
     /// Blocks until every rank has called `barrier` (dissemination barrier: ⌈log₂ N⌉ rounds of
     /// one empty message sent and one received per rank).
     pub fn barrier(&self) -> Result<()> {
@@ -91,6 +128,11 @@ impl Context {
         if self.size() == 1 {
             return Ok(());
         }
+        let area = self.whole_area(opts.tag);
+        if let (Some(algo), Some(area)) = (area_choice(area, opts.algorithm, "barrier", self.size())?, area) {
+            let desc = OpDesc::new(Call::Barrier).algo(algo);
+            return local::run(self.comm(), &**area, "barrier", desc, opts, local::barrier);
+        }
         let desc = OpDesc::new(Call::Barrier);
         algorithms::run(self.comm(), "barrier", desc, opts, barrier::dissemination)
     }
@@ -99,19 +141,28 @@ impl Context {
     /// buffer of `bytes` when `asked` for an algorithm: what `Auto` picks, or the one asked for
     /// (an error for one allreduce does not have).
     pub fn allreduce_algorithm(&self, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
-        allreduce_algorithm(self.size(), bytes, asked)
+        match area_choice(self.whole_area(0), asked, "allreduce", self.size())? {
+            Some(a) => Ok(a),
+            None => allreduce_algorithm(self.size(), bytes, asked),
+        }
     }
 
     /// The algorithm [`allgather`](Self::allgather) runs on this context for `bytes` of output
     /// when `asked` for an algorithm.
     pub fn allgather_algorithm(&self, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
-        allgather_algorithm(self.size(), bytes, asked)
+        match area_choice(self.whole_area(0), asked, "allgather", self.size())? {
+            Some(a) => Ok(a),
+            None => allgather_algorithm(self.size(), bytes, asked),
+        }
     }
 
     /// The algorithm [`broadcast`](Self::broadcast) runs for a buffer of `bytes` when `asked`
     /// for an algorithm.
     pub fn broadcast_algorithm(&self, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
-        broadcast_algorithm(bytes, asked)
+        match area_choice(self.whole_area(0), asked, "broadcast", self.size())? {
+            Some(a) => Ok(a),
+            None => broadcast_algorithm(bytes, asked),
+        }
     }
 
     /// Reduces `buf` element-wise across all ranks, in place: afterwards every rank's `buf`
@@ -147,12 +198,20 @@ impl Context {
     /// [`allreduce`](Self::allreduce) with options.
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
-        let algo = allreduce_algorithm(n, bytes_of::<T>(buf.len()), opts.algorithm)?;
+        let area = self.whole_area(opts.tag);
+        let shm = area_choice(area, opts.algorithm, "allreduce", self.size())?;
+        let algo = match shm {
+            Some(a) => a,
+            None => allreduce_algorithm(n, bytes_of::<T>(buf.len()), opts.algorithm)?,
+        };
         if n == 1 {
             return Ok(());
         }
-        let seg = opts.segment_elems::<T>();
         let desc = OpDesc::new(Call::Allreduce).dtype(T::DTYPE).count(buf.len()).reduce(op.code()).algo(algo);
+        if let (Some(_), Some(area)) = (shm, area) {
+            return local::run(self.comm(), &**area, "allreduce", desc, opts, |l| local::allreduce(l, buf, op));
+        }
+        let seg = opts.segment_elems::<T>();
         let buf = Seg::new(buf);
         algorithms::run(self.comm(), "allreduce", desc, opts, |c| match algo {
             Algorithm::Ring => allreduce::ring(c, buf, op, seg),
@@ -235,9 +294,18 @@ impl Context {
             output.copy_from_slice(input);
             return Ok(());
         }
-        let seg = opts.segment_elems::<T>();
+        let equal = counts.iter().all(|&c| c == counts[0]);
+        let area = self.whole_area(opts.tag).filter(|_| equal);
+        let shm = area_choice(area, opts.algorithm, "reduce_scatter (with equal blocks)", self.size())?;
         let desc =
             OpDesc::new(Call::ReduceScatter).dtype(T::DTYPE).count(total).reduce(op.code()).extra(counts_hash(counts));
+        if let (Some(algo), Some(area)) = (shm, area) {
+            let desc = desc.algo(algo);
+            return local::run(self.comm(), &**area, "reduce_scatter", desc, opts, |l| {
+                local::reduce_scatter(l, input, output, op)
+            });
+        }
+        let seg = opts.segment_elems::<T>();
         let blocks = blocks_of(counts);
         algorithms::run(self.comm(), "reduce_scatter", desc, opts, |c| {
             // `input` is only read: each received segment is reduced into a copy of this
@@ -299,13 +367,22 @@ impl Context {
         }
         let seg = opts.segment_elems::<T>();
         let blocks = blocks_of(counts);
-        let algo = allgather_algorithm(n, bytes_of::<T>(total), opts.algorithm)?;
+        let equal = counts.iter().all(|&c| c == counts[0]);
+        let area = self.whole_area(opts.tag).filter(|_| equal);
+        let shm = area_choice(area, opts.algorithm, "allgather (with equal blocks)", self.size())?;
+        let algo = match shm {
+            Some(a) => a,
+            None => allgather_algorithm(n, bytes_of::<T>(total), opts.algorithm)?,
+        };
         // This rank's own block, while `output` is still a plain slice.
         output[blocks[self.rank()].clone()].copy_from_slice(input);
         if n == 1 {
             return Ok(());
         }
         let desc = OpDesc::new(Call::Allgather).dtype(T::DTYPE).count(total).algo(algo).extra(counts_hash(counts));
+        if let (Some(_), Some(area)) = (shm, area) {
+            return local::run(self.comm(), &**area, "allgather", desc, opts, |l| local::allgather(l, input, output));
+        }
         let out = Seg::new(output);
         algorithms::run(self.comm(), "allgather", desc, opts, |c| {
             if algo == Algorithm::RecursiveDoubling {
@@ -328,12 +405,20 @@ impl Context {
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
         check_root(root, n, "broadcast")?;
-        let algo = broadcast_algorithm(bytes_of::<T>(buf.len()), opts.algorithm)?;
+        let area = self.whole_area(opts.tag);
+        let shm = area_choice(area, opts.algorithm, "broadcast", self.size())?;
+        let algo = match shm {
+            Some(a) => a,
+            None => broadcast_algorithm(bytes_of::<T>(buf.len()), opts.algorithm)?,
+        };
         if n == 1 {
             return Ok(());
         }
-        let seg = opts.segment_elems::<T>();
         let desc = OpDesc::new(Call::Broadcast).dtype(T::DTYPE).count(buf.len()).root(root).algo(algo);
+        if let (Some(_), Some(area)) = (shm, area) {
+            return local::run(self.comm(), &**area, "broadcast", desc, opts, |l| local::broadcast(l, buf, root));
+        }
+        let seg = opts.segment_elems::<T>();
         let b = Seg::new(buf);
         algorithms::run(self.comm(), "broadcast", desc, opts, |c| match algo {
             Algorithm::Pipeline => broadcast::pipeline(c, b, root, seg),

@@ -11,7 +11,7 @@
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::{
-    AbortCause, BusyWait, Completion, Done, Key, Mesh, Pair, RecvBuf, RecvTarget, SEQUENCED, SendBuf,
+    AbortCause, BusyWait, Completion, Done, Key, LocalArea, Mesh, Pair, RecvBuf, RecvTarget, SEQUENCED, SendBuf,
 };
 use crate::types::OpDesc;
 use bytemuck::Pod;
@@ -143,6 +143,12 @@ impl Comm {
         *n += 1;
         let id = fnv(&[self.group, kind, *n]);
         if id == 0 { 1 } else { id }
+    }
+
+    /// The memory this rank shares with the other ranks of its host, for collectives of the
+    /// mesh's own group (sub-groups run their collectives over the pairs).
+    pub(crate) fn local_area(&self) -> Option<&Arc<dyn LocalArea>> {
+        if self.group == 0 { self.shared.mesh.local.as_ref() } else { None }
     }
 
     /// The scratch pool of this communicator's collectives.

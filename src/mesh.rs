@@ -103,7 +103,7 @@ pub(crate) fn form<S: Store + ?Sized>(
     let host = backend.host();
     if spec.size == 1 {
         return Ok((
-            Mesh { pairs: vec![None], progress: std::sync::Arc::new(Passive), _guard: Box::new(()) },
+            Mesh { pairs: vec![None], progress: std::sync::Arc::new(Passive), local: None, _guard: Box::new(()) },
             vec![host],
         ));
     }

@@ -462,11 +462,17 @@ pub enum Algorithm {
     Direct,
     /// Dissemination: ⌈log₂ n⌉ rounds of one message each way (barrier).
     Dissemination,
+    /// Through memory the ranks of one host share (allreduce, allgather, broadcast,
+    /// reduce-scatter, barrier): every rank writes its part once, each reduces or reads the
+    /// others' parts in place. Needs a shared-memory device and every rank of the context on
+    /// one host; for a context over several hosts, allreduce runs it within each host and
+    /// the host sums across hosts (hierarchically).
+    SharedMemory,
 }
 
 impl Algorithm {
     /// Every algorithm, in wire-code order.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 9] = [
         Algorithm::Auto,
         Algorithm::Ring,
         Algorithm::HalvingDoubling,
@@ -475,10 +481,11 @@ impl Algorithm {
         Algorithm::Pipeline,
         Algorithm::Direct,
         Algorithm::Dissemination,
+        Algorithm::SharedMemory,
     ];
 
     /// The short name the benchmark prints and parses (`"ring"`, `"hd"`, `"rd"`, `"tree"`,
-    /// `"pipeline"`, `"direct"`, `"dissemination"`, `"auto"`).
+    /// `"pipeline"`, `"direct"`, `"dissemination"`, `"shm"`, `"auto"`).
     pub const fn name(self) -> &'static str {
         match self {
             Algorithm::Auto => "auto",
@@ -489,6 +496,7 @@ impl Algorithm {
             Algorithm::Pipeline => "pipeline",
             Algorithm::Direct => "direct",
             Algorithm::Dissemination => "dissemination",
+            Algorithm::SharedMemory => "shm",
         }
     }
 
@@ -502,6 +510,7 @@ impl Algorithm {
             Algorithm::Pipeline => "pipeline",
             Algorithm::Direct => "direct",
             Algorithm::Dissemination => "dissemination",
+            Algorithm::SharedMemory => "shared-memory",
         })
     }
 
@@ -526,6 +535,7 @@ impl std::str::FromStr for Algorithm {
         match s {
             "halving-doubling" => return Ok(Algorithm::HalvingDoubling),
             "recursive-doubling" => return Ok(Algorithm::RecursiveDoubling),
+            "shared-memory" => return Ok(Algorithm::SharedMemory),
             _ => {}
         }
         Self::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {

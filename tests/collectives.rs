@@ -4,11 +4,12 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok, run_ranks_with};
-use ferrogloo::device::TcpAttr;
+use common::{TIMEOUT, all_ok, run_ranks_on, run_ranks_with};
+use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, ReduceOp, bf16, f16};
 use proptest::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Values for the tests: small integers, so float sums and products are exact in every order
 /// (the algorithms reduce in different orders; exact values make the reference unambiguous).
@@ -307,12 +308,39 @@ fn dispatch(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
     }
 }
 
+/// The transports the plans run on.
+#[derive(Debug, Clone, Copy)]
+enum Dev {
+    /// TCP over loopback.
+    Tcp,
+    /// Shared memory: `Auto` runs the shared-memory collectives.
+    Shm,
+    /// Auto devices on two pretend hosts: shared memory within each, TCP across.
+    Mixed,
+}
+
+fn device(dev: Dev) -> ferrogloo::Result<Device> {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    match dev {
+        Dev::Tcp => Device::new(&TcpAttr::loopback()),
+        Dev::Shm => Ok(Device::shared_memory()),
+        Dev::Mixed => {
+            let host = NEXT.fetch_add(1, Ordering::Relaxed) % 2;
+            Device::auto_on_host(&TcpAttr::loopback(), format!("pretend-host-{host}"))
+        }
+    }
+}
+
 fn run_plan(n: usize, plan: &[Case]) {
+    run_plan_on(Dev::Tcp, n, plan);
+}
+
+fn run_plan_on(dev: Dev, n: usize, plan: &[Case]) {
     let store = HashStore::new();
-    let digests = all_ok(run_ranks_with(
+    let digests = all_ok(run_ranks_on(
         n,
         &store,
-        &TcpAttr::loopback(),
+        &|| device(dev),
         |b| b.timeout(TIMEOUT),
         |ctx| plan.iter().map(|c| dispatch(&ctx, c)).collect::<ferrogloo::Result<Vec<_>>>(),
     ));
@@ -328,6 +356,118 @@ proptest! {
     fn collectives_match_the_sequential_reference(n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10)) {
         run_plan(n, &plan);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn collectives_on_shared_memory_match_the_sequential_reference(
+        n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10),
+    ) {
+        run_plan_on(Dev::Shm, n, &plan);
+    }
+
+    #[test]
+    fn collectives_across_pretend_hosts_match_the_sequential_reference(
+        n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10),
+    ) {
+        run_plan_on(Dev::Mixed, n, &plan);
+    }
+}
+
+#[test]
+fn shared_memory_collectives_of_every_kind_type_and_size_class() {
+    // The shared-memory algorithm by name, for every collective that has it, beside the
+    // random plans (where `Auto` picks it).
+    for n in [1usize, 2, 3, 4, 7] {
+        let mut plan = Vec::new();
+        let kinds = [
+            Kind::Allreduce(Algorithm::SharedMemory),
+            Kind::Allgather(Algorithm::SharedMemory),
+            Kind::Broadcast(Algorithm::SharedMemory),
+            Kind::ReduceScatter,
+            Kind::Barrier,
+        ];
+        for (i, &kind) in kinds.iter().enumerate() {
+            for (j, count) in [0, 1, n.saturating_sub(1), 2 * n + 1, 777, 40_000].into_iter().enumerate() {
+                let red = [Red::Sum, Red::Product, Red::Min, Red::Max, Red::Custom][(i + j) % 5];
+                plan.push(Case {
+                    kind,
+                    dtype: ((i * 5 + j) % 12) as u8,
+                    count,
+                    root: i + j,
+                    red,
+                    seed: (i * 100 + j) as u64,
+                    segment: 64,
+                });
+            }
+        }
+        run_plan_on(Dev::Shm, n, &plan);
+    }
+}
+
+#[test]
+fn shared_memory_collectives_larger_than_a_slot_go_through_in_chunks() {
+    // 3 MiB of f32 (a slot holds 2 MiB): several chunks and a partial one, every collective.
+    let n = 3;
+    let len = (3 << 20) / 4 + 7;
+    let store = HashStore::new();
+    all_ok(run_ranks_on(
+        n,
+        &store,
+        &|| device(Dev::Shm),
+        |b| b.timeout(TIMEOUT),
+        |ctx| {
+            let r = ctx.rank();
+            let data = |p: usize| -> Vec<i32> { (0..len).map(|i| (i as i32 % 1000) * (p as i32 + 1)).collect() };
+            let mut v = data(r);
+            ctx.allreduce(&mut v, ReduceOp::Sum)?;
+            assert!(v.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * 6), "allreduce");
+            let mut all = vec![0i32; n * len];
+            ctx.allgather(&data(r), &mut all, &CollectiveOptions::new())?;
+            assert!(all == (0..n).flat_map(data).collect::<Vec<_>>(), "allgather");
+            let mut b = if r == 1 { data(1) } else { vec![0; len] };
+            ctx.broadcast(&mut b, 1, &CollectiveOptions::new())?;
+            assert!(b == data(1), "broadcast");
+            let input: Vec<i32> = (0..n).flat_map(|_| data(r)).collect();
+            let mut out = vec![0i32; len];
+            ctx.reduce_scatter(&input, &mut out, &ReduceOp::Sum, &CollectiveOptions::new())?;
+            assert!(out.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * 6), "reduce_scatter");
+            for a in ["allreduce", "allgather", "broadcast"] {
+                let got = match a {
+                    "allreduce" => ctx.allreduce_algorithm(len * 4, Algorithm::Auto)?,
+                    "allgather" => ctx.allgather_algorithm(len * 4, Algorithm::Auto)?,
+                    _ => ctx.broadcast_algorithm(len * 4, Algorithm::Auto)?,
+                };
+                assert_eq!(got, Algorithm::SharedMemory, "{a} on shared memory picks the shared-memory algorithm");
+            }
+            Ok(())
+        },
+    ));
+}
+
+#[test]
+fn the_shared_memory_algorithm_asked_where_it_cannot_run_is_an_error_in_words() {
+    let store = HashStore::new();
+    all_ok(run_ranks_on(
+        3,
+        &store,
+        &|| device(Dev::Tcp),
+        |b| b.timeout(TIMEOUT),
+        |ctx| {
+            let mut v = vec![1u32; 10];
+            let shm = CollectiveOptions::new().algorithm(Algorithm::SharedMemory);
+            match ctx.allreduce_with(&mut v, &ReduceOp::Sum, &shm) {
+                Err(ferrogloo::Error::InvalidArgument(m)) => assert!(m.contains("needs every rank"), "{m}"),
+                other => panic!("expected an invalid argument, got {other:?}"),
+            }
+            // Nothing was sent: the context goes on.
+            ctx.allreduce(&mut v, ReduceOp::Sum)?;
+            assert_eq!(v, vec![3; 10]);
+            Ok(())
+        },
+    ));
 }
 
 #[test]

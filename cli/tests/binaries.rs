@@ -134,8 +134,11 @@ fn json_rows_are_appended_one_per_cell() {
         assert_eq!(rows.len(), 4 * run, "run {run} appends its 4 cells");
         for row in &rows {
             assert_eq!(row["wrong"], 0);
+            assert_eq!(row["transport"], "auto");
             match row["algorithm"].as_str() {
-                Some("auto") => assert_eq!(row["picked"], "rd", "auto at 4K and 64K on 2 ranks: {row}"),
+                // Local ranks talk through shared memory by default, where auto picks the
+                // shared-memory algorithm.
+                Some("auto") => assert_eq!(row["picked"], "shm", "auto at 4K and 64K on 2 local ranks: {row}"),
                 Some("ring") => assert_eq!(row["picked"], "ring"),
                 other => panic!("algorithm {other:?}"),
             }

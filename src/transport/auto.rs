@@ -131,7 +131,7 @@ impl Endpoint for AutoEndpoint {
         let via_shm: Vec<bool> = shm.pairs.iter().map(Option::is_some).collect();
         let pairs = (0..self.size).map(|r| shm.pairs[r].clone().or_else(|| tcp.pairs[r].clone())).collect();
         let progress = Arc::new(AutoProgress { tcp: tcp.progress, shm: shm.progress, via_shm });
-        Mesh { pairs, progress, _guard: Box::new((tcp._guard, shm._guard)) }
+        Mesh { pairs, progress, local: shm.local, _guard: Box::new((tcp._guard, shm._guard)) }
     }
 }
 

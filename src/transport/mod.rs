@@ -521,8 +521,65 @@ pub(crate) struct Mesh {
     /// Indexed by rank; `None` at this endpoint's own rank.
     pub(crate) pairs: Vec<Option<Arc<dyn Pair>>>,
     pub(crate) progress: Arc<dyn Progress>,
+    /// Memory this rank shares with the other ranks of its host, for collectives, where the
+    /// backend has it (shared memory) and this host has two ranks or more.
+    pub(crate) local: Option<Arc<dyn LocalArea>>,
     /// Closes the pairs and withdraws the endpoint when dropped.
     pub(crate) _guard: Box<dyn Send + Sync>,
+}
+
+/// Memory the ranks of one host share for collectives (the shared-memory backend's collective
+/// area), and the steps that hand it over.
+///
+/// Each member has two slots of [`slot_bytes`](LocalArea::slot_bytes) that every member can
+/// read. The members go through numbered *steps* together; the content of step `t` lives in
+/// the slots `t % 2`. The rule that keeps them apart: a member writes its slot of step `t`
+/// only after [`wait_all`](LocalArea::wait_all) of step `t - 1` returned, and before it
+/// [`arrive`](LocalArea::arrive)s at `t`; it reads the others' slots of step `t` only after
+/// `wait_all(t)` returned and before it arrives at `t + 1`. So a slot is never written while
+/// another member may read it.
+pub(crate) trait LocalArea: Send + Sync {
+    /// The mesh ranks that share the area, ascending (this rank is one of them).
+    fn members(&self) -> &[usize];
+
+    /// This rank's index in [`members`](LocalArea::members).
+    fn me(&self) -> usize;
+
+    /// Bytes in each slot (a multiple of 64).
+    fn slot_bytes(&self) -> usize;
+
+    /// The next step number: every member takes the same numbers in the same order.
+    fn next_step(&self) -> u64;
+
+    /// The start of member `m`'s slot for step `step` (64-byte aligned).
+    fn slot(&self, m: usize, step: u64) -> *mut u8;
+
+    /// Says this rank has reached step `step` of the call `desc` (its slot of the step is
+    /// written, and it is done reading the previous step's), waking members that sleep on it.
+    fn arrive(&self, step: u64, desc: &OpDesc);
+
+    /// Waits until every member has arrived at `step`, and checks that their calls agree
+    /// with `desc`. Busy-waits as `busy` says, then sleeps. Fails at `deadline`
+    /// ([`AreaWait::Late`]), when members disagree ([`AreaWait::Disagree`]) or when the pair
+    /// to a member fails (a member died or aborted: [`AreaWait::Failed`]).
+    fn wait_all(
+        &self,
+        step: u64,
+        desc: &OpDesc,
+        deadline: Instant,
+        busy: BusyWait,
+    ) -> std::result::Result<(), AreaWait>;
+}
+
+/// Why [`LocalArea::wait_all`] failed.
+#[derive(Debug)]
+pub(crate) enum AreaWait {
+    /// These mesh ranks had not arrived by the deadline.
+    Late(Vec<usize>),
+    /// Mesh rank `.0` arrived with the call `.1`.
+    Disagree(usize, OpDesc),
+    /// The pair to a member failed.
+    Failed(Error),
 }
 
 /// What a finished operation reports: the rank that completed it and the bytes moved.

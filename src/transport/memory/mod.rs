@@ -177,7 +177,7 @@ impl Endpoint for MemoryEndpoint {
             .enumerate()
             .map(|(p, l)| l.clone().filter(|_| p != me).map(|link| Arc::new(MemoryPair { me, link }) as Arc<dyn Pair>))
             .collect();
-        Mesh { pairs, progress: Arc::new(Passive), _guard: Box::new(guard) }
+        Mesh { pairs, progress: Arc::new(Passive), local: None, _guard: Box::new(guard) }
     }
 }
 

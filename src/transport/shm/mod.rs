@@ -11,6 +11,7 @@
 //! Abstract Unix sockets belong to a network namespace: ranks on one host but in different
 //! namespaces cannot meet this way, which is why the host identity includes the namespace.
 
+pub(crate) mod area;
 pub(crate) mod pair;
 pub(crate) mod progress;
 pub(crate) mod ring;
@@ -309,8 +310,10 @@ impl Endpoint for ShmEndpoint {
     fn finish(self: Box<Self>) -> Mesh {
         let dyn_pairs = self.pairs.iter().map(|p| p.clone().map(|p| p as Arc<dyn Pair>)).collect();
         let progress = Arc::new(ShmProgress::new(self.pairs.clone(), self.bell.clone()));
+        let local = area::ShmArea::new(self.spec.rank, self.segment.clone(), &self.pairs, self.bell.clone())
+            .map(|a| a as Arc<dyn crate::transport::LocalArea>);
         let guard = MeshGuard { _segment: self.segment, _bell: self.bell, pairs: self.pairs };
-        Mesh { pairs: dyn_pairs, progress, _guard: Box::new(guard) }
+        Mesh { pairs: dyn_pairs, progress, local, _guard: Box::new(guard) }
     }
 }
 

@@ -219,6 +219,21 @@ impl ShmPair {
         g.rx.prepare_sleep()
     }
 
+    /// The peer's segment.
+    pub(crate) fn theirs(&self) -> Arc<Segment> {
+        self._segments[1].clone()
+    }
+
+    /// Why the pair failed, once it has.
+    pub(crate) fn failure(&self) -> Option<Error> {
+        self.lock().closed.clone()
+    }
+
+    /// Rings the peer's doorbell.
+    pub(crate) fn wake_peer(&self) {
+        self.peer_bell.signal();
+    }
+
     /// Awake after a sleep.
     pub(crate) fn woke(&self) {
         self.lock().rx.woke();

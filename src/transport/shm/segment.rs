@@ -6,7 +6,7 @@
 //! [ header: 4 KiB ]
 //! [ ring from rank 0: control (5 words, each on a cache line of its own) | data ]
 //! [ ring from rank 1 ... ]  (one per rank of the context; a rank's own is unused)
-//! [ collective area: a flag line per rank | data (COLL_BYTES) ]
+//! [ collective area: a page of control words | two slots of data (coll_bytes) ]
 //! ```
 //! The owner of a segment consumes its rings; rank p produces into ring p of every peer's
 //! segment.
@@ -19,7 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const HEADER: usize = 4096;
-const LINE: usize = 64;
+const PAGE: usize = 4096;
+/// A cache line: words written by different ranks never share one.
+pub(crate) const LINE: usize = 64;
 /// Control words of a ring: tail, head, producer waiting, consumer sleeping, sender broken.
 const CTL_WORDS: usize = 5;
 const CTL: usize = CTL_WORDS * LINE;
@@ -39,13 +41,14 @@ impl Layout {
         HEADER + from * (CTL + self.ring_bytes)
     }
 
-    /// Where the collective area starts: a flag line per rank, then the data.
+    /// Where the collective area starts: a page of control words (see `area`), then the
+    /// data, page-aligned.
     pub(crate) fn coll_flags_at(&self) -> usize {
-        HEADER + self.size * (CTL + self.ring_bytes)
+        (HEADER + self.size * (CTL + self.ring_bytes)).next_multiple_of(PAGE)
     }
 
     pub(crate) fn coll_data_at(&self) -> usize {
-        self.coll_flags_at() + self.size * LINE
+        self.coll_flags_at() + PAGE
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -122,6 +125,11 @@ impl Segment {
         }
         .map_err(|e| Error::io(format!("mapping a shared-memory segment (fd {})", fd.as_raw_fd()), e.into()))?;
         Ok(Arc::new(Segment { base: ptr.cast(), len, layout }))
+    }
+
+    /// Where things are in this segment.
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// The atomic word at byte `off` (8-aligned, inside the segment).

@@ -112,7 +112,7 @@ impl Endpoint for TcpEndpoint {
         let pairs = route.pairs.iter().map(|p| p.clone().map(|p| p as Arc<dyn Pair>)).collect();
         let progress = Arc::new(TcpProgress::new(route.pairs.clone(), self.shared.parking.clone()));
         let guard = RouteGuard { shared: self.shared.clone(), ctx: self.ctx, rank: route.rank };
-        Mesh { pairs, progress, _guard: Box::new(guard) }
+        Mesh { pairs, progress, local: None, _guard: Box::new(guard) }
     }
 }
 

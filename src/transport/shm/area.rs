@@ -1,0 +1,261 @@
+//! The collective area of one host's ranks (see [`LocalArea`] for the rule its steps follow).
+//!
+//! Each rank's segment ends in its area: a page of control words, written only by the owner,
+//! then its two slots.
+//!
+//! ```text
+//! +0    arrived: the last step this rank arrived at       (its own cache line)
+//! +64   asleep: nonzero while this rank sleeps in a wait  (its own cache line)
+//! +128  the call of even steps, then of odd steps: 3 words each (an encoded OpDesc)
+//! ```
+//!
+//! A rank writes its slot and the call of the step, then stores the step number with release
+//! ordering; a waiter loads it with acquire ordering, after which the slot and the call are
+//! visible to it. The sleep handshake is the ring's (Dekker's): the waiter announces it will
+//! sleep, fences, and checks again; the arriving rank stores, fences, and rings the doorbell of
+//! every member that announced it. Either the waiter sees the arrival or the arriver sees the
+//! announcement.
+
+use super::pair::ShmPair;
+use super::segment::{LINE, Segment};
+use crate::error::Error;
+use crate::transport::wake::{EventFd, poll_fds};
+use crate::transport::{AreaWait, BusyWait, LocalArea};
+use crate::types::{DESC_LEN, OpDesc};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::{Duration, Instant};
+
+/// A sleep lasts at most this long: another thread of this rank may have taken the doorbell's
+/// wake-up, and a local abort does not ring it.
+const MAX_SLEEP: Duration = Duration::from_millis(5);
+/// Spins between looks at the pairs' state (a lock each).
+const SPINS_PER_CHECK: u32 = 1 << 12;
+/// Spins between rounds of progress on the pairs' rings.
+const SPINS_PER_DRIVE: u32 = 32;
+
+const ARRIVED: usize = 0;
+const ASLEEP: usize = LINE;
+const CALLS: usize = 2 * LINE;
+
+/// One host's collective area, as this rank sees it.
+pub(crate) struct ShmArea {
+    /// Mesh ranks, ascending.
+    members: Vec<usize>,
+    me: usize,
+    /// Each member's segment (this rank's own among them).
+    segs: Vec<Arc<Segment>>,
+    /// The pair to each member (`None` for this rank).
+    pairs: Vec<Option<Arc<ShmPair>>>,
+    bell: Arc<EventFd>,
+    flags_at: usize,
+    data_at: usize,
+    slot_bytes: usize,
+    next: AtomicU64,
+}
+
+impl ShmArea {
+    /// The area of this rank (`me`, a mesh rank) with the peers of `pairs` (indexed by mesh
+    /// rank; `Some` for every member but this rank). `None` when there is nobody to share with.
+    pub(crate) fn new(
+        me: usize,
+        mine: Arc<Segment>,
+        pairs: &[Option<Arc<ShmPair>>],
+        bell: Arc<EventFd>,
+    ) -> Option<Arc<Self>> {
+        let members: Vec<usize> = (0..pairs.len()).filter(|&r| r == me || pairs[r].is_some()).collect();
+        if members.len() < 2 {
+            return None;
+        }
+        let layout = mine.layout();
+        let segs = members
+            .iter()
+            .map(|&r| if r == me { Some(mine.clone()) } else { pairs[r].as_ref().map(|p| p.theirs()) })
+            .collect::<Option<Vec<_>>>()?;
+        let slot_bytes = (layout.coll_bytes / 2) / LINE * LINE;
+        Some(Arc::new(ShmArea {
+            me: members.iter().position(|&r| r == me)?,
+            pairs: members.iter().map(|&r| pairs[r].clone()).collect(),
+            members,
+            segs,
+            bell,
+            flags_at: layout.coll_flags_at(),
+            data_at: layout.coll_data_at(),
+            slot_bytes,
+            next: AtomicU64::new(0),
+        }))
+    }
+
+    fn word(&self, m: usize, off: usize) -> &AtomicU64 {
+        self.segs[m].word(self.flags_at + off)
+    }
+
+    /// The call member `m` published for `step`.
+    fn call(&self, m: usize, step: u64) -> OpDesc {
+        let at = CALLS + (step % 2) as usize * DESC_LEN;
+        let mut b = [0u8; DESC_LEN];
+        for (i, chunk) in b.chunks_mut(8).enumerate() {
+            chunk.copy_from_slice(&self.word(m, at + 8 * i).load(Ordering::Relaxed).to_le_bytes());
+        }
+        OpDesc::decode(&b)
+    }
+
+    /// Members that have not arrived at `step`.
+    fn late(&self, step: u64) -> Vec<usize> {
+        (0..self.members.len()).filter(|&m| self.word(m, ARRIVED).load(Ordering::Acquire) < step).collect()
+    }
+
+    /// The first failed pair to a member.
+    fn failed(&self) -> Option<Error> {
+        self.pairs.iter().flatten().find_map(|p| p.failure())
+    }
+
+    /// Makes progress on the pairs to the members: a point-to-point message on its way to or
+    /// from this rank goes on while it waits here (a peer may need it before it arrives).
+    fn drive(&self) {
+        for p in self.pairs.iter().flatten() {
+            p.drive();
+        }
+    }
+
+    /// Sleeps until a member arrives, a message comes in, a lifeline stirs or `until`.
+    fn sleep(&self, step: u64, until: Instant, fds: &mut [libc::pollfd]) {
+        let pairs: Vec<&Arc<ShmPair>> = self.pairs.iter().flatten().collect();
+        let mut armed = 0;
+        let quiet = pairs.iter().all(|p| {
+            let ok = p.prepare_sleep();
+            armed += usize::from(ok);
+            ok
+        });
+        let asleep = self.word(self.me, ASLEEP);
+        asleep.store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if quiet && !self.late(step).is_empty() {
+            for f in fds.iter_mut() {
+                f.revents = 0;
+            }
+            let hold = pairs.iter().filter_map(|p| p.hold_ends()).min();
+            let until = hold.map_or(until, |h| h.min(until));
+            let left = until.saturating_duration_since(Instant::now()).min(MAX_SLEEP);
+            if poll_fds(fds, left).is_err() {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            if fds[0].revents != 0 {
+                self.bell.drain();
+            }
+            for (p, f) in self.pairs.iter().flatten().zip(&fds[1..]) {
+                if f.revents != 0 {
+                    p.check_lifeline();
+                }
+            }
+        }
+        asleep.store(0, Ordering::Relaxed);
+        for p in pairs.iter().take(armed) {
+            p.woke();
+        }
+    }
+}
+
+impl LocalArea for ShmArea {
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn me(&self) -> usize {
+        self.me
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn next_step(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    fn slot(&self, m: usize, step: u64) -> *mut u8 {
+        let at = self.data_at + (step % 2) as usize * self.slot_bytes;
+        self.segs[m].at(at, self.slot_bytes)
+    }
+
+    fn arrive(&self, step: u64, desc: &OpDesc) {
+        let at = CALLS + (step % 2) as usize * DESC_LEN;
+        for (i, chunk) in desc.encode().chunks(8).enumerate() {
+            let w = u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
+            self.word(self.me, at + 8 * i).store(w, Ordering::Relaxed);
+        }
+        self.word(self.me, ARRIVED).store(step, Ordering::Release);
+        fence(Ordering::SeqCst);
+        for (m, p) in self.pairs.iter().enumerate() {
+            if let Some(p) = p
+                && self.word(m, ASLEEP).load(Ordering::Relaxed) != 0
+            {
+                p.wake_peer();
+            }
+        }
+    }
+
+    fn wait_all(&self, step: u64, desc: &OpDesc, deadline: Instant, busy: BusyWait) -> Result<(), AreaWait> {
+        let busy_until = Instant::now() + busy.budget;
+        let mut fds: Option<Vec<libc::pollfd>> = None;
+        let mut spins = 0u32;
+        let mut slept = false;
+        // Members already seen at this step (their calls checked).
+        let mut seen = vec![false; self.members.len()];
+        seen[self.me] = true;
+        loop {
+            let mut all = true;
+            for (m, seen) in seen.iter_mut().enumerate() {
+                if *seen {
+                    continue;
+                }
+                if self.word(m, ARRIVED).load(Ordering::Acquire) >= step {
+                    let theirs = self.call(m, step);
+                    if theirs != *desc {
+                        return Err(AreaWait::Disagree(self.members[m], theirs));
+                    }
+                    *seen = true;
+                } else {
+                    all = false;
+                }
+            }
+            if all {
+                return Ok(());
+            }
+            // A member that arrived and then went away (its job done) has done its part: a
+            // failed pair counts only while its member is late.
+            spins += 1;
+            if (slept || spins.is_multiple_of(SPINS_PER_CHECK))
+                && let Some(e) = self.failed()
+            {
+                return Err(AreaWait::Failed(e));
+            }
+            slept = false;
+            if spins.is_multiple_of(SPINS_PER_DRIVE) {
+                self.drive();
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(AreaWait::Late(self.late(step).into_iter().map(|m| self.members[m]).collect()));
+            }
+            if now < busy_until {
+                if busy.yield_cpu {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            let fds = fds.get_or_insert_with(|| {
+                std::iter::once(self.bell.raw())
+                    .chain(self.pairs.iter().flatten().map(|p| p.lifeline_fd()))
+                    .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
+                    .collect()
+            });
+            self.drive();
+            self.sleep(step, deadline, fds);
+            self.drive();
+            slept = true;
+        }
+    }
+}
