@@ -21,6 +21,15 @@ const SHORT: Duration = Duration::from_secs(2);
 
 /// Runs `ranks` (a subset of `0..size`) as threads; the others never arrive.
 fn partial_job(size: usize, ranks: &[usize]) -> Vec<(usize, ferrogloo::Result<Context>, Duration)> {
+    partial_job_on(size, ranks, &Device::loopback)
+}
+
+/// [`partial_job`] on devices from `device`.
+fn partial_job_on(
+    size: usize,
+    ranks: &[usize],
+    device: &(dyn Fn() -> ferrogloo::Result<Device> + Sync),
+) -> Vec<(usize, ferrogloo::Result<Context>, Duration)> {
     let store = HashStore::new();
     std::thread::scope(|s| {
         let handles: Vec<_> = ranks
@@ -28,7 +37,7 @@ fn partial_job(size: usize, ranks: &[usize]) -> Vec<(usize, ferrogloo::Result<Co
             .map(|&rank| {
                 let store = &store;
                 s.spawn(move || {
-                    let dev = Device::loopback()?;
+                    let dev = device()?;
                     let t = Instant::now();
                     let r = Context::builder(rank, size).timeout(SHORT).connect(store, &dev);
                     Ok::<_, Error>((rank, r, t.elapsed()))
@@ -54,6 +63,54 @@ fn a_rank_that_never_arrives_is_named_with_its_key() {
             other => panic!("rank {rank}: expected a timeout naming rank 2, got {other:?}"),
         }
         assert!(took < SHORT + Duration::from_secs(1), "rank {rank} took {took:?}");
+    }
+}
+
+#[test]
+fn a_shared_memory_rank_that_never_arrives_is_named_with_its_key() {
+    for (rank, result, took) in partial_job_on(4, &[0, 1, 3], &|| Ok(Device::shared_memory())) {
+        match result {
+            Err(Error::Timeout { ranks, keys, .. }) => {
+                assert!(ranks.contains(&2), "rank {rank}: timeout names {ranks:?}, not rank 2");
+                assert!(keys.iter().any(|k| k == "ferrogloo.rank.2"), "rank {rank}: keys {keys:?}");
+            }
+            other => panic!("rank {rank}: expected a timeout naming rank 2, got {other:?}"),
+        }
+        assert!(took < SHORT + Duration::from_secs(1), "rank {rank} took {took:?}");
+    }
+}
+
+#[test]
+fn a_shared_memory_rank_that_stops_coming_to_collectives_is_named_at_the_deadline() {
+    // Rank 2 of 3 forms the context, then never calls the allreduce the others wait in.
+    let store = HashStore::new();
+    let results = common::run_ranks_on(
+        3,
+        &store,
+        &|| Ok(Device::shared_memory()),
+        |b| b.timeout(SHORT),
+        |ctx| {
+            if ctx.rank() == 2 {
+                // Bounded: it leaves once the others have given up (their abort reaches it).
+                let mut v = [0u8; 1];
+                return Ok(ctx.recv(0, 99, &mut v).err().map(|e| (Duration::ZERO, e)));
+            }
+            let t = Instant::now();
+            let mut v = vec![1.0f32; 1000];
+            Ok(ctx.allreduce(&mut v, ReduceOp::Sum).err().map(|e| (t.elapsed(), e)))
+        },
+    );
+    for (rank, r) in results.into_iter().enumerate().take(2) {
+        match r {
+            Ok(Some((took, Error::Timeout { ranks, op, .. }))) => {
+                assert_eq!(ranks, vec![2], "rank {rank}: {op}");
+                assert!(took >= SHORT && took < SHORT + Duration::from_secs(2), "rank {rank} took {took:?}");
+            }
+            Ok(Some((_, Error::PeerTimedOut { rank: 0 | 1, detail, .. }))) => {
+                assert!(detail.contains("rank 2"), "rank {rank}: {detail}")
+            }
+            other => panic!("rank {rank}: expected a timeout naming rank 2, got {other:?}"),
+        }
     }
 }
 

@@ -4,9 +4,10 @@
 mod common;
 
 use common::pattern;
+use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
 use ferrogloo::rendezvous::{FileStore, HttpStoreServer, PrefixStore, STORE_ENV, Store};
-use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp, device::Device};
+use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -33,7 +34,9 @@ fn rank_worker() {
     }
     let scenario = std::env::var(SCENARIO_ENV).unwrap_or_default();
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
-    let dev = Device::loopback().expect("device");
+    // FERROGLOO_TRANSPORT (set by `rank_command`) picks TCP, shared memory or both.
+    let transport = Transport::from_env().expect("transport");
+    let dev = Device::with_transport(transport, &TcpAttr::loopback()).expect("device");
     let timeout = match scenario.as_str() {
         "kill" => KILL_TIMEOUT,
         "big" => BIG_TIMEOUT,
@@ -205,7 +208,11 @@ fn elastic(env: &RankEnv, store: &impl Store, dev: &Device) {
 }
 
 /// The command for rank `rank` of `n` running `scenario` against `store_url`, stdout piped.
+/// `scenario@shm` runs it over shared memory, `scenario@mixed` on auto devices of two pretend
+/// hosts (even and odd ranks: shared memory within each, TCP across); plain `scenario` over
+/// TCP.
 fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Command {
+    let (scenario, transport) = scenario.split_once('@').unwrap_or((scenario, "tcp"));
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args(["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"])
         .env(RANK_ENV, rank.to_string())
@@ -213,7 +220,23 @@ fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Comma
         .env(STORE_ENV, store_url)
         .env(SCENARIO_ENV, scenario)
         .stdout(Stdio::piped());
+    match transport {
+        "mixed" => cmd.env("FERROGLOO_TRANSPORT", "auto").env("FERROGLOO_HOST_ID", format!("pretend-{}", rank % 2)),
+        t => cmd.env("FERROGLOO_TRANSPORT", t),
+    };
     cmd
+}
+
+/// Shared-memory objects of ferrogloo's in `/dev/shm` (there should never be any: its
+/// segments are anonymous memfds).
+fn shm_objects() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                .filter(|n| n.contains("ferrogloo"))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Starts `n` rank processes of `scenario` against `store_url`, with stdout piped.
@@ -322,8 +345,60 @@ fn survivors_of_a_killed_peer_fail_within_the_deadline() {
 #[test]
 fn a_rank_killed_mid_allreduce_fails_every_survivor_in_time_and_survivors_recover() {
     for n in [2, 4, 8] {
+        killed_mid_allreduce(n, "elastic");
+    }
+}
+
+#[test]
+fn shared_memory_jobs_of_2_3_4_8_processes_and_64_mib_buffers() {
+    for n in [2, 3, 4, 8] {
         let dir = tempfile::tempdir().unwrap();
-        let mut children = spawn(n, "elastic", &format!("file:{}", dir.path().display()));
+        run_job(n, "mesh@shm", &format!("file:{}", dir.path().display()));
+    }
+    for n in [2, 3] {
+        let dir = tempfile::tempdir().unwrap();
+        run_job(n, "big@shm", &format!("file:{}", dir.path().display()));
+    }
+    assert_eq!(shm_objects(), Vec::<String>::new(), "left in /dev/shm");
+}
+
+#[test]
+fn processes_on_two_pretend_hosts_mix_shared_memory_and_tcp() {
+    for n in [2, 3, 5] {
+        let dir = tempfile::tempdir().unwrap();
+        run_job(n, "mesh@mixed", &format!("file:{}", dir.path().display()));
+    }
+}
+
+#[test]
+fn one_of_4_shared_memory_ranks_killed_mid_allreduce_fails_every_survivor_in_time() {
+    // And nothing is left behind: not by the killed rank, not by the survivors.
+    killed_mid_allreduce(4, "elastic@shm");
+    killed_mid_allreduce(3, "elastic@mixed");
+    assert_eq!(shm_objects(), Vec::<String>::new(), "left in /dev/shm");
+}
+
+#[test]
+fn survivors_of_a_killed_shared_memory_peer_fail_within_the_deadline() {
+    for n in [2, 4] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut children = spawn(n, "kill@shm", &format!("file:{}", dir.path().display()));
+        let (killed_at, _) = kill_last_when_ready(&mut children);
+        for (rank, c) in children.into_iter().enumerate() {
+            let (ok, out) = finish(c, killed_at + KILL_TIMEOUT + Duration::from_secs(10));
+            let took = killed_at.elapsed();
+            assert!(ok && out.contains(&format!("DONE rank {rank}")), "survivor {rank} of {n}:\n{out}");
+            assert!(took < KILL_TIMEOUT + Duration::from_secs(1), "survivor {rank} took {took:?} to report");
+        }
+    }
+}
+
+/// Runs `scenario` (elastic) on `n` processes, SIGKILLs the last one in the middle of an
+/// allreduce, and checks every survivor fails in time naming it and recovers.
+fn killed_mid_allreduce(n: usize, scenario: &str) {
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let mut children = spawn(n, scenario, &format!("file:{}", dir.path().display()));
         // SIGKILL while it runs its next allreduce; survivors report the wall-clock time of
         // their error, so compare in wall-clock time.
         let (_, killed_at) = kill_last_when_ready(&mut children);

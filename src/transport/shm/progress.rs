@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 /// A sleep never lasts longer than this: a second thread waiting on the same rank may have
 /// taken the doorbell's wake-up.
 const MAX_SLEEP: Duration = Duration::from_millis(5);
+/// Rounds of a wait between looks at the pairs it does not wait on.
+const QUIET_EVERY: u32 = 16;
 
 /// The shared-memory progress engine of one mesh.
 pub(crate) struct ShmProgress {
@@ -37,7 +39,19 @@ impl Progress for ShmProgress {
         busy: BusyWait,
     ) -> Option<Result<Done>> {
         let pair = |r: usize| self.pairs.get(r).and_then(Option::as_ref);
-        let pairs: Vec<&Arc<ShmPair>> = own.iter().chain(others).filter_map(|&r| pair(r)).collect();
+        // The pairs of the wait first, then every other: a peer's message to this rank may
+        // need this rank to read it before the peer can go on (a large one waits for this
+        // rank to copy it), and no thread but a waiting one reads the rings.
+        let mut pairs: Vec<&Arc<ShmPair>> = own.iter().chain(others).filter_map(|&r| pair(r)).collect();
+        let busy_pairs = pairs.len();
+        for (r, p) in self.pairs.iter().enumerate() {
+            if let Some(p) = p
+                && !own.contains(&r)
+                && !others.contains(&r)
+            {
+                pairs.push(p);
+            }
+        }
         // An operation that may finish elsewhere (on this rank's loopback pair, on a TCP pair's
         // event loop) rings the doorbell this wait sleeps on.
         if own.iter().any(|&r| pair(r).is_none()) {
@@ -48,8 +62,12 @@ impl Progress for ShmProgress {
             .chain(pairs.iter().map(|p| p.lifeline_fd()))
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
+        let mut round = 0u32;
         loop {
-            for p in &pairs {
+            // The quiet pairs every few rounds only (a lock each).
+            let upto = if round.is_multiple_of(QUIET_EVERY) { pairs.len() } else { busy_pairs };
+            round = round.wrapping_add(1);
+            for p in &pairs[..upto] {
                 p.drive();
             }
             if let Some(o) = done.outcome() {
@@ -74,6 +92,10 @@ impl Progress for ShmProgress {
                 armed += usize::from(ok);
                 ok
             });
+            if !ready {
+                // Something to do on some pair: drive them all next round.
+                round = 0;
+            }
             if ready && done.outcome().is_none() {
                 let hold = pairs.iter().filter_map(|p| p.hold_ends()).min();
                 let until = hold.map_or(deadline, |h| h.min(deadline)).min(now + MAX_SLEEP);
