@@ -25,6 +25,10 @@ use ferrogloo::{Algorithm, CollectiveOptions, Context, DType, Error, Reduction, 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// Round trips per timed `pingpong` iteration (the time reported is one way: the iteration's
+/// time over twice this).
+const PINGPONG_ROUNDS: usize = 100;
+
 /// Bandwidth and latency of ferrogloo's collectives (nccl-tests style).
 #[derive(Parser, Debug, Clone)]
 #[command(version)]
@@ -42,7 +46,8 @@ struct Args {
     #[arg(long)]
     store: Option<String>,
     /// Collectives: allreduce, allgather, broadcast, reduce_scatter, reduce, alltoall, barrier,
-    /// sendrecv (comma-separated).
+    /// sendrecv, pingpong (ranks 0 and 1 bounce a message; the time is one way)
+    /// (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "allreduce")]
     op: Vec<String>,
     /// Explicit sizes in bytes (K/M/G suffixes allowed); overrides -b/-e/-f.
@@ -64,7 +69,7 @@ struct Args {
     #[arg(long, default_value = "sum")]
     reduce: String,
     /// Algorithms (comma-separated; `all` = every one the collective has): auto, ring, hd, rd,
-    /// tree, pipeline. With `auto` the table and JSON say which one it picked.
+    /// tree, pipeline, shm. With `auto` the table and JSON say which one it picked.
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     algorithm: Vec<String>,
     /// Root of broadcast and reduce.
@@ -183,13 +188,18 @@ fn sizes(args: &Args) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-fn algorithms(op: &str, wanted: &[String]) -> Result<Vec<Algorithm>> {
-    let has: &[Algorithm] = match op {
-        "allreduce" => &[Algorithm::Auto, Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling],
-        "broadcast" => &[Algorithm::Auto, Algorithm::BinomialTree, Algorithm::Pipeline],
-        "allgather" => &[Algorithm::Auto, Algorithm::Ring, Algorithm::RecursiveDoubling],
-        _ => &[Algorithm::Auto],
+/// The algorithms of `op` asked for in `wanted`; `shm` says whether the context can run the
+/// shared-memory ones.
+fn algorithms(op: &str, wanted: &[String], shm: bool) -> Result<Vec<Algorithm>> {
+    let mut has: Vec<Algorithm> = match op {
+        "allreduce" => vec![Algorithm::Auto, Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling],
+        "broadcast" => vec![Algorithm::Auto, Algorithm::BinomialTree, Algorithm::Pipeline],
+        "allgather" => vec![Algorithm::Auto, Algorithm::Ring, Algorithm::RecursiveDoubling],
+        _ => vec![Algorithm::Auto],
     };
+    if shm && matches!(op, "allreduce" | "broadcast" | "allgather") {
+        has.push(Algorithm::SharedMemory);
+    }
     let mut out = Vec::new();
     for w in wanted {
         let wanted: Vec<Algorithm> = if w == "all" { has.to_vec() } else { vec![w.parse()?] };
@@ -465,6 +475,40 @@ fn measure(ctx: &Context, s: &Setup<'_>, op: &str, algo: Algorithm, bytes: usize
             wrong = n > 1 && !inbox.all(&element(dtype, left as u32 + 1));
             (count, count * ts, 1.0, times)
         }
+        "pingpong" => {
+            // Ranks 0 and 1 bounce one message PINGPONG_ROUNDS times; the time is half a round
+            // trip (the one-way latency), the bandwidth that of one direction.
+            let count = bytes / ts;
+            let mut out = Buf::new(count * ts);
+            out.fill(&own);
+            let mut inbox = Buf::new(count * ts);
+            let times = timed(
+                ctx,
+                args,
+                &mut inbox,
+                |_| {},
+                |inbox| {
+                    for _ in 0..PINGPONG_ROUNDS {
+                        match r {
+                            0 if n > 1 => {
+                                ctx.send(1, 3, out.bytes())?;
+                                ctx.recv(1, 3, inbox.bytes_mut())?;
+                            }
+                            1 => {
+                                ctx.recv(0, 3, inbox.bytes_mut())?;
+                                ctx.send(0, 3, out.bytes())?;
+                            }
+                            _ => {}
+                        }
+                    }
+                    Ok(())
+                },
+            )?;
+            let from = if r == 0 { 2 } else { 1 };
+            wrong = r < 2 && n > 1 && !inbox.all(&element(dtype, from));
+            let one_way: Vec<f64> = times.iter().map(|t| t / (2 * PINGPONG_ROUNDS) as f64).collect();
+            (count, count * ts, 1.0, one_way)
+        }
         "barrier" => {
             let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.barrier())?;
             (0, 0, 0.0, times)
@@ -511,7 +555,8 @@ fn run(ctx: &Context, s: &Setup<'_>) -> Result<Vec<Cell>> {
     let mut plan = Vec::new();
     for op in &args.op {
         let sz: Vec<usize> = if op == "barrier" { vec![0] } else { sizes.clone() };
-        let algos = algorithms(op, &args.algorithm)?;
+        let shm = ctx.allreduce_algorithm(0, Algorithm::SharedMemory).is_ok() && n > 1;
+        let algos = algorithms(op, &args.algorithm, shm)?;
         for (i, &b) in sz.iter().enumerate() {
             for k in 0..algos.len() {
                 plan.push((op.clone(), algos[(i + k) % algos.len()], b));
@@ -843,8 +888,11 @@ mod tests {
 
     #[test]
     fn all_expands_to_every_algorithm_once() {
-        let all = algorithms("allreduce", &["auto".into(), "all".into()]).unwrap();
+        let all = algorithms("allreduce", &["auto".into(), "all".into()], false).unwrap();
         assert_eq!(all.len(), 4);
-        assert!(algorithms("broadcast", &["nope".into()]).is_err());
+        let with_shm = algorithms("allreduce", &["all".into()], true).unwrap();
+        assert_eq!(with_shm.len(), 5);
+        assert!(with_shm.contains(&Algorithm::SharedMemory));
+        assert!(algorithms("broadcast", &["nope".into()], false).is_err());
     }
 }
