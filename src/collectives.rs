@@ -141,7 +141,11 @@ impl Context {
     /// buffer of `bytes` when `asked` for an algorithm: what `Auto` picks, or the one asked for
     /// (an error for one allreduce does not have).
     pub fn allreduce_algorithm(&self, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
-        match area_choice(self.whole_area(0), asked, "allreduce", self.size())? {
+        let area = self.whole_area(0);
+        if area.is_none() && self.hierarchy().is_some() && matches!(asked, Algorithm::Auto | Algorithm::SharedMemory) {
+            return Ok(Algorithm::SharedMemory);
+        }
+        match area_choice(area, asked, "allreduce", self.size())? {
             Some(a) => Ok(a),
             None => allreduce_algorithm(self.size(), bytes, asked),
         }
@@ -199,7 +203,13 @@ impl Context {
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
         let area = self.whole_area(opts.tag);
-        let shm = area_choice(area, opts.algorithm, "allreduce", self.size())?;
+        let hier = self.hierarchy().filter(|_| opts.tag == 0 && area.is_none());
+        let shm = match hier {
+            Some(_) if matches!(opts.algorithm, Algorithm::Auto | Algorithm::SharedMemory) => {
+                Some(Algorithm::SharedMemory)
+            }
+            _ => area_choice(area, opts.algorithm, "allreduce", self.size())?,
+        };
         let algo = match shm {
             Some(a) => a,
             None => allreduce_algorithm(n, bytes_of::<T>(buf.len()), opts.algorithm)?,
@@ -211,6 +221,9 @@ impl Context {
         if let (Some(_), Some(area)) = (shm, area) {
             return local::run(self.comm(), &**area, "allreduce", desc, opts, |l| local::allreduce(l, buf, op));
         }
+        if let (Some(_), Some(h)) = (shm, hier) {
+            return self.hierarchical_allreduce(h.leaders.as_ref(), buf, op, desc, opts);
+        }
         let seg = opts.segment_elems::<T>();
         let buf = Seg::new(buf);
         algorithms::run(self.comm(), "allreduce", desc, opts, |c| match algo {
@@ -218,6 +231,57 @@ impl Context {
             Algorithm::RecursiveDoubling => allreduce::recursive_doubling(c, buf, op),
             _ => allreduce::halving_doubling(c, buf, op),
         })
+    }
+
+    /// Allreduce over several hosts: within each host through shared memory (every rank gets
+    /// the host's sum), across hosts among the host leaders (the lowest rank of each) over
+    /// their pairs, then from each leader to its host through shared memory again. Every rank
+    /// ends with its leader's result, so all agree bit for bit.
+    fn hierarchical_allreduce<T: Element>(
+        &self,
+        leaders: Option<&crate::comm::Comm>,
+        buf: &mut [T],
+        op: &ReduceOp<T>,
+        desc: OpDesc,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        let comm = self.comm();
+        comm.check_usable()?;
+        comm.next_collective_key(opts.tag)?;
+        let timeout = opts.timeout.unwrap_or(comm.timeout());
+        let deadline = std::time::Instant::now() + timeout;
+        let area = comm.local_area();
+        let local = area.map(|a| local::Local::new(comm, &**a, "allreduce", desc, deadline, timeout));
+        let result = (|| {
+            if let Some(l) = &local {
+                local::allreduce(l, buf, op)?;
+            }
+            if let Some(lc) = leaders {
+                let n = lc.size();
+                let algo = allreduce_algorithm(n, bytes_of::<T>(buf.len()), Algorithm::Auto)?;
+                let cross = OpDesc::new(Call::Allreduce).dtype(T::DTYPE).count(buf.len()).reduce(op.code()).algo(algo);
+                let o = CollectiveOptions {
+                    timeout: Some(deadline.saturating_duration_since(std::time::Instant::now())),
+                    algorithm: algo,
+                    ..opts.clone()
+                };
+                let seg = o.segment_elems::<T>();
+                let b = Seg::new(&mut *buf);
+                algorithms::run(lc, "allreduce across hosts", cross, &o, |c| match algo {
+                    Algorithm::Ring => allreduce::ring(c, b, op, seg),
+                    Algorithm::RecursiveDoubling => allreduce::recursive_doubling(c, b, op),
+                    _ => allreduce::halving_doubling(c, b, op),
+                })?;
+            }
+            if let Some(l) = &local {
+                local::broadcast(l, buf, 0)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = &result {
+            comm.fail(e);
+        }
+        result
     }
 
     /// Allreduce of several input buffers per rank into several outputs (Gloo's `inputs` and

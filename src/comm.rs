@@ -145,6 +145,11 @@ impl Comm {
         if id == 0 { 1 } else { id }
     }
 
+    /// Whether this is the communicator of the whole mesh (group 0), not a sub-group.
+    pub(crate) fn is_world(&self) -> bool {
+        self.group == 0
+    }
+
     /// The memory this rank shares with the other ranks of its host, for collectives of the
     /// mesh's own group (sub-groups run their collectives over the pairs).
     pub(crate) fn local_area(&self) -> Option<&Arc<dyn LocalArea>> {

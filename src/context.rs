@@ -7,7 +7,7 @@ use crate::mesh::{self, MeshSpec};
 use crate::rendezvous::Store;
 use crate::transport::BusyWait;
 use bytemuck::Pod;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// Default deadline of every blocking call, unless [`TIMEOUT_ENV`] says otherwise.
@@ -104,7 +104,7 @@ impl ContextBuilder {
         let spin = busy_wait(busy_poll, &hosts, rank);
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
         let shared = Arc::new(Shared::new(mesh, rank, hosts, spin));
-        Ok(Context { comm: Comm::root(shared, timeout), device: device.clone() })
+        Ok(Context { comm: Comm::root(shared, timeout), device: device.clone(), hier: OnceLock::new() })
     }
 }
 
@@ -131,7 +131,21 @@ fn busy_wait(budget: Option<Duration>, hosts: &[String], rank: usize) -> BusyWai
 pub struct Context {
     comm: Comm,
     device: Device,
+    /// How this context's ranks spread over hosts, for the hierarchical allreduce (made on
+    /// first use).
+    hier: OnceLock<Option<Hierarchy>>,
 }
+
+/// A context over several hosts whose ranks share memory within each host: the host leaders
+/// (the lowest rank of each host) and, on a leader, the communicator of all leaders.
+pub(crate) struct Hierarchy {
+    /// The communicator of the leaders, on a leader; `None` elsewhere.
+    pub(crate) leaders: Option<Comm>,
+}
+
+/// Group id of the leaders' communicator: a constant that `Comm::subgroup_id` never makes
+/// (its counter starts at 1).
+const LEADERS_GROUP: u64 = 0x6c65_6164_6572_7331;
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -151,6 +165,38 @@ impl Context {
 
     pub(crate) fn comm(&self) -> &Comm {
         &self.comm
+    }
+
+    /// The hierarchy for the hierarchical allreduce, when this context has one: it is the
+    /// context a mesh was formed for, on a device that shares memory within a host and talks TCP
+    /// across (auto), over two hosts or more, one of which has two ranks or more. Every rank
+    /// decides alike: from the backend (the same on every rank) and the host identities every
+    /// rank published.
+    pub(crate) fn hierarchy(&self) -> Option<&Hierarchy> {
+        self.hier
+            .get_or_init(|| {
+                if !self.comm.is_world() || self.device.backend().name() != "tcp+shm" {
+                    return None;
+                }
+                let hosts = &self.comm.shared().hosts;
+                let mut leaders: Vec<usize> = Vec::new();
+                let mut shared_host = false;
+                for (r, h) in hosts.iter().enumerate() {
+                    match hosts[..r].iter().position(|x| x == h) {
+                        None => leaders.push(r),
+                        Some(_) => shared_host = true,
+                    }
+                }
+                if leaders.len() < 2 || !shared_host {
+                    return None;
+                }
+                let me = self.rank();
+                let leaders = leaders
+                    .contains(&me)
+                    .then(|| Comm::over(self.comm.shared().clone(), LEADERS_GROUP, leaders.into(), self.timeout()));
+                Some(Hierarchy { leaders })
+            })
+            .as_ref()
     }
 
     /// This rank, in `0..size`.
@@ -299,6 +345,6 @@ impl Context {
     /// this context's connections, with group id `group`.
     pub(crate) fn child(&self, group: u64, members: Arc<[usize]>) -> Context {
         let comm = Comm::over(self.comm.shared().clone(), group, members, self.timeout());
-        Context { comm, device: self.device.clone() }
+        Context { comm, device: self.device.clone(), hier: OnceLock::new() }
     }
 }

@@ -250,11 +250,17 @@ pub(crate) fn form<S: Store + ?Sized>(
         }
         log.tick(&rv, &higher);
     }
-    // Their entries were published before they connected.
+    // Their host identities: each published its entry before it connected to any rank but 0
+    // (to rank 0 it connects first, to learn the context id), so rank 0 may wait a moment.
     for (r, h) in hosts.iter_mut().enumerate().skip(rank + 1) {
-        if let Some(e) = store.try_get(&key(r))?.as_deref().and_then(Entry::parse).filter(|e| e.ctx == ctx) {
-            *h = e.host;
-        }
+        let mut last: Option<Vec<u8>> = None;
+        *h = loop {
+            let raw = rv.next_value(r, last.as_deref(), ENTRY, None)?;
+            match Entry::parse(&raw) {
+                Some(e) if e.ctx == ctx => break e.host,
+                _ => last = Some(raw),
+            }
+        };
     }
     Ok((ep.finish(), hosts))
 }

@@ -579,3 +579,68 @@ fn concurrent_collectives_with_different_tags_do_not_mix() {
     );
     all_ok(results);
 }
+
+#[test]
+fn hierarchical_allreduce_across_pretend_hosts_agrees_bit_for_bit() {
+    // Five ranks on two pretend hosts (three and two): shared memory within each, TCP across;
+    // `Auto` runs the hierarchical allreduce. Floats of every magnitude, and a buffer larger
+    // than a slot.
+    for len in [0usize, 1, 1000, (3 << 20) / 4 + 5] {
+        let next = AtomicUsize::new(0);
+        let store = HashStore::new();
+        let data = |r: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + r * 13) as f32).sin() * 1e3).collect() };
+        let results = all_ok(run_ranks_on(
+            5,
+            &store,
+            &|| {
+                let host = next.fetch_add(1, Ordering::Relaxed) % 2;
+                Device::auto_on_host(&TcpAttr::loopback(), format!("pretend-host-{host}"))
+            },
+            |b| b.timeout(TIMEOUT),
+            |ctx| {
+                assert_eq!(ctx.allreduce_algorithm(len * 4, Algorithm::Auto)?, Algorithm::SharedMemory);
+                let mut v = data(ctx.rank());
+                ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                let mut exact: Vec<i64> = (0..len as i64).map(|i| i * (ctx.rank() as i64 + 1)).collect();
+                ctx.allreduce(&mut exact, ReduceOp::Sum)?;
+                assert!(exact.iter().enumerate().all(|(i, &x)| x == i as i64 * 15), "exact sums");
+                Ok((v, ctx.local_ranks().len()))
+            },
+        ));
+        let mut sizes: Vec<usize> = results.iter().map(|(_, l)| *l).collect();
+        sizes.sort();
+        assert_eq!(sizes, vec![2, 2, 3, 3, 3], "the ranks split three and two over the hosts");
+        let inputs: Vec<Vec<f32>> = (0..5).map(data).collect();
+        for i in 0..len {
+            let want: f64 = inputs.iter().map(|d| f64::from(d[i])).sum();
+            let got = f64::from(results[0].0[i]);
+            assert!((got - want).abs() <= 1e-3 * want.abs().max(1.0), "element {i}: {got} vs {want}");
+        }
+        for (r, (v, _)) in results.iter().enumerate().skip(1) {
+            assert!(v.iter().zip(&results[0].0).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {r} differs");
+        }
+    }
+}
+
+#[test]
+fn every_rank_sees_the_same_hosts_and_picks_the_same_allreduce() {
+    // Rank 0 learns the higher ranks' hosts after they connect to it (they connect to rank 0
+    // before they publish): it must wait for their entries, or it would choose another
+    // allreduce than they do.
+    for _ in 0..20 {
+        let store = HashStore::new();
+        let v = all_ok(run_ranks_on(
+            3,
+            &store,
+            &|| device(Dev::Mixed),
+            |b| b.timeout(TIMEOUT),
+            |ctx| {
+                let hosts: Vec<String> = (0..3).map(|r| ctx.host_of(r).unwrap_or("?").to_string()).collect();
+                Ok((hosts, ctx.allreduce_algorithm(16, Algorithm::Auto)?))
+            },
+        ));
+        for x in &v[1..] {
+            assert_eq!(x, &v[0], "{v:?}");
+        }
+    }
+}

@@ -45,7 +45,13 @@ fn netns_rank_worker() {
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     // Interface selection by name: each host also has a decoy interface whose address the
     // other hosts cannot reach, so picking the wrong one fails the job.
-    let dev = Device::new(&TcpAttr::iface(IFACE)).expect("device on the named interface");
+    let scenario = std::env::var(SCENARIO_ENV).unwrap_or_default();
+    let dev = if scenario == "hier" {
+        // Shared memory between the ranks of one namespace, TCP across.
+        Device::auto(&TcpAttr::iface(IFACE)).expect("auto device on the named interface")
+    } else {
+        Device::new(&TcpAttr::iface(IFACE)).expect("device on the named interface")
+    };
     let want = std::env::var(EXPECT_IP_ENV).expect("expected address");
     assert_eq!(
         dev.local_addr().expect("a TCP device").ip().to_string(),
@@ -53,12 +59,33 @@ fn netns_rank_worker() {
         "rank {} bound the wrong interface",
         env.rank
     );
-    match std::env::var(SCENARIO_ENV).unwrap_or_default().as_str() {
+    match scenario.as_str() {
+        "hier" => hierarchical(&env, &store, &dev),
         "shaped" => shaped(&env, &store, &dev),
         "link_down" => link_down(&env, &store, &dev),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("DONE rank {}", env.rank);
+}
+
+/// Two namespaces of two ranks each on auto devices: the ranks of a namespace are one host
+/// (shared memory), the namespaces two hosts (TCP); allreduce runs hierarchically, and every
+/// other collective over the mixed pairs.
+fn hierarchical(env: &RankEnv, store: &impl Store, dev: &Device) {
+    let ctx = Context::builder(env.rank, env.size).timeout(TIMEOUT).connect(store, dev).expect("rendezvous");
+    let (r, n) = (ctx.rank(), ctx.size());
+    let host = r / RANKS_PER_HOST;
+    let mates: Vec<usize> = (host * RANKS_PER_HOST..(host + 1) * RANKS_PER_HOST).collect();
+    assert_eq!(ctx.local_ranks(), mates, "rank {r}: the ranks of its namespace are its host");
+    assert_eq!(ctx.allreduce_algorithm(1 << 20, Algorithm::Auto).expect("algorithm"), Algorithm::SharedMemory);
+    for len in [0usize, 1, 4096, (3 << 20) / 4 + 3] {
+        let mut v: Vec<f64> = (0..len).map(|i| (r * 1000 + i % 977) as f64).collect();
+        ctx.allreduce(&mut v, ReduceOp::Sum).expect("hierarchical allreduce");
+        let base = (1000 * n * (n - 1) / 2) as f64;
+        let bad = v.iter().enumerate().position(|(i, &x)| x != base + (n * (i % 977)) as f64);
+        assert_eq!(bad, None, "rank {r}: hierarchical allreduce of {len} wrong");
+    }
+    check_collectives(&ctx, 10_000);
 }
 
 /// Checks a run of collectives (values on every rank) with every allreduce algorithm.
@@ -209,8 +236,13 @@ impl Net {
 
     /// Starts the six rank processes of `scenario`, two in each host's namespace.
     fn spawn(&self, scenario: &str, store_url: &str) -> Vec<Child> {
+        self.spawn_on(HOSTS, scenario, store_url)
+    }
+
+    /// Starts two rank processes of `scenario` in each of the first `hosts` namespaces.
+    fn spawn_on(&self, hosts: usize, scenario: &str, store_url: &str) -> Vec<Child> {
         let exe = std::env::current_exe().unwrap();
-        let n = HOSTS * RANKS_PER_HOST;
+        let n = hosts * RANKS_PER_HOST;
         (0..n)
             .map(|rank| {
                 let h = rank / RANKS_PER_HOST;
@@ -309,6 +341,20 @@ fn reap(children: Vec<Child>, deadline: Instant, seen: &str) {
         let status = common::wait_or_kill(&mut c, deadline);
         assert!(status.is_some_and(|s| s.success()), "rank {rank} failed or overran ({status:?}):\n{seen}");
     }
+}
+
+#[test]
+fn two_namespaces_of_two_ranks_run_the_hierarchical_allreduce() {
+    let Some(net) = network("h", 3) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut children = net.spawn_on(2, "hier", &format!("file:{}", dir.path().display()));
+    let rx = lines_of(&mut children);
+    let n = children.len();
+    let start = Instant::now();
+    let mut seen = String::new();
+    await_word(&rx, n, "DONE rank", start + TIMEOUT * 2, &mut seen);
+    reap(children, start + TIMEOUT * 2, &seen);
+    println!("2 namespaces of 2 ranks, hierarchical allreduce: {:?}\n{seen}", start.elapsed());
 }
 
 #[test]

@@ -51,7 +51,20 @@ pub(crate) fn run<R>(
     result
 }
 
-impl Local<'_> {
+impl<'a> Local<'a> {
+    /// A call through `area` of `comm`'s ranks, without `run`'s bookkeeping (for an algorithm
+    /// that does it itself: the hierarchical allreduce).
+    pub(crate) fn new(
+        comm: &Comm,
+        area: &'a dyn LocalArea,
+        what: &'static str,
+        desc: OpDesc,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Self {
+        Local { area, desc, deadline, timeout, busy: comm.shared().spin, what }
+    }
+
     /// Members of the area.
     fn n(&self) -> usize {
         self.area.members().len()

@@ -8,11 +8,13 @@
 //! with the backend they call for. The lower rank accepts on both.
 //!
 //! Waits: a TCP pair makes progress on the device's event loop or on the waiting thread, a
-//! shared-memory pair only on a thread that drives it. So a wait that involves no
-//! shared-memory pair (its own or others with operations outstanding) is the TCP engine's,
-//! and every other wait is the shared-memory engine's, which drives its pairs and leaves the
-//! TCP ones to the event loop: an operation that finishes there rings the shared-memory
-//! doorbell the wait sleeps on.
+//! shared-memory pair only on a thread that drives it. So a wait that involves a
+//! shared-memory pair (its own or others with operations outstanding) is the shared-memory
+//! engine's, which drives every shared-memory pair and leaves the TCP ones to the event loop:
+//! an operation that finishes there rings the shared-memory doorbell the wait sleeps on. A
+//! wait on TCP pairs alone is the TCP engine's, in slices of at most [`TCP_SLICE`], between
+//! which the shared-memory pairs are driven once (a peer's message may be waiting for this
+//! rank to read it).
 
 use crate::error::{Error, Result};
 use crate::transport::shm::ShmDevice;
@@ -23,6 +25,8 @@ use std::time::{Duration, Instant};
 
 /// How long each of the two endpoints is waited on in turn while higher ranks connect.
 const SLICE: Duration = Duration::from_millis(2);
+/// How long a TCP wait on a mesh with shared-memory pairs leaves those pairs alone at most.
+const TCP_SLICE: Duration = Duration::from_millis(2);
 
 /// TCP between hosts, shared memory within one.
 pub(crate) struct AutoDevice {
@@ -153,9 +157,29 @@ impl Progress for AutoProgress {
     ) -> Option<Result<Done>> {
         let shm = |r: &usize| self.via_shm.get(*r).copied().unwrap_or(false);
         if own.iter().chain(others).any(shm) {
-            self.shm.wait(done, own, others, deadline, busy)
-        } else {
-            self.tcp.wait(done, own, others, deadline, busy)
+            return self.shm.wait(done, own, others, deadline, busy);
+        }
+        if !self.via_shm.iter().any(|&s| s) {
+            return self.tcp.wait(done, own, others, deadline, busy);
+        }
+        // A TCP wait, on a mesh with shared-memory pairs that nothing else may read: a peer's
+        // large message waits for this rank to copy it, and may hold up what this wait waits
+        // for. The TCP engine waits in slices; between them the shared-memory pairs move.
+        let mut busy = busy;
+        loop {
+            let slice = deadline.min(Instant::now() + TCP_SLICE);
+            if let Some(o) = self.tcp.wait(done, own, others, slice, busy) {
+                return Some(o);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            // Busy-waiting was the first slice's; the later ones sleep at once.
+            busy.budget = Duration::ZERO;
+            // A wait on nothing that ends now: one round over every shared-memory pair.
+            if let Some(o) = self.shm.wait(done, &[], &[], Instant::now(), busy) {
+                return Some(o);
+            }
         }
     }
 }
