@@ -208,9 +208,9 @@ fn elastic(env: &RankEnv, store: &impl Store, dev: &Device) {
 }
 
 /// The command for rank `rank` of `n` running `scenario` against `store_url`, stdout piped.
-/// `scenario@shm` runs it over shared memory, `scenario@mixed` on auto devices of two pretend
-/// hosts (even and odd ranks: shared memory within each, TCP across); plain `scenario` over
-/// TCP.
+/// `scenario@shm` runs it over shared memory (`@shm-single-copy`: large messages read
+/// straight from the sender's process), `scenario@mixed` on auto devices of two pretend hosts
+/// (even and odd ranks: shared memory within each, TCP across); plain `scenario` over TCP.
 fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Command {
     let (scenario, transport) = scenario.split_once('@').unwrap_or((scenario, "tcp"));
     let mut cmd = Command::new(std::env::current_exe().unwrap());
@@ -222,6 +222,7 @@ fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Comma
         .stdout(Stdio::piped());
     match transport {
         "mixed" => cmd.env("FERROGLOO_TRANSPORT", "auto").env("FERROGLOO_HOST_ID", format!("pretend-{}", rank % 2)),
+        "shm-single-copy" => cmd.env("FERROGLOO_TRANSPORT", "shm").env("FERROGLOO_SHM_SINGLE_COPY", "1"),
         t => cmd.env("FERROGLOO_TRANSPORT", t),
     };
     cmd
@@ -358,6 +359,11 @@ fn shared_memory_jobs_of_2_3_4_8_processes_and_64_mib_buffers() {
     for n in [2, 3] {
         let dir = tempfile::tempdir().unwrap();
         run_job(n, "big@shm", &format!("file:{}", dir.path().display()));
+    }
+    // Large messages read straight from the sender's process.
+    for (n, scenario) in [(4, "mesh@shm-single-copy"), (2, "big@shm-single-copy")] {
+        let dir = tempfile::tempdir().unwrap();
+        run_job(n, scenario, &format!("file:{}", dir.path().display()));
     }
     assert_eq!(shm_objects(), Vec::<String>::new(), "left in /dev/shm");
 }

@@ -548,6 +548,9 @@ backends! {
     memory => || Ok(ferrogloo::device::Device::in_process()),
     tcp => ferrogloo::device::Device::loopback,
     shm => || Ok(ferrogloo::device::Device::shared_memory()),
+    shm_single_copy => || Ok(ferrogloo::device::Device::shared_memory_with(
+        &ferrogloo::device::ShmAttr { single_copy: true },
+    )),
     auto => || ferrogloo::device::Device::auto(&ferrogloo::device::TcpAttr::loopback()),
     mixed => super::mixed_hosts,
 }

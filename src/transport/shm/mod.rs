@@ -43,6 +43,9 @@ pub(crate) struct ShmOptions {
     pub(crate) early_budget: usize,
     /// Time a connection has to complete its handshake.
     pub(crate) handshake_timeout: Duration,
+    /// Whether this rank reads its peers' large messages straight from their memory, where
+    /// the kernel allows it.
+    pub(crate) single_copy: bool,
 }
 
 impl Default for ShmOptions {
@@ -52,6 +55,7 @@ impl Default for ShmOptions {
             coll_bytes: 4 << 20,
             early_budget: 8 << 20,
             handshake_timeout: Duration::from_secs(10),
+            single_copy: false,
         }
     }
 }
@@ -173,7 +177,7 @@ impl ShmEndpoint {
         })?;
         let peer = h.from as usize;
         let theirs = if status == 0 { Some(Segment::open(&seg_fd, self.layout, peer)?) } else { None };
-        let can_read = status == 0 && cma_works(h.pid as i32, h.probe);
+        let can_read = status == 0 && self.opts.single_copy && cma_works(h.pid as i32, h.probe);
         let nonce = random16();
         let ack = Ack {
             status,
@@ -259,7 +263,7 @@ impl Endpoint for ShmEndpoint {
         let [seg_fd, bell_fd]: [OwnedFd; 2] =
             fds.try_into().map_err(|_| refused("its answer carries no segment and doorbell".into()))?;
         let theirs = Segment::open(&seg_fd, self.layout, peer).map_err(ConnectError::Refused)?;
-        let can_read = cma_works(ack.pid as i32, ack.probe);
+        let can_read = self.opts.single_copy && cma_works(ack.pid as i32, ack.probe);
         let mut fin = [0u8; FINAL_LEN];
         fin[0] = u8::from(can_read);
         fin[8..40].copy_from_slice(&mac(self.spec.secret.as_deref(), "ferrogloo-shm-auth", &hello, &ack.nonce));
