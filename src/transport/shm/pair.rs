@@ -42,8 +42,8 @@ const ACK: u32 = 5;
 const HDR: usize = 24 + DESC_LEN;
 
 /// Messages up to this many bytes travel inside the ring (two copies: in and out); larger ones
-/// are read by the receiver straight from the sender's memory when the kernel allows it (one
-/// copy), or go through the ring in fragments.
+/// go through the ring in fragments, or, with single copy on and the kernel allowing it, are
+/// read by the receiver straight from the sender's memory (one copy).
 pub(crate) const INLINE_MAX: usize = 16 << 10;
 /// Payload of one fragment record.
 const FRAG_MAX: usize = 128 << 10;
