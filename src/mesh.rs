@@ -16,6 +16,7 @@
 //! publishes its own entry, connects to every lower rank whose entry carries the id, and waits
 //! for the higher ranks to connect to it.
 
+use crate::device::host_id;
 use crate::error::{Error, Result, ranks_text, secs};
 use crate::rendezvous::{Backoff, Store};
 use crate::transport::{Backend, ConnectError, ContextId, Endpoint, EndpointSpec, Mesh, Passive, random16};
@@ -100,7 +101,7 @@ pub(crate) fn form<S: Store + ?Sized>(
     backend: &dyn Backend,
     spec: &MeshSpec,
 ) -> Result<(Mesh, Vec<String>)> {
-    let host = backend.host();
+    let host = backend.host().unwrap_or_else(host_id);
     if spec.size == 1 {
         return Ok((
             Mesh { pairs: vec![None], progress: std::sync::Arc::new(Passive), local: None, _guard: Box::new(()) },

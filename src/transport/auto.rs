@@ -62,8 +62,8 @@ impl Backend for AutoDevice {
         Ok(Box::new(AutoEndpoint { host: self.host.clone(), tcp, shm, size: spec.size }))
     }
 
-    fn host(&self) -> String {
-        self.host.clone()
+    fn host(&self) -> Option<String> {
+        Some(self.host.clone())
     }
 }
 

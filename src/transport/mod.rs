@@ -464,10 +464,10 @@ pub(crate) trait Backend: Send + Sync {
     /// A fresh endpoint for one context.
     fn endpoint(&self, spec: EndpointSpec) -> Result<Box<dyn Endpoint>>;
 
-    /// The host identity this rank publishes ([`host_id`](crate::device::host_id) unless the
-    /// device was told otherwise).
-    fn host(&self) -> String {
-        crate::device::host_id()
+    /// The host identity this rank publishes, when the device was told one; otherwise
+    /// [`host_id`](crate::device::host_id).
+    fn host(&self) -> Option<String> {
+        None
     }
 }
 
