@@ -68,6 +68,9 @@ fn a_rank_that_never_arrives_is_named_with_its_key() {
 
 #[test]
 fn a_shared_memory_rank_that_never_arrives_is_named_with_its_key() {
+    // Shared-memory segments count in this process's resident memory, which the memory test
+    // samples.
+    let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
     for (rank, result, took) in partial_job_on(4, &[0, 1, 3], &|| Ok(Device::shared_memory())) {
         match result {
             Err(Error::Timeout { ranks, keys, .. }) => {
@@ -82,8 +85,14 @@ fn a_shared_memory_rank_that_never_arrives_is_named_with_its_key() {
 
 #[test]
 fn a_shared_memory_rank_that_stops_coming_to_collectives_is_named_at_the_deadline() {
-    // Rank 2 of 3 forms the context, then never calls the allreduce the others wait in.
+    // Shared-memory segments count in this process's resident memory, which the memory test
+    // samples.
+    let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
+    // Rank 2 of 3 forms the context, then never calls the allreduce the others wait in (it
+    // stays, quietly, until they are done).
     let store = HashStore::new();
+    let (done, wait_done) = std::sync::mpsc::channel::<()>();
+    let wait_done = std::sync::Mutex::new(wait_done);
     let results = common::run_ranks_on(
         3,
         &store,
@@ -92,12 +101,17 @@ fn a_shared_memory_rank_that_stops_coming_to_collectives_is_named_at_the_deadlin
         |ctx| {
             if ctx.rank() == 2 {
                 // Bounded: it leaves once the others have given up (their abort reaches it).
-                let mut v = [0u8; 1];
-                return Ok(ctx.recv(0, 99, &mut v).err().map(|e| (Duration::ZERO, e)));
+                let wait = wait_done.lock().expect("one rank 2");
+                for _ in 0..2 {
+                    let _ = wait.recv_timeout(SHORT * 5);
+                }
+                return Ok(None);
             }
             let t = Instant::now();
             let mut v = vec![1.0f32; 1000];
-            Ok(ctx.allreduce(&mut v, ReduceOp::Sum).err().map(|e| (t.elapsed(), e)))
+            let r = ctx.allreduce(&mut v, ReduceOp::Sum).err().map(|e| (t.elapsed(), e));
+            let _ = done.send(());
+            Ok(r)
         },
     );
     for (rank, r) in results.into_iter().enumerate().take(2) {
@@ -380,4 +394,140 @@ fn a_stranger_at_an_established_context_does_not_disturb_it() {
         },
     );
     all_ok(results);
+}
+
+/// CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    // SAFETY: getrusage writes a plain struct we own; an error leaves it zeroed.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let t = |v: libc::timeval| Duration::from_secs(v.tv_sec as u64) + Duration::from_micros(v.tv_usec as u64);
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+#[test]
+fn a_shared_memory_wait_after_one_peer_left_sleeps_and_sees_the_next_one_go() {
+    // Shared-memory segments count in this process's resident memory, which the memory test
+    // samples.
+    let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
+    // Rank 2 leaves; then rank 0 waits for a message rank 1 never sends, and rank 1 leaves:
+    // rank 0 learns it from rank 1's lifeline long before its deadline, without spinning
+    // meanwhile (a closed pair once kept every wait from sleeping, and from polling lifelines).
+    let store = HashStore::new();
+    let (left, wait_left) = std::sync::mpsc::channel::<()>();
+    let wait_left = std::sync::Mutex::new(wait_left);
+    let results = common::run_ranks_on(
+        3,
+        &store,
+        &|| Ok(Device::shared_memory()),
+        |b| b.timeout(Duration::from_secs(6)),
+        |ctx| {
+            ctx.barrier()?;
+            match ctx.rank() {
+                2 => {
+                    drop(ctx);
+                    let _ = left.send(());
+                    Ok(None)
+                }
+                1 => {
+                    let _ = wait_left.lock().expect("one rank 1").recv_timeout(Duration::from_secs(10));
+                    ctx.send(0, 1, &[1u32])?;
+                    // Long enough for rank 0's wait to settle into sleeping.
+                    std::thread::sleep(Duration::from_millis(300));
+                    Ok(None)
+                }
+                _ => {
+                    let mut b = [0u32];
+                    ctx.recv(1, 1, &mut b)?;
+                    let (t, cpu) = (Instant::now(), thread_cpu());
+                    let r = ctx.recv(1, 2, &mut b);
+                    Ok(Some((r, t.elapsed(), thread_cpu() - cpu)))
+                }
+            }
+        },
+    );
+    let Some((r, took, cpu)) = all_ok(results).remove(0) else { panic!("rank 0 measured nothing") };
+    assert!(matches!(r, Err(Error::PeerClosed { rank: 1, .. })), "expected rank 1 gone, got {r:?}");
+    assert!(took < Duration::from_secs(3), "rank 1's exit took {took:?} to be noticed");
+    assert!(cpu < took / 2 + Duration::from_millis(20), "the wait used {cpu:?} of CPU in {took:?}");
+}
+
+#[test]
+fn a_stalled_message_does_not_hide_a_dead_member_from_a_shared_memory_barrier() {
+    // Shared-memory segments count in this process's resident memory, which the memory test
+    // samples.
+    let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
+    // Rank 1's 16 MiB message waits in rank 0's ring (over its early budget, no receive
+    // posted); rank 2 leaves; rank 0's barrier names rank 2 in time (not a timeout).
+    let store = HashStore::new();
+    let results = common::run_ranks_on(
+        3,
+        &store,
+        &|| Ok(Device::shared_memory()),
+        |b| b.timeout(Duration::from_secs(6)),
+        |ctx| {
+            ctx.barrier()?;
+            match ctx.rank() {
+                1 => {
+                    // Fails once rank 0 gives up and aborts.
+                    let _ = ctx.send(0, 5, &vec![7u8; 16 << 20]);
+                    Ok(None)
+                }
+                2 => Ok(None),
+                _ => {
+                    let t = Instant::now();
+                    Ok(Some((ctx.barrier(), t.elapsed())))
+                }
+            }
+        },
+    );
+    let Some((r, took)) = all_ok(results).remove(0) else { panic!("rank 0 measured nothing") };
+    match r {
+        Err(e) => assert_eq!(e.rank(), Some(2), "the error names rank 2: {e}"),
+        Ok(()) => panic!("a barrier without rank 2 succeeded"),
+    }
+    assert!(took < Duration::from_secs(3), "rank 2's exit took {took:?} to be noticed");
+}
+
+#[test]
+fn a_single_copy_send_aborted_before_its_peer_reads_it_is_never_received_as_good() {
+    // Shared-memory segments count in this process's resident memory, which the memory test
+    // samples.
+    let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
+    // Rank 0 posts 1 MiB (read by rank 1 straight from rank 0's memory), aborts, and reuses
+    // the buffer; rank 1 must not receive the reused bytes as the message.
+    let store = HashStore::new();
+    let (aborted, wait_abort) = std::sync::mpsc::channel::<()>();
+    let wait_abort = std::sync::Mutex::new(wait_abort);
+    let single = || Ok(Device::shared_memory_with(&ferrogloo::device::ShmAttr { single_copy: true }));
+    let results = common::run_ranks_on(
+        2,
+        &store,
+        &single,
+        |b| b.timeout(Duration::from_secs(5)),
+        |ctx| {
+            ctx.barrier()?;
+            if ctx.rank() == 0 {
+                let mut big = vec![7u8; 1 << 20];
+                let r = ctx.scope(|s| {
+                    let op = s.isend(1, 5, &big)?;
+                    ctx.abort("test abort");
+                    op.wait()
+                });
+                assert!(r.is_err(), "the send of an aborted context succeeded");
+                big.fill(0xEE);
+                let _ = aborted.send(());
+                Ok(None)
+            } else {
+                let _ = wait_abort.lock().expect("one rank 1").recv_timeout(Duration::from_secs(10));
+                let mut b = vec![0u8; 1 << 20];
+                let r = ctx.recv(0, 5, &mut b).map(|()| b[0]);
+                Ok(Some(r))
+            }
+        },
+    );
+    let got = all_ok(results).remove(1).expect("rank 1's result");
+    assert!(!matches!(got, Ok(0xEE)), "rank 1 received the reused buffer as the message");
+    assert!(matches!(got, Ok(7) | Err(_)), "{got:?}");
 }

@@ -105,9 +105,9 @@ impl ShmArea {
         (0..self.members.len()).filter(|&m| self.word(m, ARRIVED).load(Ordering::Acquire) < step).collect()
     }
 
-    /// The first failed pair to a member.
-    fn failed(&self) -> Option<Error> {
-        self.pairs.iter().flatten().find_map(|p| p.failure())
+    /// The first failed pair to a member not `seen` at the step waited for.
+    fn failed(&self, seen: &[bool]) -> Option<Error> {
+        self.pairs.iter().zip(seen).filter(|(_, s)| !**s).find_map(|(p, _)| p.as_ref()?.failure())
     }
 
     /// Makes progress on the pairs to the members: a point-to-point message on its way to or
@@ -133,6 +133,10 @@ impl ShmArea {
         if quiet && !self.late(step).is_empty() {
             for f in fds.iter_mut() {
                 f.revents = 0;
+            }
+            // A closed pair's lifeline reports its end for ever: not polled.
+            for (p, f) in pairs.iter().zip(&mut fds[1..]) {
+                f.fd = if p.is_closed() { -1 } else { p.lifeline_fd() };
             }
             let hold = pairs.iter().filter_map(|p| p.hold_ends()).min();
             let until = hold.map_or(until, |h| h.min(until));
@@ -226,7 +230,7 @@ impl LocalArea for ShmArea {
             // failed pair counts only while its member is late.
             spins += 1;
             if (slept || spins.is_multiple_of(SPINS_PER_CHECK))
-                && let Some(e) = self.failed()
+                && let Some(e) = self.failed(&seen)
             {
                 return Err(AreaWait::Failed(e));
             }

@@ -112,6 +112,9 @@ struct Inner {
     lifeline_buf: Vec<u8>,
     /// The peer's doorbell should be rung when the lock is let go.
     wake_peer: bool,
+    /// The record at the ring's head waits for something on this side (a receive to be
+    /// posted, early budget to free, a hold to end): new records cannot be read past it.
+    blocked: bool,
 }
 
 /// What a new pair needs.
@@ -169,6 +172,7 @@ impl ShmPair {
                 held_since: None,
                 lifeline_buf: Vec::new(),
                 wake_peer: false,
+                blocked: false,
             }),
             _segments: [p.mine, p.theirs],
         }))
@@ -207,16 +211,24 @@ impl ShmPair {
         }
     }
 
-    /// About to sleep until something arrives: false when there is work to do now.
+    /// About to sleep until something arrives: false when there is work to do now. A closed
+    /// pair has none, and neither has one whose head record waits for this side (what unblocks
+    /// it, a receive posted or early budget freed, drives the pair itself; a hold ends at
+    /// [`hold_ends`](Self::hold_ends), which bounds the sleep).
     pub(crate) fn prepare_sleep(&self) -> bool {
         let mut g = self.lock();
-        if g.closed.is_some() {
-            return false;
+        if g.closed.is_some() || g.blocked {
+            return true;
         }
         if g.rx.peek().is_some() {
             return false;
         }
         g.rx.prepare_sleep()
+    }
+
+    /// Whether the pair has failed or closed (its lifeline then has nothing more to say).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.lock().closed.is_some()
     }
 
     /// The peer's segment.
@@ -305,6 +317,12 @@ impl ShmPair {
         }
         tracing::debug!(peer = self.peer, error = %err, "shared-memory pair failed");
         g.closed = Some(err.clone());
+        if !g.unacked.is_empty() {
+            // The peer may still read these sends' buffers, which go back to their owners now:
+            // tell it not to trust what it reads (as a cancel does).
+            g.outbound.broken().store(1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
         for o in g.sendq.drain(..) {
             o.done.complete(Err(err.clone()));
         }
@@ -394,6 +412,7 @@ impl ShmPair {
 
     /// Reads the records that came in, as far as the matching lets.
     fn read(&self, g: &mut Inner) -> Result<()> {
+        g.blocked = false;
         while let Some(r) = g.rx.peek() {
             match r.kind {
                 ACK => {
@@ -449,15 +468,19 @@ impl ShmPair {
                     g.rx.mem().read(r.off, &mut raw);
                     let h = decode_header(&raw);
                     let len = usize::try_from(h.len).unwrap_or(usize::MAX);
-                    if r.kind == MSG && HDR + len > r.room {
+                    if r.kind == MSG && len > r.room - HDR {
                         return Err(self.protocol(format!("a message of {len} bytes in a record of {}", r.room)));
                     }
                     if r.kind == CMA && self.keep_holding(g, len) {
+                        g.blocked = true;
                         break;
                     }
                     g.held_since = None;
                     match g.matcher.incoming(h) {
-                        Dispatch::Stall => break,
+                        Dispatch::Stall => {
+                            g.blocked = true;
+                            break;
+                        }
                         Dispatch::Deliver(mut d) => match r.kind {
                             MSG => {
                                 // SAFETY: a published record of the ring, ours until consumed.
@@ -471,7 +494,11 @@ impl ShmPair {
                             CMA => {
                                 let (addr, seq) = (Self::word(&g.rx, r, HDR), Self::word(&g.rx, r, HDR + 8));
                                 g.rx.consume(r);
-                                self.cma_read(g, d.dst(), addr)?;
+                                if let Err(e) = self.cma_read(g, d.dst(), addr) {
+                                    // The receive has left the matching: fail it here.
+                                    d.done().complete(Err(e.clone()));
+                                    return Err(e);
+                                }
                                 d.advance(len);
                                 g.acks.push_back(seq);
                                 d.finish(self.peer);
@@ -503,7 +530,11 @@ impl ShmPair {
                                     Ok::<(), ()>(())
                                 })
                                 .ok();
-                                res?;
+                                if let Err(err) = res {
+                                    // Its early budget goes back.
+                                    g.matcher.early_dropped(e);
+                                    return Err(err);
+                                }
                                 g.acks.push_back(seq);
                                 g.matcher.early_arrived(e);
                             }
@@ -614,8 +645,25 @@ impl ShmPair {
         m.extend_from_slice(&group.to_le_bytes());
         m.extend_from_slice(&(c.len() as u32).to_le_bytes());
         m.extend_from_slice(&c);
-        // Small and rare: the socket buffer takes it, or the peer is gone.
-        let _ = (&self.lifeline).write_all(&m);
+        // Small and rare: the socket buffer takes it, or the peer is gone. A lifeline that
+        // cannot take a whole message within a moment is shut: a truncated message would
+        // garble every later one, an ended lifeline only tells the peer this rank is gone.
+        let mut sent = 0;
+        let until = Instant::now() + Duration::from_millis(100);
+        while sent < m.len() {
+            match (&self.lifeline).write(&m[sent..]) {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < until => {
+                    let mut fds = [libc::pollfd { fd: self.lifeline_fd(), events: libc::POLLOUT, revents: 0 }];
+                    let _ = crate::transport::wake::poll_fds(&mut fds, Duration::from_millis(10));
+                }
+                Err(_) => {
+                    let _ = self.lifeline.shutdown(std::net::Shutdown::Both);
+                    return;
+                }
+            }
+        }
     }
 }
 

@@ -102,6 +102,10 @@ impl Progress for ShmProgress {
                 for f in &mut fds {
                     f.revents = 0;
                 }
+                // A closed pair's lifeline reports its end for ever: not polled.
+                for (p, f) in pairs.iter().zip(&mut fds[1..]) {
+                    f.fd = if p.is_closed() { -1 } else { p.lifeline_fd() };
+                }
                 if poll_fds(&mut fds, until.saturating_duration_since(now)).is_err() {
                     std::thread::sleep(Duration::from_micros(100));
                 }

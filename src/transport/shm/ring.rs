@@ -61,6 +61,9 @@ impl Word for std::sync::atomic::AtomicU64 {
 
 /// Kind of a padding record (skipped by the consumer).
 pub(crate) const PAD: u32 = 0;
+/// Kind [`Consumer::peek`] gives a record no producer can have written (a length out of
+/// bounds or misaligned).
+pub(crate) const CORRUPT: u32 = u32::MAX;
 /// Bytes of a record's first word: length (including it and padding) and kind.
 pub(crate) const WORD: usize = 8;
 
@@ -213,6 +216,11 @@ impl<M: RingMem> Consumer<M> {
             self.mem.read(off, &mut w);
             let len = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as usize;
             let kind = u32::from_le_bytes([w[4], w[5], w[6], w[7]]);
+            // A record the producer cannot have written (the peer's memory is not trusted):
+            // reported as one of kind CORRUPT, which the reader turns into an error.
+            if len < WORD || !len.is_multiple_of(M::ALIGN) || len > cap - off || (kind == PAD && len != cap - off) {
+                return Some(Record { kind: CORRUPT, off, room: 0, len: 0 });
+            }
             if kind == PAD {
                 self.head += len as u64;
                 continue;
@@ -322,6 +330,20 @@ pub(crate) mod tests {
         let mut out = vec![0; len];
         c.mem().read(r.off, &mut out);
         out
+    }
+
+    #[test]
+    fn a_record_no_producer_can_write_is_reported_corrupt_not_followed() {
+        // Lengths below a word, misaligned, past the ring's end, and padding that does not
+        // reach the end: the peer's memory is not trusted.
+        for bad in [(0usize, 1u32), (3, 1), (WORD + 1, 1), (512, 1), (64, PAD)] {
+            let mem = Plain::new(256);
+            let (mut p, mut c) = (Producer::new(mem.clone()), Consumer::new(mem.clone()));
+            assert!(!matches!(p.push(1, &[b"hello"]), Pushed::Full));
+            mem.write(0, &word(bad.0, bad.1));
+            let r = c.peek().expect("a record");
+            assert_eq!(r.kind, CORRUPT, "{bad:?}");
+        }
     }
 
     #[test]

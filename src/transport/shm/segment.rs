@@ -73,10 +73,16 @@ impl Segment {
     /// A fresh segment for `layout`, with this process's id in its header. Returns it with the
     /// descriptor to hand to peers.
     pub(crate) fn create(layout: Layout, rank: usize) -> Result<(Arc<Segment>, OwnedFd)> {
-        let fd = nix::sys::memfd::memfd_create(c"ferrogloo-shm", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+        use nix::sys::memfd::MFdFlags;
+        let fd = nix::sys::memfd::memfd_create(c"ferrogloo-shm", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
             .map_err(|e| Error::io("creating a shared-memory segment (memfd_create)", e.into()))?;
         nix::unistd::ftruncate(&fd, layout.len() as i64)
             .map_err(|e| Error::io(format!("sizing a shared-memory segment to {} bytes", layout.len()), e.into()))?;
+        // Its size is fixed for good: a peer cannot shrink it under this rank's mapping (a
+        // fault on the next access).
+        let seals = nix::fcntl::SealFlag::F_SEAL_SHRINK | nix::fcntl::SealFlag::F_SEAL_GROW;
+        nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_ADD_SEALS(seals))
+            .map_err(|e| Error::io("sealing a shared-memory segment's size", e.into()))?;
         let seg = Self::map(&fd, layout)?;
         seg.word(0).store(MAGIC, Ordering::Relaxed);
         seg.word(8).store(rank as u64, Ordering::Relaxed);
@@ -87,6 +93,16 @@ impl Segment {
 
     /// Maps a segment a peer created (checked against `layout` and `rank`).
     pub(crate) fn open(fd: &OwnedFd, layout: Layout, rank: usize) -> Result<Arc<Segment>> {
+        let sealed = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GET_SEALS)
+            .ok()
+            .and_then(nix::fcntl::SealFlag::from_bits)
+            .is_some_and(|s| s.contains(nix::fcntl::SealFlag::F_SEAL_SHRINK));
+        if !sealed {
+            return Err(Error::Protocol {
+                peer: Some(rank),
+                detail: "its shared-memory segment could shrink under this rank's mapping (not sealed)".into(),
+            });
+        }
         let seg = Self::map(fd, layout)?;
         let ok = seg.word(0).load(Ordering::Acquire) == MAGIC
             && seg.word(8).load(Ordering::Relaxed) == rank as u64
