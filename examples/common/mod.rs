@@ -65,7 +65,7 @@ pub fn join(args: &JobArgs) -> Result<Option<Context>> {
                     None => std::env::var(ferrogloo::rendezvous::STORE_ENV)
                         .map_err(|_| Error::invalid("--store or FERROGLOO_STORE is required with --rank"))?,
                 };
-                RankEnv { rank, size, store }
+                RankEnv::new(rank, size, store)
             }
             _ => return Err(Error::invalid("give --np N, or --rank R --size N [--store URL]")),
         },

@@ -849,9 +849,7 @@ fn main() {
                 let per = args.timeout.map_or(Duration::from_secs(120), Duration::from_secs_f64);
                 spawn_local(n, &argv, per * 30)
             }
-            (None, Some(rank), Some(size), Some(store)) => {
-                rank_main(&args, RankEnv { rank, size, store: store.clone() })
-            }
+            (None, Some(rank), Some(size), Some(store)) => rank_main(&args, RankEnv::new(rank, size, store.clone())),
             _ => Err(Error::invalid("give --np N, or --rank R --size N --store URL")),
         }
     };

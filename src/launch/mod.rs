@@ -11,6 +11,10 @@
 //! process group of its own and with a parent-death signal, so killing the launcher (even with
 //! SIGKILL) kills its ranks, and SIGINT or SIGTERM to the launcher reach them through it.
 
+pub mod env;
+
+pub use env::Launcher;
+
 use crate::device::{ADDR_ENV, HOSTNAME_ENV, IFACE_ENV};
 use crate::error::{Error, Result};
 use crate::rendezvous::STORE_ENV;
@@ -35,17 +39,44 @@ pub struct RankEnv {
     pub size: usize,
     /// The store URL (see [`StoreUrl`](crate::rendezvous::StoreUrl)).
     pub store: String,
+    /// This rank's index among the ranks of its host, when the launcher says.
+    pub local_rank: Option<usize>,
+    /// The number of ranks on this rank's host, when the launcher says.
+    pub local_size: Option<usize>,
+    /// The launcher whose variables these are (`None`: set by hand).
+    pub launcher: Option<Launcher>,
+    /// Rank 0 serves the store at `store` (an HTTP URL) itself: no launcher runs one.
+    pub serve_store: bool,
+    /// The network interface the launcher asks ranks to use (`HOROVOD_GLOO_IFACE`).
+    pub iface: Option<String>,
 }
 
 impl RankEnv {
-    /// Whether this process was started as a rank (`FERROGLOO_RANK` is set).
-    pub fn is_set() -> bool {
-        std::env::var_os(RANK_ENV).is_some()
+    /// Rank `rank` of `size`, meeting at `store`, with nothing else known.
+    pub fn new(rank: usize, size: usize, store: impl Into<String>) -> Self {
+        RankEnv {
+            rank,
+            size,
+            store: store.into(),
+            local_rank: None,
+            local_size: None,
+            launcher: None,
+            serve_store: false,
+            iface: None,
+        }
     }
 
-    /// Reads `FERROGLOO_RANK`, `FERROGLOO_SIZE` and `FERROGLOO_STORE`. An error says which is
-    /// missing or unusable (use [`RankEnv::is_set`] to ask whether this process is a rank at
-    /// all).
+    /// Whether a launcher started this process as a rank (see [`env::detect`]; `true` too when
+    /// its variables are there but unusable, so that [`RankEnv::from_env`] says why).
+    pub fn is_set() -> bool {
+        !matches!(env::detect_with(&|k| std::env::var(k).ok(), false), Ok(None))
+    }
+
+    /// This rank's place, from the variables of whichever launcher started the process
+    /// (ferrogloo-run or `--np`, torchrun, horovodrun, Open MPI, MPICH, Slurm's srun: see
+    /// [`env`]); logs which it found. An error says which variable is missing, unusable or
+    /// contradicts another, or that no launcher started this process (use
+    /// [`RankEnv::is_set`] to ask that first).
     ///
     /// ```no_run
     /// # fn main() -> ferrogloo::Result<()> {
@@ -55,33 +86,49 @@ impl RankEnv {
     /// # Ok(()) }
     /// ```
     pub fn from_env() -> Result<Self> {
-        let var = |name: &str| {
-            std::env::var(name).map_err(|_| {
-                Error::invalid(format!(
-                    "{name} is not set: start this program as a rank of a job (with --np N, or with \
-                     {RANK_ENV}, {SIZE_ENV} and {STORE_ENV} set)"
-                ))
-            })
-        };
-        let num = |name: &str, v: &str| {
-            v.trim().parse::<usize>().map_err(|_| Error::invalid(format!("{name}={v:?} is not a number")))
-        };
-        let (rank, size) = (var(RANK_ENV)?, var(SIZE_ENV)?);
-        let env = RankEnv { rank: num(RANK_ENV, &rank)?, size: num(SIZE_ENV, &size)?, store: var(STORE_ENV)? };
-        if env.rank >= env.size {
-            return Err(Error::invalid(format!("{RANK_ENV}={} is out of range for {SIZE_ENV}={}", env.rank, env.size)));
-        }
-        Ok(env)
+        env::detect(&|k| std::env::var(k).ok())?.ok_or_else(|| {
+            Error::invalid(format!(
+                "{RANK_ENV} is not set, nor the variables of another launcher: start this program as a rank \
+                 of a job (with --np N, ferrogloo-run, torchrun, horovodrun, mpirun or srun, or with \
+                 {RANK_ENV}, {SIZE_ENV} and {STORE_ENV} set)"
+            ))
+        })
     }
 
     /// Joins the job: opens the store and connects this rank's context, with `timeout` as its
     /// deadline, on a new device of the transport `FERROGLOO_TRANSPORT` names (default auto:
     /// shared memory to ranks on this host, TCP on the listener `attr` describes to the others).
     pub fn connect(&self, attr: &crate::device::TcpAttr, timeout: Duration) -> Result<crate::Context> {
+        if self.serve_store && self.rank == 0 {
+            serve_store(&self.store)?;
+        }
         let store = crate::rendezvous::open(&self.store)?;
-        let device = crate::device::Device::with_transport(crate::device::Transport::from_env()?, attr)?;
+        let mut attr = attr.clone();
+        if attr.iface.is_none() && attr.ip.is_none() && attr.hostname.is_none() {
+            attr.iface = self.iface.clone();
+        }
+        let device = crate::device::Device::with_transport(crate::device::Transport::from_env()?, &attr)?;
         crate::Context::builder(self.rank, self.size).timeout(timeout).connect(&store, &device)
     }
+}
+
+/// Starts, once per process, the HTTP store server a job without one needs, on every address
+/// at the port of `url` (`http://HOST:PORT/SCOPE`); it serves until the process ends.
+fn serve_store(url: &str) -> Result<()> {
+    static SERVER: std::sync::OnceLock<crate::rendezvous::HttpStoreServer> = std::sync::OnceLock::new();
+    if SERVER.get().is_some() {
+        return Ok(());
+    }
+    let port = url
+        .strip_prefix("http://")
+        .and_then(|r| r.split('/').next())
+        .and_then(|hp| hp.rsplit_once(':'))
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| Error::invalid(format!("cannot serve the store {url:?}: not http://HOST:PORT/SCOPE")))?;
+    let server = crate::rendezvous::HttpStoreServer::start(format!("0.0.0.0:{port}"))?;
+    tracing::info!("rank 0 serves the job's store at {url}");
+    let _ = SERVER.set(server);
+    Ok(())
 }
 
 /// How long ranks get to stop on their own, after a SIGINT or SIGTERM forwarded to them or
@@ -137,7 +184,12 @@ pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
     let mut children: Vec<Child> = Vec::with_capacity(n);
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
-        cmd.args(args).env(RANK_ENV, rank.to_string()).env(SIZE_ENV, n.to_string()).env(STORE_ENV, &url);
+        cmd.args(args)
+            .env(RANK_ENV, rank.to_string())
+            .env(SIZE_ENV, n.to_string())
+            .env(env::LOCAL_RANK_ENV, rank.to_string())
+            .env(env::LOCAL_SIZE_ENV, n.to_string())
+            .env(STORE_ENV, &url);
         if !chosen {
             cmd.env(ADDR_ENV, "127.0.0.1");
         }
