@@ -1,5 +1,7 @@
 //! What the command-line tools of ferrogloo share.
 
+pub mod run;
+
 /// Sends library logs (a rank waiting for others, a server listening) to stderr: at `info`
 /// unless `RUST_LOG` says otherwise, with colour codes only on a terminal.
 pub fn init_logging() {

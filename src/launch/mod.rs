@@ -204,7 +204,8 @@ pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
             }
         }
     }
-    let (statuses, signal) = wait_all(&mut children, job, &interrupts);
+    let how = Supervision { timeout: Some(job.timeout), grace: job.grace, terminate_on_failure: false };
+    let JobEnd { statuses, signal, .. } = supervise(&mut children, &how);
     drop(interrupts);
     let failed: Vec<(usize, String)> = statuses
         .iter()
@@ -315,66 +316,131 @@ impl Drop for Interrupts {
     }
 }
 
-/// Waits for every child; `None` for those killed at the deadline. Also returns the signal that
-/// interrupted the job, if one did.
-fn wait_all(
-    children: &mut [Child],
-    job: &LocalJob,
-    interrupts: &Interrupts,
-) -> (Vec<Option<ExitStatus>>, Option<libc::c_int>) {
-    let end = Instant::now() + job.timeout;
+/// How [`supervise`] runs a job of rank processes.
+#[derive(Debug, Clone)]
+pub struct Supervision {
+    /// The whole job's deadline: ranks still running then are killed (`None`: no deadline).
+    pub timeout: Option<Duration>,
+    /// How long ranks get to stop after a SIGINT or SIGTERM forwarded to them, or after
+    /// another rank failed, before they are killed.
+    pub grace: Duration,
+    /// When a rank fails, send the others SIGTERM at once (and SIGKILL after the grace);
+    /// otherwise leave them the grace period to report their own errors first.
+    pub terminate_on_failure: bool,
+}
+
+/// How a job of rank processes ended ([`supervise`]).
+#[derive(Debug)]
+pub struct JobEnd {
+    /// Each rank's exit status; `None` for a rank killed at the job's deadline.
+    pub statuses: Vec<Option<ExitStatus>>,
+    /// The first rank seen to fail (exit non-zero, or die of a signal), if one did.
+    pub first_failure: Option<usize>,
+    /// The SIGINT or SIGTERM that interrupted the job (forwarded to every rank), if one did.
+    pub signal: Option<i32>,
+}
+
+impl JobEnd {
+    /// The exit code a launcher should end with: 0 when every rank succeeded, else the first
+    /// failed rank's code (128 + its signal if a signal ended it; 124 if the deadline did), or
+    /// 128 + the signal that interrupted the job.
+    pub fn exit_code(&self) -> i32 {
+        use std::os::unix::process::ExitStatusExt;
+        if let (None, Some(sig)) = (self.first_failure, self.signal) {
+            return 128 + sig;
+        }
+        let Some(r) = self.first_failure.or_else(|| self.statuses.iter().position(Option::is_none)) else {
+            return 0;
+        };
+        match self.statuses[r] {
+            Some(st) => st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)),
+            None => 124,
+        }
+    }
+}
+
+/// Waits for a job of rank processes started with [`spawn_tied`] (rank `i` is `children[i]`):
+///
+/// - a SIGINT or SIGTERM to this process is forwarded to every rank's process group; ranks
+///   still running after `how.grace` are killed, and a second signal kills them at once (the
+///   handlers are this process's while it waits, and restored afterwards);
+/// - when a rank fails, the others are stopped: SIGTERM at once if `how.terminate_on_failure`,
+///   SIGKILL after the grace period either way;
+/// - at `how.timeout` every rank still running is killed.
+///
+/// Call it from the thread that spawned the ranks (their parent-death signal follows it).
+pub fn supervise(children: &mut [Child], how: &Supervision) -> JobEnd {
+    let interrupts = Interrupts::install();
+    let started = Instant::now();
+    let end = how.timeout.map(|t| started + t);
     let mut deadline = end;
-    let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
-    let mut signal = None;
+    let mut job = JobEnd { statuses: vec![None; children.len()], first_failure: None, signal: None };
     let mut poll = Duration::from_millis(1);
+    let cut = |d: Option<Instant>, at: Instant| Some(d.map_or(at, |d| d.min(at)));
     loop {
-        for (c, s) in children.iter_mut().zip(statuses.iter_mut()) {
+        for (r, (c, s)) in children.iter_mut().zip(job.statuses.iter_mut()).enumerate() {
             if s.is_none()
                 && let Ok(Some(st)) = c.try_wait()
             {
                 *s = Some(st);
-                if !st.success() {
-                    deadline = deadline.min(Instant::now() + job.grace);
+                // After an interrupt, ranks end because of it: not failures of their own.
+                if !st.success() && job.first_failure.is_none() && job.signal.is_none() {
+                    job.first_failure = Some(r);
+                    deadline = cut(deadline, Instant::now() + how.grace);
+                    if how.terminate_on_failure {
+                        for (other, _) in children_alive(children, &job.statuses) {
+                            signal_group(other, libc::SIGTERM);
+                        }
+                    }
+                    break;
                 }
             }
         }
-        if statuses.iter().all(Option::is_some) {
-            return (statuses, signal);
+        if job.statuses.iter().all(Option::is_some) {
+            return job;
         }
         if let Some(sig) = interrupts.take() {
-            if signal.is_none() {
+            if job.signal.is_none() {
                 // Forward it, and give the ranks the grace period to stop.
                 tracing::info!(signal = sig, "forwarding the signal to every rank");
-                for (c, s) in children.iter().zip(&statuses) {
-                    if s.is_none() {
-                        signal_group(c, sig);
-                    }
+                for (c, _) in children_alive(children, &job.statuses) {
+                    signal_group(c, sig);
                 }
-                signal = Some(sig);
-                deadline = deadline.min(Instant::now() + job.grace);
+                job.signal = Some(sig);
+                deadline = cut(deadline, Instant::now() + how.grace);
             } else {
-                deadline = Instant::now(); // a second one: stop now
+                deadline = Some(Instant::now()); // a second one: stop now
             }
         }
-        if Instant::now() >= deadline {
-            // Killed at the job's deadline: no status (the report says so); killed at the end of a
-            // grace period: the kill's status.
-            let cut = deadline < end;
-            for (c, s) in children.iter_mut().zip(statuses.iter_mut()) {
+        if let Some(d) = deadline
+            && Instant::now() >= d
+        {
+            // Killed at the job's deadline: no status (the report says so); killed at the end of
+            // a grace period: the kill's status.
+            let graceful = end.is_none_or(|e| d < e);
+            for (c, s) in children.iter_mut().zip(job.statuses.iter_mut()) {
                 if s.is_none() {
                     signal_group(c, libc::SIGKILL);
                     let _ = c.kill();
                     let st = c.wait();
-                    if cut {
+                    if graceful {
                         *s = st.ok();
                     }
                 }
             }
-            return (statuses, signal);
+            return job;
         }
         // Child exit has no portable wakeup we can wait on alongside a deadline; poll with
         // a growing interval.
         std::thread::sleep(poll);
         poll = (poll * 2).min(Duration::from_millis(50));
     }
+}
+
+/// The children whose status is not known yet.
+fn children_alive<'a>(
+    children: &'a [Child],
+    statuses: &'a [Option<ExitStatus>],
+) -> impl Iterator<Item = (&'a Child, usize)> + 'a {
+    children.iter().zip(statuses).enumerate().filter(|(_, (_, s))| s.is_none()).map(|(r, (c, _))| (c, r))
 }

@@ -1,0 +1,461 @@
+//! `ferrogloo-run`: starts a job's ranks on this machine and on other hosts over ssh, serves
+//! their rendezvous store, tags and saves their output, and ends the job as a whole.
+//!
+//! ```text
+//! ferrogloo-run -np 4 ./my_program --its-args
+//! ferrogloo-run -np 8 -H node1:4,node2:4 --network-interface eth0 ./my_program
+//! ```
+//!
+//! Every rank gets `FERROGLOO_RANK`, `FERROGLOO_SIZE`, `FERROGLOO_LOCAL_RANK`,
+//! `FERROGLOO_LOCAL_SIZE` and `FERROGLOO_STORE` (the launcher's own HTTP store), and the
+//! `HOROVOD_*` equivalents, so Horovod-style programs run under it too. No rank outlives the
+//! launcher: local ranks run in process groups of their own with a parent-death signal, remote
+//! ones under ssh with a pseudo-terminal whose end ends them; SIGINT and SIGTERM are forwarded,
+//! and ranks still running after the grace period are killed. The first rank to fail is the
+//! headline: its rank, host, exit code or signal and the last lines of its stderr; the
+//! launcher exits with its code (128 + the signal when a signal ended it).
+
+use clap::Parser;
+use ferrogloo::launch::{JobEnd, Supervision, spawn_tied, supervise};
+use ferrogloo::rendezvous::HttpStoreServer;
+use ferrogloo::{Error, Result};
+use ferrogloo_cli::run::{Host, is_local, parse_hostfile, parse_hosts, place};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Lines of each rank's stderr kept for the failure report.
+const TAIL: usize = 20;
+
+/// Start a ferrogloo job: N ranks on this machine or on ssh hosts.
+#[derive(Parser, Debug)]
+#[command(version, trailing_var_arg = true)]
+struct Args {
+    /// Number of ranks (also `-np N`).
+    #[arg(short = 'n', long = "np")]
+    np: usize,
+    /// Hosts and their slots: host1:4,host2:4 (default: this machine, N slots).
+    #[arg(short = 'H', long = "hosts")]
+    hosts: Option<String>,
+    /// A file of hosts, one per line: `name slots=N`.
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
+    /// Port of the hosts' ssh servers.
+    #[arg(long)]
+    ssh_port: Option<u16>,
+    /// Private key for ssh.
+    #[arg(long)]
+    ssh_identity: Option<PathBuf>,
+    /// Seconds every remote host gets to answer over ssh before the job starts.
+    #[arg(long, default_value_t = 30.0)]
+    start_timeout: f64,
+    /// The network interface ranks listen on and the store is reached through.
+    #[arg(long)]
+    network_interface: Option<String>,
+    /// Write each rank's output to DIR/1/rank.N/{stdout,stderr} (Open MPI's layout).
+    #[arg(long)]
+    output_filename: Option<PathBuf>,
+    /// Prefix every line with `[rank]<stdout>:` or `[rank]<stderr>:` (default: on for N > 1).
+    #[arg(long, overrides_with = "no_tag_output")]
+    tag_output: bool,
+    /// Do not prefix lines.
+    #[arg(long)]
+    no_tag_output: bool,
+    /// Prefix every line with the time it was read.
+    #[arg(long)]
+    timestamp_output: bool,
+    /// Pass an environment variable to every rank: NAME (its value here) or NAME=VALUE.
+    #[arg(short = 'x', long = "env")]
+    env: Vec<String>,
+    /// Seconds ranks get to stop after a forwarded signal or another rank's failure.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// The whole job's deadline in seconds (default: none).
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// The program and its arguments.
+    #[arg(required = true)]
+    command: Vec<String>,
+}
+
+/// Where rank output goes.
+struct Output {
+    tag: bool,
+    timestamps: bool,
+    dir: Option<PathBuf>,
+    /// One lock for this process's stdout and stderr, so tagged lines do not interleave.
+    console: Mutex<()>,
+}
+
+/// A rank as the launcher knows it.
+struct Rank {
+    host: String,
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+fn seconds(v: f64, what: &str) -> Result<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|_| Error::invalid(format!("--{what} {v} is not a duration")))
+}
+
+fn main() {
+    ferrogloo_cli::init_logging();
+    // Open MPI's and Horovod's spelling: -np N.
+    let argv = std::env::args().map(|a| if a == "-np" { "--np".to_string() } else { a });
+    let args = Args::parse_from(argv);
+    match run(&args) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("ferrogloo-run: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<i32> {
+    if args.np == 0 {
+        return Err(Error::invalid("-np must be at least 1"));
+    }
+    let hosts: Vec<Host> = match (&args.hosts, &args.hostfile) {
+        (Some(_), Some(_)) => return Err(Error::invalid("give -H or --hostfile, not both")),
+        (Some(spec), None) => parse_hosts(spec)?,
+        (None, Some(path)) => parse_hostfile(
+            &std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?,
+        )?,
+        (None, None) => vec![Host { name: "localhost".into(), slots: args.np }],
+    };
+    let placement = place(args.np, &hosts)?;
+    let local: Vec<bool> = hosts.iter().map(|h| is_local(&h.name)).collect();
+    let all_local = placement.iter().all(|p| local[p.host]);
+    let ssh = Ssh { port: args.ssh_port, identity: args.ssh_identity.clone() };
+    if !all_local {
+        let remote: Vec<&str> = hosts.iter().zip(&local).filter(|(_, l)| !**l).map(|(h, _)| h.name.as_str()).collect();
+        ssh.check(&remote, seconds(args.start_timeout, "start-timeout")?)?;
+    }
+
+    // The job's store: on loopback when every rank is here, else where the hosts reach us.
+    let bind_ip = if all_local { "127.0.0.1".to_string() } else { reachable_address(args)? };
+    let server = HttpStoreServer::start(format!("{bind_ip}:0"))?;
+    let scope = format!("job-{}", std::process::id());
+    let store = server.store_url(&scope);
+
+    let out = Arc::new(Output {
+        tag: !args.no_tag_output && (args.tag_output || args.np > 1),
+        timestamps: args.timestamp_output,
+        dir: args.output_filename.clone(),
+        console: Mutex::new(()),
+    });
+    let extra = pass_env(&args.env)?;
+    let mut children: Vec<Child> = Vec::with_capacity(args.np);
+    let mut ranks: Vec<Rank> = Vec::with_capacity(args.np);
+    let mut relays: Vec<std::thread::JoinHandle<()>> = Vec::with_capacity(2 * args.np);
+    let cross_size = placement.last().map_or(1, |p| p.cross_rank + 1);
+    for (rank, p) in placement.iter().enumerate() {
+        let mut vars: Vec<(String, String)> = vec![
+            ("FERROGLOO_RANK".into(), rank.to_string()),
+            ("FERROGLOO_SIZE".into(), args.np.to_string()),
+            ("FERROGLOO_LOCAL_RANK".into(), p.local_rank.to_string()),
+            ("FERROGLOO_LOCAL_SIZE".into(), p.local_size.to_string()),
+            ("FERROGLOO_STORE".into(), store.clone()),
+            ("HOROVOD_RANK".into(), rank.to_string()),
+            ("HOROVOD_SIZE".into(), args.np.to_string()),
+            ("HOROVOD_LOCAL_RANK".into(), p.local_rank.to_string()),
+            ("HOROVOD_LOCAL_SIZE".into(), p.local_size.to_string()),
+            ("HOROVOD_CROSS_RANK".into(), p.cross_rank.to_string()),
+            ("HOROVOD_CROSS_SIZE".into(), cross_size.to_string()),
+        ];
+        if let Some(iface) = &args.network_interface {
+            vars.push(("FERROGLOO_IFACE".into(), iface.clone()));
+        } else if all_local {
+            vars.push(("FERROGLOO_ADDR".into(), "127.0.0.1".into()));
+        }
+        vars.extend(extra.iter().cloned());
+        let host = &hosts[p.host].name;
+        let mut cmd = if local[p.host] {
+            let mut c = Command::new(&args.command[0]);
+            c.args(&args.command[1..]).envs(vars.iter().map(|(k, v)| (k, v)));
+            c
+        } else {
+            ssh.command(host, &vars, &args.command)
+        };
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = match spawn_tied(&mut cmd) {
+            Ok(c) => c,
+            Err(e) => {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(Error::io(format!("starting rank {rank} ({}) on {host}", args.command[0]), e));
+            }
+        };
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
+        if let Some(o) = child.stdout.take() {
+            relays.push(relay(rank, "stdout", o, out.clone(), None)?);
+        }
+        if let Some(e) = child.stderr.take() {
+            relays.push(relay(rank, "stderr", e, out.clone(), Some(tail.clone()))?);
+        }
+        children.push(child);
+        ranks.push(Rank { host: host.clone(), tail });
+    }
+    let how = Supervision {
+        timeout: args.timeout.map(|t| seconds(t, "timeout")).transpose()?,
+        grace: seconds(args.grace, "grace")?,
+        terminate_on_failure: true,
+    };
+    let end = supervise(&mut children, &how);
+    // The relays end with their pipes, once the ranks (and anything they started) are gone:
+    // what they still hold is printed before the report, waiting at most a moment for a pipe
+    // that a rank's own child keeps open.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    while relays.iter().any(|r| !r.is_finished()) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    report(&end, &ranks, &how);
+    drop(server);
+    Ok(end.exit_code())
+}
+
+/// Says how the job ended when it did not end well: the first failure first.
+fn report(end: &JobEnd, ranks: &[Rank], how: &Supervision) {
+    use std::os::unix::process::ExitStatusExt;
+    let describe = |r: usize| match end.statuses[r] {
+        Some(st) => match (st.code(), st.signal()) {
+            (Some(c), _) => format!("exited with code {c}"),
+            (None, Some(s)) => format!("was killed by signal {s} ({})", signal_name(s)),
+            _ => format!("ended: {st}"),
+        },
+        None => format!("was killed at the job's {} s deadline", how.timeout.map_or(0.0, |t| t.as_secs_f64())),
+    };
+    let mut err = std::io::stderr().lock();
+    if let Some(r) = end.first_failure {
+        let _ =
+            writeln!(err, "ferrogloo-run: rank {r} (host {}) {} — the first rank to fail", ranks[r].host, describe(r));
+        let tail = ranks[r].tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>()).unwrap_or_default();
+        if tail.is_empty() {
+            let _ = writeln!(err, "ferrogloo-run: rank {r} wrote nothing to stderr");
+        } else {
+            let _ = writeln!(err, "ferrogloo-run: the last lines rank {r} wrote to stderr:");
+            for l in tail {
+                let _ = writeln!(err, "    {l}");
+            }
+        }
+        let others: Vec<usize> =
+            (0..ranks.len()).filter(|&o| o != r && !end.statuses[o].is_some_and(|s| s.success())).collect();
+        if !others.is_empty() {
+            let _ = writeln!(
+                err,
+                "ferrogloo-run: then stopped {} other rank(s): {}",
+                others.len(),
+                others.iter().map(|o| format!("rank {o} {}", describe(*o))).collect::<Vec<_>>().join(", ")
+            );
+        }
+    } else if let Some(sig) = end.signal {
+        let _ =
+            writeln!(err, "ferrogloo-run: interrupted by signal {sig} ({}), forwarded to every rank", signal_name(sig));
+    } else if end.statuses.iter().any(Option::is_none) {
+        let _ = writeln!(err, "ferrogloo-run: the job ran past its deadline; its ranks were killed");
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    nix::sys::signal::Signal::try_from(sig).map_or("unknown", |s| s.as_str())
+}
+
+/// Copies a rank's stream to this process's, tagged, and to its file; keeps the last lines of
+/// stderr in `tail`.
+fn relay(
+    rank: usize,
+    stream: &'static str,
+    pipe: impl std::io::Read + Send + 'static,
+    out: Arc<Output>,
+    tail: Option<Arc<Mutex<VecDeque<String>>>>,
+) -> Result<std::thread::JoinHandle<()>> {
+    let mut file = match &out.dir {
+        Some(dir) => {
+            let d = dir.join("1").join(format!("rank.{rank}"));
+            std::fs::create_dir_all(&d).map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+            let p = d.join(stream);
+            Some(std::fs::File::create(&p).map_err(|e| Error::io(format!("creating {}", p.display()), e))?)
+        }
+        None => None,
+    };
+    std::thread::Builder::new()
+        .name(format!("rank{rank}-{stream}"))
+        .spawn(move || {
+            let mut reader = BufReader::new(pipe);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match reader.read_until(b'\n', &mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+                let text = String::from_utf8_lossy(&line);
+                let text = text.trim_end_matches(['\n', '\r']);
+                if let Some(f) = &mut file {
+                    let _ = writeln!(f, "{text}");
+                }
+                if let Some(t) = &tail
+                    && let Ok(mut t) = t.lock()
+                {
+                    if t.len() == TAIL {
+                        t.pop_front();
+                    }
+                    t.push_back(text.to_string());
+                }
+                let mut prefix = String::new();
+                if out.timestamps {
+                    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                    prefix.push_str(&format!("{}.{:06} ", now.as_secs(), now.subsec_micros()));
+                }
+                if out.tag {
+                    prefix.push_str(&format!("[{rank}]<{stream}>:"));
+                }
+                let _guard = out.console.lock();
+                if stream == "stdout" {
+                    let _ = writeln!(std::io::stdout().lock(), "{prefix}{text}");
+                } else {
+                    let _ = writeln!(std::io::stderr().lock(), "{prefix}{text}");
+                }
+            }
+        })
+        .map_err(|e| Error::io("starting an output relay thread", e))
+}
+
+/// `-x NAME` or `-x NAME=VALUE` as pairs (NAME alone takes this process's value).
+fn pass_env(specs: &[String]) -> Result<Vec<(String, String)>> {
+    specs
+        .iter()
+        .map(|s| match s.split_once('=') {
+            Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+            Some(_) => Err(Error::invalid(format!("-x {s:?}: no variable name"))),
+            None => std::env::var(s)
+                .map(|v| (s.clone(), v))
+                .map_err(|_| Error::invalid(format!("-x {s}: {s} is not set here"))),
+        })
+        .collect()
+}
+
+/// The address of `--network-interface` (or of this host's default route), for remote hosts
+/// to reach the store at.
+fn reachable_address(args: &Args) -> Result<String> {
+    let attr = match &args.network_interface {
+        Some(i) => ferrogloo::device::TcpAttr::iface(i.clone()),
+        None => ferrogloo::device::TcpAttr::default(),
+    };
+    Ok(attr.resolve()?.to_string())
+}
+
+/// How to reach remote hosts.
+struct Ssh {
+    port: Option<u16>,
+    identity: Option<PathBuf>,
+}
+
+impl Ssh {
+    /// The ssh command for `host`, without the remote command.
+    fn base(&self, host: &str, batch: bool) -> Command {
+        let mut c = Command::new("ssh");
+        // Host keys are learned once and checked afterwards; never switched off.
+        c.args(["-o", "StrictHostKeyChecking=accept-new", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]);
+        if !batch {
+            // A pseudo-terminal: when this side goes, the remote side gets SIGHUP.
+            c.args(["-tt", "-o", "LogLevel=ERROR"]);
+        }
+        if let Some(p) = self.port {
+            c.args(["-p", &p.to_string()]);
+        }
+        if let Some(i) = &self.identity {
+            c.arg("-i").arg(i);
+        }
+        c.arg(host);
+        c
+    }
+
+    /// The command that runs `command` on `host` with `vars` set.
+    fn command(&self, host: &str, vars: &[(String, String)], command: &[String]) -> Command {
+        let mut c = self.base(host, false);
+        let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| ".".into());
+        let mut line = format!("cd {} && exec env", quote(&cwd));
+        for (k, v) in vars {
+            line.push_str(&format!(" {k}={}", quote(v)));
+        }
+        for a in command {
+            line.push(' ');
+            line.push_str(&quote(a));
+        }
+        c.arg(line);
+        c
+    }
+
+    /// Checks that every host answers within `limit` (each tried up to three times); names those
+    /// that do not.
+    fn check(&self, hosts: &[&str], limit: Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + limit;
+        let mut silent = Vec::new();
+        for &h in hosts {
+            let mut ok = false;
+            let mut why = String::new();
+            for _ in 0..3 {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                let mut c = self.base(h, true);
+                c.arg("true").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+                match run_bounded(c, left) {
+                    Ok((true, _)) => {
+                        ok = true;
+                        break;
+                    }
+                    Ok((false, err)) => why = err,
+                    Err(e) => why = e.to_string(),
+                }
+            }
+            if !ok {
+                silent.push(format!("{h} ({})", if why.is_empty() { "no answer" } else { why.trim() }));
+            }
+        }
+        if silent.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "these hosts did not answer over ssh within {:.0} s: {}",
+                limit.as_secs_f64(),
+                silent.join("; ")
+            )))
+        }
+    }
+}
+
+/// Runs `c` for at most `limit`; returns whether it succeeded and its stderr.
+fn run_bounded(mut c: Command, limit: Duration) -> Result<(bool, String)> {
+    let mut child = c.spawn().map_err(|e| Error::io("running ssh", e))?;
+    let err = child.stderr.take();
+    let reader = std::thread::spawn(move || err.map(std::io::read_to_string).and_then(|r| r.ok()).unwrap_or_default());
+    let until = std::time::Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().map_err(|e| Error::io("waiting for ssh", e))? {
+            return Ok((st.success(), reader.join().unwrap_or_default()));
+        }
+        if std::time::Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok((false, "timed out".into()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `s` quoted for a POSIX shell.
+fn quote(s: &str) -> String {
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./:=@,+".contains(&b)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
