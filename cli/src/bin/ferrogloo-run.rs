@@ -49,6 +49,9 @@ struct Args {
     /// Private key for ssh.
     #[arg(long)]
     ssh_identity: Option<PathBuf>,
+    /// An ssh option (`-o`), as KEY=VALUE; repeatable.
+    #[arg(long)]
+    ssh_option: Vec<String>,
     /// Seconds every remote host gets to answer over ssh before the job starts.
     #[arg(long, default_value_t = 30.0)]
     start_timeout: f64,
@@ -129,7 +132,7 @@ fn run(args: &Args) -> Result<i32> {
     let placement = place(args.np, &hosts)?;
     let local: Vec<bool> = hosts.iter().map(|h| is_local(&h.name)).collect();
     let all_local = placement.iter().all(|p| local[p.host]);
-    let ssh = Ssh { port: args.ssh_port, identity: args.ssh_identity.clone() };
+    let ssh = Ssh { port: args.ssh_port, identity: args.ssh_identity.clone(), options: args.ssh_option.clone() };
     if !all_local {
         let remote: Vec<&str> = hosts.iter().zip(&local).filter(|(_, l)| !**l).map(|(h, _)| h.name.as_str()).collect();
         ssh.check(&remote, seconds(args.start_timeout, "start-timeout")?)?;
@@ -354,6 +357,7 @@ fn reachable_address(args: &Args) -> Result<String> {
 struct Ssh {
     port: Option<u16>,
     identity: Option<PathBuf>,
+    options: Vec<String>,
 }
 
 impl Ssh {
@@ -371,6 +375,9 @@ impl Ssh {
         }
         if let Some(i) = &self.identity {
             c.arg("-i").arg(i);
+        }
+        for o in &self.options {
+            c.args(["-o", o]);
         }
         c.arg(host);
         c
