@@ -16,6 +16,7 @@ mod hash;
 mod http;
 mod prefix;
 mod server;
+mod tcpstore;
 mod url;
 
 pub use file::FileStore;
@@ -23,6 +24,7 @@ pub use hash::HashStore;
 pub use http::HttpStore;
 pub use prefix::PrefixStore;
 pub use server::{HttpStoreServer, ServerLimits};
+pub use tcpstore::{TcpStore, TcpStoreServer};
 pub use url::{STORE_ENV, StoreUrl, open, open_from_env};
 
 use crate::error::{Error, Result};

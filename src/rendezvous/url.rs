@@ -1,6 +1,6 @@
 //! Store URLs: one syntax for naming a store everywhere.
 
-use super::{FileStore, HttpStore, Store};
+use super::{FileStore, HttpStore, Store, TcpStore};
 use crate::error::{Error, Result};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -12,6 +12,8 @@ pub const STORE_ENV: &str = "FERROGLOO_STORE";
 ///
 /// - `file:DIR` (also `file://DIR`): a [`FileStore`] in `DIR`.
 /// - `http://HOST:PORT/SCOPE`: an [`HttpStore`] on that server, with `SCOPE` as the scope.
+/// - `tcpstore://HOST:PORT[/PREFIX]`: a PyTorch TCPStore ([`TcpStore`]; torchrun's
+///   `MASTER_ADDR:MASTER_PORT`), keys under `PREFIX` when given.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreUrl {
@@ -23,6 +25,13 @@ pub enum StoreUrl {
         base: String,
         /// The scope every key lives in.
         scope: String,
+    },
+    /// A PyTorch TCPStore.
+    TcpStore {
+        /// `HOST:PORT`.
+        addr: String,
+        /// What keys are put under (may be empty).
+        prefix: String,
     },
 }
 
@@ -47,7 +56,17 @@ impl StoreUrl {
             check_authority(url, host)?;
             return Ok(StoreUrl::Http { base: format!("http://{host}"), scope: scope.to_string() });
         }
-        Err(Error::invalid(format!("unknown store URL {url:?}: expected file:DIR or http://HOST:PORT/SCOPE")))
+        if let Some(rest) = url.strip_prefix("tcpstore://") {
+            let (host, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if host.is_empty() || !host.contains(':') {
+                return Err(Error::invalid(format!("store URL {url:?} must look like tcpstore://HOST:PORT[/PREFIX]")));
+            }
+            check_authority(url, host)?;
+            return Ok(StoreUrl::TcpStore { addr: host.to_string(), prefix: prefix.trim_matches('/').to_string() });
+        }
+        Err(Error::invalid(format!(
+            "unknown store URL {url:?}: expected file:DIR, http://HOST:PORT/SCOPE or tcpstore://HOST:PORT[/PREFIX]"
+        )))
     }
 
     /// Opens the store. `timeout` bounds each single store request (HTTP retries included).
@@ -55,6 +74,7 @@ impl StoreUrl {
         Ok(match self {
             StoreUrl::File(dir) => Box::new(FileStore::new(dir)?),
             StoreUrl::Http { base, scope } => Box::new(HttpStore::new(base, scope, timeout)?),
+            StoreUrl::TcpStore { addr, prefix } => Box::new(TcpStore::connect(addr, prefix, timeout)?),
         })
     }
 }
@@ -64,6 +84,8 @@ impl std::fmt::Display for StoreUrl {
         match self {
             StoreUrl::File(dir) => write!(f, "file:{}", dir.display()),
             StoreUrl::Http { base, scope } => write!(f, "{base}/{scope}"),
+            StoreUrl::TcpStore { addr, prefix } if prefix.is_empty() => write!(f, "tcpstore://{addr}"),
+            StoreUrl::TcpStore { addr, prefix } => write!(f, "tcpstore://{addr}/{prefix}"),
         }
     }
 }
