@@ -343,8 +343,9 @@ fn a_rank_s_listener_under_attack_keeps_its_job_going() {
     let rank = |r: usize| {
         Command::new(BENCH)
             .args(["--rank", &r.to_string(), "--size", "2", "--store", &store])
-            // 8,000 checked 1 MiB allreduces (about 12 s here): the attack runs beside them.
-            .args(["--op", "allreduce", "--sizes", "1M", "-n", "8000"])
+            // Checked 16 MiB allreduces for 20 s (at most 2,000 of them): the attack (a few
+            // seconds) runs beside them, however fast or slow this machine is.
+            .args(["--op", "allreduce", "--sizes", "16M", "--seconds", "20"])
             .env("FERROGLOO_ADDR", "127.0.0.1")
             // The TCP listener is what is attacked.
             .env("FERROGLOO_TRANSPORT", "tcp")

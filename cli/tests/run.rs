@@ -143,3 +143,38 @@ fn sigint_to_the_launcher_stops_the_job_within_the_grace_period() {
     assert!(stderr.contains("interrupted by signal 2 (SIGINT), forwarded to every rank"), "{stderr}");
     assert_eq!(gone_within(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "ranks left running");
 }
+
+#[test]
+fn sigkill_to_the_launcher_ends_ranks_started_through_a_wrapper() {
+    // Each rank is a shell that starts the benchmark in the background and waits: the
+    // benchmark is the launcher's grandchild, out of reach of the parent-death signal. The
+    // lifeline (FERROGLOO_LIFELINE, watched from RankEnv::from_env) must end it.
+    let inner = format!("echo PID $$; exec {BENCH} --op allreduce --sizes 64K -n 100000000 --timeout 120");
+    let script = format!("sh -c '{inner}' & wait");
+    let mut child = Command::new(RUN)
+        .args(["-np", "2", "sh", "-c", &script])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ferrogloo-run");
+    let out = child.stdout.take().expect("stdout");
+    let mut guard = Guard(child);
+    let mut pids = Vec::new();
+    let mut lines = BufReader::new(out).lines().map_while(Result::ok);
+    for line in lines.by_ref() {
+        if let Some(p) = line.split("PID ").nth(1).and_then(|p| p.trim().parse::<u32>().ok()) {
+            pids.push(p);
+            if pids.len() == 2 {
+                break;
+            }
+        }
+    }
+    assert_eq!(pids.len(), 2, "both benchmarks printed their pids");
+    // Rank 0 names the transport once the job's context is up (its one cell would take hours).
+    assert!(lines.any(|l| l.contains("# transport:")), "the benchmark started");
+    assert!(pids.iter().all(|&p| running(p)));
+    guard.0.kill().expect("SIGKILL the launcher");
+    let _ = guard.0.wait();
+    assert_eq!(gone_within(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "grandchildren outlived the launcher");
+}

@@ -10,7 +10,7 @@
 //! |---|---|---|---|
 //! | `ferrogloo-run`, `--np` | `FERROGLOO_RANK`, `FERROGLOO_SIZE` | `FERROGLOO_LOCAL_RANK`, `FERROGLOO_LOCAL_SIZE` | `FERROGLOO_STORE` |
 //! | horovodrun | `HOROVOD_RANK`, `HOROVOD_SIZE` | `HOROVOD_LOCAL_RANK`, `HOROVOD_LOCAL_SIZE` | its HTTP server, `HOROVOD_GLOO_RENDEZVOUS_ADDR`:`_PORT` |
-//! | torchrun, `env://` | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | PyTorch's TCPStore at `MASTER_ADDR`:`MASTER_PORT` |
+//! | torchrun, `env://` | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | PyTorch's TCPStore at `MASTER_ADDR`:`MASTER_PORT` (keys under `worker/attempt_<TORCHELASTIC_RESTART_COUNT>` when torchrun's agent sets it) |
 //! | Open MPI | `OMPI_COMM_WORLD_RANK`, `_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `_LOCAL_SIZE` | `FERROGLOO_STORE` |
 //! | MPICH, Hydra | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | `FERROGLOO_STORE` |
 //! | Slurm, under `srun` | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID`, from `SLURM_TASKS_PER_NODE` | `FERROGLOO_STORE`, else rank 0 serves one |
@@ -229,7 +229,18 @@ fn read(l: Launcher, get: &dyn Fn(&str) -> Option<String>, log: bool) -> Result<
         }
         (Launcher::Torchrun, None) => {
             let (addr, port) = (need("MASTER_ADDR")?, need("MASTER_PORT")?);
-            format!("tcpstore://{}:{}", bracket(&addr), port)
+            // Under torchrun's agent each restart of the workers is a new attempt: its keys
+            // go under the attempt's prefix (as torch's own ranks do), so a restarted job never
+            // reads the addresses its failed attempt left in the store.
+            match get("TORCHELASTIC_RESTART_COUNT") {
+                Some(n) => {
+                    let n: u64 = n.trim().parse().map_err(|_| {
+                        Error::invalid(format!("TORCHELASTIC_RESTART_COUNT={n:?} is not a restart count"))
+                    })?;
+                    format!("tcpstore://{}:{}/worker/attempt_{n}", bracket(&addr), port)
+                }
+                None => format!("tcpstore://{}:{}", bracket(&addr), port),
+            }
         }
         (Launcher::Slurm, None) => {
             let nodes = get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")).ok_or_else(|| {
@@ -423,6 +434,20 @@ mod tests {
                 8,
                 Some((2, 4)),
                 "tcpstore://node1:29500",
+            ),
+            (
+                vec![
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "node1"),
+                    ("MASTER_PORT", "29500"),
+                    ("TORCHELASTIC_RESTART_COUNT", "2"),
+                ],
+                Launcher::Torchrun,
+                0,
+                2,
+                None,
+                "tcpstore://node1:29500/worker/attempt_2",
             ),
             (
                 vec![

@@ -11,7 +11,9 @@
 //! process group of its own and with a parent-death signal, so killing the launcher (even with
 //! SIGKILL) kills its ranks, and SIGINT or SIGTERM to the launcher reach them through it.
 
+pub mod elastic;
 pub mod env;
+pub mod lifeline;
 
 pub use env::Launcher;
 
@@ -74,7 +76,7 @@ impl RankEnv {
 
     /// This rank's place, from the variables of whichever launcher started the process
     /// (ferrogloo-run or `--np`, torchrun, horovodrun, Open MPI, MPICH, Slurm's srun: see
-    /// [`env`]); logs which it found. An error says which variable is missing, unusable or
+    /// [`mod@env`]); logs which it found. An error says which variable is missing, unusable or
     /// contradicts another, or that no launcher started this process (use
     /// [`RankEnv::is_set`] to ask that first).
     ///
@@ -86,6 +88,7 @@ impl RankEnv {
     /// # Ok(()) }
     /// ```
     pub fn from_env() -> Result<Self> {
+        lifeline::watch();
         env::detect(&|k| std::env::var(k).ok())?.ok_or_else(|| {
             Error::invalid(format!(
                 "{RANK_ENV} is not set, nor the variables of another launcher: start this program as a rank \
@@ -230,13 +233,20 @@ pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
 /// that a signal for it can reach its own children too, and a terminal's Ctrl-C reaches it only
 /// through this process), with a parent-death signal (SIGKILL when the thread that spawned it
 /// ends, which covers this process being killed). The child checks its parent right after
-/// setting the signal, so a parent that died in between is noticed too.
+/// setting the signal, so a parent that died in between is noticed too. It also inherits this
+/// process's [lifeline], which a ferrogloo program watches from
+/// [`RankEnv::from_env`]: that reaches a rank started through a wrapper (a grandchild), which
+/// the parent-death signal does not.
 pub fn spawn_tied(cmd: &mut Command) -> io::Result<Child> {
     // SAFETY: getpid has no preconditions.
     let parent = unsafe { libc::getpid() };
     cmd.process_group(0);
+    let line = lifeline::read_end();
+    if let Some(fd) = line {
+        cmd.env(lifeline::LIFELINE_ENV, fd.to_string());
+    }
     // SAFETY: the closure runs in the child between fork and exec, and calls only
-    // async-signal-safe functions (prctl, getppid, _exit) with plain integer arguments.
+    // async-signal-safe functions (prctl, getppid, fcntl, _exit) with plain integer arguments.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
@@ -244,6 +254,12 @@ pub fn spawn_tied(cmd: &mut Command) -> io::Result<Child> {
             }
             if libc::getppid() != parent {
                 libc::_exit(137);
+            }
+            // The child's copy of the lifeline's read end survives exec (the write end does not).
+            if let Some(fd) = line
+                && libc::fcntl(fd, libc::F_SETFD, 0) != 0
+            {
+                return Err(io::Error::last_os_error());
             }
             Ok(())
         })
@@ -338,6 +354,8 @@ pub struct JobEnd {
     pub first_failure: Option<usize>,
     /// The SIGINT or SIGTERM that interrupted the job (forwarded to every rank), if one did.
     pub signal: Option<i32>,
+    /// Ranks that failed while the job went on without them ([`supervise_with`]).
+    pub absorbed: Vec<usize>,
 }
 
 impl JobEnd {
@@ -370,21 +388,38 @@ impl JobEnd {
 ///
 /// Call it from the thread that spawned the ranks (their parent-death signal follows it).
 pub fn supervise(children: &mut [Child], how: &Supervision) -> JobEnd {
+    supervise_with(children, how, &mut |_, _| false)
+}
+
+/// [`supervise`], with a say on each failure: `absorb(rank, statuses)` (the ranks' statuses so
+/// far, the failed one's included) returns true when the job goes on without that rank (an
+/// elastic job that still has enough ranks); it is then listed in [`JobEnd::absorbed`] and
+/// nothing else happens.
+pub fn supervise_with(
+    children: &mut [Child],
+    how: &Supervision,
+    absorb: &mut dyn FnMut(usize, &[Option<ExitStatus>]) -> bool,
+) -> JobEnd {
     let interrupts = Interrupts::install();
     let started = Instant::now();
     let end = how.timeout.map(|t| started + t);
     let mut deadline = end;
-    let mut job = JobEnd { statuses: vec![None; children.len()], first_failure: None, signal: None };
+    let mut job =
+        JobEnd { statuses: vec![None; children.len()], first_failure: None, signal: None, absorbed: Vec::new() };
     let mut poll = Duration::from_millis(1);
     let cut = |d: Option<Instant>, at: Instant| Some(d.map_or(at, |d| d.min(at)));
     loop {
-        for (r, (c, s)) in children.iter_mut().zip(job.statuses.iter_mut()).enumerate() {
-            if s.is_none()
-                && let Ok(Some(st)) = c.try_wait()
+        for r in 0..children.len() {
+            if job.statuses[r].is_none()
+                && let Ok(Some(st)) = children[r].try_wait()
             {
-                *s = Some(st);
+                job.statuses[r] = Some(st);
                 // After an interrupt, ranks end because of it: not failures of their own.
                 if !st.success() && job.first_failure.is_none() && job.signal.is_none() {
+                    if absorb(r, &job.statuses) {
+                        job.absorbed.push(r);
+                        continue;
+                    }
                     job.first_failure = Some(r);
                     deadline = cut(deadline, Instant::now() + how.grace);
                     if how.terminate_on_failure {

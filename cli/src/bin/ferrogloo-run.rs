@@ -16,8 +16,9 @@
 //! launcher exits with its code (128 + the signal when a signal ended it).
 
 use clap::Parser;
-use ferrogloo::launch::{JobEnd, Supervision, spawn_tied, supervise};
+use ferrogloo::launch::{JobEnd, Supervision, elastic, spawn_tied, supervise, supervise_with};
 use ferrogloo::rendezvous::HttpStoreServer;
+use ferrogloo::rendezvous::Store;
 use ferrogloo::{Error, Result};
 use ferrogloo_cli::run::{Host, is_local, parse_hostfile, parse_hosts, place};
 use std::collections::VecDeque;
@@ -79,6 +80,17 @@ struct Args {
     /// The whole job's deadline in seconds (default: none).
     #[arg(long)]
     timeout: Option<f64>,
+    /// Elastic: keep the job going while at least this many ranks are left. When a rank
+    /// fails, the survivors rebuild their context at the smaller size (a new generation; see
+    /// `ferrogloo::launch::elastic`).
+    #[arg(long)]
+    min_np: Option<usize>,
+    /// Elastic: how many times the job may lose a rank and go on.
+    #[arg(long, default_value_t = 3)]
+    reset_limit: usize,
+    /// Elastic: seconds a surviving rank waits for the next generation.
+    #[arg(long, default_value_t = 60.0)]
+    elastic_timeout: f64,
     /// The program and its arguments.
     #[arg(required = true)]
     command: Vec<String>,
@@ -151,6 +163,14 @@ fn run(args: &Args) -> Result<i32> {
         console: Mutex::new(()),
     });
     let extra = pass_env(&args.env)?;
+    // An elastic job starts at generation 0, every worker in it.
+    let mut elastic_job = match args.min_np {
+        Some(m) if m == 0 || m > args.np => {
+            return Err(Error::invalid(format!("--min-np {m} must be from 1 to -np {}", args.np)));
+        }
+        Some(m) => Some(Elastic::start(&store, args.np, m, args.reset_limit)?),
+        None => None,
+    };
     let mut children: Vec<Child> = Vec::with_capacity(args.np);
     let mut ranks: Vec<Rank> = Vec::with_capacity(args.np);
     let mut relays: Vec<std::thread::JoinHandle<()>> = Vec::with_capacity(2 * args.np);
@@ -169,6 +189,11 @@ fn run(args: &Args) -> Result<i32> {
             ("HOROVOD_CROSS_RANK".into(), p.cross_rank.to_string()),
             ("HOROVOD_CROSS_SIZE".into(), cross_size.to_string()),
         ];
+        if args.min_np.is_some() {
+            vars.push((elastic::ELASTIC_ENV.into(), "1".into()));
+            vars.push((elastic::WORKER_ENV.into(), rank.to_string()));
+            vars.push((elastic::ELASTIC_TIMEOUT_ENV.into(), args.elastic_timeout.to_string()));
+        }
         if let Some(iface) = &args.network_interface {
             vars.push(("FERROGLOO_IFACE".into(), iface.clone()));
         } else if all_local {
@@ -209,13 +234,19 @@ fn run(args: &Args) -> Result<i32> {
         grace: seconds(args.grace, "grace")?,
         terminate_on_failure: true,
     };
-    let end = supervise(&mut children, &how);
+    let end = match &mut elastic_job {
+        Some(e) => supervise_with(&mut children, &how, &mut |r, statuses| e.lost(r, statuses)),
+        None => supervise(&mut children, &how),
+    };
     // The relays end with their pipes, once the ranks (and anything they started) are gone:
     // what they still hold is printed before the report, waiting at most a moment for a pipe
     // that a rank's own child keeps open.
     let until = std::time::Instant::now() + Duration::from_secs(2);
     while relays.iter().any(|r| !r.is_finished()) && std::time::Instant::now() < until {
         std::thread::sleep(Duration::from_millis(5));
+    }
+    for &r in &end.absorbed {
+        eprintln!("ferrogloo-run: rank {r} (host {}) failed; the elastic job went on without it", ranks[r].host);
     }
     report(&end, &ranks, &how);
     drop(server);
@@ -327,6 +358,60 @@ fn relay(
             }
         })
         .map_err(|e| Error::io("starting an output relay thread", e))
+}
+
+/// The launcher's side of an elastic job: which workers each generation has.
+struct Elastic {
+    store: Box<dyn Store>,
+    generation: u64,
+    min: usize,
+    resets_left: usize,
+}
+
+impl Elastic {
+    /// Publishes generation 0: workers `0..np`.
+    fn start(url: &str, np: usize, min: usize, resets: usize) -> Result<Self> {
+        let e = Elastic { store: ferrogloo::rendezvous::open(url)?, generation: 0, min, resets_left: resets };
+        e.publish(&(0..np).collect::<Vec<_>>())?;
+        Ok(e)
+    }
+
+    fn publish(&self, members: &[usize]) -> Result<()> {
+        let list = members.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        self.store.set(&elastic::members_key(self.generation), list.as_bytes())?;
+        self.store.set(elastic::GENERATION_KEY, self.generation.to_string().as_bytes())
+    }
+
+    /// Worker `r` failed: a new generation of the workers still running, if there are enough of
+    /// them and resets left (true), or the end of the job (false).
+    fn lost(&mut self, r: usize, statuses: &[Option<std::process::ExitStatus>]) -> bool {
+        let alive: Vec<usize> = (0..statuses.len()).filter(|&w| statuses[w].is_none()).collect();
+        if alive.len() < self.min || self.resets_left == 0 {
+            eprintln!(
+                "ferrogloo-run: rank {r} failed and the elastic job cannot go on ({} left of at least {}, {} resets left)",
+                alive.len(),
+                self.min,
+                self.resets_left
+            );
+            return false;
+        }
+        self.resets_left -= 1;
+        self.generation += 1;
+        match self.publish(&alive) {
+            Ok(()) => {
+                eprintln!(
+                    "ferrogloo-run: rank {r} failed; generation {} goes on with {} ranks (workers {alive:?})",
+                    self.generation,
+                    alive.len()
+                );
+                true
+            }
+            Err(e) => {
+                eprintln!("ferrogloo-run: could not publish the next generation: {e}");
+                false
+            }
+        }
+    }
 }
 
 /// `-x NAME` or `-x NAME=VALUE` as pairs (NAME alone takes this process's value).

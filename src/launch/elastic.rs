@@ -1,0 +1,162 @@
+//! Elastic jobs: ranks that come and go. `ferrogloo-run --min-np M` keeps a job going when a
+//! rank dies, as long as M are left: it publishes a new *generation* in the job's store (which
+//! workers are in it, in rank order), and every surviving worker rebuilds its context there,
+//! with a new rank and size, and carries on.
+//!
+//! A worker's program is a loop around "build the context, run, and on a membership error
+//! rebuild" ([`run`]): it gets the context of the current generation, and when its work fails
+//! because a peer is gone (closed, timed out, aborted), [`run`] waits for the next generation
+//! and calls it again. The program keeps whatever state it needs across calls (a checkpoint,
+//! the step it reached) and should bring the new members up to date at the start of each call
+//! (for example with a broadcast from rank 0).
+//!
+//! The launcher and the workers meet through these store keys:
+//!
+//! | key | value |
+//! |---|---|
+//! | `elastic.generation` | the latest generation number, decimal |
+//! | `elastic.g<N>.members` | its workers (ids as `FERROGLOO_WORKER` gives them), comma-separated, in rank order |
+//!
+//! and each generation forms its context under the store prefix `elastic.g<N>`.
+//!
+//! ```no_run
+//! use ferrogloo::device::{Device, TcpAttr};
+//! use ferrogloo::launch::{RankEnv, elastic};
+//! use ferrogloo::ReduceOp;
+//! use std::time::Duration;
+//!
+//! # fn main() -> ferrogloo::Result<()> {
+//! let env = RankEnv::from_env()?;
+//! let device = Device::new(&TcpAttr::default())?;
+//! let mut step = 0u64; // progress survives generations
+//! elastic::run(&env, &device, Duration::from_secs(30), |ctx| {
+//!     // Newcomers and survivors agree on where to go on from.
+//!     let mut start = [step];
+//!     ctx.allreduce(&mut start, ReduceOp::Max)?;
+//!     step = start[0];
+//!     while step < 1000 {
+//!         let mut grads = vec![1.0f32; 1 << 16];
+//!         ctx.allreduce(&mut grads, ReduceOp::Sum)?;
+//!         step += 1;
+//!     }
+//!     Ok(())
+//! })?;
+//! # Ok(())
+//! # }
+//! ```
+
+use super::RankEnv;
+use crate::context::Context;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::rendezvous::{PrefixStore, Store};
+use std::time::{Duration, Instant};
+
+/// Set (to `1`) by `ferrogloo-run` for the workers of an elastic job.
+pub const ELASTIC_ENV: &str = "FERROGLOO_ELASTIC";
+/// This worker's id in an elastic job: stable across generations, unlike its rank.
+pub const WORKER_ENV: &str = "FERROGLOO_WORKER";
+/// How long a worker waits for the next generation after a membership error, in seconds
+/// (default 60).
+pub const ELASTIC_TIMEOUT_ENV: &str = "FERROGLOO_ELASTIC_TIMEOUT";
+
+/// The key holding the latest generation.
+pub const GENERATION_KEY: &str = "elastic.generation";
+
+/// The key holding generation `g`'s workers.
+pub fn members_key(g: u64) -> String {
+    format!("elastic.g{g}.members")
+}
+
+/// The store prefix generation `g`'s context forms under.
+pub fn generation_prefix(g: u64) -> String {
+    format!("elastic.g{g}")
+}
+
+/// Whether `e` says the job's membership changed (a peer died, left, stalled or was aborted by
+/// another rank's failure): worth a new generation rather than the end.
+pub fn is_membership_error(e: &Error) -> bool {
+    matches!(e, Error::PeerClosed { .. } | Error::PeerTimedOut { .. } | Error::Timeout { .. } | Error::Aborted { .. })
+}
+
+/// Runs `work` on the context of each generation of an elastic job until it succeeds: when it
+/// fails with a [membership error](is_membership_error), waits for the launcher's next
+/// generation (at most `FERROGLOO_ELASTIC_TIMEOUT`), rebuilds the context with this worker's
+/// new rank and size, and calls `work` again. Any other error, this worker missing from the
+/// new generation, or no new generation in time, ends it. `timeout` is each context's deadline.
+///
+/// Outside an elastic job (no `FERROGLOO_ELASTIC`), it is one call of `work` on the job's
+/// context.
+pub fn run<R>(
+    env: &RankEnv,
+    device: &Device,
+    timeout: Duration,
+    mut work: impl FnMut(&Context) -> Result<R>,
+) -> Result<R> {
+    let store = crate::rendezvous::open(&env.store)?;
+    if std::env::var(ELASTIC_ENV).ok().as_deref() != Some("1") {
+        let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, device)?;
+        return work(&ctx);
+    }
+    let me: u64 = std::env::var(WORKER_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| Error::invalid(format!("{ELASTIC_ENV}=1 but {WORKER_ENV} is not a worker id")))?;
+    let wait_for = match std::env::var(ELASTIC_TIMEOUT_ENV) {
+        Ok(v) => Duration::try_from_secs_f64(v.trim().parse().unwrap_or(f64::NAN))
+            .map_err(|_| Error::invalid(format!("{ELASTIC_TIMEOUT_ENV}={v:?} is not a number of seconds")))?,
+        Err(_) => Duration::from_secs(60),
+    };
+    let mut seen: Option<u64> = None;
+    loop {
+        let g = next_generation(&*store, seen, wait_for)?;
+        seen = Some(g);
+        let raw = store.get(&members_key(g), wait_for)?;
+        let members: Vec<u64> =
+            String::from_utf8_lossy(&raw).split(',').filter_map(|m| m.trim().parse().ok()).collect();
+        let Some(rank) = members.iter().position(|&m| m == me) else {
+            return Err(Error::invalid(format!(
+                "worker {me} is not in generation {g} of the elastic job (its members: {members:?})"
+            )));
+        };
+        tracing::info!(generation = g, rank, size = members.len(), "elastic job: joining a generation");
+        let scoped = PrefixStore::new(generation_prefix(g), &*store);
+        let result =
+            Context::builder(rank, members.len()).timeout(timeout).connect(&scoped, device).and_then(|ctx| work(&ctx));
+        match result {
+            Ok(r) => return Ok(r),
+            Err(e) if is_membership_error(&e) => {
+                tracing::warn!(generation = g, error = %e, "elastic job: membership changed; waiting for the next generation");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The newest generation after `seen` (any, if `None`), waiting for one at most `limit`.
+fn next_generation(store: &dyn Store, seen: Option<u64>, limit: Duration) -> Result<u64> {
+    let deadline = Instant::now() + limit;
+    let mut backoff = crate::rendezvous::Backoff::new();
+    loop {
+        if let Some(raw) = store.try_get(GENERATION_KEY)? {
+            let g: u64 = String::from_utf8_lossy(&raw)
+                .trim()
+                .parse()
+                .map_err(|_| Error::invalid(format!("{GENERATION_KEY} holds {raw:?}, not a number")))?;
+            if seen.is_none_or(|s| g > s) {
+                return Ok(g);
+            }
+        }
+        if !backoff.sleep_until(deadline) {
+            return Err(Error::Timeout {
+                op: format!(
+                    "waiting for the next generation of the elastic job (after {})",
+                    seen.map_or("none".into(), |s| s.to_string())
+                ),
+                ranks: Vec::new(),
+                keys: vec![GENERATION_KEY.to_string()],
+                waited: limit,
+            });
+        }
+    }
+}
