@@ -1,6 +1,6 @@
 //! PyTorch's TCPStore, against the real thing (torch from PyPI, in the venv `.ci/run` makes):
 //! our client against PyTorch's server, PyTorch's client against our server, each reading what
-//! the other wrote; and torchrun starting ferrogloo ranks that meet in its own store. Pinned:
+//! the other wrote (torchrun starting ferrogloo ranks: cli/tests/torchrun.rs). Pinned:
 //! torch 2.15.0 (the protocol is the same from 2.5 on). Skipped, saying why, without a torch.
 
 mod common;
@@ -115,37 +115,4 @@ print("DELETED", s.delete_key("from_torch"), s.delete_key("from_torch"), flush=T
     assert_eq!(ours.get("after_timeout", Duration::from_secs(10)).expect("get"), b"ok");
     assert_eq!(ours.try_get("cnt").expect("try_get"), Some(b"7".to_vec()));
     assert_eq!(ours.try_get("from_torch").expect("try_get"), None);
-}
-
-#[test]
-fn torchrun_starts_ferrogloo_ranks_that_meet_in_its_store() {
-    let Some(py) = torch_python() else { return };
-    let torchrun = std::path::Path::new(&py).with_file_name("torchrun");
-    if !torchrun.exists() {
-        eprintln!("SKIPPED: no torchrun beside {py}");
-        return;
-    }
-    // The benchmark binary of this workspace (built by `cargo build` before the tests run).
-    let bench = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent()?.parent().map(|d| d.join("ferrogloo-bench")))
-        .filter(|p| p.exists());
-    let Some(bench) = bench else {
-        eprintln!("SKIPPED: ferrogloo-bench is not built next to this test");
-        return;
-    };
-    let out = Command::new("timeout")
-        .arg("120")
-        .arg(&torchrun)
-        .args(["--standalone", "--nproc-per-node", "3", "--no-python"])
-        .arg(&bench)
-        .args(["--op", "allreduce", "--sizes", "4K", "-n", "3", "--timeout", "60"])
-        .env("RUST_LOG", "ferrogloo=info")
-        .output()
-        .expect("run torchrun");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "torchrun failed ({}):\n{stdout}\n{stderr}", out.status);
-    assert!(stdout.contains("allreduce: 3 ranks") && stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
-    assert_eq!(stderr.matches("launched by torchrun").count(), 3, "{stderr}");
-    assert!(stderr.contains("store tcpstore://"), "{stderr}");
 }

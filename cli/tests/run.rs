@@ -38,11 +38,12 @@ fn gone_within(pids: &[u32], limit: Duration) -> Vec<u32> {
     }
 }
 
-/// Starts `ferrogloo-run -np n` of a shell script that prints `PID <pid>` and then runs
-/// `then`; returns the launcher and every rank's pid, once all have printed theirs.
-fn job_of_sleepers(n: usize, then: &str, extra: &[&str]) -> (Guard, Vec<u32>, std::process::ChildStderr) {
-    // The pid first, then whatever the rank does (its pid stays the same through `exec`).
-    let script = format!("echo PID $$; {then}");
+/// Starts `ferrogloo-run -np n` of a shell script that runs `setup`, prints `PID <pid>` and
+/// then runs `then`; returns the launcher and every rank's pid, once all have printed theirs
+/// (so every rank's `setup` is done).
+fn job_of_sleepers(n: usize, setup: &str, then: &str, extra: &[&str]) -> (Guard, Vec<u32>, std::process::ChildStderr) {
+    // The pid, then whatever the rank does (its pid stays the same through `exec`).
+    let script = format!("{setup}\necho PID $$; {then}");
     let mut child = Command::new(RUN)
         .args(["-np", &n.to_string()])
         .args(extra)
@@ -102,7 +103,7 @@ fn the_first_rank_to_fail_is_the_headline_and_its_code_the_launchers() {
              i=0; while [ $(ls {d} | wc -l) -lt 4 ] && [ $i -lt 2000 ]; do i=$((i+1)); sleep 0.01; done
              echo "bad input on rank 2" >&2; exit 3; fi; exec sleep 60"#
     );
-    let (mut guard, pids, err) = job_of_sleepers(4, &script, &["--grace", "2"]);
+    let (mut guard, pids, err) = job_of_sleepers(4, "", &script, &["--grace", "2"]);
     let status = guard.0.wait().expect("the launcher ends");
     let stderr = std::io::read_to_string(err).unwrap_or_default();
     assert_eq!(status.code(), Some(3), "the launcher exits with rank 2's code:\n{stderr}");
@@ -115,7 +116,7 @@ fn the_first_rank_to_fail_is_the_headline_and_its_code_the_launchers() {
 
 #[test]
 fn sigkill_to_the_launcher_leaves_no_rank_running() {
-    let (mut guard, pids, _err) = job_of_sleepers(3, "exec sleep 60", &[]);
+    let (mut guard, pids, _err) = job_of_sleepers(3, "", "exec sleep 60", &[]);
     assert!(pids.iter().all(|&p| running(p)));
     guard.0.kill().expect("SIGKILL the launcher");
     let _ = guard.0.wait();
@@ -128,7 +129,9 @@ fn sigint_to_the_launcher_stops_the_job_within_the_grace_period() {
     // stop at once.
     let (mut guard, pids, err) = job_of_sleepers(
         3,
-        r#"if [ "$FERROGLOO_RANK" = 1 ]; then trap '' INT TERM; fi; exec sleep 60"#,
+        // The trap is set before the pid is printed: the SIGINT cannot come first.
+        r#"if [ "$FERROGLOO_RANK" = 1 ]; then trap '' INT TERM; fi"#,
+        "exec sleep 60",
         &["--grace", "2"],
     );
     let t = Instant::now();

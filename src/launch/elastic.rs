@@ -16,6 +16,7 @@
 //! |---|---|
 //! | `elastic.generation` | the latest generation number, decimal |
 //! | `elastic.g<N>.members` | its workers (ids as `FERROGLOO_WORKER` gives them), comma-separated, in rank order |
+//! | `elastic.fatal` | set by a worker whose work failed for another reason than membership: the job ends |
 //!
 //! and each generation forms its context under the store prefix `elastic.g<N>`.
 //!
@@ -63,6 +64,10 @@ pub const ELASTIC_TIMEOUT_ENV: &str = "FERROGLOO_ELASTIC_TIMEOUT";
 /// The key holding the latest generation.
 pub const GENERATION_KEY: &str = "elastic.generation";
 
+/// The key a worker sets (to its id and error) when its work failed for a reason a new
+/// generation would not mend: the launcher then ends the job instead of going on without it.
+pub const FATAL_KEY: &str = "elastic.fatal";
+
 /// The key holding generation `g`'s workers.
 pub fn members_key(g: u64) -> String {
     format!("elastic.g{g}.members")
@@ -82,8 +87,14 @@ pub fn is_membership_error(e: &Error) -> bool {
 /// Runs `work` on the context of each generation of an elastic job until it succeeds: when it
 /// fails with a [membership error](is_membership_error), waits for the launcher's next
 /// generation (at most `FERROGLOO_ELASTIC_TIMEOUT`), rebuilds the context with this worker's
-/// new rank and size, and calls `work` again. Any other error, this worker missing from the
-/// new generation, or no new generation in time, ends it. `timeout` is each context's deadline.
+/// new rank and size, and calls `work` again. Any other error ends it, and is recorded under
+/// [`FATAL_KEY`] so that the launcher ends the whole job rather than going on without this
+/// worker; so do this worker missing from the new generation, or no new generation in time.
+/// `timeout` is each context's deadline.
+///
+/// A membership error with no rank gone (a peer only slow beyond `timeout`) brings no new
+/// generation: the launcher publishes one only when a process ends, so such a job ends after
+/// `FERROGLOO_ELASTIC_TIMEOUT`. Choose `timeout` well above a step's longest time.
 ///
 /// Outside an elastic job (no `FERROGLOO_ELASTIC`), it is one call of `work` on the job's
 /// context.
@@ -128,7 +139,14 @@ pub fn run<R>(
             Err(e) if is_membership_error(&e) => {
                 tracing::warn!(generation = g, error = %e, "elastic job: membership changed; waiting for the next generation");
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                // Tell the launcher before this worker exits: this failure ends the job.
+                let why = format!("worker {me} (rank {rank} of generation {g}): {e}");
+                if let Err(se) = store.set(FATAL_KEY, why.as_bytes()) {
+                    tracing::warn!(error = %se, "elastic job: could not record this worker's failure in the store");
+                }
+                return Err(e);
+            }
         }
     }
 }

@@ -13,7 +13,7 @@
 //! | torchrun, `env://` | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | PyTorch's TCPStore at `MASTER_ADDR`:`MASTER_PORT` (keys under `worker/attempt_<TORCHELASTIC_RESTART_COUNT>` when torchrun's agent sets it) |
 //! | Open MPI | `OMPI_COMM_WORLD_RANK`, `_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `_LOCAL_SIZE` | `FERROGLOO_STORE` |
 //! | MPICH, Hydra | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | `FERROGLOO_STORE` |
-//! | Slurm, under `srun` | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID`, from `SLURM_TASKS_PER_NODE` | `FERROGLOO_STORE`, else rank 0 serves one |
+//! | Slurm, under `srun` | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID`, from `SLURM_TASKS_PER_NODE` | `FERROGLOO_STORE`, else rank 0 serves one at a port and scope from `SLURM_JOB_ID` and `SLURM_STEP_ID` |
 //!
 //! `FERROGLOO_STORE` overrides the store of every launcher. `FERROGLOO_LAUNCHER` picks one
 //! (`ferrogloo`, `horovod`, `torchrun`, `openmpi`, `mpich`, `slurm`) or none (`none`: a job of
@@ -24,7 +24,11 @@
 //! rank must also have `SLURM_STEP_ID` (only `srun` sets it), so a batch shell is not mistaken
 //! for rank 0 of a job that waits for ranks that never start. Without `FERROGLOO_STORE`, rank 0
 //! serves an HTTP store on the first node of the step (`SLURM_STEP_NODELIST`, compressed lists
-//! like `gnode[01-04,10]` expanded) at port [`SLURM_PORT_BASE`] + job id mod 10000.
+//! like `gnode[01-04,10]` or `rack[1-2]n[01-16]` expanded; see [`expand_nodelist`]) at port
+//! [`SLURM_PORT_BASE`] + (job id + [`SLURM_STEP_PORT_STRIDE`] × step id) mod 10000, under the
+//! scope `slurm-<job id>.<step id>` (see [`slurm_store`]): concurrent `srun` steps of one
+//! allocation (step ids less than 10000 apart) get ports and scopes of their own, and step 0
+//! keeps port [`SLURM_PORT_BASE`] + job id mod 10000.
 
 use super::RankEnv;
 use crate::error::{Error, Result};
@@ -35,8 +39,17 @@ pub const LAUNCHER_ENV: &str = "FERROGLOO_LAUNCHER";
 pub const LOCAL_RANK_ENV: &str = "FERROGLOO_LOCAL_RANK";
 /// The number of ranks on this rank's host.
 pub const LOCAL_SIZE_ENV: &str = "FERROGLOO_LOCAL_SIZE";
-/// The first port of the stores rank 0 serves for Slurm jobs without `FERROGLOO_STORE`.
+/// The first port of the stores rank 0 serves for Slurm jobs without `FERROGLOO_STORE`: ports
+/// run from here to `SLURM_PORT_BASE + 9999` (see [`slurm_store`]).
 pub const SLURM_PORT_BASE: u16 = 40000;
+/// How far apart (mod 10000) the ports of consecutive steps of one Slurm job are: a prime, so
+/// steps less than 10000 apart never share a port, and step 1 of one job does not take the
+/// port of step 0 of the next job id.
+pub const SLURM_STEP_PORT_STRIDE: u64 = 7919;
+/// The most hosts [`expand_nodelist`] expands a list to; a longer list is refused.
+pub const MAX_NODELIST_HOSTS: usize = 1 << 20;
+/// The longest host name [`expand_nodelist`] makes, in bytes.
+const MAX_NODE_NAME: usize = 255;
 
 /// The launchers whose variables [`detect`] understands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,20 +256,30 @@ fn read(l: Launcher, get: &dyn Fn(&str) -> Option<String>, log: bool) -> Result<
             }
         }
         (Launcher::Slurm, None) => {
-            let nodes = get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")).ok_or_else(|| {
-                Error::invalid(
-                    "started by srun without FERROGLOO_STORE, and neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST \
-                     names the node that would serve the store",
-                )
-            })?;
-            let first = expand_nodelist(&nodes)?
+            let (list_v, nodes) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"]
+                .into_iter()
+                .find_map(|v| get(v).map(|n| (v, n)))
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "started by srun without FERROGLOO_STORE, and neither SLURM_STEP_NODELIST nor \
+                         SLURM_JOB_NODELIST names the node that would serve the store",
+                    )
+                })?;
+            let first = expand_labelled(&nodes, &format!("{list_v}={nodes:?}"))?
                 .into_iter()
                 .next()
-                .ok_or_else(|| Error::invalid(format!("SLURM_STEP_NODELIST={nodes:?} names no node")))?;
-            let job = num("SLURM_JOB_ID", need("SLURM_JOB_ID")?)?;
-            let port = SLURM_PORT_BASE + (job % 10_000) as u16;
+                .ok_or_else(|| Error::invalid(format!("{list_v}={nodes:?} names no node")))?;
+            let job = need("SLURM_JOB_ID")?;
+            let job: u64 = job
+                .parse()
+                .map_err(|_| Error::invalid(format!("SLURM_JOB_ID={job:?} is not a number (launcher {l})")))?;
+            let step = need("SLURM_STEP_ID")?;
+            let step: u64 = step
+                .parse()
+                .map_err(|_| Error::invalid(format!("SLURM_STEP_ID={step:?} is not a number (launcher {l})")))?;
+            let (port, scope) = slurm_store(job, step);
             env.serve_store = true;
-            format!("http://{first}:{port}/slurm-{job}")
+            format!("http://{}:{port}/{scope}", bracket(&first))
         }
         (Launcher::OpenMpi | Launcher::Mpich, None) => {
             return Err(Error::invalid(format!(
@@ -290,91 +313,163 @@ fn bracket(addr: &str) -> String {
     if addr.contains(':') && !addr.starts_with('[') { format!("[{addr}]") } else { addr.to_string() }
 }
 
+/// The port and scope of the store rank 0 serves for step `step` of Slurm job `job` without
+/// `FERROGLOO_STORE`: port [`SLURM_PORT_BASE`] + (`job` + [`SLURM_STEP_PORT_STRIDE`] × `step`)
+/// mod 10000 and scope `slurm-<job>.<step>`, so two steps of one allocation running at once
+/// (whose ids are less than 10000 apart) neither bind the same port nor read each other's keys.
+pub fn slurm_store(job: u64, step: u64) -> (u16, String) {
+    // Each term is reduced first: no product or sum can overflow.
+    let offset = (job % 10_000 + (step % 10_000) * SLURM_STEP_PORT_STRIDE % 10_000) % 10_000;
+    // offset < 10000, so the sum stays below 50000.
+    (SLURM_PORT_BASE + offset as u16, format!("slurm-{job}.{step}"))
+}
+
 /// Ranks on this node under Slurm: this node's entry of `SLURM_TASKS_PER_NODE` (`2(x3),1`:
-/// two on each of the first three nodes, one on the fourth), found by `SLURM_NODEID`.
+/// two on each of the first three nodes, one on the fourth), found by `SLURM_NODEID`. The whole
+/// list is checked, its repeat counts included (their sum must fit a `usize`).
 fn slurm_local_size(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<usize>> {
     let (Some(spec), Some(node)) = (get("SLURM_TASKS_PER_NODE"), get("SLURM_NODEID")) else {
         return Ok(None);
     };
     let node: usize = node.parse().map_err(|_| Error::invalid(format!("SLURM_NODEID={node:?} is not a number")))?;
+    let bad = || Error::invalid(format!("SLURM_TASKS_PER_NODE={spec:?} is not a list like 2(x3),1"));
     let mut at = 0usize;
+    let mut here = None;
     for part in spec.split(',') {
-        let bad = || Error::invalid(format!("SLURM_TASKS_PER_NODE={spec:?} is not a list like 2(x3),1"));
         let (count, times) = match part.split_once("(x") {
             Some((c, t)) => (c, t.strip_suffix(')').ok_or_else(bad)?),
             None => (part, "1"),
         };
         let (count, times): (usize, usize) = (count.parse().map_err(|_| bad())?, times.parse().map_err(|_| bad())?);
-        if node < at + times {
-            return Ok(Some(count));
+        let end = at.checked_add(times).ok_or_else(|| {
+            Error::invalid(format!("SLURM_TASKS_PER_NODE={spec:?}: its repeat counts add up to more nodes than can be"))
+        })?;
+        if here.is_none() && node < end {
+            here = Some(count);
         }
-        at += times;
+        at = end;
     }
-    Err(Error::invalid(format!("SLURM_NODEID={node} is beyond SLURM_TASKS_PER_NODE={spec:?}")))
+    here.map(Some).ok_or_else(|| Error::invalid(format!("SLURM_NODEID={node} is beyond SLURM_TASKS_PER_NODE={spec:?}")))
 }
 
 /// Expands a Slurm node list: `gnode[01-04,10],login1` is `gnode01`, `gnode02`, `gnode03`,
-/// `gnode04`, `gnode10`, `login1` (ranges keep their zero padding).
+/// `gnode04`, `gnode10`, `login1` (ranges keep the zero padding of their first bound). A name
+/// with several bracket groups expands to every combination, the last group varying fastest,
+/// as Slurm does: `a[1-2]b[3-4]` is `a1b3`, `a1b4`, `a2b3`, `a2b4`.
+///
+/// Malformed lists are errors naming the list: unbalanced or nested brackets, empty names or
+/// sets, members that are not numbers, ranges that run backwards, names longer than 255 bytes,
+/// and lists of more than [`MAX_NODELIST_HOSTS`] hosts.
 pub fn expand_nodelist(list: &str) -> Result<Vec<String>> {
-    let bad = |why: &str| Error::invalid(format!("node list {list:?}: {why}"));
-    let mut out = Vec::new();
+    expand_labelled(list, &format!("node list {list:?}"))
+}
+
+/// [`expand_nodelist`], its errors naming the list as `label` (`SLURM_STEP_NODELIST="..."`).
+fn expand_labelled(list: &str, label: &str) -> Result<Vec<String>> {
+    let bad = |why: &str| Error::invalid(format!("{label}: {why}"));
+    let too_many = || bad(&format!("more than {MAX_NODELIST_HOSTS} hosts"));
+    let mut out: Vec<String> = Vec::new();
     let mut rest = list.trim();
     while !rest.is_empty() {
-        // One entry: a prefix, maybe a bracketed set, up to the next comma outside brackets.
-        let end = {
-            let mut depth = 0i32;
-            let mut end = rest.len();
-            for (i, c) in rest.char_indices() {
-                match c {
-                    '[' => depth += 1,
-                    ']' => depth -= 1,
-                    ',' if depth == 0 => {
-                        end = i;
-                        break;
-                    }
-                    _ => {}
+        // One entry: up to the next comma outside brackets.
+        let mut depth = 0u8;
+        let mut end = rest.len();
+        for (i, c) in rest.char_indices() {
+            match c {
+                '[' if depth == 0 => depth = 1,
+                '[' => return Err(bad("nested brackets")),
+                ']' if depth == 1 => depth = 0,
+                ']' => return Err(bad("a ']' without its '['")),
+                ',' if depth == 0 => {
+                    end = i;
+                    break;
                 }
-                if !(0..=1).contains(&depth) {
-                    return Err(bad("unbalanced or nested brackets"));
-                }
+                _ => {}
             }
-            if depth != 0 {
-                return Err(bad("an unclosed bracket"));
-            }
-            end
-        };
+        }
+        if depth != 0 {
+            return Err(bad("an unclosed bracket"));
+        }
         let entry = &rest[..end];
         rest = rest[end..].strip_prefix(',').unwrap_or(&rest[end..]).trim_start();
-        let Some(open) = entry.find('[') else {
-            if entry.is_empty() {
-                return Err(bad("an empty name"));
+        if entry.trim().is_empty() {
+            return Err(bad("an empty name"));
+        }
+        // The entry's names, grown group by group: the literal text before each bracket
+        // group, then each member of the group (so the last group varies fastest). `longest`
+        // is checked before anything grows, so no absurd entry is built to be refused.
+        let budget = MAX_NODELIST_HOSTS - out.len();
+        let long = || bad(&format!("a name longer than {MAX_NODE_NAME} bytes"));
+        let mut names = vec![String::new()];
+        let mut longest = 0usize;
+        let mut text = entry;
+        loop {
+            let (literal, set, after) = match text.split_once('[') {
+                Some((literal, tail)) => {
+                    // Brackets are balanced and never nested here: the scan above checked.
+                    let (set, after) = tail.split_once(']').ok_or_else(|| bad("an unclosed bracket"))?;
+                    (literal, Some(set), after)
+                }
+                None => (text, None, ""),
+            };
+            longest += literal.len();
+            if longest > MAX_NODE_NAME {
+                return Err(long());
             }
-            out.push(entry.to_string());
-            continue;
-        };
-        let (prefix, set) = (&entry[..open], &entry[open + 1..]);
-        let (set, suffix) = set.split_once(']').ok_or_else(|| bad("an unclosed bracket"))?;
-        for item in set.split(',') {
-            match item.split_once('-') {
-                Some((a, b)) => {
-                    let width = a.len();
-                    let (lo, hi): (u64, u64) = (
-                        a.parse().map_err(|_| bad("a range bound that is not a number"))?,
-                        b.parse().map_err(|_| bad("a range bound that is not a number"))?,
-                    );
-                    if hi < lo || hi - lo >= 100_000 {
-                        return Err(bad("a range that runs backwards or is too long"));
-                    }
-                    out.extend((lo..=hi).map(|i| format!("{prefix}{i:0width$}{suffix}")));
+            for n in &mut names {
+                n.push_str(literal);
+            }
+            let Some(set) = set else { break };
+            let members = expand_set(set, budget).map_err(|why| if why.is_empty() { too_many() } else { bad(why) })?;
+            if names.len().checked_mul(members.len()).is_none_or(|n| n > budget) {
+                return Err(too_many());
+            }
+            longest += members.iter().map(String::len).max().unwrap_or(0);
+            if longest > MAX_NODE_NAME {
+                return Err(long());
+            }
+            names = names.iter().flat_map(|n| members.iter().map(move |m| format!("{n}{m}"))).collect();
+            text = after;
+        }
+        if names.len() > budget {
+            return Err(too_many());
+        }
+        out.extend(names);
+    }
+    Ok(out)
+}
+
+/// The members of one bracket group of a node list (`01-04,10`), at most `budget` of them:
+/// the reason in words when the group is malformed, an empty reason when it is too large.
+fn expand_set(set: &str, budget: usize) -> std::result::Result<Vec<String>, &'static str> {
+    let mut members = Vec::new();
+    for item in set.split(',') {
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        match item.split_once('-') {
+            Some((a, b)) if digits(a) && digits(b) => {
+                let width = a.len();
+                let number = |s: &str| s.parse::<u64>().map_err(|_| "a range bound too large");
+                let (lo, hi) = (number(a)?, number(b)?);
+                if hi < lo {
+                    return Err("a range that runs backwards");
                 }
-                None if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) => {
-                    return Err(bad("a set member that is not a number"));
+                // hi - lo + 1 members, without overflow when the range is everything.
+                if hi - lo >= (budget - members.len()) as u64 {
+                    return Err("");
                 }
-                None => out.push(format!("{prefix}{item}{suffix}")),
+                members.extend((lo..=hi).map(|i| format!("{i:0width$}")));
+            }
+            Some(_) => return Err("a range bound that is not a number"),
+            None if !digits(item) => return Err("a set member that is not a number"),
+            None => {
+                if members.len() >= budget {
+                    return Err("");
+                }
+                members.push(item.to_string());
             }
         }
     }
-    Ok(out)
+    Ok(members)
 }
 
 #[cfg(test)]
@@ -486,7 +581,7 @@ mod tests {
                 5,
                 7,
                 Some((1, 2)),
-                "http://gnode07:43456/slurm-123456",
+                "http://gnode07:43456/slurm-123456.0",
             ),
         ];
         for (vars, l, rank, size, local, store) in cases {
@@ -578,18 +673,133 @@ mod tests {
 
     #[test]
     fn slurm_node_lists_expand() {
-        let cases: [(&str, &[&str]); 5] = [
+        let cases: [(&str, &[&str]); 9] = [
             ("gnode[01-04,10]", &["gnode01", "gnode02", "gnode03", "gnode04", "gnode10"]),
             ("a1,b[7-9]", &["a1", "b7", "b8", "b9"]),
             ("n[098-101]", &["n098", "n099", "n100", "n101"]),
             ("x[1,3]-ib,login", &["x1-ib", "x3-ib", "login"]),
             ("solo", &["solo"]),
+            // Several groups: every combination, the last group fastest, as Slurm orders them.
+            ("a[1-2]b[3-4]", &["a1b3", "a1b4", "a2b3", "a2b4"]),
+            ("r[01-02]n[8-9,10]-ib", &["r01n8-ib", "r01n9-ib", "r01n10-ib", "r02n8-ib", "r02n9-ib", "r02n10-ib"]),
+            ("[1-2]x,y[0]z[00]", &["1x", "2x", "y0z00"]),
+            ("a,b,", &["a", "b"]),
         ];
         for (list, want) in cases {
             assert_eq!(expand_nodelist(list).unwrap(), want, "{list}");
         }
-        for bad in ["n[1-", "n[a-b]", "n[5-2]", "n[[1]]", "n[1]]", ",", "n[]"] {
-            assert!(expand_nodelist(bad).is_err(), "{bad}");
+        assert_eq!(expand_nodelist(&format!("n[1-{MAX_NODELIST_HOSTS}]")).unwrap().len(), MAX_NODELIST_HOSTS);
+    }
+
+    #[test]
+    fn malformed_slurm_node_lists_are_errors_naming_them() {
+        for (bad, why) in [
+            ("n[1-", "unclosed"),
+            ("n[a-b]", "not a number"),
+            ("n[5-2]", "backwards"),
+            ("n[[1]]", "nested"),
+            ("n[1]]", "without its"),
+            ("n]1[", "without its"),
+            ("a[1-2]b[3-4", "unclosed"),
+            (",", "empty name"),
+            ("a,,b", "empty name"),
+            ("n[]", "not a number"),
+            ("n[1,]", "not a number"),
+            ("n[1-2-3]", "not a number"),
+            ("n[-3]", "not a number"),
+            ("n[0-99999999999999999999999]", "too large"),
+            ("n[0-18446744073709551615]", "more than 1048576 hosts"),
+            ("a[0-1023]b[0-1024]", "more than 1048576 hosts"),
+            ("a[1-1048576],b", "more than 1048576 hosts"),
+            ("a[0-1048575]x[0-1]", "more than 1048576 hosts"),
+        ] {
+            let e = expand_nodelist(bad).expect_err(bad);
+            let text = e.to_string();
+            assert!(text.contains(&format!("{bad:?}")) && text.contains(why), "{bad}: {text} (wanted {why:?})");
+        }
+        let long = format!("{}[1-2]", "n".repeat(300));
+        assert!(expand_nodelist(&long).unwrap_err().to_string().contains("longer than 255"));
+        let long = format!("n[0-1000]{}", "x".repeat(100_000));
+        assert!(expand_nodelist(&long).unwrap_err().to_string().contains("longer than 255"));
+        // Under srun, the error names the variable too.
+        let e = detect(&env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_JOB_ID", "1"),
+            ("SLURM_STEP_NODELIST", "a[2-1]"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("SLURM_STEP_NODELIST=\"a[2-1]\": a range that runs backwards"), "{e}");
+    }
+
+    fn srun_task(job: &str, step: &str) -> Vec<(&'static str, String)> {
+        vec![
+            ("SLURM_PROCID", "0".into()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_STEP_ID", step.into()),
+            ("SLURM_JOB_ID", job.into()),
+            ("SLURM_STEP_NODELIST", "a[1-2]b[3-4]".into()),
+        ]
+    }
+
+    fn store_of(vars: &[(&str, String)]) -> Result<String> {
+        let pairs: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        Ok(detect(&env(&pairs))?.expect("a Slurm rank").store)
+    }
+
+    #[test]
+    fn concurrent_slurm_steps_get_stores_of_their_own() {
+        // Two srun steps of one allocation, at once: neither the port nor the scope is shared.
+        let (a, b) = (store_of(&srun_task("77", "0")).unwrap(), store_of(&srun_task("77", "1")).unwrap());
+        assert_eq!(a, "http://a1b3:40077/slurm-77.0");
+        assert_eq!(b, "http://a1b3:47996/slurm-77.1");
+        let mut ports = std::collections::HashSet::new();
+        for step in 0..10_000u64 {
+            let (port, scope) = slurm_store(77, step);
+            assert!((SLURM_PORT_BASE..SLURM_PORT_BASE + 10_000).contains(&port), "{port}");
+            assert!(ports.insert(port), "step {step} reuses port {port}");
+            assert_eq!(scope, format!("slurm-77.{step}"));
+        }
+        // Step 1 of a job does not take step 0's port of the next job.
+        assert_ne!(slurm_store(77, 1).0, slurm_store(78, 0).0);
+        // The largest ids do not overflow.
+        let (port, scope) = slurm_store(u64::MAX, u64::MAX);
+        assert!((SLURM_PORT_BASE..SLURM_PORT_BASE + 10_000).contains(&port), "{port}");
+        assert_eq!(scope, format!("slurm-{}.{}", u64::MAX, u64::MAX));
+        let e = store_of(&srun_task("77", "extern")).unwrap_err();
+        assert!(e.to_string().contains("SLURM_STEP_ID=\"extern\" is not a number"), "{e}");
+        let e = store_of(&srun_task("-1", "0")).unwrap_err();
+        assert!(e.to_string().contains("SLURM_JOB_ID=\"-1\" is not a number"), "{e}");
+    }
+
+    #[test]
+    fn slurm_tasks_per_node_repeat_counts_never_overflow() {
+        let task = |spec: &str, node: &str| {
+            let mut vars = srun_task("5", "0");
+            vars.extend([("SLURM_TASKS_PER_NODE", spec.to_string()), ("SLURM_NODEID", node.to_string())]);
+            let pairs: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            detect(&env(&pairs)).map(|e| e.expect("a Slurm rank").local_size)
+        };
+        assert_eq!(task("2(x3),1", "3").unwrap(), Some(1));
+        assert_eq!(task("2(x18446744073709551615)", "7").unwrap(), Some(2));
+        for (spec, node, words) in [
+            (
+                "2(x18446744073709551615),1",
+                "0",
+                "SLURM_TASKS_PER_NODE=\"2(x18446744073709551615),1\": its repeat counts",
+            ),
+            (
+                "1,2(x18446744073709551615)",
+                "9",
+                "SLURM_TASKS_PER_NODE=\"1,2(x18446744073709551615)\": its repeat counts",
+            ),
+            ("2(x18446744073709551616)", "0", "is not a list like 2(x3),1"),
+            ("2(x3", "0", "is not a list like 2(x3),1"),
+            ("2(x3),1", "4", "SLURM_NODEID=4 is beyond"),
+        ] {
+            let e = task(spec, node).expect_err(spec);
+            assert!(e.to_string().contains(words), "{e} (wanted {words:?})");
         }
     }
 }

@@ -14,7 +14,9 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
 
-/// The variable holding the inherited read end's descriptor number.
+/// The variable naming the inherited read end: `FD:DEV:INO`, its descriptor number and the
+/// pipe's device and inode numbers (so that a descriptor a wrapper closed, and whose number
+/// the program reused for something else, is never taken for the lifeline).
 pub const LIFELINE_ENV: &str = "FERROGLOO_LIFELINE";
 
 /// This process's lifeline as a launcher: (read end, write end), both close-on-exec here; a
@@ -37,9 +39,11 @@ pub(super) fn ends() -> Option<&'static (OwnedFd, OwnedFd)> {
     .as_ref()
 }
 
-/// The read end's number, for a child's environment.
-pub(super) fn read_end() -> Option<RawFd> {
-    ends().map(|(r, _)| r.as_raw_fd())
+/// The read end's number, and the value of [`LIFELINE_ENV`] for a child.
+pub(super) fn read_end() -> Option<(RawFd, String)> {
+    let fd = ends()?.0.as_raw_fd();
+    let (dev, ino) = pipe_id(fd)?;
+    Some((fd, format!("{fd}:{dev}:{ino}")))
 }
 
 /// Starts, once per process, the thread that watches the lifeline `FERROGLOO_LIFELINE` names
@@ -47,18 +51,30 @@ pub(super) fn read_end() -> Option<RawFd> {
 pub(super) fn watch() -> bool {
     static WATCHING: OnceLock<bool> = OnceLock::new();
     *WATCHING.get_or_init(|| {
-        let Some(fd) = std::env::var(LIFELINE_ENV).ok().and_then(|v| v.trim().parse::<RawFd>().ok()) else {
+        let Ok(spec) = std::env::var(LIFELINE_ENV) else {
             return false;
         };
-        if fd < 0 || !is_pipe(fd) {
-            tracing::debug!(fd, "{LIFELINE_ENV} names no inherited pipe; no lifeline watched");
+        let parsed: Option<(RawFd, u64, u64)> = (|| {
+            let mut it = spec.trim().split(':');
+            let t = (it.next()?.parse().ok()?, it.next()?.parse().ok()?, it.next()?.parse().ok()?);
+            it.next().is_none().then_some(t)
+        })();
+        let Some((fd, dev, ino)) = parsed else {
+            tracing::debug!(spec, "{LIFELINE_ENV} is not FD:DEV:INO; no lifeline watched");
+            return false;
+        };
+        if fd < 0 || pipe_id(fd) != Some((dev, ino)) {
+            tracing::debug!(fd, "{LIFELINE_ENV} names a pipe this process does not hold; no lifeline watched");
             return false;
         }
         // This process's own lifeline pipe (when it is a launcher too) is a different one.
         std::thread::Builder::new()
             .name("ferrogloo-lifeline".into())
             .spawn(move || {
-                wait_for_hangup(fd);
+                if !wait_for_hangup(fd) {
+                    tracing::debug!(fd, "the lifeline pipe carried data; no longer watched");
+                    return;
+                }
                 // (Not eprintln!: stderr may be a pipe to the launcher that is gone.)
                 let _ = writeln!(
                     std::io::stderr(),
@@ -74,16 +90,18 @@ pub(super) fn watch() -> bool {
     })
 }
 
-/// Whether `fd` is an open pipe (FIFO).
-fn is_pipe(fd: RawFd) -> bool {
+/// The device and inode numbers of `fd` when it is an open pipe (FIFO).
+fn pipe_id(fd: RawFd) -> Option<(u64, u64)> {
     // SAFETY: fstat writes into the stat struct it is given; a bad descriptor is an error.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above; `st` is a live, writable struct.
-    unsafe { libc::fstat(fd, &mut st) == 0 && (st.st_mode & libc::S_IFMT) == libc::S_IFIFO }
+    let ok = unsafe { libc::fstat(fd, &mut st) } == 0;
+    (ok && (st.st_mode & libc::S_IFMT) == libc::S_IFIFO).then_some((st.st_dev, st.st_ino))
 }
 
-/// Blocks until the pipe `fd` hangs up (its last writer closed) or fails.
-fn wait_for_hangup(fd: RawFd) {
+/// Blocks until the pipe `fd` hangs up (its last writer closed: true), or carries data, which
+/// a lifeline never does, or is closed by this program (false). It never reads from `fd`.
+fn wait_for_hangup(fd: RawFd) -> bool {
     loop {
         let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
         // SAFETY: one live pollfd; no timeout.
@@ -92,18 +110,14 @@ fn wait_for_hangup(fd: RawFd) {
             if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return;
+            return false;
         }
-        if p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
-            return;
+        if p.revents & libc::POLLHUP != 0 {
+            return true;
         }
-        if p.revents & libc::POLLIN != 0 {
-            // Nobody writes to a lifeline; data (or end of file) means it is not one any more.
-            let mut b = [0u8; 64];
-            // SAFETY: reads into a live buffer of its length.
-            if unsafe { libc::read(fd, b.as_mut_ptr().cast(), b.len()) } <= 0 {
-                return;
-            }
+        // Data, or the descriptor closed by the program itself: not a lifeline any more.
+        if p.revents & (libc::POLLIN | libc::POLLNVAL | libc::POLLERR) != 0 {
+            return false;
         }
     }
 }

@@ -241,10 +241,10 @@ pub fn spawn_tied(cmd: &mut Command) -> io::Result<Child> {
     // SAFETY: getpid has no preconditions.
     let parent = unsafe { libc::getpid() };
     cmd.process_group(0);
-    let line = lifeline::read_end();
-    if let Some(fd) = line {
-        cmd.env(lifeline::LIFELINE_ENV, fd.to_string());
-    }
+    let line = lifeline::read_end().map(|(fd, spec)| {
+        cmd.env(lifeline::LIFELINE_ENV, spec);
+        fd
+    });
     // SAFETY: the closure runs in the child between fork and exec, and calls only
     // async-signal-safe functions (prctl, getppid, fcntl, _exit) with plain integer arguments.
     unsafe {
@@ -388,18 +388,19 @@ impl JobEnd {
 ///
 /// Call it from the thread that spawned the ranks (their parent-death signal follows it).
 pub fn supervise(children: &mut [Child], how: &Supervision) -> JobEnd {
-    supervise_with(children, how, &mut |_, _| false)
+    supervise_with(children, how, Duration::ZERO, &mut |_, _| false)
 }
 
-/// [`supervise`], with a say on each failure: `absorb(rank, statuses)` (the ranks' statuses so
-/// far, the failed one's included) returns true when the job goes on without that rank (an
-/// elastic job that still has enough ranks); it is then listed in [`JobEnd::absorbed`] and
-/// nothing else happens.
-pub fn supervise_with(
-    children: &mut [Child],
-    how: &Supervision,
-    absorb: &mut dyn FnMut(usize, &[Option<ExitStatus>]) -> bool,
-) -> JobEnd {
+/// What [`supervise_with`] asks about failed ranks: given them and every rank's status so far,
+/// whether the job goes on without them.
+pub type Absorb<'a> = dyn FnMut(&[usize], &[Option<ExitStatus>]) -> bool + 'a;
+
+/// [`supervise`], with a say on failures: `absorb(failed, statuses)` (the ranks that failed,
+/// and all ranks' statuses so far) returns true when the job goes on without them (an elastic
+/// job that still has enough ranks); they are then listed in [`JobEnd::absorbed`] and nothing
+/// else happens. Failures are gathered for `settle` after the first of them before `absorb`
+/// is asked, so that ranks dying together (a host going down) are one change, not several.
+pub fn supervise_with(children: &mut [Child], how: &Supervision, settle: Duration, absorb: &mut Absorb<'_>) -> JobEnd {
     let interrupts = Interrupts::install();
     let started = Instant::now();
     let end = how.timeout.map(|t| started + t);
@@ -408,28 +409,41 @@ pub fn supervise_with(
         JobEnd { statuses: vec![None; children.len()], first_failure: None, signal: None, absorbed: Vec::new() };
     let mut poll = Duration::from_millis(1);
     let cut = |d: Option<Instant>, at: Instant| Some(d.map_or(at, |d| d.min(at)));
+    // Failures seen but not yet put to `absorb`, and when the first of them was seen.
+    let mut pending: Vec<usize> = Vec::new();
+    let mut pending_since = started;
     loop {
-        for r in 0..children.len() {
-            if job.statuses[r].is_none()
-                && let Ok(Some(st)) = children[r].try_wait()
+        for (r, (child, status)) in children.iter_mut().zip(job.statuses.iter_mut()).enumerate() {
+            if status.is_none()
+                && let Ok(Some(st)) = child.try_wait()
             {
-                job.statuses[r] = Some(st);
+                *status = Some(st);
                 // After an interrupt, ranks end because of it: not failures of their own.
                 if !st.success() && job.first_failure.is_none() && job.signal.is_none() {
-                    if absorb(r, &job.statuses) {
-                        job.absorbed.push(r);
-                        continue;
+                    if pending.is_empty() {
+                        pending_since = Instant::now();
                     }
-                    job.first_failure = Some(r);
-                    deadline = cut(deadline, Instant::now() + how.grace);
-                    if how.terminate_on_failure {
-                        for (other, _) in children_alive(children, &job.statuses) {
-                            signal_group(other, libc::SIGTERM);
-                        }
-                    }
-                    break;
+                    pending.push(r);
                 }
             }
+        }
+        let settled = pending_since.elapsed() >= settle || job.statuses.iter().all(Option::is_some);
+        if !pending.is_empty() && settled && job.first_failure.is_none() {
+            let failed = std::mem::take(&mut pending);
+            if absorb(&failed, &job.statuses) {
+                job.absorbed.extend(failed);
+            } else {
+                job.first_failure = failed.first().copied();
+                deadline = cut(deadline, Instant::now() + how.grace);
+                if how.terminate_on_failure {
+                    for (other, _) in children_alive(children, &job.statuses) {
+                        signal_group(other, libc::SIGTERM);
+                    }
+                }
+            }
+        }
+        if !pending.is_empty() {
+            poll = poll.min(Duration::from_millis(5));
         }
         if job.statuses.iter().all(Option::is_some) {
             return job;

@@ -20,7 +20,7 @@ use ferrogloo::launch::{JobEnd, Supervision, elastic, spawn_tied, supervise, sup
 use ferrogloo::rendezvous::HttpStoreServer;
 use ferrogloo::rendezvous::Store;
 use ferrogloo::{Error, Result};
-use ferrogloo_cli::run::{Host, is_local, parse_hostfile, parse_hosts, place};
+use ferrogloo_cli::run::{Host, is_local, merge_same, parse_hostfile, parse_hosts, place};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -117,9 +117,7 @@ fn seconds(v: f64, what: &str) -> Result<Duration> {
 
 fn main() {
     ferrogloo_cli::init_logging();
-    // Open MPI's and Horovod's spelling: -np N.
-    let argv = std::env::args().map(|a| if a == "-np" { "--np".to_string() } else { a });
-    let args = Args::parse_from(argv);
+    let args = Args::parse_from(launcher_argv(std::env::args().collect()));
     match run(&args) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -127,6 +125,52 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// `argv` with Open MPI's and Horovod's spelling `-np N` as `--np N`, among the launcher's own
+/// options only: the program's arguments (from the first word that is not an option or an
+/// option's value, or after `--`) are left as they are.
+fn launcher_argv(argv: Vec<String>) -> Vec<String> {
+    use clap::CommandFactory;
+    let cmd = Args::command();
+    let takes_value = |opt: &str| {
+        cmd.get_arguments().any(|a| {
+            a.get_action().takes_values()
+                && match opt.strip_prefix("--") {
+                    Some(long) => a.get_long() == Some(long),
+                    None => opt.len() == 2 && opt.chars().nth(1) == a.get_short(),
+                }
+        })
+    };
+    let mut out = Vec::with_capacity(argv.len());
+    let mut rest = argv.into_iter();
+    out.extend(rest.next());
+    let mut value_next = false;
+    while let Some(a) = rest.next() {
+        if value_next {
+            value_next = false;
+            out.push(a);
+            continue;
+        }
+        if a == "--" || !a.starts_with('-') || a == "-" {
+            out.push(a);
+            out.extend(rest);
+            break;
+        }
+        let a = if a == "-np" { "--np".to_string() } else { a };
+        value_next = !a.contains('=') && takes_value(&a);
+        out.push(a);
+    }
+    out
+}
+
+/// Kills and reaps ranks already started, when the job cannot start after all.
+fn kill_started(children: &mut Vec<Child>) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    children.clear();
 }
 
 fn run(args: &Args) -> Result<i32> {
@@ -141,6 +185,7 @@ fn run(args: &Args) -> Result<i32> {
         )?,
         (None, None) => vec![Host { name: "localhost".into(), slots: args.np }],
     };
+    let hosts = merge_same(hosts);
     let placement = place(args.np, &hosts)?;
     let local: Vec<bool> = hosts.iter().map(|h| is_local(&h.name)).collect();
     let all_local = placement.iter().all(|p| local[p.host]);
@@ -163,6 +208,11 @@ fn run(args: &Args) -> Result<i32> {
         console: Mutex::new(()),
     });
     let extra = pass_env(&args.env)?;
+    let how = Supervision {
+        timeout: args.timeout.map(|t| seconds(t, "timeout")).transpose()?,
+        grace: seconds(args.grace, "grace")?,
+        terminate_on_failure: true,
+    };
     // An elastic job starts at generation 0, every worker in it.
     let mut elastic_job = match args.min_np {
         Some(m) if m == 0 || m > args.np => {
@@ -212,30 +262,30 @@ fn run(args: &Args) -> Result<i32> {
         let mut child = match spawn_tied(&mut cmd) {
             Ok(c) => c,
             Err(e) => {
-                for c in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
+                kill_started(&mut children);
                 return Err(Error::io(format!("starting rank {rank} ({}) on {host}", args.command[0]), e));
             }
         };
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
-        if let Some(o) = child.stdout.take() {
-            relays.push(relay(rank, "stdout", o, out.clone(), None)?);
-        }
-        if let Some(e) = child.stderr.take() {
-            relays.push(relay(rank, "stderr", e, out.clone(), Some(tail.clone()))?);
-        }
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         children.push(child);
+        let relayed = (|| -> Result<()> {
+            if let Some(o) = stdout {
+                relays.push(relay(rank, "stdout", o, out.clone(), None)?);
+            }
+            if let Some(e) = stderr {
+                relays.push(relay(rank, "stderr", e, out.clone(), Some(tail.clone()))?);
+            }
+            Ok(())
+        })();
+        if let Err(e) = relayed {
+            kill_started(&mut children);
+            return Err(e);
+        }
         ranks.push(Rank { host: host.clone(), tail });
     }
-    let how = Supervision {
-        timeout: args.timeout.map(|t| seconds(t, "timeout")).transpose()?,
-        grace: seconds(args.grace, "grace")?,
-        terminate_on_failure: true,
-    };
     let end = match &mut elastic_job {
-        Some(e) => supervise_with(&mut children, &how, &mut |r, statuses| e.lost(r, statuses)),
+        Some(e) => supervise_with(&mut children, &how, ELASTIC_SETTLE, &mut |r, statuses| e.lost(r, statuses)),
         None => supervise(&mut children, &how),
     };
     // The relays end with their pipes, once the ranks (and anything they started) are gone:
@@ -360,6 +410,10 @@ fn relay(
         .map_err(|e| Error::io("starting an output relay thread", e))
 }
 
+/// How long failures are gathered before an elastic job's next generation is published, so
+/// that ranks dying together (a host going down) make one generation, not one each.
+const ELASTIC_SETTLE: Duration = Duration::from_millis(500);
+
 /// The launcher's side of an elastic job: which workers each generation has.
 struct Elastic {
     store: Box<dyn Store>,
@@ -382,13 +436,29 @@ impl Elastic {
         self.store.set(elastic::GENERATION_KEY, self.generation.to_string().as_bytes())
     }
 
-    /// Worker `r` failed: a new generation of the workers still running, if there are enough of
-    /// them and resets left (true), or the end of the job (false).
-    fn lost(&mut self, r: usize, statuses: &[Option<std::process::ExitStatus>]) -> bool {
+    /// Workers `failed` failed: a new generation of the workers still running, if there are
+    /// enough of them and resets left and no worker reported a failure of its own work (true),
+    /// or the end of the job (false).
+    fn lost(&mut self, failed: &[usize], statuses: &[Option<std::process::ExitStatus>]) -> bool {
+        let r = match failed {
+            [one] => format!("rank {one}"),
+            many => format!("ranks {many:?}"),
+        };
+        match self.store.try_get(elastic::FATAL_KEY) {
+            Ok(Some(why)) => {
+                eprintln!("ferrogloo-run: {r} failed, and the elastic job ends: {}", String::from_utf8_lossy(&why));
+                return false;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("ferrogloo-run: {r} failed; the elastic job ends (its store: {e})");
+                return false;
+            }
+        }
         let alive: Vec<usize> = (0..statuses.len()).filter(|&w| statuses[w].is_none()).collect();
         if alive.len() < self.min || self.resets_left == 0 {
             eprintln!(
-                "ferrogloo-run: rank {r} failed and the elastic job cannot go on ({} left of at least {}, {} resets left)",
+                "ferrogloo-run: {r} failed and the elastic job cannot go on ({} left of at least {}, {} resets left)",
                 alive.len(),
                 self.min,
                 self.resets_left
@@ -400,7 +470,7 @@ impl Elastic {
         match self.publish(&alive) {
             Ok(()) => {
                 eprintln!(
-                    "ferrogloo-run: rank {r} failed; generation {} goes on with {} ranks (workers {alive:?})",
+                    "ferrogloo-run: {r} failed; generation {} goes on with {} ranks (workers {alive:?})",
                     self.generation,
                     alive.len()
                 );
@@ -484,33 +554,22 @@ impl Ssh {
         c
     }
 
-    /// Checks that every host answers within `limit` (each tried up to three times); names those
-    /// that do not.
+    /// Checks that every host answers within `limit` (each tried up to three times, all hosts
+    /// at once, 64 at a time); names those that do not.
     fn check(&self, hosts: &[&str], limit: Duration) -> Result<()> {
         let deadline = std::time::Instant::now() + limit;
         let mut silent = Vec::new();
-        for &h in hosts {
-            let mut ok = false;
-            let mut why = String::new();
-            for _ in 0..3 {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                let mut c = self.base(h, true);
-                c.arg("true").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-                match run_bounded(c, left) {
-                    Ok((true, _)) => {
-                        ok = true;
-                        break;
+        for batch in hosts.chunks(64) {
+            std::thread::scope(|s| {
+                let checks: Vec<_> = batch.iter().map(|&h| (h, s.spawn(move || self.answers(h, deadline)))).collect();
+                for (h, c) in checks {
+                    match c.join() {
+                        Ok(None) => {}
+                        Ok(Some(why)) => silent.push(format!("{h} ({why})")),
+                        Err(_) => silent.push(format!("{h} (its check failed)")),
                     }
-                    Ok((false, err)) => why = err,
-                    Err(e) => why = e.to_string(),
                 }
-            }
-            if !ok {
-                silent.push(format!("{h} ({})", if why.is_empty() { "no answer" } else { why.trim() }));
-            }
+            });
         }
         if silent.is_empty() {
             Ok(())
@@ -521,6 +580,31 @@ impl Ssh {
                 silent.join("; ")
             )))
         }
+    }
+
+    /// Whether `host` answers over ssh before `deadline` (up to three tries, a short pause
+    /// between them): `None` when it does, else why not.
+    fn answers(&self, host: &str, deadline: std::time::Instant) -> Option<String> {
+        let mut why = String::new();
+        for attempt in 0..3u32 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let mut c = self.base(host, true);
+            c.arg("true").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+            match run_bounded(c, left) {
+                Ok((true, _)) => return None,
+                Ok((false, err)) => why = err,
+                Err(e) => why = e.to_string(),
+            }
+            let pause = Duration::from_millis(250 << attempt);
+            if std::time::Instant::now() + pause >= deadline {
+                break;
+            }
+            std::thread::sleep(pause);
+        }
+        Some(if why.trim().is_empty() { "no answer".to_string() } else { why.trim().to_string() })
     }
 }
 
