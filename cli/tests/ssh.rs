@@ -55,6 +55,8 @@ impl Net {
         let _ = run("ip", &["link", "del", IFACE]);
         for i in 0..HOSTS {
             let _ = run("ip", &["netns", "del", &Self::host(i)]);
+            // (A veth outlives its deleted namespace while a process there still runs.)
+            let _ = run("ip", &["link", "del", &format!("fgsshp{i}")]);
         }
         run("ip", &["link", "add", IFACE, "type", "bridge"])?;
         net.bridge = true;
@@ -239,4 +241,29 @@ fn sigkill_to_the_launcher_ends_the_remote_ranks() {
     }
     let left: Vec<&u32> = pids.iter().filter(|p| alive(p)).collect();
     assert!(left.is_empty(), "remote ranks outlived the launcher: {left:?} ({})", net.dir().display());
+}
+
+#[test]
+fn a_remote_rank_s_failure_is_the_headline_with_its_own_stderr() {
+    let Some((_serial, net)) = network() else { return };
+    let t = Instant::now();
+    // Rank 1 (on the second host) writes to stderr and to stdout, and exits 3; rank 0 would
+    // sleep a minute.
+    let script = r#"if [ "$FERROGLOO_RANK" = 1 ]; then echo "to stdout"; echo "bad input on rank 1" >&2; exit 3; fi; exec sleep 60"#;
+    let out = net
+        .launcher()
+        .args(["-np", "2", "-H", &net.hosts(1), "--start-timeout", "20", "--grace", "2"])
+        .args(["sh", "-c", script])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferrogloo-run");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
+    let host = Net::addr(1);
+    assert!(stderr.contains(&format!("rank 1 (host {host}) exited with code 3")), "{stderr}");
+    // Its stderr apart from its stdout (no pseudo-terminal merging them).
+    assert!(stderr.contains("[1]<stderr>:bad input on rank 1"), "{stderr}");
+    assert!(stderr.contains("    bad input on rank 1"), "the headline quotes its stderr:\n{stderr}");
+    assert!(stdout.contains("[1]<stdout>:to stdout") && !stdout.contains("bad input"), "{stdout}");
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
 }

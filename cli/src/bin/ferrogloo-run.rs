@@ -9,8 +9,11 @@
 //! Every rank gets `FERROGLOO_RANK`, `FERROGLOO_SIZE`, `FERROGLOO_LOCAL_RANK`,
 //! `FERROGLOO_LOCAL_SIZE` and `FERROGLOO_STORE` (the launcher's own HTTP store), and the
 //! `HOROVOD_*` equivalents, so Horovod-style programs run under it too. No rank outlives the
-//! launcher: local ranks run in process groups of their own with a parent-death signal, remote
-//! ones under ssh with a pseudo-terminal whose end ends them; SIGINT and SIGTERM are forwarded,
+//! launcher: local ranks run in process groups of their own with a parent-death signal and a
+//! lifeline pipe; a remote one runs under a small shell wrapper in a session of its own, and
+//! the wrapper watches its ssh channel (the launcher holds the channel's input open and never
+//! writes to it): when the channel ends, however the launcher ended, the wrapper stops the
+//! rank's session (SIGTERM, the grace period, SIGKILL). SIGINT and SIGTERM are forwarded,
 //! and ranks still running after the grace period are killed. The first rank to fail is the
 //! headline: its rank, host, exit code or signal and the last lines of its stderr; the
 //! launcher exits with its code (128 + the signal when a signal ended it).
@@ -222,6 +225,9 @@ fn run(args: &Args) -> Result<i32> {
         None => None,
     };
     let mut children: Vec<Child> = Vec::with_capacity(args.np);
+    // The input ends of the remote ranks' ssh channels (see `Ssh::command`), closed only when
+    // this process ends or the job is over.
+    let mut lifelines: Vec<std::process::ChildStdin> = Vec::new();
     let mut ranks: Vec<Rank> = Vec::with_capacity(args.np);
     let mut relays: Vec<std::thread::JoinHandle<()>> = Vec::with_capacity(2 * args.np);
     let cross_size = placement.last().map_or(1, |p| p.cross_rank + 1);
@@ -256,9 +262,11 @@ fn run(args: &Args) -> Result<i32> {
             c.args(&args.command[1..]).envs(vars.iter().map(|(k, v)| (k, v)));
             c
         } else {
-            ssh.command(host, &vars, &args.command)
+            ssh.command(host, &vars, &args.command, how.grace)
         };
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // A remote rank's channel input is its lifeline: held open here, never written.
+        let stdin = if local[p.host] { Stdio::null() } else { Stdio::piped() };
+        cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = match spawn_tied(&mut cmd) {
             Ok(c) => c,
             Err(e) => {
@@ -268,6 +276,7 @@ fn run(args: &Args) -> Result<i32> {
         };
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
         let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        lifelines.extend(child.stdin.take());
         children.push(child);
         let relayed = (|| -> Result<()> {
             if let Some(o) = stdout {
@@ -288,6 +297,7 @@ fn run(args: &Args) -> Result<i32> {
         Some(e) => supervise_with(&mut children, &how, ELASTIC_SETTLE, &mut |r, statuses| e.lost(r, statuses)),
         None => supervise(&mut children, &how),
     };
+    drop(lifelines);
     // The relays end with their pipes, once the ranks (and anything they started) are gone:
     // what they still hold is printed before the report, waiting at most a moment for a pipe
     // that a rank's own child keeps open.
@@ -508,6 +518,27 @@ fn reachable_address(args: &Args) -> Result<String> {
     Ok(attr.resolve()?.to_string())
 }
 
+/// What runs a remote rank (`sh -c WRAPPER ferrogloo-rank PROGRAM ARGS...`): the program in a
+/// session of its own (`setsid`, where there is one), its input from /dev/null, and beside it a
+/// watcher reading the ssh channel's input, which the launcher never writes to. When the
+/// channel ends (the launcher ended, or its ssh was killed), the watcher sends SIGTERM to the
+/// rank's session, waits up to the grace period and sends SIGKILL. The wrapper exits with the
+/// program's status (128 + the signal when one ended it). Without a pseudo-terminal, the
+/// rank's stdout and stderr stay apart.
+const REMOTE_WRAPPER: &str = r#"exec 3<&0 </dev/null
+if command -v setsid >/dev/null 2>&1; then setsid "$@" 3<&- & else "$@" 3<&- & fi
+p=$!
+{ while read -r _; do :; done
+  kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
+  i=0; while [ "$i" -lt "$FERROGLOO_RUN_GRACE_TENTHS" ] && kill -0 "$p" 2>/dev/null; do sleep 0.1; i=$((i+1)); done
+  kill -KILL -"$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null
+} <&3 3<&- &
+w=$!
+exec 3<&-
+wait "$p"; rc=$?
+kill "$w" 2>/dev/null
+exit "$rc""#;
+
 /// How to reach remote hosts.
 struct Ssh {
     port: Option<u16>,
@@ -522,8 +553,7 @@ impl Ssh {
         // Host keys are learned once and checked afterwards; never switched off.
         c.args(["-o", "StrictHostKeyChecking=accept-new", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]);
         if !batch {
-            // A pseudo-terminal: when this side goes, the remote side gets SIGHUP.
-            c.args(["-tt", "-o", "LogLevel=ERROR"]);
+            c.args(["-o", "LogLevel=ERROR"]);
         }
         if let Some(p) = self.port {
             c.args(["-p", &p.to_string()]);
@@ -538,14 +568,17 @@ impl Ssh {
         c
     }
 
-    /// The command that runs `command` on `host` with `vars` set.
-    fn command(&self, host: &str, vars: &[(String, String)], command: &[String]) -> Command {
+    /// The command that runs `command` on `host` with `vars` set, under [`REMOTE_WRAPPER`]
+    /// (which gives a rank that outlives its channel `grace` to stop before killing it).
+    fn command(&self, host: &str, vars: &[(String, String)], command: &[String], grace: Duration) -> Command {
         let mut c = self.base(host, false);
         let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| ".".into());
         let mut line = format!("cd {} && exec env", quote(&cwd));
         for (k, v) in vars {
             line.push_str(&format!(" {k}={}", quote(v)));
         }
+        let tenths = (grace.as_millis() / 100).max(1);
+        line.push_str(&format!(" FERROGLOO_RUN_GRACE_TENTHS={tenths} sh -c {} ferrogloo-rank", quote(REMOTE_WRAPPER)));
         for a in command {
             line.push(' ');
             line.push_str(&quote(a));
