@@ -113,6 +113,16 @@ pub enum Error {
         /// The cargo feature that provides it, when one does.
         feature: Option<String>,
     },
+    /// An elastic job's membership changed (ranks joined or left): the work on the current
+    /// context stops so that every member rebuilds it in the new generation (see
+    /// [`launch::elastic`](crate::launch::elastic)).
+    #[error("the elastic job's membership changed: generation {generation} follows generation {current}")]
+    MembershipChanged {
+        /// The generation this rank was working in.
+        current: u64,
+        /// The generation the launcher published since.
+        generation: u64,
+    },
     /// Rank processes of a local job failed (see [`launch::spawn_local`](crate::launch::spawn_local)).
     #[error("{}", fmt_failed(ranks, detail))]
     RanksFailed {

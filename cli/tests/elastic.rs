@@ -23,20 +23,29 @@ fn elastic_worker() {
     if !RankEnv::is_set() {
         return;
     }
+    ferrogloo_cli::init_logging();
     let env = RankEnv::from_env().expect("rank environment");
     let worker: u64 = std::env::var(elastic::WORKER_ENV).ok().and_then(|w| w.parse().ok()).expect("a worker id");
     println!("PID {}", std::process::id());
     let dev = Device::with_transport(Transport::from_env().expect("transport"), &TcpAttr::loopback()).expect("device");
     // What the worker has done survives generations; each generation starts from the furthest.
     let mut done = 0u64;
-    let size = elastic::run(&env, &dev, Duration::from_secs(10), |ctx| {
+    // With ELASTIC_TEST_GROW_TO=n, workers go on past STEPS until the job has n ranks.
+    let grow_to: usize = std::env::var("ELASTIC_TEST_GROW_TO").ok().and_then(|g| g.parse().ok()).unwrap_or(0);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let size = elastic::run(&env, &dev, Duration::from_secs(10), |ctx, membership| {
         let mut start = [done];
         ctx.allreduce(&mut start, ReduceOp::Max)?;
         done = start[0];
-        while done < STEPS {
+        while done < STEPS || ctx.size() < grow_to {
+            // Ranks joined: rebuild at the new size.
+            membership.check()?;
+            if Instant::now() > deadline {
+                return Err(Error::invalid(format!("the job did not grow to {grow_to} ranks")));
+            }
             let victims = std::env::var("ELASTIC_TEST_VICTIMS").unwrap_or_else(|_| "3".into());
             let victim = victims.split(',').any(|v| v.parse() == Ok(worker));
-            if done == KILL_AT && ctx.size() == 4 && victim {
+            if done == KILL_AT && membership.generation() == 0 && victim {
                 if std::env::var("ELASTIC_TEST_MODE").as_deref() == Ok("fatal") {
                     return Err(Error::invalid("bad input on worker 3"));
                 }
@@ -55,27 +64,50 @@ fn elastic_worker() {
     println!("DONE worker {worker} size {size}");
 }
 
+/// How an elastic job of the worker went.
+struct Outcome {
+    status: std::process::ExitStatus,
+    /// The workers' `DONE` lines, sorted.
+    done: Vec<String>,
+    /// All stdout.
+    seen: String,
+    /// The launcher's stderr.
+    stderr: String,
+    /// When each of the launcher's stderr lines came, after the start.
+    stamped: Vec<(Duration, String)>,
+}
+
 /// Runs `ferrogloo-run -np 4 --min-np min` of the worker, SIGKILLs `victims` (100 ms apart)
-/// once all of them reached the step they wait at; returns the launcher's status, the workers' `DONE` lines
-/// (sorted), all stdout and the launcher's stderr.
-fn kill_workers(min: usize, victims: &[usize]) -> (std::process::ExitStatus, Vec<String>, String, String) {
+/// once all of them reached the step they wait at.
+fn kill_workers(min: usize, victims: &[usize]) -> Outcome {
+    elastic_job(&["-np", "4", "--min-np", &min.to_string()], &[], victims)
+}
+
+/// Runs `ferrogloo-run ARGS` of the worker with `env`, SIGKILLs `victims` (100 ms apart) once
+/// all of them reached the step they wait at.
+fn elastic_job(args: &[&str], env: &[(&str, &str)], victims: &[usize]) -> Outcome {
     let me = std::env::current_exe().expect("this test binary");
     let list = victims.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let t = Instant::now();
     let mut child = Command::new("timeout")
         .arg("120")
         .arg(RUN)
-        .args(["-np", "4", "--min-np", &min.to_string(), "--elastic-timeout", "20", "--grace", "2"])
+        .args(args)
+        .args(["--elastic-timeout", "20", "--grace", "2"])
         .arg(&me)
         .args(["--ignored", "--exact", "elastic_worker", "--nocapture", "--test-threads=1"])
         .env("ELASTIC_TEST_VICTIMS", &list)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start ferrogloo-run");
     let out = child.stdout.take().expect("stdout");
     let err = child.stderr.take().expect("stderr");
-    let errors = std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default());
-    let mut pids = [None::<i32>; 4];
+    let errors = std::thread::spawn(move || {
+        BufReader::new(err).lines().map_while(Result::ok).map(|l| (t.elapsed(), l)).collect::<Vec<_>>()
+    });
+    let mut pids = [None::<i32>; 8];
     let mut ready = Vec::new();
     let mut done: Vec<String> = Vec::new();
     let mut seen = String::new();
@@ -84,8 +116,10 @@ fn kill_workers(min: usize, victims: &[usize]) -> (std::process::ExitStatus, Vec
         seen.push('\n');
         let rank: Option<usize> = line.strip_prefix('[').and_then(|l| l.split(']').next()?.parse().ok());
         // (The test harness's "test elastic_worker ... " may start the pid's line.)
-        if let (Some(r), Some(p)) = (rank, line.split("PID ").nth(1).and_then(|p| p.trim().parse().ok())) {
-            pids[r] = Some(p);
+        if let (Some(r), Some(p)) = (rank, line.split("PID ").nth(1).and_then(|p| p.trim().parse().ok()))
+            && let Some(slot) = pids.get_mut(r)
+        {
+            *slot = Some(p);
         }
         if let Some(r) = rank.filter(|r| victims.contains(r) && line.contains("READY")) {
             ready.push(r);
@@ -108,13 +142,24 @@ fn kill_workers(min: usize, victims: &[usize]) -> (std::process::ExitStatus, Vec
     }
     let status = child.wait().expect("the launcher ends");
     done.sort();
-    (status, done, seen, errors.join().unwrap_or_default())
+    let stamped = errors.join().unwrap_or_default();
+    let stderr = stamped.iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n");
+    Outcome { status, done, seen, stderr, stamped }
+}
+
+/// A host discovery script in `dir` that names `hosts`.
+fn discovery_script(dir: &std::path::Path, hosts: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join("discover.sh");
+    std::fs::write(&path, format!("#!/bin/sh\necho {hosts}\n")).expect("write the script");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("make it executable");
+    path.display().to_string()
 }
 
 #[test]
 fn a_worker_killed_mid_job_leaves_three_that_rebuild_and_finish() {
     let t = Instant::now();
-    let (status, done, seen, stderr) = kill_workers(3, &[3]);
+    let Outcome { status, done, seen, stderr, .. } = kill_workers(3, &[3]);
     assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
     assert_eq!(done, ["worker 0 size 3", "worker 1 size 3", "worker 2 size 3"], "{seen}\n{stderr}");
     assert!(stderr.contains("rank 3 failed; generation 1 goes on with 3 ranks"), "{stderr}");
@@ -124,7 +169,7 @@ fn a_worker_killed_mid_job_leaves_three_that_rebuild_and_finish() {
 #[test]
 fn two_workers_killed_together_make_one_new_generation() {
     let t = Instant::now();
-    let (status, done, seen, stderr) = kill_workers(2, &[1, 3]);
+    let Outcome { status, done, seen, stderr, .. } = kill_workers(2, &[1, 3]);
     assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
     assert_eq!(done, ["worker 0 size 2", "worker 2 size 2"], "{seen}\n{stderr}");
     assert!(stderr.contains("ranks [1, 3] failed; generation 1 goes on with 2 ranks (workers [0, 2])"), "{stderr}");
@@ -156,5 +201,65 @@ fn a_worker_failing_on_its_own_ends_the_elastic_job() {
     );
     assert!(!stderr.contains("goes on with"), "no new generation after a worker's own failure:\n{stderr}");
     assert!(!stdout.contains("DONE"), "{stdout}");
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+}
+
+#[test]
+fn the_job_grows_onto_discovered_slots() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let script = discovery_script(dir.path(), "localhost:3");
+    let t = Instant::now();
+    let Outcome { status, done, seen, stderr, .. } = elastic_job(
+        &[
+            "-np",
+            "2",
+            "--min-np",
+            "2",
+            "--max-np",
+            "3",
+            "--host-discovery-script",
+            &script,
+            "--discovery-interval",
+            "0.2",
+        ],
+        &[("ELASTIC_TEST_GROW_TO", "3")],
+        &[],
+    );
+    assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
+    assert_eq!(done, ["worker 0 size 3", "worker 1 size 3", "worker 2 size 3"], "{seen}\n{stderr}");
+    assert!(stderr.contains("generation 1 grows to 3 ranks (workers [0, 1, 2]; started 2 on localhost)"), "{stderr}");
+    assert!(!stderr.contains("generation 2"), "it stops at --max-np:\n{stderr}");
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+}
+
+#[test]
+fn a_failed_host_gets_a_new_rank_only_after_its_cooldown() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let script = discovery_script(dir.path(), "localhost:3");
+    let t = Instant::now();
+    let Outcome { status, done, seen, stderr, stamped } = elastic_job(
+        &[
+            "-np",
+            "3",
+            "--min-np",
+            "2",
+            "--host-discovery-script",
+            &script,
+            "--discovery-interval",
+            "0.2",
+            "--blacklist-cooldown",
+            "1.5",
+        ],
+        &[("ELASTIC_TEST_GROW_TO", "3")],
+        &[2],
+    );
+    assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
+    // Worker 2 was killed; worker 3 took its place once localhost's cooldown was over.
+    assert_eq!(done, ["worker 0 size 3", "worker 1 size 3", "worker 3 size 3"], "{seen}\n{stderr}");
+    let at = |what: &str| stamped.iter().find(|(_, l)| l.contains(what)).map(|(t, _)| *t);
+    let shrunk = at("rank 2 failed; generation 1 goes on with 2 ranks").expect(&stderr);
+    let grown = at("generation 2 grows to 3 ranks (workers [0, 1, 3]; started 3 on localhost)").expect(&stderr);
+    assert!(stderr.contains("host localhost gets no new ranks for 2 s"), "{stderr}");
+    assert!(grown >= shrunk + Duration::from_millis(1400), "regrown {:?} after the failure", grown - shrunk);
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
 }

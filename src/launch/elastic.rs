@@ -1,14 +1,17 @@
-//! Elastic jobs: ranks that come and go. `ferrogloo-run --min-np M` keeps a job going when a
-//! rank dies, as long as M are left: it publishes a new *generation* in the job's store (which
-//! workers are in it, in rank order), and every surviving worker rebuilds its context there,
-//! with a new rank and size, and carries on.
+//! Elastic jobs: ranks that come and go. `ferrogloo-run --min-np M --max-np X` keeps a job
+//! going when ranks die, as long as M are left, and adds ranks (up to X) where hosts have room
+//! (hosts its `--host-discovery-script` names, or those it was given). Each change is a new
+//! *generation* in the job's store (which workers are in it, in rank order); every worker of
+//! it rebuilds its context there, with its new rank and size, and carries on.
 //!
 //! A worker's program is a loop around "build the context, run, and on a membership error
 //! rebuild" ([`run`]): it gets the context of the current generation, and when its work fails
-//! because a peer is gone (closed, timed out, aborted), [`run`] waits for the next generation
-//! and calls it again. The program keeps whatever state it needs across calls (a checkpoint,
-//! the step it reached) and should bring the new members up to date at the start of each call
-//! (for example with a broadcast from rank 0).
+//! because a peer is gone (closed, timed out, aborted), or because [`Membership::check`] found
+//! a newer generation (ranks joined), [`run`] waits for the next generation and calls it
+//! again. The program keeps whatever state it needs across calls (a checkpoint, the step it
+//! reached) and brings new members up to date at the start of each call (for example with a
+//! broadcast from rank 0). Call [`Membership::check`] at points where the job may change size
+//! (every few steps: it reads one store key): without it a job still shrinks, but never grows.
 //!
 //! The launcher and the workers meet through these store keys:
 //!
@@ -16,6 +19,7 @@
 //! |---|---|
 //! | `elastic.generation` | the latest generation number, decimal |
 //! | `elastic.g<N>.members` | its workers (ids as `FERROGLOO_WORKER` gives them), comma-separated, in rank order |
+//! | `elastic.g<N>.ready` | how many of its workers have built their context (the launcher adds ranks only to a generation that all have joined) |
 //! | `elastic.fatal` | set by a worker whose work failed for another reason than membership: the job ends |
 //!
 //! and each generation forms its context under the store prefix `elastic.g<N>`.
@@ -30,12 +34,15 @@
 //! let env = RankEnv::from_env()?;
 //! let device = Device::new(&TcpAttr::default())?;
 //! let mut step = 0u64; // progress survives generations
-//! elastic::run(&env, &device, Duration::from_secs(30), |ctx| {
+//! elastic::run(&env, &device, Duration::from_secs(30), |ctx, membership| {
 //!     // Newcomers and survivors agree on where to go on from.
 //!     let mut start = [step];
 //!     ctx.allreduce(&mut start, ReduceOp::Max)?;
 //!     step = start[0];
 //!     while step < 1000 {
+//!         if step % 10 == 0 {
+//!             membership.check()?; // ranks joined: rebuild at the new size
+//!         }
 //!         let mut grads = vec![1.0f32; 1 << 16];
 //!         ctx.allreduce(&mut grads, ReduceOp::Sum)?;
 //!         step += 1;
@@ -73,15 +80,58 @@ pub fn members_key(g: u64) -> String {
     format!("elastic.g{g}.members")
 }
 
+/// The key counting generation `g`'s workers that have built their context.
+pub fn ready_key(g: u64) -> String {
+    format!("elastic.g{g}.ready")
+}
+
 /// The store prefix generation `g`'s context forms under.
 pub fn generation_prefix(g: u64) -> String {
     format!("elastic.g{g}")
 }
 
 /// Whether `e` says the job's membership changed (a peer died, left, stalled or was aborted by
-/// another rank's failure): worth a new generation rather than the end.
+/// another rank's failure, or ranks joined): worth a new generation rather than the end.
 pub fn is_membership_error(e: &Error) -> bool {
-    matches!(e, Error::PeerClosed { .. } | Error::PeerTimedOut { .. } | Error::Timeout { .. } | Error::Aborted { .. })
+    matches!(
+        e,
+        Error::PeerClosed { .. }
+            | Error::PeerTimedOut { .. }
+            | Error::Timeout { .. }
+            | Error::Aborted { .. }
+            | Error::MembershipChanged { .. }
+    )
+}
+
+/// A worker's view of its elastic job, handed to the work of each generation by [`run`].
+pub struct Membership<'a> {
+    store: &'a dyn Store,
+    generation: u64,
+    worker: u64,
+}
+
+impl Membership<'_> {
+    /// The generation this context belongs to.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// This worker's id (stable across generations, unlike its rank).
+    pub fn worker(&self) -> u64 {
+        self.worker
+    }
+
+    /// Whether the launcher has published a newer generation (ranks joined or left): then
+    /// [`Error::MembershipChanged`], which the work returns (with `?`) so that [`run`] rebuilds
+    /// the context at the new size. One store read. Outside an elastic job, always `Ok`.
+    pub fn check(&self) -> Result<()> {
+        if let Some(latest) = read_generation(self.store)?
+            && latest > self.generation
+        {
+            return Err(Error::MembershipChanged { current: self.generation, generation: latest });
+        }
+        Ok(())
+    }
 }
 
 /// Runs `work` on the context of each generation of an elastic job until it succeeds: when it
@@ -89,25 +139,28 @@ pub fn is_membership_error(e: &Error) -> bool {
 /// generation (at most `FERROGLOO_ELASTIC_TIMEOUT`), rebuilds the context with this worker's
 /// new rank and size, and calls `work` again. Any other error ends it, and is recorded under
 /// [`FATAL_KEY`] so that the launcher ends the whole job rather than going on without this
-/// worker; so do this worker missing from the new generation, or no new generation in time.
-/// `timeout` is each context's deadline.
+/// worker; so does no generation with this worker in it in time (a worker the launcher
+/// started to join the job waits for the generation that includes it). `timeout` is each
+/// context's deadline.
 ///
 /// A membership error with no rank gone (a peer only slow beyond `timeout`) brings no new
-/// generation: the launcher publishes one only when a process ends, so such a job ends after
-/// `FERROGLOO_ELASTIC_TIMEOUT`. Choose `timeout` well above a step's longest time.
+/// generation: the launcher publishes one only when a process ends or ranks join, so such a
+/// job ends after `FERROGLOO_ELASTIC_TIMEOUT`. Choose `timeout` well above a step's longest
+/// time.
 ///
 /// Outside an elastic job (no `FERROGLOO_ELASTIC`), it is one call of `work` on the job's
-/// context.
+/// context (and [`Membership::check`] never reports a change).
 pub fn run<R>(
     env: &RankEnv,
     device: &Device,
     timeout: Duration,
-    mut work: impl FnMut(&Context) -> Result<R>,
+    mut work: impl FnMut(&Context, &Membership<'_>) -> Result<R>,
 ) -> Result<R> {
     let store = crate::rendezvous::open(&env.store)?;
     if std::env::var(ELASTIC_ENV).ok().as_deref() != Some("1") {
         let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, device)?;
-        return work(&ctx);
+        let fixed = crate::rendezvous::HashStore::new();
+        return work(&ctx, &Membership { store: &fixed, generation: 0, worker: env.rank as u64 });
     }
     let me: u64 = std::env::var(WORKER_ENV)
         .ok()
@@ -119,6 +172,8 @@ pub fn run<R>(
         Err(_) => Duration::from_secs(60),
     };
     let mut seen: Option<u64> = None;
+    // Since when this worker has waited for a generation with it in it.
+    let mut outside_since: Option<Instant> = None;
     loop {
         let g = next_generation(&*store, seen, wait_for)?;
         seen = Some(g);
@@ -126,14 +181,29 @@ pub fn run<R>(
         let members: Vec<u64> =
             String::from_utf8_lossy(&raw).split(',').filter_map(|m| m.trim().parse().ok()).collect();
         let Some(rank) = members.iter().position(|&m| m == me) else {
-            return Err(Error::invalid(format!(
-                "worker {me} is not in generation {g} of the elastic job (its members: {members:?})"
-            )));
+            let since = *outside_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= wait_for {
+                return Err(Error::invalid(format!(
+                    "worker {me} is not in generation {g} of the elastic job (its members: {members:?}), nor in \
+                     any generation for {}",
+                    crate::error::secs(&wait_for)
+                )));
+            }
+            tracing::debug!(generation = g, "elastic job: this worker is not in the latest generation; waiting");
+            continue;
         };
+        outside_since = None;
         tracing::info!(generation = g, rank, size = members.len(), "elastic job: joining a generation");
         let scoped = PrefixStore::new(generation_prefix(g), &*store);
-        let result =
-            Context::builder(rank, members.len()).timeout(timeout).connect(&scoped, device).and_then(|ctx| work(&ctx));
+        let membership = Membership { store: &*store, generation: g, worker: me };
+        let result = Context::builder(rank, members.len()).timeout(timeout).connect(&scoped, device).and_then(|ctx| {
+            // Counted so that the launcher adds ranks only once every member is here: a worker
+            // still forming an older generation would wait out its deadline for one that left.
+            if let Err(e) = store.add(&ready_key(g), 1) {
+                tracing::warn!(error = %e, "elastic job: could not count this worker in the store");
+            }
+            work(&ctx, &membership)
+        });
         match result {
             Ok(r) => return Ok(r),
             Err(e) if is_membership_error(&e) => {
@@ -151,19 +221,25 @@ pub fn run<R>(
     }
 }
 
+/// The latest generation the store holds, if any.
+fn read_generation(store: &dyn Store) -> Result<Option<u64>> {
+    let Some(raw) = store.try_get(GENERATION_KEY)? else { return Ok(None) };
+    String::from_utf8_lossy(&raw)
+        .trim()
+        .parse()
+        .map(Some)
+        .map_err(|_| Error::invalid(format!("{GENERATION_KEY} holds {raw:?}, not a number")))
+}
+
 /// The newest generation after `seen` (any, if `None`), waiting for one at most `limit`.
 fn next_generation(store: &dyn Store, seen: Option<u64>, limit: Duration) -> Result<u64> {
     let deadline = Instant::now() + limit;
     let mut backoff = crate::rendezvous::Backoff::new();
     loop {
-        if let Some(raw) = store.try_get(GENERATION_KEY)? {
-            let g: u64 = String::from_utf8_lossy(&raw)
-                .trim()
-                .parse()
-                .map_err(|_| Error::invalid(format!("{GENERATION_KEY} holds {raw:?}, not a number")))?;
-            if seen.is_none_or(|s| g > s) {
-                return Ok(g);
-            }
+        if let Some(g) = read_generation(store)?
+            && seen.is_none_or(|s| g > s)
+        {
+            return Ok(g);
         }
         if !backoff.sleep_until(deadline) {
             return Err(Error::Timeout {

@@ -387,20 +387,43 @@ impl JobEnd {
 /// - at `how.timeout` every rank still running is killed.
 ///
 /// Call it from the thread that spawned the ranks (their parent-death signal follows it).
-pub fn supervise(children: &mut [Child], how: &Supervision) -> JobEnd {
-    supervise_with(children, how, Duration::ZERO, &mut |_, _| false)
+pub fn supervise(children: &mut Vec<Child>, how: &Supervision) -> JobEnd {
+    supervise_with(children, how, &mut Fixed)
 }
 
-/// What [`supervise_with`] asks about failed ranks: given them and every rank's status so far,
-/// whether the job goes on without them.
-pub type Absorb<'a> = dyn FnMut(&[usize], &[Option<ExitStatus>]) -> bool + 'a;
+/// How an elastic job's membership follows its ranks: what [`supervise_with`] asks while the
+/// job runs. The defaults are a fixed job's: no failure is absorbed, no rank is added.
+pub trait Elasticity {
+    /// Ranks `failed` failed (after [`Elasticity::settle`] gathered those that failed
+    /// together); `statuses` are all ranks' statuses so far. True when the job goes on
+    /// without them: they are then listed in [`JobEnd::absorbed`] and nothing else happens.
+    fn absorb(&mut self, failed: &[usize], statuses: &[Option<ExitStatus>]) -> bool {
+        let _ = (failed, statuses);
+        false
+    }
 
-/// [`supervise`], with a say on failures: `absorb(failed, statuses)` (the ranks that failed,
-/// and all ranks' statuses so far) returns true when the job goes on without them (an elastic
-/// job that still has enough ranks); they are then listed in [`JobEnd::absorbed`] and nothing
-/// else happens. Failures are gathered for `settle` after the first of them before `absorb`
-/// is asked, so that ranks dying together (a host going down) are one change, not several.
-pub fn supervise_with(children: &mut [Child], how: &Supervision, settle: Duration, absorb: &mut Absorb<'_>) -> JobEnd {
+    /// How long failures are gathered after the first of them before [`Elasticity::absorb`]
+    /// is asked, so that ranks dying together (a host going down) are one change.
+    fn settle(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    /// Called on every round of the supervision (every few milliseconds) while no failure is
+    /// being gathered or ends the job: may start new ranks, appended to `children` (their
+    /// statuses follow).
+    fn tick(&mut self, children: &mut Vec<Child>, statuses: &[Option<ExitStatus>]) {
+        let _ = (children, statuses);
+    }
+}
+
+/// A job of fixed membership.
+struct Fixed;
+
+impl Elasticity for Fixed {}
+
+/// [`supervise`], with `membership` deciding on failures (see [`Elasticity::absorb`]) and
+/// adding ranks ([`Elasticity::tick`]).
+pub fn supervise_with(children: &mut Vec<Child>, how: &Supervision, membership: &mut dyn Elasticity) -> JobEnd {
     let interrupts = Interrupts::install();
     let started = Instant::now();
     let end = how.timeout.map(|t| started + t);
@@ -427,10 +450,10 @@ pub fn supervise_with(children: &mut [Child], how: &Supervision, settle: Duratio
                 }
             }
         }
-        let settled = pending_since.elapsed() >= settle || job.statuses.iter().all(Option::is_some);
+        let settled = pending_since.elapsed() >= membership.settle() || job.statuses.iter().all(Option::is_some);
         if !pending.is_empty() && settled && job.first_failure.is_none() {
             let failed = std::mem::take(&mut pending);
-            if absorb(&failed, &job.statuses) {
+            if membership.absorb(&failed, &job.statuses) {
                 job.absorbed.extend(failed);
             } else {
                 job.first_failure = failed.first().copied();
@@ -447,6 +470,10 @@ pub fn supervise_with(children: &mut [Child], how: &Supervision, settle: Duratio
         }
         if job.statuses.iter().all(Option::is_some) {
             return job;
+        }
+        if job.first_failure.is_none() && job.signal.is_none() && pending.is_empty() {
+            membership.tick(children, &job.statuses);
+            job.statuses.resize(children.len(), None);
         }
         if let Some(sig) = interrupts.take() {
             if job.signal.is_none() {

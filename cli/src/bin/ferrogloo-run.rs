@@ -24,12 +24,14 @@ use ferrogloo::rendezvous::HttpStoreServer;
 use ferrogloo::rendezvous::Store;
 use ferrogloo::{Error, Result};
 use ferrogloo_cli::run::{Host, is_local, merge_same, parse_hostfile, parse_hosts, place};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
+use std::process::ExitStatus;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use std::time::Instant;
 
 /// Lines of each rank's stderr kept for the failure report.
 const TAIL: usize = 20;
@@ -88,7 +90,21 @@ struct Args {
     /// `ferrogloo::launch::elastic`).
     #[arg(long)]
     min_np: Option<usize>,
-    /// Elastic: how many times the job may lose a rank and go on.
+    /// Elastic: the most ranks the job grows to where hosts have room (default: -np).
+    #[arg(long)]
+    max_np: Option<usize>,
+    /// Elastic: a program printing the hosts available now, one `host[:slots]` per line; run
+    /// every --discovery-interval seconds (at most 10 s each). The job grows onto hosts with
+    /// free slots (up to --max-np). Without it, the hosts of -H/--hostfile are the hosts.
+    #[arg(long)]
+    host_discovery_script: Option<PathBuf>,
+    /// Elastic: seconds between runs of the host discovery script.
+    #[arg(long, default_value_t = 2.0)]
+    discovery_interval: f64,
+    /// Elastic: seconds a host where a rank failed gets no new ranks.
+    #[arg(long, default_value_t = 60.0)]
+    blacklist_cooldown: f64,
+    /// Elastic: how many times the job may lose ranks and go on.
     #[arg(long, default_value_t = 3)]
     reset_limit: usize,
     /// Elastic: seconds a surviving rank waits for the next generation.
@@ -191,7 +207,12 @@ fn run(args: &Args) -> Result<i32> {
     let hosts = merge_same(hosts);
     let placement = place(args.np, &hosts)?;
     let local: Vec<bool> = hosts.iter().map(|h| is_local(&h.name)).collect();
-    let all_local = placement.iter().all(|p| local[p.host]);
+    // Ranks only ever on this machine: the store and the ranks listen on loopback. (An elastic
+    // job may add ranks on any host it was given, or on hosts its discovery script names.)
+    let all_local = match args.min_np {
+        Some(_) => local.iter().all(|&l| l) && args.host_discovery_script.is_none(),
+        None => placement.iter().all(|p| local[p.host]),
+    };
     let ssh = Ssh { port: args.ssh_port, identity: args.ssh_identity.clone(), options: args.ssh_option.clone() };
     if !all_local {
         let remote: Vec<&str> = hosts.iter().zip(&local).filter(|(_, l)| !**l).map(|(h, _)| h.name.as_str()).collect();
@@ -205,97 +226,73 @@ fn run(args: &Args) -> Result<i32> {
     let store = server.store_url(&scope);
 
     let out = Arc::new(Output {
-        tag: !args.no_tag_output && (args.tag_output || args.np > 1),
+        tag: !args.no_tag_output && (args.tag_output || args.np > 1 || args.max_np.is_some_and(|m| m > 1)),
         timestamps: args.timestamp_output,
         dir: args.output_filename.clone(),
         console: Mutex::new(()),
     });
-    let extra = pass_env(&args.env)?;
     let how = Supervision {
         timeout: args.timeout.map(|t| seconds(t, "timeout")).transpose()?,
         grace: seconds(args.grace, "grace")?,
         terminate_on_failure: true,
     };
+    let mut starter = Starter {
+        args,
+        ssh,
+        store: store.clone(),
+        out,
+        extra: pass_env(&args.env)?,
+        loopback: all_local,
+        grace: how.grace,
+        lifelines: Vec::new(),
+        ranks: Vec::with_capacity(args.np),
+        relays: Vec::with_capacity(2 * args.np),
+    };
     // An elastic job starts at generation 0, every worker in it.
-    let mut elastic_job = match args.min_np {
+    let elastic_job = match args.min_np {
         Some(m) if m == 0 || m > args.np => {
             return Err(Error::invalid(format!("--min-np {m} must be from 1 to -np {}", args.np)));
         }
-        Some(m) => Some(Elastic::start(&store, args.np, m, args.reset_limit)?),
+        Some(_) if args.max_np.is_some_and(|x| x < args.np) => {
+            return Err(Error::invalid(format!("--max-np must be at least -np {}", args.np)));
+        }
+        Some(m) => Some(Elastic::start(args, &store, m, &hosts)?),
+        None if args.max_np.is_some() || args.host_discovery_script.is_some() => {
+            return Err(Error::invalid("--max-np and --host-discovery-script are for elastic jobs: give --min-np"));
+        }
         None => None,
     };
     let mut children: Vec<Child> = Vec::with_capacity(args.np);
-    // The input ends of the remote ranks' ssh channels (see `Ssh::command`), closed only when
-    // this process ends or the job is over.
-    let mut lifelines: Vec<std::process::ChildStdin> = Vec::new();
-    let mut ranks: Vec<Rank> = Vec::with_capacity(args.np);
-    let mut relays: Vec<std::thread::JoinHandle<()>> = Vec::with_capacity(2 * args.np);
     let cross_size = placement.last().map_or(1, |p| p.cross_rank + 1);
     for (rank, p) in placement.iter().enumerate() {
-        let mut vars: Vec<(String, String)> = vec![
-            ("FERROGLOO_RANK".into(), rank.to_string()),
-            ("FERROGLOO_SIZE".into(), args.np.to_string()),
-            ("FERROGLOO_LOCAL_RANK".into(), p.local_rank.to_string()),
-            ("FERROGLOO_LOCAL_SIZE".into(), p.local_size.to_string()),
-            ("FERROGLOO_STORE".into(), store.clone()),
-            ("HOROVOD_RANK".into(), rank.to_string()),
-            ("HOROVOD_SIZE".into(), args.np.to_string()),
-            ("HOROVOD_LOCAL_RANK".into(), p.local_rank.to_string()),
-            ("HOROVOD_LOCAL_SIZE".into(), p.local_size.to_string()),
-            ("HOROVOD_CROSS_RANK".into(), p.cross_rank.to_string()),
-            ("HOROVOD_CROSS_SIZE".into(), cross_size.to_string()),
-        ];
-        if args.min_np.is_some() {
-            vars.push((elastic::ELASTIC_ENV.into(), "1".into()));
-            vars.push((elastic::WORKER_ENV.into(), rank.to_string()));
-            vars.push((elastic::ELASTIC_TIMEOUT_ENV.into(), args.elastic_timeout.to_string()));
-        }
-        if let Some(iface) = &args.network_interface {
-            vars.push(("FERROGLOO_IFACE".into(), iface.clone()));
-        } else if all_local {
-            vars.push(("FERROGLOO_ADDR".into(), "127.0.0.1".into()));
-        }
-        vars.extend(extra.iter().cloned());
-        let host = &hosts[p.host].name;
-        let mut cmd = if local[p.host] {
-            let mut c = Command::new(&args.command[0]);
-            c.args(&args.command[1..]).envs(vars.iter().map(|(k, v)| (k, v)));
-            c
-        } else {
-            ssh.command(host, &vars, &args.command, how.grace)
+        let slot = Slot {
+            host: hosts[p.host].name.clone(),
+            local: local[p.host],
+            rank,
+            size: args.np,
+            local_rank: p.local_rank,
+            local_size: p.local_size,
+            cross_rank: p.cross_rank,
+            cross_size,
         };
-        // A remote rank's channel input is its lifeline: held open here, never written.
-        let stdin = if local[p.host] { Stdio::null() } else { Stdio::piped() };
-        cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = match spawn_tied(&mut cmd) {
-            Ok(c) => c,
+        match starter.start(&slot, rank) {
+            Ok(c) => children.push(c),
             Err(e) => {
                 kill_started(&mut children);
-                return Err(Error::io(format!("starting rank {rank} ({}) on {host}", args.command[0]), e));
+                return Err(e);
             }
-        };
-        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
-        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
-        lifelines.extend(child.stdin.take());
-        children.push(child);
-        let relayed = (|| -> Result<()> {
-            if let Some(o) = stdout {
-                relays.push(relay(rank, "stdout", o, out.clone(), None)?);
-            }
-            if let Some(e) = stderr {
-                relays.push(relay(rank, "stderr", e, out.clone(), Some(tail.clone()))?);
-            }
-            Ok(())
-        })();
-        if let Err(e) = relayed {
-            kill_started(&mut children);
-            return Err(e);
         }
-        ranks.push(Rank { host: host.clone(), tail });
     }
-    let end = match &mut elastic_job {
-        Some(e) => supervise_with(&mut children, &how, ELASTIC_SETTLE, &mut |r, statuses| e.lost(r, statuses)),
-        None => supervise(&mut children, &how),
+    let (end, starter) = match elastic_job {
+        Some(mut e) => {
+            e.starter = Some(starter);
+            let end = supervise_with(&mut children, &how, &mut e);
+            (end, e.starter.take())
+        }
+        None => (supervise(&mut children, &how), Some(starter)),
+    };
+    let Some(Starter { lifelines, ranks, relays, .. }) = starter else {
+        return Err(Error::invalid("the elastic job lost its rank starter"));
     };
     drop(lifelines);
     // The relays end with their pipes, once the ranks (and anything they started) are gone:
@@ -311,6 +308,99 @@ fn run(args: &Args) -> Result<i32> {
     report(&end, &ranks, &how);
     drop(server);
     Ok(end.exit_code())
+}
+
+/// Where, and as which rank, a rank process starts.
+struct Slot {
+    host: String,
+    local: bool,
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    local_size: usize,
+    cross_rank: usize,
+    cross_size: usize,
+}
+
+/// Starts rank processes, and keeps what they leave for the end of the job: `ranks[i]`,
+/// their output relays and their lifelines belong to the `i`-th process started.
+struct Starter<'a> {
+    args: &'a Args,
+    ssh: Ssh,
+    store: String,
+    out: Arc<Output>,
+    extra: Vec<(String, String)>,
+    /// Every rank on this machine, the store on loopback.
+    loopback: bool,
+    grace: Duration,
+    /// The input ends of the remote ranks' ssh channels (see `Ssh::command`), closed only
+    /// when this process ends or the job is over.
+    lifelines: Vec<std::process::ChildStdin>,
+    ranks: Vec<Rank>,
+    relays: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Starter<'_> {
+    /// Starts the process `index` (its worker id in an elastic job) at `slot`.
+    fn start(&mut self, slot: &Slot, index: usize) -> Result<Child> {
+        let args = self.args;
+        let mut vars: Vec<(String, String)> = vec![
+            ("FERROGLOO_RANK".into(), slot.rank.to_string()),
+            ("FERROGLOO_SIZE".into(), slot.size.to_string()),
+            ("FERROGLOO_LOCAL_RANK".into(), slot.local_rank.to_string()),
+            ("FERROGLOO_LOCAL_SIZE".into(), slot.local_size.to_string()),
+            ("FERROGLOO_STORE".into(), self.store.clone()),
+            ("HOROVOD_RANK".into(), slot.rank.to_string()),
+            ("HOROVOD_SIZE".into(), slot.size.to_string()),
+            ("HOROVOD_LOCAL_RANK".into(), slot.local_rank.to_string()),
+            ("HOROVOD_LOCAL_SIZE".into(), slot.local_size.to_string()),
+            ("HOROVOD_CROSS_RANK".into(), slot.cross_rank.to_string()),
+            ("HOROVOD_CROSS_SIZE".into(), slot.cross_size.to_string()),
+        ];
+        if args.min_np.is_some() {
+            vars.push((elastic::ELASTIC_ENV.into(), "1".into()));
+            vars.push((elastic::WORKER_ENV.into(), index.to_string()));
+            vars.push((elastic::ELASTIC_TIMEOUT_ENV.into(), args.elastic_timeout.to_string()));
+        }
+        if let Some(iface) = &args.network_interface {
+            vars.push(("FERROGLOO_IFACE".into(), iface.clone()));
+        } else if self.loopback {
+            vars.push(("FERROGLOO_ADDR".into(), "127.0.0.1".into()));
+        }
+        vars.extend(self.extra.iter().cloned());
+        let host = &slot.host;
+        let mut cmd = if slot.local {
+            let mut c = Command::new(&args.command[0]);
+            c.args(&args.command[1..]).envs(vars.iter().map(|(k, v)| (k, v)));
+            c
+        } else {
+            self.ssh.command(host, &vars, &args.command, self.grace)
+        };
+        // A remote rank's channel input is its lifeline: held open here, never written.
+        let stdin = if slot.local { Stdio::null() } else { Stdio::piped() };
+        cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = spawn_tied(&mut cmd)
+            .map_err(|e| Error::io(format!("starting rank {} ({}) on {host}", slot.rank, args.command[0]), e))?;
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let relayed = || -> Result<()> {
+            if let Some(o) = stdout {
+                self.relays.push(relay(index, "stdout", o, self.out.clone(), None)?);
+            }
+            if let Some(e) = stderr {
+                self.relays.push(relay(index, "stderr", e, self.out.clone(), Some(tail.clone()))?);
+            }
+            Ok(())
+        };
+        if let Err(e) = relayed() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+        self.lifelines.extend(child.stdin.take());
+        self.ranks.push(Rank { host: host.clone(), tail });
+        Ok(child)
+    }
 }
 
 /// Says how the job ended when it did not end well: the first failure first.
@@ -424,32 +514,131 @@ fn relay(
 /// that ranks dying together (a host going down) make one generation, not one each.
 const ELASTIC_SETTLE: Duration = Duration::from_millis(500);
 
-/// The launcher's side of an elastic job: which workers each generation has.
-struct Elastic {
+/// The launcher's side of an elastic job: which workers each generation has, where ranks may
+/// be added, and the hosts that recently lost one.
+struct Elastic<'a> {
     store: Box<dyn Store>,
     generation: u64,
     min: usize,
+    max: usize,
     resets_left: usize,
+    /// The hosts ranks may run on: those given, or the discovery script's latest answer.
+    hosts: Vec<Host>,
+    discovery: Option<Discovery>,
+    /// Hosts where a rank failed, and until when they get no new ranks.
+    blacklist: HashMap<String, Instant>,
+    cooldown: Duration,
+    /// Set once the first ranks are started: starts the ranks that join.
+    starter: Option<Starter<'a>>,
+    /// The current generation's workers.
+    members: Vec<usize>,
+    /// When it was last asked whether all of them have joined.
+    ready_asked: Instant,
 }
 
-impl Elastic {
+/// The host discovery script, run in the background.
+struct Discovery {
+    script: PathBuf,
+    interval: Duration,
+    next: Instant,
+    answer: Option<std::sync::mpsc::Receiver<Result<Vec<Host>>>>,
+}
+
+impl<'a> Elastic<'a> {
     /// Publishes generation 0: workers `0..np`.
-    fn start(url: &str, np: usize, min: usize, resets: usize) -> Result<Self> {
-        let e = Elastic { store: ferrogloo::rendezvous::open(url)?, generation: 0, min, resets_left: resets };
-        e.publish(&(0..np).collect::<Vec<_>>())?;
+    fn start(args: &Args, url: &str, min: usize, hosts: &[Host]) -> Result<Self> {
+        let discovery = args.host_discovery_script.as_ref().map(|script| {
+            Ok::<_, Error>(Discovery {
+                script: script.clone(),
+                interval: seconds(args.discovery_interval, "discovery-interval")?,
+                next: Instant::now(),
+                answer: None,
+            })
+        });
+        let mut e = Elastic {
+            store: ferrogloo::rendezvous::open(url)?,
+            generation: 0,
+            min,
+            max: args.max_np.unwrap_or(args.np),
+            resets_left: args.reset_limit,
+            hosts: hosts.to_vec(),
+            discovery: discovery.transpose()?,
+            blacklist: HashMap::new(),
+            cooldown: seconds(args.blacklist_cooldown, "blacklist-cooldown")?,
+            starter: None,
+            members: Vec::new(),
+            ready_asked: Instant::now(),
+        };
+        e.publish(&(0..args.np).collect::<Vec<_>>())?;
         Ok(e)
     }
 
-    fn publish(&self, members: &[usize]) -> Result<()> {
+    fn publish(&mut self, members: &[usize]) -> Result<()> {
         let list = members.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
         self.store.set(&elastic::members_key(self.generation), list.as_bytes())?;
-        self.store.set(elastic::GENERATION_KEY, self.generation.to_string().as_bytes())
+        self.store.set(elastic::GENERATION_KEY, self.generation.to_string().as_bytes())?;
+        self.members = members.to_vec();
+        Ok(())
     }
 
+    /// Whether every worker of the current generation has built its context (asked of the
+    /// store at most every 100 ms).
+    fn all_joined(&mut self) -> bool {
+        if self.ready_asked.elapsed() < Duration::from_millis(100) {
+            return false;
+        }
+        self.ready_asked = Instant::now();
+        match self.store.try_get(&elastic::ready_key(self.generation)) {
+            Ok(Some(v)) => String::from_utf8_lossy(&v).trim().parse::<usize>().is_ok_and(|n| n >= self.members.len()),
+            Ok(None) => false,
+            Err(e) => {
+                eprintln!("ferrogloo-run: the elastic job's store: {e}");
+                false
+            }
+        }
+    }
+
+    /// The host worker `w` runs on.
+    fn host_of(&self, w: usize) -> Option<&str> {
+        self.starter.as_ref().and_then(|s| s.ranks.get(w)).map(|r| r.host.as_str())
+    }
+
+    /// Takes the discovery script's answer when there is one, and runs it again when due.
+    fn discover(&mut self) {
+        let Some(d) = &mut self.discovery else { return };
+        if let Some(rx) = &d.answer {
+            match rx.try_recv() {
+                Ok(Ok(hosts)) => {
+                    self.hosts = merge_same(hosts);
+                    d.answer = None;
+                }
+                Ok(Err(e)) => {
+                    eprintln!("ferrogloo-run: the host discovery script failed: {e}");
+                    d.answer = None;
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => return,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => d.answer = None,
+            }
+        }
+        if d.answer.is_none() && Instant::now() >= d.next {
+            d.next = Instant::now() + d.interval;
+            let (tx, rx) = std::sync::mpsc::channel();
+            let script = d.script.clone();
+            let spawned = std::thread::Builder::new().name("ferrogloo-discovery".into()).spawn(move || {
+                let _ = tx.send(run_discovery(&script, Duration::from_secs(10)));
+            });
+            if spawned.is_ok() {
+                d.answer = Some(rx);
+            }
+        }
+    }
+}
+
+impl ferrogloo::launch::Elasticity for Elastic<'_> {
     /// Workers `failed` failed: a new generation of the workers still running, if there are
     /// enough of them and resets left and no worker reported a failure of its own work (true),
-    /// or the end of the job (false).
-    fn lost(&mut self, failed: &[usize], statuses: &[Option<std::process::ExitStatus>]) -> bool {
+    /// or the end of the job (false). Their hosts get no new ranks for the cooldown.
+    fn absorb(&mut self, failed: &[usize], statuses: &[Option<ExitStatus>]) -> bool {
         let r = match failed {
             [one] => format!("rank {one}"),
             many => format!("ranks {many:?}"),
@@ -475,6 +664,12 @@ impl Elastic {
             );
             return false;
         }
+        let until = Instant::now() + self.cooldown;
+        let bad: Vec<String> = failed.iter().filter_map(|&w| self.host_of(w).map(str::to_string)).collect();
+        for h in bad {
+            eprintln!("ferrogloo-run: host {h} gets no new ranks for {:.0} s", self.cooldown.as_secs_f64());
+            self.blacklist.insert(h, until);
+        }
         self.resets_left -= 1;
         self.generation += 1;
         match self.publish(&alive) {
@@ -491,6 +686,129 @@ impl Elastic {
                 false
             }
         }
+    }
+
+    fn settle(&self) -> Duration {
+        ELASTIC_SETTLE
+    }
+
+    /// Adds ranks where hosts (given or discovered, not in their cooldown) have free slots, up
+    /// to --max-np, and publishes the generation with them.
+    fn tick(&mut self, children: &mut Vec<Child>, statuses: &[Option<ExitStatus>]) {
+        self.discover();
+        let alive: Vec<usize> = (0..statuses.len()).filter(|&w| statuses[w].is_none()).collect();
+        if alive.len() >= self.max {
+            return;
+        }
+        let now = Instant::now();
+        self.blacklist.retain(|_, until| *until > now);
+        // Free slots, host by host, in the hosts' order.
+        let mut plan: Vec<(Host, usize)> = Vec::new();
+        let mut room = self.max - alive.len();
+        for h in &self.hosts {
+            if room == 0 {
+                break;
+            }
+            if self.blacklist.contains_key(&h.name) {
+                continue;
+            }
+            let used = alive.iter().filter(|&&w| self.host_of(w) == Some(h.name.as_str())).count();
+            let add = h.slots.saturating_sub(used).min(room);
+            if add > 0 {
+                plan.push((h.clone(), used));
+                room -= add;
+                for _ in 1..add {
+                    plan.push((h.clone(), usize::MAX));
+                }
+            }
+        }
+        // Ranks join a generation that every member has joined: a member still forming an
+        // older one would wait out its deadline there for members that moved on.
+        if plan.is_empty() || !self.all_joined() {
+            return;
+        }
+        let Some(starter) = self.starter.as_mut() else { return };
+        let size = self.max - room;
+        let mut members = alive.clone();
+        let mut started: Vec<String> = Vec::new();
+        let mut local_index: HashMap<String, usize> = HashMap::new();
+        for (h, used) in plan {
+            let li = local_index.entry(h.name.clone()).or_insert(if used == usize::MAX { 0 } else { used });
+            let slot = Slot {
+                host: h.name.clone(),
+                local: is_local(&h.name),
+                rank: members.len(),
+                size,
+                local_rank: *li,
+                local_size: h.slots,
+                cross_rank: 0,
+                cross_size: 1,
+            };
+            *li += 1;
+            let worker = children.len();
+            match starter.start(&slot, worker) {
+                Ok(c) => {
+                    children.push(c);
+                    members.push(worker);
+                    started.push(format!("{worker} on {}", h.name));
+                }
+                Err(e) => {
+                    eprintln!("ferrogloo-run: could not add a rank on {}: {e}", h.name);
+                    self.blacklist.insert(h.name.clone(), now + self.cooldown);
+                    break;
+                }
+            }
+        }
+        if started.is_empty() {
+            return;
+        }
+        self.generation += 1;
+        match self.publish(&members) {
+            Ok(()) => eprintln!(
+                "ferrogloo-run: generation {} grows to {} ranks (workers {members:?}; started {})",
+                self.generation,
+                members.len(),
+                started.join(", ")
+            ),
+            Err(e) => eprintln!("ferrogloo-run: could not publish the next generation: {e}"),
+        }
+    }
+}
+
+/// Runs the host discovery script (at most `limit`): its hosts, one `host[:slots]` per line.
+fn run_discovery(script: &std::path::Path, limit: Duration) -> Result<Vec<Host>> {
+    let mut child = Command::new(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| Error::io(format!("running {}", script.display()), e))?;
+    let out = child.stdout.take();
+    let reader = std::thread::spawn(move || out.map(std::io::read_to_string).and_then(|r| r.ok()).unwrap_or_default());
+    let until = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().map_err(|e| Error::io("waiting for the discovery script", e))? {
+            let text = reader.join().unwrap_or_default();
+            if !st.success() {
+                return Err(Error::invalid(format!("{} exited with {st}", script.display())));
+            }
+            let spec: Vec<&str> =
+                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+            if spec.is_empty() {
+                return Ok(Vec::new());
+            }
+            return parse_hosts(&spec.join(","));
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(Error::invalid(format!(
+                "{} gave no answer within {:.0} s",
+                script.display(),
+                limit.as_secs_f64()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
