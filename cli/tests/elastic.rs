@@ -33,7 +33,11 @@ fn elastic_worker() {
     // With ELASTIC_TEST_GROW_TO=n, workers go on past STEPS until the job has n ranks.
     let grow_to: usize = std::env::var("ELASTIC_TEST_GROW_TO").ok().and_then(|g| g.parse().ok()).unwrap_or(0);
     let deadline = Instant::now() + Duration::from_secs(40);
-    let size = elastic::run(&env, &dev, Duration::from_secs(10), |ctx, membership| {
+    // Each context's deadline (ELASTIC_TEST_TIMEOUT seconds, default 10).
+    let timeout: u64 = std::env::var("ELASTIC_TEST_TIMEOUT").ok().and_then(|t| t.parse().ok()).unwrap_or(10);
+    // With ELASTIC_TEST_STALL=s, a victim stalls s seconds instead of waiting to be killed.
+    let stall: Option<u64> = std::env::var("ELASTIC_TEST_STALL").ok().and_then(|t| t.parse().ok());
+    let size = elastic::run(&env, &dev, Duration::from_secs(timeout), |ctx, membership| {
         let mut start = [done];
         ctx.allreduce(&mut start, ReduceOp::Max)?;
         done = start[0];
@@ -48,6 +52,14 @@ fn elastic_worker() {
             if done == KILL_AT && membership.generation() == 0 && victim {
                 if std::env::var("ELASTIC_TEST_MODE").as_deref() == Ok("fatal") {
                     return Err(Error::invalid("bad input on worker 3"));
+                }
+                if let Some(secs) = stall {
+                    // Stalls past the others' deadline, then goes on (its next call finds them
+                    // gone: it joins the generation they regrouped in).
+                    println!("STALLING");
+                    std::thread::sleep(Duration::from_secs(secs));
+                    done += 1;
+                    continue;
                 }
                 println!("READY");
                 std::thread::sleep(Duration::from_secs(30));
@@ -261,5 +273,27 @@ fn a_failed_host_gets_a_new_rank_only_after_its_cooldown() {
     let grown = at("generation 2 grows to 3 ranks (workers [0, 1, 3]; started 3 on localhost)").expect(&stderr);
     assert!(stderr.contains("host localhost gets no new ranks for 2 s"), "{stderr}");
     assert!(grown >= shrunk + Duration::from_millis(1400), "regrown {:?} after the failure", grown - shrunk);
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+}
+
+#[test]
+fn a_stalled_worker_makes_the_others_regroup_and_all_finish() {
+    let t = Instant::now();
+    // Worker 3 stalls 3 s in generation 0; the others' 2 s deadline passes, they ask to
+    // regroup, and the launcher (no process ended) publishes the same four again.
+    let Outcome { status, done, seen, stderr, .. } = elastic_job(
+        &["-np", "4", "--min-np", "3"],
+        &[("ELASTIC_TEST_VICTIMS", "3"), ("ELASTIC_TEST_STALL", "3"), ("ELASTIC_TEST_TIMEOUT", "2")],
+        &[],
+    );
+    assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
+    assert!(seen.contains("STALLING"), "{seen}");
+    assert_eq!(done, ["worker 0 size 4", "worker 1 size 4", "worker 2 size 4", "worker 3 size 4"], "{seen}\n{stderr}");
+    assert!(
+        stderr.contains(
+            "ranks asked to regroup (a peer stalled); generation 1 goes on with 4 ranks (workers [0, 1, 2, 3])"
+        ),
+        "{stderr}"
+    );
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
 }

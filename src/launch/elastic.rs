@@ -20,6 +20,7 @@
 //! | `elastic.generation` | the latest generation number, decimal |
 //! | `elastic.g<N>.members` | its workers (ids as `FERROGLOO_WORKER` gives them), comma-separated, in rank order |
 //! | `elastic.g<N>.ready` | how many of its workers have built their context (the launcher adds ranks only to a generation that all have joined) |
+//! | `elastic.g<N>.regroup` | how many of its workers failed in it with a membership error: when no process ended, the launcher publishes the same workers again (a peer only stalled) |
 //! | `elastic.fatal` | set by a worker whose work failed for another reason than membership: the job ends |
 //!
 //! and each generation forms its context under the store prefix `elastic.g<N>`.
@@ -85,6 +86,11 @@ pub fn ready_key(g: u64) -> String {
     format!("elastic.g{g}.ready")
 }
 
+/// The key counting generation `g`'s workers that failed in it with a membership error.
+pub fn regroup_key(g: u64) -> String {
+    format!("elastic.g{g}.regroup")
+}
+
 /// The store prefix generation `g`'s context forms under.
 pub fn generation_prefix(g: u64) -> String {
     format!("elastic.g{g}")
@@ -143,10 +149,10 @@ impl Membership<'_> {
 /// started to join the job waits for the generation that includes it). `timeout` is each
 /// context's deadline.
 ///
-/// A membership error with no rank gone (a peer only slow beyond `timeout`) brings no new
-/// generation: the launcher publishes one only when a process ends or ranks join, so such a
-/// job ends after `FERROGLOO_ELASTIC_TIMEOUT`. Choose `timeout` well above a step's longest
-/// time.
+/// A membership error with no rank gone (a peer only slower than `timeout`) is counted under
+/// [`regroup_key`]: the launcher then publishes a new generation of the same workers (one of
+/// its resets), and the stalled worker joins it when it wakes. Choose `timeout` well above a
+/// step's longest time.
 ///
 /// Outside an elastic job (no `FERROGLOO_ELASTIC`), it is one call of `work` on the job's
 /// context (and [`Membership::check`] never reports a change).
@@ -208,6 +214,13 @@ pub fn run<R>(
             Ok(r) => return Ok(r),
             Err(e) if is_membership_error(&e) => {
                 tracing::warn!(generation = g, error = %e, "elastic job: membership changed; waiting for the next generation");
+                // When no process ended (a peer only stalled past the deadline), the launcher
+                // has nothing to notice: this asks it for a new generation of the same workers.
+                if !matches!(e, Error::MembershipChanged { .. })
+                    && let Err(se) = store.add(&regroup_key(g), 1)
+                {
+                    tracing::warn!(error = %se, "elastic job: could not ask for a new generation");
+                }
             }
             Err(e) => {
                 // Tell the launcher before this worker exits: this failure ends the job.

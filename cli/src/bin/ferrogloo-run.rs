@@ -532,9 +532,17 @@ struct Elastic<'a> {
     starter: Option<Starter<'a>>,
     /// The current generation's workers.
     members: Vec<usize>,
-    /// When it was last asked whether all of them have joined.
+    /// When the store was last asked whether all of them have joined.
     ready_asked: Instant,
+    /// Since when the current generation's workers have asked to regroup.
+    regroup_since: Option<Instant>,
+    /// When the store was last asked whether they have.
+    regroup_asked: Instant,
 }
+
+/// How long a request to regroup waits for a process's end to explain it (a death makes a new
+/// generation on its own) before the launcher publishes the same workers again.
+const REGROUP_DELAY: Duration = Duration::from_secs(1);
 
 /// The host discovery script, run in the background.
 struct Discovery {
@@ -568,6 +576,8 @@ impl<'a> Elastic<'a> {
             starter: None,
             members: Vec::new(),
             ready_asked: Instant::now(),
+            regroup_since: None,
+            regroup_asked: Instant::now(),
         };
         e.publish(&(0..args.np).collect::<Vec<_>>())?;
         Ok(e)
@@ -578,7 +588,42 @@ impl<'a> Elastic<'a> {
         self.store.set(&elastic::members_key(self.generation), list.as_bytes())?;
         self.store.set(elastic::GENERATION_KEY, self.generation.to_string().as_bytes())?;
         self.members = members.to_vec();
+        self.regroup_since = None;
         Ok(())
+    }
+
+    /// Publishes the same workers again when the current generation's workers asked to
+    /// regroup (a membership error with no process gone: a peer stalled past the deadline)
+    /// and no death explained it within [`REGROUP_DELAY`]. Uses a reset.
+    fn regroup(&mut self, alive: &[usize]) {
+        match self.regroup_since {
+            Some(since) if since.elapsed() >= REGROUP_DELAY => {
+                if self.resets_left == 0 {
+                    eprintln!("ferrogloo-run: ranks asked to regroup, but no resets are left");
+                    self.regroup_since = None;
+                    return;
+                }
+                self.resets_left -= 1;
+                self.generation += 1;
+                match self.publish(alive) {
+                    Ok(()) => eprintln!(
+                        "ferrogloo-run: ranks asked to regroup (a peer stalled); generation {} goes on with {} ranks (workers {alive:?})",
+                        self.generation,
+                        alive.len()
+                    ),
+                    Err(e) => eprintln!("ferrogloo-run: could not publish the next generation: {e}"),
+                }
+            }
+            Some(_) => {}
+            None => {
+                let asked = self.store.try_get(&elastic::regroup_key(self.generation));
+                if let Ok(Some(v)) = asked
+                    && String::from_utf8_lossy(&v).trim().parse::<u64>().is_ok_and(|n| n > 0)
+                {
+                    self.regroup_since = Some(Instant::now());
+                }
+            }
+        }
     }
 
     /// Whether every worker of the current generation has built its context (asked of the
@@ -697,6 +742,12 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
     fn tick(&mut self, children: &mut Vec<Child>, statuses: &[Option<ExitStatus>]) {
         self.discover();
         let alive: Vec<usize> = (0..statuses.len()).filter(|&w| statuses[w].is_none()).collect();
+        if self.regroup_since.is_some() || self.regroup_asked.elapsed() >= Duration::from_millis(100) {
+            if self.regroup_since.is_none() {
+                self.regroup_asked = Instant::now();
+            }
+            self.regroup(&alive);
+        }
         if alive.len() >= self.max {
             return;
         }
