@@ -128,13 +128,20 @@ fn merge_same_by(hosts: Vec<Host>, local: impl Fn(&str) -> bool) -> Vec<Host> {
 }
 
 /// What two names of one machine share: the address, for an IP address in any of its
-/// spellings, else the name in lower case.
+/// spellings, else the name in lower case (this machine's names are not joined: see
+/// [`machine_of`]).
 fn machine_key(name: &str) -> String {
     let bare = name.strip_prefix('[').and_then(|n| n.strip_suffix(']')).unwrap_or(name);
     match bare.parse::<std::net::IpAddr>() {
         Ok(ip) => ip.to_string(),
         Err(_) => bare.to_ascii_lowercase(),
     }
+}
+
+/// One key for every name of the machine `name` is: `this machine` for all of this
+/// machine's names ([`is_local`]), else its [`machine_key`]. (May resolve the name.)
+pub fn machine_of(name: &str) -> String {
+    if is_local(name) { "this machine".to_string() } else { machine_key(name) }
 }
 
 /// Where one rank runs.

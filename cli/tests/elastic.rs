@@ -98,6 +98,9 @@ fn kill_workers(min: usize, victims: &[usize]) -> Outcome {
 /// Runs `ferrogloo-run ARGS` of the worker with `env`, SIGKILLs `victims` (100 ms apart) once
 /// all of them reached the step they wait at.
 fn elastic_job(args: &[&str], env: &[(&str, &str)], victims: &[usize]) -> Outcome {
+    // One job at a time: their deadlines and timings assume the cores are theirs.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let me = std::env::current_exe().expect("this test binary");
     let list = victims.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let t = Instant::now();
@@ -260,7 +263,7 @@ fn a_failed_host_gets_a_new_rank_only_after_its_cooldown() {
             "--discovery-interval",
             "0.2",
             "--blacklist-cooldown",
-            "1.5",
+            "3",
         ],
         &[("ELASTIC_TEST_GROW_TO", "3")],
         &[2],
@@ -271,28 +274,27 @@ fn a_failed_host_gets_a_new_rank_only_after_its_cooldown() {
     let at = |what: &str| stamped.iter().find(|(_, l)| l.contains(what)).map(|(t, _)| *t);
     let shrunk = at("rank 2 failed; generation 1 goes on with 2 ranks").expect(&stderr);
     let grown = at("generation 2 grows to 3 ranks (workers [0, 1, 3]; started 3 on localhost)").expect(&stderr);
-    assert!(stderr.contains("host localhost gets no new ranks for 2 s"), "{stderr}");
-    assert!(grown >= shrunk + Duration::from_millis(1400), "regrown {:?} after the failure", grown - shrunk);
+    assert!(stderr.contains("host localhost gets no new ranks for 3 s"), "{stderr}");
+    assert!(grown >= shrunk + Duration::from_secs(2), "regrown {:?} after the failure", grown - shrunk);
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
 }
 
 #[test]
 fn a_stalled_worker_makes_the_others_regroup_and_all_finish() {
     let t = Instant::now();
-    // Worker 3 stalls 3 s in generation 0; the others' 2 s deadline passes, they ask to
+    // Worker 3 stalls 9 s in generation 0; the others' 6 s deadline passes, they ask to
     // regroup, and the launcher (no process ended) publishes the same four again.
     let Outcome { status, done, seen, stderr, .. } = elastic_job(
         &["-np", "4", "--min-np", "3"],
-        &[("ELASTIC_TEST_VICTIMS", "3"), ("ELASTIC_TEST_STALL", "3"), ("ELASTIC_TEST_TIMEOUT", "2")],
+        &[("ELASTIC_TEST_VICTIMS", "3"), ("ELASTIC_TEST_STALL", "9"), ("ELASTIC_TEST_TIMEOUT", "6")],
         &[],
     );
     assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
     assert!(seen.contains("STALLING"), "{seen}");
     assert_eq!(done, ["worker 0 size 4", "worker 1 size 4", "worker 2 size 4", "worker 3 size 4"], "{seen}\n{stderr}");
     assert!(
-        stderr.contains(
-            "ranks asked to regroup (a peer stalled); generation 1 goes on with 4 ranks (workers [0, 1, 2, 3])"
-        ),
+        stderr.contains("ranks asked to regroup (a peer stalled); generation ")
+            && stderr.contains(" goes on with 4 ranks (workers [0, 1, 2, 3])"),
         "{stderr}"
     );
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());

@@ -173,8 +173,15 @@ pub fn run<R>(
         .and_then(|v| v.trim().parse().ok())
         .ok_or_else(|| Error::invalid(format!("{ELASTIC_ENV}=1 but {WORKER_ENV} is not a worker id")))?;
     let wait_for = match std::env::var(ELASTIC_TIMEOUT_ENV) {
-        Ok(v) => Duration::try_from_secs_f64(v.trim().parse().unwrap_or(f64::NAN))
-            .map_err(|_| Error::invalid(format!("{ELASTIC_TIMEOUT_ENV}={v:?} is not a number of seconds")))?,
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| (0.0..=1e9).contains(s))
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .ok_or_else(|| {
+                Error::invalid(format!("{ELASTIC_TIMEOUT_ENV}={v:?} is not a number of seconds from 0 to 1e9"))
+            })?,
         Err(_) => Duration::from_secs(60),
     };
     let mut seen: Option<u64> = None;

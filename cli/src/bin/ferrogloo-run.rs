@@ -23,7 +23,7 @@ use ferrogloo::launch::{JobEnd, Supervision, elastic, spawn_tied, supervise, sup
 use ferrogloo::rendezvous::HttpStoreServer;
 use ferrogloo::rendezvous::Store;
 use ferrogloo::{Error, Result};
-use ferrogloo_cli::run::{Host, is_local, merge_same, parse_hostfile, parse_hosts, place};
+use ferrogloo_cli::run::{Host, is_local, machine_of, merge_same, parse_hostfile, parse_hosts, place};
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -127,10 +127,20 @@ struct Output {
 /// A rank as the launcher knows it.
 struct Rank {
     host: String,
+    /// Its machine ([`machine_of`] its host): names of one machine count together.
+    machine: String,
+    local_rank: usize,
     tail: Arc<Mutex<VecDeque<String>>>,
 }
 
+/// The longest duration an option takes (about 31 years): deadlines computed from it never
+/// overflow.
+const MAX_SECONDS: f64 = 1e9;
+
 fn seconds(v: f64, what: &str) -> Result<Duration> {
+    if !(0.0..=MAX_SECONDS).contains(&v) {
+        return Err(Error::invalid(format!("--{what} {v} is not a duration from 0 to {MAX_SECONDS} seconds")));
+    }
     Duration::try_from_secs_f64(v).map_err(|_| Error::invalid(format!("--{what} {v} is not a duration")))
 }
 
@@ -398,7 +408,8 @@ impl Starter<'_> {
             return Err(e);
         }
         self.lifelines.extend(child.stdin.take());
-        self.ranks.push(Rank { host: host.clone(), tail });
+        let machine = if slot.local { machine_of("localhost") } else { machine_of(host) };
+        self.ranks.push(Rank { host: host.clone(), machine, local_rank: slot.local_rank, tail });
         Ok(child)
     }
 }
@@ -522,8 +533,9 @@ struct Elastic<'a> {
     min: usize,
     max: usize,
     resets_left: usize,
-    /// The hosts ranks may run on: those given, or the discovery script's latest answer.
-    hosts: Vec<Host>,
+    /// The hosts ranks may run on (those given, or the discovery script's latest answer),
+    /// each with its machine ([`machine_of`]).
+    hosts: Vec<(Host, String)>,
     discovery: Option<Discovery>,
     /// Hosts where a rank failed, and until when they get no new ranks.
     blacklist: HashMap<String, Instant>,
@@ -536,6 +548,8 @@ struct Elastic<'a> {
     ready_asked: Instant,
     /// Since when the current generation's workers have asked to regroup.
     regroup_since: Option<Instant>,
+    /// A generation whose request to regroup was refused (no resets left).
+    regroup_refused: Option<u64>,
     /// When the store was last asked whether they have.
     regroup_asked: Instant,
 }
@@ -558,7 +572,7 @@ impl<'a> Elastic<'a> {
         let discovery = args.host_discovery_script.as_ref().map(|script| {
             Ok::<_, Error>(Discovery {
                 script: script.clone(),
-                interval: seconds(args.discovery_interval, "discovery-interval")?,
+                interval: seconds(args.discovery_interval, "discovery-interval")?.max(Duration::from_millis(100)),
                 next: Instant::now(),
                 answer: None,
             })
@@ -569,7 +583,7 @@ impl<'a> Elastic<'a> {
             min,
             max: args.max_np.unwrap_or(args.np),
             resets_left: args.reset_limit,
-            hosts: hosts.to_vec(),
+            hosts: hosts.iter().map(|h| (h.clone(), machine_of(&h.name))).collect(),
             discovery: discovery.transpose()?,
             blacklist: HashMap::new(),
             cooldown: seconds(args.blacklist_cooldown, "blacklist-cooldown")?,
@@ -577,6 +591,7 @@ impl<'a> Elastic<'a> {
             members: Vec::new(),
             ready_asked: Instant::now(),
             regroup_since: None,
+            regroup_refused: None,
             regroup_asked: Instant::now(),
         };
         e.publish(&(0..args.np).collect::<Vec<_>>())?;
@@ -599,8 +614,11 @@ impl<'a> Elastic<'a> {
         match self.regroup_since {
             Some(since) if since.elapsed() >= REGROUP_DELAY => {
                 if self.resets_left == 0 {
-                    eprintln!("ferrogloo-run: ranks asked to regroup, but no resets are left");
+                    eprintln!(
+                        "ferrogloo-run: ranks asked to regroup, but no resets are left: they end after --elastic-timeout"
+                    );
                     self.regroup_since = None;
+                    self.regroup_refused = Some(self.generation);
                     return;
                 }
                 self.resets_left -= 1;
@@ -615,6 +633,7 @@ impl<'a> Elastic<'a> {
                 }
             }
             Some(_) => {}
+            None if self.regroup_refused == Some(self.generation) => {}
             None => {
                 let asked = self.store.try_get(&elastic::regroup_key(self.generation));
                 if let Ok(Some(v)) = asked
@@ -644,8 +663,8 @@ impl<'a> Elastic<'a> {
     }
 
     /// The host worker `w` runs on.
-    fn host_of(&self, w: usize) -> Option<&str> {
-        self.starter.as_ref().and_then(|s| s.ranks.get(w)).map(|r| r.host.as_str())
+    fn host_of(&self, w: usize) -> Option<&Rank> {
+        self.starter.as_ref().and_then(|s| s.ranks.get(w))
     }
 
     /// Takes the discovery script's answer when there is one, and runs it again when due.
@@ -654,7 +673,13 @@ impl<'a> Elastic<'a> {
         if let Some(rx) = &d.answer {
             match rx.try_recv() {
                 Ok(Ok(hosts)) => {
-                    self.hosts = merge_same(hosts);
+                    self.hosts = merge_same(hosts)
+                        .into_iter()
+                        .map(|h| {
+                            let m = machine_of(&h.name);
+                            (h, m)
+                        })
+                        .collect();
                     d.answer = None;
                 }
                 Ok(Err(e)) => {
@@ -710,10 +735,11 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
             return false;
         }
         let until = Instant::now() + self.cooldown;
-        let bad: Vec<String> = failed.iter().filter_map(|&w| self.host_of(w).map(str::to_string)).collect();
-        for h in bad {
+        let bad: Vec<(String, String)> =
+            failed.iter().filter_map(|&w| self.host_of(w).map(|r| (r.host.clone(), r.machine.clone()))).collect();
+        for (h, machine) in bad {
             eprintln!("ferrogloo-run: host {h} gets no new ranks for {:.0} s", self.cooldown.as_secs_f64());
-            self.blacklist.insert(h, until);
+            self.blacklist.insert(machine, until);
         }
         self.resets_left -= 1;
         self.generation += 1;
@@ -740,6 +766,11 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
     /// Adds ranks where hosts (given or discovered, not in their cooldown) have free slots, up
     /// to --max-np, and publishes the generation with them.
     fn tick(&mut self, children: &mut Vec<Child>, statuses: &[Option<ExitStatus>]) {
+        // A job some of whose ranks finished is ending: it neither grows nor regroups (a
+        // finished rank would look like a free slot, or a stalled peer).
+        if statuses.iter().any(|s| s.is_some_and(|s| s.success())) {
+            return;
+        }
         self.discover();
         let alive: Vec<usize> = (0..statuses.len()).filter(|&w| statuses[w].is_none()).collect();
         if self.regroup_since.is_some() || self.regroup_asked.elapsed() >= Duration::from_millis(100) {
@@ -753,24 +784,29 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
         }
         let now = Instant::now();
         self.blacklist.retain(|_, until| *until > now);
-        // Free slots, host by host, in the hosts' order.
+        // Free slots, host by host in the hosts' order, each with the lowest local rank that
+        // no running rank of that machine holds.
         let mut plan: Vec<(Host, usize)> = Vec::new();
         let mut room = self.max - alive.len();
-        for h in &self.hosts {
+        for (h, machine) in &self.hosts {
             if room == 0 {
                 break;
             }
-            if self.blacklist.contains_key(&h.name) {
+            if self.blacklist.contains_key(machine) {
                 continue;
             }
-            let used = alive.iter().filter(|&&w| self.host_of(w) == Some(h.name.as_str())).count();
-            let add = h.slots.saturating_sub(used).min(room);
-            if add > 0 {
-                plan.push((h.clone(), used));
-                room -= add;
-                for _ in 1..add {
-                    plan.push((h.clone(), usize::MAX));
+            let taken: Vec<usize> = alive
+                .iter()
+                .filter_map(|&w| self.host_of(w))
+                .filter(|r| r.machine == *machine)
+                .map(|r| r.local_rank)
+                .collect();
+            for local_rank in (0..h.slots).filter(|l| !taken.contains(l)) {
+                if room == 0 {
+                    break;
                 }
+                plan.push((h.clone(), local_rank));
+                room -= 1;
             }
         }
         // Ranks join a generation that every member has joined: a member still forming an
@@ -782,20 +818,17 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
         let size = self.max - room;
         let mut members = alive.clone();
         let mut started: Vec<String> = Vec::new();
-        let mut local_index: HashMap<String, usize> = HashMap::new();
-        for (h, used) in plan {
-            let li = local_index.entry(h.name.clone()).or_insert(if used == usize::MAX { 0 } else { used });
+        for (h, local_rank) in plan {
             let slot = Slot {
                 host: h.name.clone(),
                 local: is_local(&h.name),
                 rank: members.len(),
                 size,
-                local_rank: *li,
+                local_rank,
                 local_size: h.slots,
                 cross_rank: 0,
                 cross_size: 1,
             };
-            *li += 1;
             let worker = children.len();
             match starter.start(&slot, worker) {
                 Ok(c) => {
@@ -805,7 +838,7 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
                 }
                 Err(e) => {
                     eprintln!("ferrogloo-run: could not add a rank on {}: {e}", h.name);
-                    self.blacklist.insert(h.name.clone(), now + self.cooldown);
+                    self.blacklist.insert(machine_of(&h.name), now + self.cooldown);
                     break;
                 }
             }
