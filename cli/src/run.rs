@@ -139,7 +139,7 @@ fn machine_key(name: &str) -> String {
 }
 
 /// One key for every name of the machine `name` is: `this machine` for all of this
-/// machine's names ([`is_local`]), else its [`machine_key`]. (May resolve the name.)
+/// machine's names ([`is_local`]), else the address (any spelling) or the name in lower case. (May resolve the name.)
 pub fn machine_of(name: &str) -> String {
     if is_local(name) { "this machine".to_string() } else { machine_key(name) }
 }
