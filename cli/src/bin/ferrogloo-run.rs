@@ -662,8 +662,8 @@ impl<'a> Elastic<'a> {
         }
     }
 
-    /// The host worker `w` runs on.
-    fn host_of(&self, w: usize) -> Option<&Rank> {
+    /// What the launcher knows of worker `w`.
+    fn rank_of(&self, w: usize) -> Option<&Rank> {
         self.starter.as_ref().and_then(|s| s.ranks.get(w))
     }
 
@@ -736,7 +736,7 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
         }
         let until = Instant::now() + self.cooldown;
         let bad: Vec<(String, String)> =
-            failed.iter().filter_map(|&w| self.host_of(w).map(|r| (r.host.clone(), r.machine.clone()))).collect();
+            failed.iter().filter_map(|&w| self.rank_of(w).map(|r| (r.host.clone(), r.machine.clone()))).collect();
         for (h, machine) in bad {
             eprintln!("ferrogloo-run: host {h} gets no new ranks for {:.0} s", self.cooldown.as_secs_f64());
             self.blacklist.insert(machine, until);
@@ -797,7 +797,7 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
             }
             let taken: Vec<usize> = alive
                 .iter()
-                .filter_map(|&w| self.host_of(w))
+                .filter_map(|&w| self.rank_of(w))
                 .filter(|r| r.machine == *machine)
                 .map(|r| r.local_rank)
                 .collect();
@@ -861,39 +861,20 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
 
 /// Runs the host discovery script (at most `limit`): its hosts, one `host[:slots]` per line.
 fn run_discovery(script: &std::path::Path, limit: Duration) -> Result<Vec<Host>> {
-    let mut child = Command::new(script)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| Error::io(format!("running {}", script.display()), e))?;
-    let out = child.stdout.take();
-    let reader = std::thread::spawn(move || out.map(std::io::read_to_string).and_then(|r| r.ok()).unwrap_or_default());
-    let until = Instant::now() + limit;
-    loop {
-        if let Some(st) = child.try_wait().map_err(|e| Error::io("waiting for the discovery script", e))? {
-            let text = reader.join().unwrap_or_default();
-            if !st.success() {
-                return Err(Error::invalid(format!("{} exited with {st}", script.display())));
-            }
-            let spec: Vec<&str> =
-                text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
-            if spec.is_empty() {
-                return Ok(Vec::new());
-            }
-            return parse_hosts(&spec.join(","));
-        }
-        if Instant::now() >= until {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(Error::invalid(format!(
-                "{} gave no answer within {:.0} s",
-                script.display(),
-                limit.as_secs_f64()
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let mut c = Command::new(script);
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let what = script.display().to_string();
+    let Some((st, text)) = run_bounded(c, limit, &what)? else {
+        return Err(Error::invalid(format!("{what} gave no answer within {:.0} s", limit.as_secs_f64())));
+    };
+    if !st.success() {
+        return Err(Error::invalid(format!("{what} exited with {st}")));
     }
+    let spec: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+    if spec.is_empty() {
+        return Ok(Vec::new());
+    }
+    parse_hosts(&spec.join(","))
 }
 
 /// `-x NAME` or `-x NAME=VALUE` as pairs (NAME alone takes this process's value).
@@ -1028,9 +1009,10 @@ impl Ssh {
             }
             let mut c = self.base(host, true);
             c.arg("true").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-            match run_bounded(c, left) {
-                Ok((true, _)) => return None,
-                Ok((false, err)) => why = err,
+            match run_bounded(c, left, "ssh") {
+                Ok(Some((st, _))) if st.success() => return None,
+                Ok(Some((_, err))) => why = err,
+                Ok(None) => why = "timed out".into(),
                 Err(e) => why = e.to_string(),
             }
             let pause = Duration::from_millis(250 << attempt);
@@ -1043,20 +1025,32 @@ impl Ssh {
     }
 }
 
-/// Runs `c` for at most `limit`; returns whether it succeeded and its stderr.
-fn run_bounded(mut c: Command, limit: Duration) -> Result<(bool, String)> {
-    let mut child = c.spawn().map_err(|e| Error::io("running ssh", e))?;
-    let err = child.stderr.take();
-    let reader = std::thread::spawn(move || err.map(std::io::read_to_string).and_then(|r| r.ok()).unwrap_or_default());
-    let until = std::time::Instant::now() + limit;
+/// Runs `c` (`what`, for errors) for at most `limit`, its output read from whichever of its
+/// stdout and stderr is piped: its status and that output, or `None` when it did not end, and
+/// close that output, in time (then it is killed).
+fn run_bounded(mut c: Command, limit: Duration, what: &str) -> Result<Option<(ExitStatus, String)>> {
+    let mut child = c.spawn().map_err(|e| Error::io(format!("running {what}"), e))?;
+    let out: Option<Box<dyn std::io::Read + Send>> = match (child.stdout.take(), child.stderr.take()) {
+        (Some(o), _) => Some(Box::new(o)),
+        (None, Some(e)) => Some(Box::new(e)),
+        (None, None) => None,
+    };
+    // Read on a thread of its own, and waited for with a deadline: a child of the program may
+    // keep the pipe open after the program ended.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(out.map(std::io::read_to_string).and_then(|r| r.ok()).unwrap_or_default());
+    });
+    let until = Instant::now() + limit;
     loop {
-        if let Some(st) = child.try_wait().map_err(|e| Error::io("waiting for ssh", e))? {
-            return Ok((st.success(), reader.join().unwrap_or_default()));
+        if let Some(st) = child.try_wait().map_err(|e| Error::io(format!("waiting for {what}"), e))? {
+            let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+            return Ok(rx.recv_timeout(left).ok().map(|text| (st, text)));
         }
-        if std::time::Instant::now() >= until {
+        if Instant::now() >= until {
             let _ = child.kill();
             let _ = child.wait();
-            return Ok((false, "timed out".into()));
+            return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
