@@ -22,6 +22,7 @@ mod collectives;
 mod comm;
 pub mod context;
 pub mod device;
+pub mod engine;
 pub mod error;
 mod groups;
 pub mod launch;

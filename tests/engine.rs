@@ -1,0 +1,572 @@
+//! The engine with ranks as threads: random submission orders, every mismatch kind, stalls,
+//! the response cache, fusion, join, first cause, process sets, the timeline.
+
+mod common;
+
+use common::{TIMEOUT, all_ok};
+use ferrogloo::device::Device;
+use ferrogloo::engine::{AllreduceOptions, Compression, Engine, EngineConfig, Op, Tensor};
+use ferrogloo::rendezvous::HashStore;
+use ferrogloo::{Context, Error, Result, f16};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+/// Runs `f` on `n` ranks that are threads, each with its own engine (on in-process pairs).
+fn engines<T: Send>(n: usize, cfg: EngineConfig, f: impl Fn(Engine) -> Result<T> + Sync) -> Vec<Result<T>> {
+    let store = HashStore::new();
+    common::run_ranks_on(n, &store, &|| Ok(Device::in_process()), |b| b, |ctx| f(Engine::new(ctx, cfg.clone())?))
+}
+
+/// A small deterministic generator (each rank its own stream).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+fn cfg() -> EngineConfig {
+    EngineConfig { stall_check: None, ..EngineConfig::default() }
+}
+
+/// Rank r's value at element i of tensor t.
+fn val(r: usize, t: usize, i: usize) -> i64 {
+    ((r * 7 + t * 13 + i * 3) % 17) as i64 - 8
+}
+
+#[test]
+fn random_submission_orders_from_two_threads_give_the_sequential_result_on_every_rank() {
+    for n in [1usize, 2, 3, 4, 5] {
+        let tensors = 24;
+        let sizes: Vec<usize> = (0..tensors).map(|t| 1 + (t * 37) % 300).collect();
+        let results = engines(n, cfg(), |e| {
+            let r = e.rank();
+            let mut rng = Lcg(r as u64 * 7919 + n as u64);
+            let mut out = Vec::new();
+            for step in 0..3 {
+                let mut order: Vec<usize> = (0..tensors).collect();
+                rng.shuffle(&mut order);
+                let (a, b) = order.split_at(tensors / 2);
+                // Two threads submit half each, in this rank's own order.
+                let sub = |part: &[usize]| -> Result<Vec<_>> {
+                    part.iter()
+                        .map(|&t| {
+                            let name = format!("t{t}");
+                            match t % 3 {
+                                0 => {
+                                    let v: Vec<f32> = (0..sizes[t]).map(|i| val(r, t, i) as f32).collect();
+                                    e.allreduce(&name, v, Op::Sum).map(|h| (t, Kind3::F(h)))
+                                }
+                                1 => {
+                                    let v: Vec<i64> = (0..sizes[t]).map(|i| val(r, t, i)).collect();
+                                    e.allreduce(&name, v, Op::Sum).map(|h| (t, Kind3::I(h)))
+                                }
+                                _ => {
+                                    let v: Vec<f64> = (0..sizes[t]).map(|i| val(r, t, i) as f64).collect();
+                                    e.allreduce(&name, v, Op::Max).map(|h| (t, Kind3::D(h)))
+                                }
+                            }
+                        })
+                        .collect()
+                };
+                let handles = std::thread::scope(|s| {
+                    let sub = &sub;
+                    let ha = s.spawn(move || sub(a));
+                    let hb = sub(b);
+                    let ha = ha.join().expect("submitting thread panicked");
+                    (ha, hb)
+                });
+                let (ha, hb) = handles;
+                for (t, h) in ha?.into_iter().chain(hb?) {
+                    let got: Vec<f64> = match h {
+                        Kind3::F(h) => h.wait()?.data.into_iter().map(f64::from).collect(),
+                        Kind3::I(h) => h.wait()?.data.into_iter().map(|x| x as f64).collect(),
+                        Kind3::D(h) => h.wait()?.data,
+                    };
+                    out.push((step, t, got));
+                }
+            }
+            out.sort_by_key(|x| (x.0, x.1));
+            Ok((out, e.stats()))
+        });
+        let results = all_ok(results);
+        for (rank, (out, stats)) in results.iter().enumerate() {
+            assert_eq!(out.len(), 3 * tensors);
+            for (step, t, got) in out {
+                let want: Vec<f64> = (0..sizes[*t])
+                    .map(|i| {
+                        let each = (0..n).map(|r| val(r, *t, i) as f64);
+                        if t % 3 == 2 { each.fold(f64::MIN, f64::max) } else { each.sum() }
+                    })
+                    .collect();
+                assert_eq!(got, &want, "n={n} rank {rank} step {step} tensor {t}");
+            }
+            // After the first step every name is in the response cache.
+            assert!(stats.cache_hits >= 2 * tensors as u64, "n={n} rank {rank}: {stats:?}");
+        }
+    }
+}
+
+enum Kind3 {
+    F(ferrogloo::engine::Handle<Tensor<f32>>),
+    I(ferrogloo::engine::Handle<Tensor<i64>>),
+    D(ferrogloo::engine::Handle<Tensor<f64>>),
+}
+
+/// Submits `a` on rank 0 and `b` on rank 1 under one name; returns both ranks' errors.
+fn mismatch(a: impl Fn(&Engine) -> Result<()> + Sync, b: impl Fn(&Engine) -> Result<()> + Sync) -> Vec<String> {
+    let r = engines(2, cfg(), |e| {
+        let err = if e.rank() == 0 { a(&e) } else { b(&e) };
+        match err {
+            Err(Error::Mismatch { detail, .. }) => Ok(detail),
+            other => Err(Error::invalid(format!("rank {} expected a mismatch, got {other:?}", e.rank()))),
+        }
+    });
+    all_ok(r)
+}
+
+fn ar<T: ferrogloo::Element>(e: &Engine, v: Vec<T>, shape: Vec<usize>, o: AllreduceOptions) -> Result<()> {
+    e.allreduce_with("layer3.grad", Tensor::new(v, shape)?, &o)?.wait().map(drop)
+}
+
+#[test]
+fn every_mismatch_kind_is_an_error_in_words_on_every_rank() {
+    let sum = AllreduceOptions::new(Op::Sum);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            mismatch(|e| ar(e, vec![0f32; 192], vec![64, 3], sum), |e| ar(e, vec![f16::ZERO; 192], vec![64, 3], sum)),
+            "allreduce 'layer3.grad': rank 1 submitted f16 [64, 3], rank 0 f32 [64, 3]",
+        ),
+        (
+            mismatch(|e| ar(e, vec![0f32; 192], vec![64, 3], sum), |e| ar(e, vec![0f32; 192], vec![3, 64], sum)),
+            "allreduce 'layer3.grad': rank 1 submitted f32 [3, 64], rank 0 f32 [64, 3]",
+        ),
+        (
+            mismatch(
+                |e| ar(e, vec![0f32; 4], vec![4], sum),
+                |e| ar(e, vec![0f32; 4], vec![4], AllreduceOptions::new(Op::Average)),
+            ),
+            "allreduce 'layer3.grad': rank 1 submitted f32 [4] op average, rank 0 f32 [4] op sum",
+        ),
+        (
+            mismatch(|e| ar(e, vec![0f32; 4], vec![4], sum), |e| ar(e, vec![0f32; 4], vec![4], sum.prescale(0.5))),
+            "allreduce 'layer3.grad': rank 1 submitted f32 [4] prescale 0.5, rank 0 f32 [4] prescale 1",
+        ),
+        (
+            mismatch(|e| ar(e, vec![0f32; 4], vec![4], sum), |e| ar(e, vec![0f32; 4], vec![4], sum.postscale(2.0))),
+            "allreduce 'layer3.grad': rank 1 submitted f32 [4] postscale 2, rank 0 f32 [4] postscale 1",
+        ),
+        (
+            mismatch(
+                |e| ar(e, vec![0f32; 4], vec![4], sum),
+                |e| ar(e, vec![0f32; 4], vec![4], sum.compression(Compression::BF16)),
+            ),
+            "allreduce 'layer3.grad': rank 1 submitted f32 [4] compression BF16, rank 0 f32 [4] compression None",
+        ),
+        (
+            mismatch(
+                |e| e.broadcast("layer3.grad", vec![0u8; 4], 0)?.wait().map(drop),
+                |e| e.broadcast("layer3.grad", vec![0u8; 4], 1)?.wait().map(drop),
+            ),
+            "broadcast 'layer3.grad': rank 1 submitted u8 [4] root 1, rank 0 u8 [4] root 0",
+        ),
+        (
+            mismatch(
+                |e| ar(e, vec![0f32; 4], vec![4], sum),
+                |e| e.allgather("layer3.grad", vec![0f32; 4])?.wait().map(drop),
+            ),
+            "collective 'layer3.grad': rank 1 submitted allgather f32 [4], rank 0 allreduce f32 [4]",
+        ),
+        (
+            mismatch(
+                |e| e.allgather("layer3.grad", Tensor::new(vec![0i32; 6], vec![3, 2])?)?.wait().map(drop),
+                |e| e.allgather("layer3.grad", Tensor::new(vec![0i32; 6], vec![2, 3])?)?.wait().map(drop),
+            ),
+            "allgather 'layer3.grad': rank 1 submitted i32 [2, 3], rank 0 i32 [3, 2]",
+        ),
+    ];
+    for (details, want) in cases {
+        assert_eq!(details, vec![want.to_string(), want.to_string()]);
+    }
+}
+
+#[test]
+fn a_mismatch_fails_only_that_name_and_the_engine_goes_on() {
+    let r = engines(3, cfg(), |e| {
+        let bad = e.allreduce("bad", vec![1f32; 2 + usize::from(e.rank() == 2)], Op::Sum)?;
+        let good = e.allreduce("good", vec![e.rank() as u32; 5], Op::Sum)?;
+        let err = bad.wait().err().ok_or_else(|| Error::invalid("no mismatch"))?;
+        let good = good.wait()?.data;
+        let again = e.allreduce("bad", vec![1f32; 2], Op::Sum)?.wait()?.data;
+        Ok((err.to_string(), good, again))
+    });
+    for (err, good, again) in all_ok(r) {
+        assert_eq!(err, "the ranks disagree: allreduce 'bad': rank 2 submitted f32 [3], rank 0 f32 [2]");
+        assert_eq!(good, vec![3; 5]);
+        assert_eq!(again, vec![3.0; 2]);
+    }
+}
+
+#[test]
+fn a_stalled_name_is_reported_naming_the_missing_rank_within_the_threshold() {
+    let check = Duration::from_millis(300);
+    let go = Barrier::new(2);
+    let r = engines(2, EngineConfig { stall_check: Some(check), ..EngineConfig::default() }, |e| {
+        if e.rank() == 0 {
+            let h = e.allreduce("late", vec![1f32; 3], Op::Sum)?;
+            let start = Instant::now();
+            let report = loop {
+                if let Some(r) = e.stall_reports().into_iter().next() {
+                    break r;
+                }
+                if start.elapsed() > check * 10 {
+                    go.wait();
+                    return Err(Error::invalid("no stall report"));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            let reported_after = start.elapsed();
+            go.wait();
+            let sum = h.wait()?.data;
+            Ok(Some((report, reported_after, sum)))
+        } else {
+            // Rank 1 submits only once rank 0 has seen the report.
+            go.wait();
+            e.allreduce("late", vec![2f32; 3], Op::Sum)?.wait()?;
+            Ok(None)
+        }
+    });
+    let r = all_ok(r);
+    let (report, after, sum) = r[0].clone().expect("rank 0 reports");
+    assert_eq!((report.name.as_str(), report.op), ("late", "allreduce"));
+    assert_eq!((report.submitted, report.missing), (vec![0], vec![1]));
+    assert!(report.waited >= check, "{:?}", report.waited);
+    assert!(after < check + Duration::from_millis(700), "reported {after:?} after submission, threshold {check:?}");
+    assert_eq!(sum, vec![3.0; 3]);
+}
+
+#[test]
+fn stall_shutdown_fails_every_rank_with_the_cause() {
+    let limit = Duration::from_millis(400);
+    let r =
+        engines(3, EngineConfig { stall_check: None, stall_shutdown: Some(limit), ..EngineConfig::default() }, |e| {
+            let start = Instant::now();
+            let err = if e.rank() == 2 {
+                // Never submits "x" (a broadcast: a rank that joined is still needed); its engine
+                // learns the cause from rank 0.
+                e.join()?.wait().err()
+            } else {
+                e.broadcast("x", vec![1u8; 1], 0)?.wait().err()
+            };
+            let err = err.ok_or_else(|| Error::invalid("no error"))?;
+            let later = e.allreduce("after", vec![0u8; 1], Op::Sum).err().map(|e| e.to_string());
+            Ok((err, start.elapsed(), later))
+        });
+    for (rank, (err, took, later)) in all_ok(r).into_iter().enumerate() {
+        let text = err.to_string();
+        assert!(text.contains("'x'") && text.contains("stall shutdown"), "rank {rank}: {text}");
+        match (rank, &err) {
+            (0, Error::Timeout { ranks, .. }) => assert_eq!(ranks, &vec![2]),
+            (_, Error::PeerTimedOut { rank: 0, .. }) => {}
+            _ => panic!("rank {rank}: unexpected {err:?}"),
+        }
+        assert!(took >= limit && took < limit + Duration::from_secs(3), "rank {rank}: {took:?}");
+        assert_eq!(later, Some(text), "rank {rank}: later submissions report the first cause");
+    }
+}
+
+#[test]
+fn the_cache_serves_repeats_and_a_changed_shape_invalidates_it_on_every_rank() {
+    let r = engines(2, cfg(), |e| {
+        let r = e.rank() as f32;
+        for _ in 0..3 {
+            assert_eq!(e.allreduce("w", vec![r + 1.0; 4], Op::Sum)?.wait()?.data, vec![3.0; 4]);
+        }
+        let after_repeats = e.stats();
+        // Both change the shape: the slot is invalidated, renegotiated, cached again.
+        for _ in 0..2 {
+            assert_eq!(e.allreduce("w", vec![r + 1.0; 6], Op::Sum)?.wait()?.data, vec![3.0; 6]);
+        }
+        let after_change = e.stats();
+        // One rank changes the type: a mismatch on both, not stale data.
+        let err = if e.rank() == 0 {
+            e.allreduce("w", vec![1.0f64; 6], Op::Sum)?.wait().err()
+        } else {
+            e.allreduce("w", vec![1.0f32; 6], Op::Sum)?.wait().err()
+        };
+        Ok((after_repeats, after_change, err.map(|e| e.to_string())))
+    });
+    for (a, b, err) in all_ok(r) {
+        assert_eq!((a.coordinated, a.cache_hits), (1, 2), "{a:?}");
+        assert_eq!((b.coordinated, b.cache_hits), (2, 3), "{b:?}");
+        assert_eq!(err.as_deref(), Some("the ranks disagree: allreduce 'w': rank 1 submitted f32 [6], rank 0 f64 [6]"));
+    }
+}
+
+#[test]
+fn a_small_cache_evicts_and_stays_correct() {
+    let r = engines(3, EngineConfig { cache_capacity: 2, ..cfg() }, |e| {
+        let mut sums = Vec::new();
+        for step in 0..6 {
+            let hs: Vec<_> = (0..4)
+                .map(|t| e.allreduce(&format!("n{}", (t + step) % 5), vec![(e.rank() + t) as i32; 3], Op::Sum))
+                .collect::<Result<_>>()?;
+            for h in hs {
+                sums.push(h.wait()?.data[0]);
+            }
+        }
+        Ok((sums, e.stats()))
+    });
+    for (sums, st) in all_ok(r) {
+        let want: Vec<i32> = (0..6).flat_map(|_| (0..4).map(|t| 3 + 3 * t)).collect();
+        assert_eq!(sums, want);
+        assert!(st.cache_hits > 0 && st.coordinated > 4, "{st:?}");
+    }
+}
+
+#[test]
+fn fusion_packs_matching_tensors_up_to_the_threshold() {
+    // 10 f32 tensors of 100 elements (400 bytes) and 3 f64 ones, one group so that they are
+    // ready in one cycle; threshold 1200 bytes: f32 batches of 3,3,3,1 and f64 800+800 > 1200
+    // so 1,1,1.
+    let r = engines(3, EngineConfig { fusion_threshold: 1200, ..cfg() }, |e| {
+        let r = e.rank() as f32;
+        let tensors: Vec<(String, Tensor<f32>)> =
+            (0..10).map(|t| (format!("f{t}"), Tensor::from(vec![r + t as f32; 100]))).collect();
+        let hs = e.grouped_allreduce("f32s", tensors, &AllreduceOptions::new(Op::Sum))?;
+        let doubles: Vec<(String, Tensor<f64>)> =
+            (0..3).map(|t| (format!("d{t}"), Tensor::from(vec![r as f64; 100]))).collect();
+        let hd = e.grouped_allreduce("f64s", doubles, &AllreduceOptions::new(Op::Sum))?;
+        let mut got = Vec::new();
+        for h in hs {
+            got.push(h.wait()?.data);
+        }
+        for h in hd {
+            assert_eq!(h.wait()?.data, vec![3.0; 100]);
+        }
+        Ok((got, e.stats()))
+    });
+    for (got, st) in all_ok(r) {
+        for (t, v) in got.iter().enumerate() {
+            assert_eq!(v, &vec![3.0 + 3.0 * t as f32; 100]);
+        }
+        if st.cycles == 1 || st.fused_tensors == 10 {
+            assert_eq!((st.fused_batches, st.fused_tensors), (3, 9), "{st:?}");
+        }
+        assert!(st.fused_tensors >= 6, "{st:?}");
+    }
+}
+
+#[test]
+fn fusion_threshold_zero_runs_each_tensor_alone_and_compression_and_scaling_apply() {
+    let r = engines(2, EngineConfig { fusion_threshold: 0, ..cfg() }, |e| {
+        let r = e.rank() as f32;
+        let opts = AllreduceOptions::new(Op::Average).prescale(2.0).postscale(0.5).compression(Compression::F16);
+        let a = e.allreduce_with("a", vec![r + 1.0; 8], &opts)?;
+        let b =
+            e.allreduce_with("b", vec![r + 3.0; 8], &AllreduceOptions::new(Op::Sum).compression(Compression::BF16))?;
+        let c = e.allreduce("c", vec![r * 2.0 + 1.0; 8], Op::Average)?;
+        Ok((a.wait()?.data, b.wait()?.data, c.wait()?.data, e.stats()))
+    });
+    for (a, b, c, st) in all_ok(r) {
+        // (2·1 + 2·2)/2 · 0.5 = 1.5
+        assert_eq!(a, vec![1.5; 8]);
+        assert_eq!(b, vec![7.0; 8]);
+        assert_eq!(c, vec![2.0; 8]);
+        assert_eq!(st.fused_batches, 0, "{st:?}");
+    }
+}
+
+#[test]
+fn join_with_uneven_step_counts() {
+    let r = engines(3, cfg(), |e| {
+        let r = e.rank();
+        let mut sums = Vec::new();
+        for step in 0..(r + 2) {
+            let h = e.allreduce("g", vec![(r + 1) as f64; 4], Op::Sum)?;
+            let avg = e.allreduce("avg", vec![(r + 1) as f64; 2], Op::Average)?;
+            sums.push((step, h.wait()?.data[0], avg.wait()?.data[0]));
+        }
+        let last = e.join()?.wait()?;
+        // After the join everyone is back.
+        let after = e.allreduce("g", vec![1.0f64; 1], Op::Sum)?.wait()?.data[0];
+        Ok((sums, last, after))
+    });
+    for (rank, (sums, last, after)) in all_ok(r).into_iter().enumerate() {
+        for (step, sum, avg) in sums {
+            // Ranks still stepping at `step`: those with r + 2 > step.
+            let active: Vec<f64> = (0..3).filter(|q| q + 2 > step).map(|q| (q + 1) as f64).collect();
+            assert_eq!(sum, active.iter().sum::<f64>(), "rank {rank} step {step}");
+            assert_eq!(avg, active.iter().sum::<f64>() / active.len() as f64, "rank {rank} step {step}");
+        }
+        assert_eq!(last, 2, "rank {rank}: the last to join");
+        assert_eq!(after, 3.0);
+    }
+}
+
+#[test]
+fn a_panicking_callback_fails_every_rank_with_its_cause() {
+    let r = engines(3, cfg(), |e| {
+        let h = e.allreduce("cb", vec![1u16; 3], Op::Sum)?;
+        if e.rank() == 1 {
+            h.then(|_| panic!("boom in the callback"));
+        } else {
+            h.wait()?;
+        }
+        // The next collective fails everywhere with the panic as its cause.
+        let err = match e.allreduce("next", vec![1u16; 3], Op::Sum) {
+            Ok(h) => h.wait().err(),
+            Err(e) => Some(e),
+        };
+        Ok(err.map(|e| e.to_string()))
+    });
+    for (rank, err) in all_ok(r).into_iter().enumerate() {
+        let err = err.unwrap_or_default();
+        assert!(
+            err.contains("rank 1") && err.contains("boom in the callback") && err.contains("'cb'"),
+            "rank {rank}: {err}"
+        );
+    }
+}
+
+#[test]
+fn broadcast_allgather_alltoall_reduce_scatter_and_barrier() {
+    let n = 3;
+    let r = engines(n, cfg(), |e| {
+        let r = e.rank();
+        let b = e.broadcast("b", vec![r as u64 * 10 + 1; 5], 2)?;
+        // Rank r gathers r + 1 rows of 2.
+        let g = e.allgather("g", Tensor::new(vec![r as i16; (r + 1) * 2], vec![r + 1, 2])?)?;
+        let a = e.alltoall("a", Tensor::new((0..6).map(|i| (r * 100 + i) as u32).collect(), vec![n * 2])?)?;
+        let s = e.reduce_scatter("s", Tensor::new((0..8).map(|i| (i + r) as f32).collect(), vec![4, 2])?, Op::Sum)?;
+        let bar = e.barrier()?;
+        bar.wait()?;
+        Ok((b.wait()?, g.wait()?, a.wait()?, s.wait()?))
+    });
+    for (rank, (b, g, a, s)) in all_ok(r).into_iter().enumerate() {
+        assert_eq!(b.data, vec![21; 5]);
+        assert_eq!(g.shape, vec![6, 2]);
+        assert_eq!(g.data, vec![0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]);
+        let want: Vec<u32> = (0..n).flat_map(|p| (0..2).map(move |k| (p * 100 + rank * 2 + k) as u32)).collect();
+        assert_eq!(a.data, want);
+        // 4 rows over 3 ranks: 2,1,1.
+        let rows = [0..2, 2..3, 3..4][rank].clone();
+        assert_eq!(s.shape, vec![rows.len(), 2]);
+        let want: Vec<f32> =
+            rows.flat_map(|row| (0..2).map(move |c| (0..n).map(|q| (row * 2 + c + q) as f32).sum())).collect();
+        assert_eq!(s.data, want);
+    }
+}
+
+#[test]
+fn process_sets_negotiate_on_their_own() {
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        4,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx: Context| {
+            let evens = ctx.split(Some((ctx.rank() % 2) as u32), 0)?.ok_or_else(|| Error::invalid("no group"))?;
+            let world = Engine::new(ctx, cfg())?;
+            let half = Engine::new(evens, cfg())?;
+            let r = world.rank() as i32;
+            // Both engines in flight at once, names shared between them.
+            let h1 = half.allreduce("x", vec![r; 2], Op::Sum)?;
+            let h2 = world.allreduce("x", vec![r; 2], Op::Sum)?;
+            let (a, b) = (h1.wait()?.data[0], h2.wait()?.data[0]);
+            drop(half);
+            Ok((a, b))
+        },
+    );
+    let got = all_ok(r);
+    assert_eq!(got, vec![(2, 6), (4, 6), (2, 6), (4, 6)]);
+}
+
+#[test]
+fn a_duplicate_name_in_flight_and_bad_arguments_are_refused_at_once() {
+    let r = engines(1, cfg(), |e| {
+        let errs = [
+            e.allreduce("a", vec![1i32], Op::Average).err(),
+            e.allreduce_with("a", vec![1f64], &AllreduceOptions::new(Op::Sum).compression(Compression::F16)).err(),
+            e.alltoall("a", vec![1f32; 3]).ok().and(None).or(Some(Error::invalid("fine with 1 rank"))),
+            e.broadcast("a", vec![1f32], 1).err(),
+            e.allreduce("", vec![1f32], Op::Sum).err(),
+        ];
+        let h = e.allreduce("dup", vec![1f32], Op::Sum)?;
+        let dup = e.allreduce("dup", vec![1f32], Op::Sum).err();
+        h.wait()?;
+        Ok((errs.map(|e| e.map(|e| e.to_string())), dup.map(|e| e.to_string())))
+    });
+    let (errs, dup) = all_ok(r).remove(0);
+    assert!(errs[0].as_deref().is_some_and(|e| e.contains("average of i32")), "{errs:?}");
+    assert!(errs[1].as_deref().is_some_and(|e| e.contains("f32 tensors, not f64")), "{errs:?}");
+    assert!(errs[3].as_deref().is_some_and(|e| e.contains("root 1 is not a rank of 1")), "{errs:?}");
+    assert!(errs[4].as_deref().is_some_and(|e| e.contains("1 to 4096 bytes")), "{errs:?}");
+    assert!(dup.is_some_and(|e| e.contains("'dup' is already in flight on rank 0")));
+}
+
+#[test]
+fn the_timeline_holds_negotiation_and_collective_spans_and_can_be_stopped_and_restarted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tl.json");
+    let cfg = EngineConfig { timeline: Some(path.clone()), ..cfg() };
+    let second = dir.path().join("second.json");
+    let r = engines(2, cfg, |e| {
+        for step in 0..3 {
+            let a = e.allreduce("grad.a", vec![step as f32; 10], Op::Sum)?;
+            let b = e.allreduce("grad.b", vec![step as f32; 10], Op::Sum)?;
+            a.wait()?;
+            b.wait()?;
+        }
+        e.stop_timeline()?;
+        e.start_timeline(&second)?;
+        e.broadcast("bc", vec![1u8; 4], 0)?.wait()?;
+        Ok(())
+    });
+    all_ok(r);
+    let tl: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("timeline")).expect("JSON");
+    let names: Vec<String> = tl["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["name"].as_str().map(String::from))
+        .collect();
+    for want in ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE"] {
+        assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
+    }
+    assert!(!names.iter().any(|n| n == "BROADCAST"), "written after the stop: {names:?}");
+    // Rank 0's negotiation spans name each rank's ready time.
+    let ev = tl["traceEvents"].as_array().expect("events");
+    assert!(ev.iter().any(|e| e["name"] == "NEGOTIATE_ALLREDUCE" && e["args"]["rank 1 ready"].is_number()));
+    let second: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&second).expect("second")).expect("JSON");
+    assert!(second["traceEvents"].as_array().expect("events").iter().any(|e| e["name"] == "BROADCAST"));
+}
+
+#[test]
+fn dropping_one_engine_stops_the_others_with_its_rank_named() {
+    let go = Barrier::new(2);
+    let r = engines(2, cfg(), |e| {
+        if e.rank() == 1 {
+            e.allreduce("warm", vec![1u8], Op::Sum)?.wait()?;
+            go.wait();
+            drop(e);
+            return Ok(None);
+        }
+        e.allreduce("warm", vec![1u8], Op::Sum)?.wait()?;
+        let h = e.allreduce("never", vec![1u8], Op::Sum)?;
+        go.wait();
+        Ok(Some(h.wait_timeout(TIMEOUT).err().map(|e| e.to_string())))
+    });
+    let r = all_ok(r);
+    let err = r[0].clone().flatten().unwrap_or_default();
+    assert!(err.contains("rank 1") && err.contains("shut down"), "{err}");
+}
