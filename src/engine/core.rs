@@ -820,14 +820,19 @@ impl Core {
             let seen = self.seen.remove(&r.name);
             self.reported.remove(&r.name);
             let own = self.entries.remove(&r.name).map(|e| (e.payload, e.done, e.submitted));
-            items.push(Item::new(r, own, seen, decided)?);
+            items.push(Item::new(r, own, seen, decided));
         }
         let (spans, ran) =
             exec::run(&self.ctx, &mut self.fusion, &mut items, contributors, self.cfg.fusion_threshold, &self.sh.stats);
         if let Some(t) = &mut self.timeline {
             t.record(&items, &spans);
         }
-        ran?;
+        if let Err(e) = &ran {
+            // Whatever did not run reports the failure (the rest keep their results).
+            for item in &mut items {
+                item.fail_unrun(e);
+            }
+        }
         let mut panicked: Option<Error> = None;
         for item in items {
             let name = item.name.clone();
@@ -839,6 +844,7 @@ impl Core {
                 });
             }
         }
+        ran?;
         panicked.map_or(Ok(()), Err)
     }
 }

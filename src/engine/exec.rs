@@ -51,31 +51,29 @@ pub(crate) struct Span {
 }
 
 impl Item {
-    pub(crate) fn new(
-        r: Ready,
-        own: Option<Own>,
-        seen: Option<Vec<Option<Instant>>>,
-        decided: Instant,
-    ) -> Result<Item> {
+    pub(crate) fn new(r: Ready, own: Option<Own>, seen: Option<Vec<Option<Instant>>>, decided: Instant) -> Item {
+        let mut out = None;
         let (payload, done, submitted) = match own {
             Some((payload, done, submitted)) => (payload, Some(done), Some(submitted)),
             None if r.meta.kind == Kind::Allreduce && r.error.is_none() => {
-                (Some(zeros(r.meta.dtype, r.meta.elements(), &r.name)?), None, None)
+                match zeros(r.meta.dtype, r.meta.elements(), &r.name) {
+                    Ok(z) => (Some(z), None, None),
+                    Err(e) => {
+                        out = Some(Err(e));
+                        (None, None, None)
+                    }
+                }
             }
             None => (None, None, None),
         };
-        Ok(Item {
-            name: r.name,
-            meta: r.meta,
-            dims: r.dims,
-            error: r.error,
-            payload,
-            out: None,
-            done,
-            submitted,
-            seen,
-            decided,
-        })
+        Item { name: r.name, meta: r.meta, dims: r.dims, error: r.error, payload, out, done, submitted, seen, decided }
+    }
+
+    /// Gives an item that has no outcome yet the failure that stopped the cycle.
+    pub(crate) fn fail_unrun(&mut self, e: &Error) {
+        if self.out.is_none() {
+            self.out = Some(Err(e.clone()));
+        }
     }
 
     /// Hands the outcome to the submitter; returns a callback's panic message.
