@@ -92,12 +92,12 @@ impl Model {
             loss -= y * p.max(1e-7).ln() + (1.0 - y) * (1.0 - p).max(1e-7).ln();
             let d = (p - y) / xs.len() as f32;
             g.b2[0] += d;
-            for k in 0..HIDDEN {
-                g.w2[k] += d * h[k];
-                let dh = d * self.w2[k] * (1.0 - h[k] * h[k]);
+            for (k, &hk) in h.iter().enumerate() {
+                g.w2[k] += d * hk;
+                let dh = d * self.w2[k] * (1.0 - hk * hk);
                 g.b1[k] += dh;
-                for i in 0..INPUTS {
-                    g.w1[k * INPUTS + i] += dh * x[i];
+                for (w, xi) in g.w1[k * INPUTS..(k + 1) * INPUTS].iter_mut().zip(x) {
+                    *w += dh * xi;
                 }
             }
         }
