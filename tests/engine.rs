@@ -248,7 +248,7 @@ fn a_stalled_name_is_reported_naming_the_missing_rank_within_the_threshold() {
     assert_eq!((report.name.as_str(), report.op), ("late", "allreduce"));
     assert_eq!((report.submitted, report.missing), (vec![0], vec![1]));
     assert!(report.waited >= check, "{:?}", report.waited);
-    assert!(after < check + Duration::from_millis(700), "reported {after:?} after submission, threshold {check:?}");
+    assert!(after < check + Duration::from_secs(3), "reported {after:?} after submission, threshold {check:?}");
     assert_eq!(sum, vec![3.0; 3]);
 }
 
@@ -277,7 +277,8 @@ fn stall_shutdown_fails_every_rank_with_the_cause() {
             (_, Error::PeerTimedOut { rank: 0, .. }) => {}
             _ => panic!("rank {rank}: unexpected {err:?}"),
         }
-        assert!(took >= limit && took < limit + Duration::from_secs(3), "rank {rank}: {took:?}");
+        // Rank 0 submitted "x" first thing: it waited the whole limit.
+        assert!((rank != 0 || took >= limit) && took < limit + Duration::from_secs(5), "rank {rank}: {took:?}");
         assert_eq!(later, Some(text), "rank {rank}: later submissions report the first cause");
     }
 }
@@ -357,10 +358,9 @@ fn fusion_packs_matching_tensors_up_to_the_threshold() {
         for (t, v) in got.iter().enumerate() {
             assert_eq!(v, &vec![3.0 + 3.0 * t as f32; 100]);
         }
-        if st.cycles == 1 || st.fused_tensors == 10 {
-            assert_eq!((st.fused_batches, st.fused_tensors), (3, 9), "{st:?}");
-        }
-        assert!(st.fused_tensors >= 6, "{st:?}");
+        // Each group is ready in one cycle: the f32 ones fuse 3+3+3 (+1 alone), the f64 ones
+        // (800 bytes each) do not.
+        assert_eq!((st.fused_batches, st.fused_tensors), (3, 9), "{st:?}");
     }
 }
 
@@ -413,12 +413,15 @@ fn join_with_uneven_step_counts() {
 
 #[test]
 fn a_panicking_callback_fails_every_rank_with_its_cause() {
+    let registered = Barrier::new(3);
     let r = engines(3, cfg(), |e| {
-        let h = e.allreduce("cb", vec![1u16; 3], Op::Sum)?;
         if e.rank() == 1 {
-            h.then(|_| panic!("boom in the callback"));
+            // Registered before the others submit: it runs on the engine's thread.
+            e.allreduce("cb", vec![1u16; 3], Op::Sum)?.then(|_| panic!("boom in the callback"));
+            registered.wait();
         } else {
-            h.wait()?;
+            registered.wait();
+            e.allreduce("cb", vec![1u16; 3], Op::Sum)?.wait()?;
         }
         // The next collective fails everywhere with the panic as its cause.
         let err = match e.allreduce("next", vec![1u16; 3], Op::Sum) {
@@ -496,7 +499,7 @@ fn a_duplicate_name_in_flight_and_bad_arguments_are_refused_at_once() {
         let errs = [
             e.allreduce("a", vec![1i32], Op::Average).err(),
             e.allreduce_with("a", vec![1f64], &AllreduceOptions::new(Op::Sum).compression(Compression::F16)).err(),
-            e.alltoall("a", vec![1f32; 3]).ok().and(None).or(Some(Error::invalid("fine with 1 rank"))),
+            e.allreduce("ferrogloo.mine", vec![1f32], Op::Sum).err(),
             e.broadcast("a", vec![1f32], 1).err(),
             e.allreduce("", vec![1f32], Op::Sum).err(),
         ];
@@ -508,6 +511,7 @@ fn a_duplicate_name_in_flight_and_bad_arguments_are_refused_at_once() {
     let (errs, dup) = all_ok(r).remove(0);
     assert!(errs[0].as_deref().is_some_and(|e| e.contains("average of i32")), "{errs:?}");
     assert!(errs[1].as_deref().is_some_and(|e| e.contains("f32 tensors, not f64")), "{errs:?}");
+    assert!(errs[2].as_deref().is_some_and(|e| e.contains("are the engine's")), "{errs:?}");
     assert!(errs[3].as_deref().is_some_and(|e| e.contains("root 1 is not a rank of 1")), "{errs:?}");
     assert!(errs[4].as_deref().is_some_and(|e| e.contains("1 to 4096 bytes")), "{errs:?}");
     assert!(dup.is_some_and(|e| e.contains("'dup' is already in flight on rank 0")));
@@ -569,4 +573,83 @@ fn dropping_one_engine_stops_the_others_with_its_rank_named() {
     let r = all_ok(r);
     let err = r[0].clone().flatten().unwrap_or_default();
     assert!(err.contains("rank 1") && err.contains("shut down"), "{err}");
+}
+
+#[test]
+fn min_with_a_joined_rank_is_refused_on_every_rank_and_a_joined_rank_cannot_submit() {
+    let joined = Barrier::new(2);
+    let r = engines(2, cfg(), |e| {
+        if e.rank() == 1 {
+            let j = e.join()?;
+            let refused = e.allreduce("late", vec![1f32], Op::Sum).err().map(|e| e.to_string());
+            joined.wait();
+            let last = j.wait()?;
+            return Ok((refused, None, last));
+        }
+        joined.wait();
+        let min = e.allreduce("m", vec![5f32; 2], Op::Min)?.wait().err().map(|e| e.to_string());
+        let sum = e.allreduce("s", vec![5f32; 2], Op::Sum)?.wait()?.data;
+        assert_eq!(sum, vec![5.0; 2]);
+        let last = e.join()?.wait()?;
+        Ok((min, Some(sum), last))
+    });
+    let r = all_ok(r);
+    assert!(r[1].0.as_deref().is_some_and(|e| e.contains("rank 1 has joined")), "{:?}", r[1].0);
+    assert!(
+        r[0].0.as_deref().is_some_and(|e| e.contains("min cannot run while ranks [1] have joined")),
+        "{:?}",
+        r[0].0
+    );
+    assert_eq!((r[0].2, r[1].2), (0, 0), "rank 0 joined last");
+}
+
+#[test]
+fn a_group_with_a_bad_member_is_refused_whole() {
+    let r = engines(2, cfg(), |e| {
+        let bad = e
+            .grouped_allreduce(
+                "g",
+                vec![("a".to_string(), Tensor::from(vec![1f32; 2])), ("a".to_string(), Tensor::from(vec![1f32; 2]))],
+                &AllreduceOptions::new(Op::Sum),
+            )
+            .err()
+            .map(|e| e.to_string());
+        // Nothing of it was submitted: "a" is free, and a good group runs.
+        let hs = e.grouped_allreduce(
+            "g",
+            vec![("a".to_string(), Tensor::from(vec![1f32; 2])), ("b".to_string(), Tensor::from(vec![2f32; 2]))],
+            &AllreduceOptions::new(Op::Sum),
+        )?;
+        let got = hs.into_iter().map(|h| Ok(h.wait()?.data)).collect::<Result<Vec<_>>>()?;
+        Ok((bad, got))
+    });
+    for (bad, got) in all_ok(r) {
+        assert!(bad.is_some_and(|e| e.contains("'a' is already in flight")));
+        assert_eq!(got, vec![vec![2.0; 2], vec![4.0; 2]]);
+    }
+}
+
+#[test]
+fn ranks_with_different_fusion_thresholds_are_refused_at_start() {
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        2,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx: Context| {
+            let t = if ctx.rank() == 0 { 1 << 20 } else { 2 << 20 };
+            Engine::new(ctx, EngineConfig { fusion_threshold: t, ..cfg() }).map(drop)
+        },
+    );
+    for (rank, r) in r.into_iter().enumerate() {
+        let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("fusion threshold") && e.contains("HOROVOD_FUSION_THRESHOLD"), "rank {rank}: {e}");
+    }
+}
+
+#[test]
+fn shapes_whose_size_overflows_are_refused() {
+    let huge = Tensor::<f32>::new(Vec::new(), vec![0, 1 << 40, 1 << 40]);
+    assert!(huge.is_err_and(|e| e.to_string().contains("more elements than usize holds")));
 }

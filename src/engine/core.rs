@@ -10,6 +10,7 @@ use crate::Context;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use std::collections::{BTreeSet, HashMap};
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -188,7 +189,17 @@ impl Core {
 
     /// The thread's body: serve until shutdown or failure, then fail whatever is left.
     pub(crate) fn run(mut self) {
-        let err = match self.serve() {
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve())).unwrap_or_else(|p| {
+            Err(Error::Aborted {
+                rank: self.w(self.rank),
+                reason: format!(
+                    "the engine's thread panicked on rank {}: {}",
+                    self.w(self.rank),
+                    super::panic_message(&*p)
+                ),
+            })
+        });
+        let err = match served {
             Ok(by) => Error::Aborted {
                 rank: by,
                 reason: format!("the engine was shut down on rank {by} (an Engine dropped or shut down)"),
@@ -206,7 +217,11 @@ impl Core {
             }
         }
         tracing::debug!(rank = self.rank, error = %err, "engine stopped");
-        let mut queued = std::mem::take(&mut lock(&self.sh.queue).items);
+        let mut queued = {
+            let mut q = lock(&self.sh.queue);
+            q.closed = true;
+            std::mem::take(&mut q.items)
+        };
         lock(&self.sh.inflight).clear();
         for s in queued.drain(..) {
             s.done.finish(Err(err.clone()));
@@ -564,8 +579,15 @@ impl Core {
                 *count.entry(g).or_default() += 1;
             }
         }
-        let mut ready: Vec<Ready> =
-            responses.into_iter().map(|r| Ready { name: r.name, meta: r.meta, dims: r.dims, error: r.error }).collect();
+        let mut ready: Vec<Ready> = responses
+            .into_iter()
+            .map(|r| Ready {
+                error: r.error.map(|(rank, detail)| Error::Mismatch { rank: rank as usize, detail }),
+                name: r.name,
+                meta: r.meta,
+                dims: r.dims,
+            })
+            .collect();
         let coordinated_ready = ready.len();
         for slot in &hits {
             let Some((name, meta)) = self.cache.at(*slot) else { continue };
@@ -584,6 +606,22 @@ impl Core {
         }
 
         let contributors = joined.iter().filter(|&&j| !j).count().max(1);
+        if joined.iter().any(|&j| j) {
+            // Zeros stand in for a joined rank: right for sums and averages only.
+            let who: Vec<usize> = (0..n).filter(|&r| joined[r]).map(|r| self.w(r)).collect();
+            for r in &mut ready {
+                if r.error.is_none()
+                    && r.meta.kind == Kind::Allreduce
+                    && !matches!(r.meta.op, super::Op::Sum | super::Op::Average)
+                {
+                    r.error = Some(Error::invalid(format!(
+                        "allreduce '{}': {} cannot run while ranks {who:?} have joined (only sum and average can)",
+                        r.name,
+                        r.meta.op.name()
+                    )));
+                }
+            }
+        }
         self.execute(ready, contributors, now)?;
 
         if joined.iter().all(|&j| j) {
@@ -592,6 +630,7 @@ impl Core {
             self.joined_at = vec![None; n];
             if let Some(j) = self.join.take() {
                 lock(&self.sh.inflight).remove("ferrogloo.join");
+                self.sh.joined.store(false, Ordering::SeqCst);
                 j.done_with(Ok(Output::Rank(last)));
             }
         }
@@ -788,7 +827,7 @@ impl Core {
             });
             if due {
                 self.reported.insert(name.clone(), now);
-                eprintln!("[ferrogloo engine, rank {}] stalled: {report}", self.w(self.rank));
+                let _ = writeln!(std::io::stderr(), "[ferrogloo engine, rank {}] stalled: {report}", self.w(self.rank));
                 tracing::warn!(rank = self.rank, %report, "engine stall");
                 lock(&self.sh.stalls).push(report);
             }

@@ -18,7 +18,7 @@ pub(crate) struct Ready {
     pub(crate) name: String,
     pub(crate) meta: Meta,
     pub(crate) dims: Vec<u64>,
-    pub(crate) error: Option<(u32, String)>,
+    pub(crate) error: Option<Error>,
 }
 
 /// This rank's submission of a ready name: its tensor, its completion, when it was submitted.
@@ -30,7 +30,7 @@ pub(crate) struct Item {
     pub(crate) name: String,
     pub(crate) meta: Meta,
     dims: Vec<u64>,
-    error: Option<(u32, String)>,
+    error: Option<Error>,
     payload: Option<Box<dyn Payload>>,
     out: Option<Result<Output>>,
     done: Option<Arc<Completion>>,
@@ -179,12 +179,14 @@ pub(crate) fn run(
         leader[batch[0]] = Some(b);
     }
     for i in 0..items.len() {
-        if let Some((rank, detail)) = items[i].error.clone() {
-            items[i].out = Some(Err(Error::Mismatch { rank: rank as usize, detail }));
+        if let Some(e) = items[i].error.clone() {
+            items[i].out = Some(Err(e));
             continue;
         }
         let r = match (items[i].meta.kind, leader[i]) {
-            (Kind::Allreduce, Some(b)) => allreduce(ctx, fusion, items, &batches[b], contributors, &mut spans, stats),
+            (Kind::Allreduce, Some(b)) => {
+                allreduce(ctx, (&mut *fusion, threshold), items, &batches[b], contributors, &mut spans, stats)
+            }
             (Kind::Allreduce, None) => Ok(()), // run with its batch
             _ => single(ctx, items, i, &mut spans, stats),
         };
@@ -205,7 +207,7 @@ fn timed<R>(spans: &mut Vec<Span>, items: &[usize], phase: &'static str, f: impl
 
 fn allreduce(
     ctx: &Context,
-    fusion: &mut Vec<u64>,
+    (fusion, threshold): (&mut Vec<u64>, usize),
     items: &mut [Item],
     batch: &[usize],
     contributors: usize,
@@ -229,10 +231,19 @@ fn allreduce(
         }
     } else {
         let total: usize = batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum();
-        if fusion.len() * 8 < total {
-            fusion.resize(total.div_ceil(8), 0);
-        }
-        let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(fusion)[..total];
+        // The fusion buffer grows to the threshold at most; a lone compressed tensor larger
+        // than that gets a buffer of its own.
+        let mut own = Vec::new();
+        let words = if total <= threshold.max(fusion.len() * 8) {
+            if fusion.len() * 8 < total {
+                fusion.resize(total.div_ceil(8), 0);
+            }
+            fusion
+        } else {
+            own.resize(total.div_ceil(8), 0u64);
+            &mut own
+        };
+        let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..total];
         let mut at = 0;
         for &i in batch {
             let len = wire_bytes(&items[i].meta) as usize;
@@ -312,11 +323,23 @@ fn single(
                     ),
                 });
             }
-            let row: u64 = meta.shape.get(1..).unwrap_or(&[]).iter().product();
-            let rows: u64 = items[i].dims.iter().sum();
+            let too_big =
+                || Error::invalid(format!("engine: allgather '{name}' would be larger than {MAX_TENSOR_BYTES} bytes"));
+            let row = meta
+                .shape
+                .get(1..)
+                .unwrap_or(&[])
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .ok_or_else(too_big)?;
+            let rows = items[i].dims.iter().try_fold(0u64, |a, &d| a.checked_add(d)).ok_or_else(too_big)?;
             let mut out = zeros(meta.dtype, rows.saturating_mul(row), &name)?;
             let esize = meta.dtype.size() as u64;
-            let counts: Vec<usize> = items[i].dims.iter().map(|&d| (d * row * esize) as usize).collect();
+            let counts = items[i]
+                .dims
+                .iter()
+                .map(|&d| d.checked_mul(row).and_then(|x| x.checked_mul(esize)).map(|x| x as usize).ok_or_else(too_big))
+                .collect::<Result<Vec<usize>>>()?;
             let p = items[i].input()?;
             timed(spans, &[i], "ALLGATHER", || ctx.allgatherv::<u8>(p.bytes(), out.bytes_mut(), &counts, &opts))?;
             let mut shape = shape;
@@ -327,7 +350,12 @@ fn single(
         }
         Kind::ReduceScatter => {
             let d0 = shape.first().copied().unwrap_or(0);
-            let row: usize = shape.get(1..).unwrap_or(&[]).iter().product();
+            let row = shape
+                .get(1..)
+                .unwrap_or(&[])
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| Error::invalid(format!("engine: reduce_scatter '{name}': a shape too large")))?;
             let parts = crate::algorithms::partition(d0, n);
             let counts: Vec<usize> = parts.iter().map(|p| p.len() * row).collect();
             let mut out = zeros(meta.dtype, counts[me] as u64, &name)?;

@@ -86,7 +86,7 @@ use crate::error::{Error, Result};
 use crate::types::{DType, Element};
 use crate::{Context, sync::lock};
 use std::any::Any;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -232,6 +232,13 @@ impl<T: Element> Tensor<T> {
     /// A tensor of `shape` over `data`; errors when the shape's product is not `data.len()`.
     pub fn new(data: Vec<T>, shape: Vec<usize>) -> Result<Self> {
         let count = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        // Dimensions whose product overflows are refused even beside a zero.
+        if shape.iter().filter(|&&d| d != 0).try_fold(1usize, |a, &d| a.checked_mul(d)).is_none() {
+            return Err(Error::invalid(format!(
+                "a tensor of shape {} has more elements than usize holds",
+                fmt_shape(&shape)
+            )));
+        }
         if count != Some(data.len()) {
             return Err(Error::invalid(format!(
                 "a tensor of shape {} needs {} elements, got {}",
@@ -501,7 +508,7 @@ impl<O: Send + 'static> Handle<O> {
     /// Like [`wait`](Self::wait), but gives up after `timeout` with [`Error::Timeout`] naming
     /// the tensor (the submission stays in flight; its result is then dropped).
     pub fn wait_timeout(self, timeout: Duration) -> Result<O> {
-        self.wait_until(Some(Instant::now() + timeout))
+        self.wait_until(Instant::now().checked_add(timeout))
     }
 
     fn wait_until(self, deadline: Option<Instant>) -> Result<O> {
@@ -530,8 +537,9 @@ impl<O: Send + 'static> Handle<O> {
     }
 
     /// The callback form: `f` gets the result, on the engine's background thread as soon as
-    /// it is there (here and now if it already is). Keep it short: the engine waits for it.
-    /// A callback that panics fails the engine on every rank, with the panic as the cause.
+    /// it is there (here and now, on the calling thread, if it already is). Keep it short: the
+    /// engine waits for it. A callback that panics on the engine's thread fails the engine on
+    /// every rank, with the panic as the cause (one run here panics here).
     pub fn then(self, f: impl FnOnce(Result<O>) + Send + 'static) {
         let convert = self.convert;
         let mut s = lock(&self.done.state);
@@ -708,6 +716,10 @@ pub(crate) struct Shared {
     pub(crate) stats: Mutex<EngineStats>,
     pub(crate) stalls: Mutex<Vec<StallReport>>,
     pub(crate) barriers: AtomicU64,
+    /// Calls of `grouped_allreduce` per group name.
+    pub(crate) groups: Mutex<HashMap<String, u64>>,
+    /// This rank has joined and its join has not completed.
+    pub(crate) joined: AtomicBool,
     pub(crate) epoch: Instant,
 }
 
@@ -715,6 +727,8 @@ pub(crate) struct Shared {
 pub(crate) struct Queue {
     pub(crate) items: Vec<Submission>,
     pub(crate) shutdown: bool,
+    /// The background thread has stopped: nothing more is taken.
+    pub(crate) closed: bool,
     pub(crate) timeline: Vec<TimelineCommand>,
     /// When the last submission came, and how long after the one before.
     pub(crate) last: Option<Instant>,
@@ -758,10 +772,28 @@ impl Engine {
             stats: Mutex::new(EngineStats::default()),
             stalls: Mutex::new(Vec::new()),
             barriers: AtomicU64::new(0),
+            groups: Mutex::new(HashMap::new()),
+            joined: AtomicBool::new(false),
             epoch: Instant::now(),
         });
+        // Fusion decides the sequence of collectives: every rank must use the same threshold.
+        let mut all = vec![0u64; ctx.size()];
+        ctx.allgather(&[config.fusion_threshold as u64], &mut all, &crate::CollectiveOptions::default())?;
+        if let Some(r) = all.iter().position(|&t| t != config.fusion_threshold as u64) {
+            return Err(Error::Mismatch {
+                rank: ctx.world_rank(r).unwrap_or(r),
+                detail: format!(
+                    "engine: rank {} has a fusion threshold of {} bytes, rank {} of {} (set HOROVOD_FUSION_THRESHOLD alike everywhere)",
+                    ctx.world_rank(r).unwrap_or(r),
+                    all[r],
+                    ctx.world_rank(ctx.rank()).unwrap_or(ctx.rank()),
+                    config.fusion_threshold
+                ),
+            });
+        }
+        let world = ctx.world_rank(ctx.rank()).unwrap_or(ctx.rank());
         let timeline = match &config.timeline {
-            Some(p) if config.timeline_all_ranks => Some(timeline::rank_path(p, ctx.rank())),
+            Some(p) if config.timeline_all_ranks => Some(timeline::rank_path(p, world)),
             Some(p) if ctx.rank() == 0 => Some(p.clone()),
             _ => None,
         };
@@ -820,17 +852,26 @@ impl Engine {
     ) -> Result<Vec<Handle<Tensor<T>>>> {
         let n = u32::try_from(tensors.len())
             .map_err(|_| Error::invalid(format!("group '{group}': more than {} tensors", u32::MAX)))?;
-        let gid = crate::comm::fnv(&group.bytes().map(u64::from).collect::<Vec<_>>()) | 1;
+        // The k-th call with this group name on every rank has the same id (calls with one
+        // name that overlap do not mix).
+        let k = {
+            let mut calls = lock(&self.shared.groups);
+            let c = calls.entry(group.to_string()).or_insert(0);
+            *c += 1;
+            *c
+        };
+        let mut words: Vec<u64> = group.bytes().map(u64::from).collect();
+        words.push(k);
+        let gid = crate::comm::fnv(&words) | 1;
         let mut staged = Vec::with_capacity(tensors.len());
         for (name, t) in tensors {
-            let meta = self.reduce_meta::<T>(Kind::Allreduce, &name, &t, opts)?;
-            staged.push((name, meta, t));
+            let t = Tensor::new(t.data, t.shape)?;
+            let mut meta = self.reduce_meta::<T>(Kind::Allreduce, &name, &t, opts)?;
+            meta.group = gid;
+            meta.group_size = n;
+            staged.push((name, meta, Some(Box::new(t.data) as Box<dyn Payload>)));
         }
-        let mut handles = Vec::with_capacity(staged.len());
-        for (name, meta, t) in staged {
-            handles.push(self.submit(&name, meta, t, gid, n)?);
-        }
-        Ok(handles)
+        self.submit_many(staged, tensor_of::<T>)
     }
 
     /// Concatenates the ranks' tensors along the first dimension, in rank order; the first
@@ -909,7 +950,9 @@ impl Engine {
     /// has joined, with the last rank to join (the highest, when several joined at once).
     pub fn join(&self) -> Result<Handle<usize>> {
         let meta = self.meta::<u8>(Kind::Join, &Tensor::from(Vec::new()));
-        self.submit_raw("ferrogloo.join", meta, None, rank_of)
+        let h = self.submit_raw("ferrogloo.join", meta, None, rank_of)?;
+        self.shared.joined.store(true, Ordering::SeqCst);
+        Ok(h)
     }
 
     /// Starts writing a Chrome-trace timeline to `path` (replacing the one being written, if
@@ -967,8 +1010,10 @@ impl Engine {
     fn wake(&self) {
         if !self.shared.wake_pending.swap(true, Ordering::SeqCst) {
             // A failure here means the context is unusable; the background thread finds out on
-            // its own.
-            let _ = self.ctx.send(self.ctx.rank(), CONTROL_TAG, &[wire::WAKE]);
+            // its own (and the next submission tries again).
+            if self.ctx.send(self.ctx.rank(), CONTROL_TAG, &[wire::WAKE]).is_err() {
+                self.shared.wake_pending.store(false, Ordering::SeqCst);
+            }
         }
     }
 
@@ -1053,34 +1098,80 @@ impl Engine {
         payload: Option<Box<dyn Payload>>,
         convert: fn(Output) -> Result<O>,
     ) -> Result<Handle<O>> {
+        let mut hs = self.submit_many(vec![(name.to_string(), meta, payload)], convert)?;
+        hs.pop().ok_or_else(|| Error::invalid("engine: no handle (a bug)"))
+    }
+
+    /// Submits all of `subs` or none: names are checked and reserved together, and the
+    /// submissions enter the queue together (unless the engine has stopped).
+    fn submit_many<O>(&self, subs: Vec<Staged>, convert: fn(Output) -> Result<O>) -> Result<Vec<Handle<O>>> {
         self.check_alive()?;
-        if name.is_empty() || name.len() > wire::MAX_NAME {
-            return Err(Error::invalid(format!(
-                "a tensor name must have 1 to {} bytes, '{name}' has {}",
-                wire::MAX_NAME,
-                name.len()
-            )));
+        let me = self.rank();
+        for (name, meta, _) in &subs {
+            if name.is_empty() || name.len() > wire::MAX_NAME {
+                return Err(Error::invalid(format!(
+                    "a tensor name must have 1 to {} bytes, '{name}' has {}",
+                    wire::MAX_NAME,
+                    name.len()
+                )));
+            }
+            let internal = matches!(meta.kind, Kind::Barrier | Kind::Join);
+            if !internal && name.starts_with(RESERVED) {
+                return Err(Error::invalid(format!(
+                    "tensor names starting with '{RESERVED}' are the engine's ('{name}')"
+                )));
+            }
+            if meta.kind == Kind::Allreduce && self.shared.joined.load(Ordering::SeqCst) {
+                return Err(Error::invalid(format!(
+                    "allreduce '{name}': rank {me} has joined; submit again once its join has completed"
+                )));
+            }
         }
-        if !lock(&self.shared.inflight).insert(name.to_string()) {
-            return Err(Error::invalid(format!(
-                "{} '{name}' is already in flight on rank {}: wait for its handle before submitting the name again",
-                meta.kind.name(),
-                self.rank()
-            )));
+        {
+            let mut inflight = lock(&self.shared.inflight);
+            let mut names = HashSet::new();
+            if let Some((name, meta, _)) =
+                subs.iter().find(|(n, _, _)| inflight.contains(n) || !names.insert(n.as_str()))
+            {
+                return Err(Error::invalid(format!(
+                    "{} '{name}' is already in flight on rank {me}: wait for its handle before submitting the name again",
+                    meta.kind.name(),
+                )));
+            }
+            inflight.extend(subs.iter().map(|(n, _, _)| n.clone()));
         }
-        let done = Completion::new();
         let now = Instant::now();
+        let mut handles = Vec::with_capacity(subs.len());
         {
             let mut q = lock(&self.shared.queue);
+            if q.closed {
+                drop(q);
+                let mut inflight = lock(&self.shared.inflight);
+                for (n, _, _) in &subs {
+                    inflight.remove(n);
+                }
+                drop(inflight);
+                return Err(self.check_alive().err().unwrap_or_else(|| Error::invalid("the engine has stopped")));
+            }
             q.gap = q.last.map(|l| now.saturating_duration_since(l));
             q.last = Some(now);
-            q.items.push(Submission { name: name.to_string(), meta, payload, done: done.clone(), submitted: now });
+            for (name, meta, payload) in subs {
+                let done = Completion::new();
+                handles.push(Handle { done: done.clone(), name: name.clone(), convert, _o: PhantomData });
+                q.items.push(Submission { name, meta, payload, done, submitted: now });
+            }
         }
         self.shared.arrived.notify_all();
         self.wake();
-        Ok(Handle { done, name: name.to_string(), convert, _o: PhantomData })
+        Ok(handles)
     }
 }
+
+/// A submission before it is queued: name, what must agree, tensor.
+type Staged = (String, Meta, Option<Box<dyn Payload>>);
+
+/// The prefix of the engine's own names (barriers, join).
+const RESERVED: &str = "ferrogloo.";
 
 impl Drop for Engine {
     fn drop(&mut self) {

@@ -150,7 +150,13 @@ impl Timeline {
                 self.end += (s.len() - TAIL.len()) as u64;
                 self.any = true;
             }
-            Err(e) => tracing::warn!(path = %self.path.display(), error = %e, "cannot write the engine's timeline"),
+            Err(e) => {
+                // A write cut short (a full disk) may have left part of the batch: put the old
+                // end back.
+                let _ = self.file.write_all_at(TAIL.as_bytes(), self.end);
+                let _ = self.file.set_len(self.end + TAIL.len() as u64);
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot write the engine's timeline");
+            }
         }
     }
 }
