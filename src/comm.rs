@@ -297,12 +297,17 @@ impl Op {
     /// Waits until finished or `deadline`; on timeout withdraws the operation so its buffer is
     /// released.
     fn wait(&self, deadline: Instant, shared: &Shared) -> Result<Done> {
+        self.wait_spinning(deadline, shared, shared.spin)
+    }
+
+    /// [`wait`](Self::wait) with a busy-wait policy of its own.
+    fn wait_spinning(&self, deadline: Instant, shared: &Shared, spin: BusyWait) -> Result<Done> {
         let start = Instant::now();
         let own: Vec<usize> = self.pairs.iter().map(|p| p.peer()).collect();
         let others: Vec<usize> = (0..self.pending.len())
             .filter(|r| self.pending[*r].load(Ordering::Relaxed) > 0 && !own.contains(r))
             .collect();
-        let finished = shared.mesh.progress.wait(&self.done, &own, &others, deadline, shared.spin);
+        let finished = shared.mesh.progress.wait(&self.done, &own, &others, deadline, spin);
         let outcome = match finished {
             Some(o) => o,
             None => {
@@ -402,9 +407,13 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 
     /// Waits for an operation until `deadline`; also returns an owned receive's message.
     fn finish(&self, idx: usize, deadline: Instant) -> Result<(Done, Option<Vec<u8>>)> {
+        self.finish_spinning(idx, deadline, self.comm.shared.spin)
+    }
+
+    fn finish_spinning(&self, idx: usize, deadline: Instant, spin: BusyWait) -> Result<(Done, Option<Vec<u8>>)> {
         let op = lock(&self.ops).get_mut(idx).and_then(Option::take);
         let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
-        let done = op.wait(deadline, &self.comm.shared)?;
+        let done = op.wait_spinning(deadline, &self.comm.shared, spin)?;
         Ok((done, op.done.take_payload()))
     }
 
@@ -626,6 +635,16 @@ impl BytesRequest<'_, '_> {
     /// Whether the receive has finished (successfully or not).
     pub fn is_done(&self) -> bool {
         self.scope.is_done(self.idx)
+    }
+
+    /// Like [`wait_timeout`](Self::wait_timeout), but sleeps at once instead of busy-waiting
+    /// first, and long: for the only thread that waits on this mesh, which waits long and
+    /// rarely (the engine's idle wait), whose spinning would take a core from the threads that
+    /// do the work.
+    pub(crate) fn wait_sleeping(self, timeout: Duration) -> Result<(usize, Vec<u8>)> {
+        let spin = BusyWait { budget: Duration::ZERO, yield_cpu: false, alone: true };
+        let (done, data) = self.scope.finish_spinning(self.idx, Instant::now() + timeout, spin)?;
+        Ok((done.peer, data.unwrap_or_default()))
     }
 }
 

@@ -118,7 +118,7 @@ fn busy_wait(budget: Option<Duration>, hosts: &[String], rank: usize) -> BusyWai
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let yield_cpu = local > cores;
     let default = if yield_cpu { Duration::from_micros(200) } else { Duration::from_millis(1) };
-    BusyWait { budget: budget.unwrap_or(default), yield_cpu }
+    BusyWait { budget: budget.unwrap_or(default), yield_cpu, alone: false }
 }
 
 /// This rank's membership in a job of `size` ranks: one connected pair per peer, a default

@@ -295,7 +295,7 @@ impl Core {
                 return Ok(None);
             }
             let timeout = self.idle_timeout();
-            let got = self.ctx.scope(|s| s.irecv_bytes(&all, CONTROL_TAG, wire::MAX_MESSAGE)?.wait_timeout(timeout));
+            let got = self.ctx.scope(|s| s.irecv_bytes(&all, CONTROL_TAG, wire::MAX_MESSAGE)?.wait_sleeping(timeout));
             match got {
                 Ok((peer, msg)) if peer == self.rank => {
                     self.sh.wake_pending.store(false, Ordering::SeqCst);
@@ -335,7 +335,11 @@ impl Core {
         let start = Instant::now();
         let mut q = lock(&self.sh.queue);
         loop {
-            let burst = q.gap.is_some_and(|g| g < gap) && q.last.is_some_and(|l| l.elapsed() < gap);
+            // A burst: more than one submission is waiting, the last two close together, and
+            // the last one just now. (One submission alone, as from a thread that submits and
+            // waits, is negotiated at once.)
+            let burst =
+                q.items.len() > 1 && q.gap.is_some_and(|g| g < gap) && q.last.is_some_and(|l| l.elapsed() < gap);
             let left = window.saturating_sub(start.elapsed());
             if !burst || q.shutdown || left.is_zero() {
                 return;
@@ -861,8 +865,14 @@ impl Core {
             let own = self.entries.remove(&r.name).map(|e| (e.payload, e.done, e.submitted));
             items.push(Item::new(r, own, seen, decided));
         }
-        let (spans, ran) =
-            exec::run(&self.ctx, &mut self.fusion, &mut items, contributors, self.cfg.fusion_threshold, &self.sh.stats);
+        let (spans, ran) = exec::run(
+            &self.ctx,
+            &mut self.fusion,
+            &mut items,
+            contributors,
+            (self.cfg.fusion_threshold, self.cfg.fusion_max_tensor),
+            &self.sh.stats,
+        );
         if let Some(t) = &mut self.timeline {
             t.record(&items, &spans);
         }

@@ -131,9 +131,12 @@ fn wire_bytes(m: &Meta) -> u64 {
 }
 
 /// The fused batches: each allreduce joins the first batch, in order, whose tensors it matches
-/// and whose bytes stay within the threshold (looking past tensors that do not match). Every
-/// rank computes the same batches from the same list.
-pub(crate) fn plan(metas: &[&Meta], threshold: usize) -> Vec<Vec<usize>> {
+/// and whose bytes stay within the threshold (looking past tensors that do not match); a
+/// tensor larger than `max_tensor` bytes runs alone, in place (copying it in and out would
+/// cost more than the collective it saves). Every rank computes the same batches from the
+/// same list.
+pub(crate) fn plan(metas: &[&Meta], threshold: usize, max_tensor: usize) -> Vec<Vec<usize>> {
+    let alone = |m: &Meta| wire_bytes(m) > max_tensor as u64;
     let n = metas.len();
     let mut taken = vec![false; n];
     let mut batches = Vec::new();
@@ -145,10 +148,14 @@ pub(crate) fn plan(metas: &[&Meta], threshold: usize) -> Vec<Vec<usize>> {
         let mut batch = vec![i];
         let mut total = wire_bytes(metas[i]);
         for j in i + 1..n {
-            if total >= threshold as u64 {
+            if total >= threshold as u64 || alone(metas[i]) {
                 break;
             }
-            if !taken[j] && fusable(metas[i], metas[j]) && total + wire_bytes(metas[j]) <= threshold as u64 {
+            if !taken[j]
+                && !alone(metas[j])
+                && fusable(metas[i], metas[j])
+                && total + wire_bytes(metas[j]) <= threshold as u64
+            {
                 taken[j] = true;
                 total += wire_bytes(metas[j]);
                 batch.push(j);
@@ -166,14 +173,14 @@ pub(crate) fn run(
     fusion: &mut Vec<u64>,
     items: &mut [Item],
     contributors: usize,
-    threshold: usize,
+    (threshold, max_tensor): (usize, usize),
     stats: &Mutex<EngineStats>,
 ) -> (Vec<Span>, Result<()>) {
     let mut spans = Vec::new();
     let runnable: Vec<usize> = (0..items.len()).filter(|&i| items[i].error.is_none()).collect();
     let metas: Vec<&Meta> = runnable.iter().map(|&i| &items[i].meta).collect();
     let batches: Vec<Vec<usize>> =
-        plan(&metas, threshold).into_iter().map(|b| b.into_iter().map(|k| runnable[k]).collect()).collect();
+        plan(&metas, threshold, max_tensor).into_iter().map(|b| b.into_iter().map(|k| runnable[k]).collect()).collect();
     let mut leader = vec![None; items.len()];
     for (b, batch) in batches.iter().enumerate() {
         leader[batch[0]] = Some(b);
@@ -526,16 +533,18 @@ mod tests {
         let d = m(DType::F32, 200, Op::Sum); // 800 bytes: over with a and c
         let e = m(DType::F32, 10, Op::Average); // another op
         let metas = [&a, &b, &c, &d, &e];
-        assert_eq!(plan(&metas, 1000), vec![vec![0, 2], vec![1], vec![3], vec![4]]);
-        assert_eq!(plan(&metas, 2000), vec![vec![0, 2, 3], vec![1], vec![4]]);
+        assert_eq!(plan(&metas, 1000, usize::MAX), vec![vec![0, 2], vec![1], vec![3], vec![4]]);
+        assert_eq!(plan(&metas, 2000, usize::MAX), vec![vec![0, 2, 3], vec![1], vec![4]]);
         // Threshold 0: no fusion.
-        assert_eq!(plan(&metas, 0), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]);
+        assert_eq!(plan(&metas, 0, usize::MAX), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]);
         // Compression halves the bytes that count.
         let mut h = m(DType::F32, 250, Op::Sum);
         h.compression = Compression::F16;
         let h2 = h.clone();
-        assert_eq!(plan(&[&h, &h2], 1000), vec![vec![0, 1]]);
-        assert_eq!(plan(&[&a, &h], 10_000), vec![vec![0], vec![1]]);
+        assert_eq!(plan(&[&h, &h2], 1000, usize::MAX), vec![vec![0, 1]]);
+        assert_eq!(plan(&[&a, &h], 10_000, usize::MAX), vec![vec![0], vec![1]]);
+        // Tensors above the size limit run alone; the others still fuse around them.
+        assert_eq!(plan(&metas, 2000, 500), vec![vec![0, 2], vec![1], vec![3], vec![4]]);
     }
 
     #[test]

@@ -44,7 +44,8 @@
 //! - **Fusion.** Ready allreduces with the same element type, reduction, scale factors and
 //!   compression are packed into one buffer (allocated once, grown to at most
 //!   [`EngineConfig::fusion_threshold`], reused), looking ahead past tensors that do not match,
-//!   and run as one allreduce.
+//!   and run as one allreduce. Tensors above [`EngineConfig::fusion_max_tensor`] run alone, in
+//!   place: their copies would cost more than the collective saved.
 //! - **Stalls.** Rank 0 reports names that some ranks submitted and others have not, after
 //!   [`EngineConfig::stall_check`] ([`Engine::stall_reports`], and a line on standard error);
 //!   after [`EngineConfig::stall_shutdown`] it fails the engine on every rank.
@@ -61,6 +62,7 @@
 //! | Variable | Field | Default | Meaning |
 //! |---|---|---|---|
 //! | `HOROVOD_FUSION_THRESHOLD` | `fusion_threshold` | 67108864 | bytes of the fusion buffer; 0 turns fusion off |
+//! | `FERROGLOO_FUSION_MAX_TENSOR` | `fusion_max_tensor` | 1048576 | larger allreduces run alone, in place |
 //! | `HOROVOD_CYCLE_TIME` | `batch_window` | 1 (ms) | longest wait for a burst of submissions to end (there is no fixed cycle) |
 //! | `FERROGLOO_ENGINE_BATCH_GAP_US` | `batch_gap` | 100 (µs) | a burst has ended when no submission came for this long |
 //! | `HOROVOD_CACHE_CAPACITY` | `cache_capacity` | 1024 | response cache slots; 0 turns the cache off |
@@ -271,6 +273,9 @@ pub struct EngineConfig {
     /// Bytes of the fusion buffer: ready allreduces that fit together are run as one. 0 turns
     /// fusion off.
     pub fusion_threshold: usize,
+    /// Allreduces larger than this many bytes are not fused: they run alone, in place
+    /// (copying them through the fusion buffer costs more than the collective it saves).
+    pub fusion_max_tensor: usize,
     /// The longest a rank waits for a burst of submissions to end before it negotiates them.
     pub batch_window: Duration,
     /// A burst has ended when no submission came for this long (a single submission after a
@@ -294,6 +299,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             fusion_threshold: 64 << 20,
+            fusion_max_tensor: 1 << 20,
             batch_window: Duration::from_millis(1),
             batch_gap: Duration::from_micros(100),
             cache_capacity: 1024,
@@ -327,6 +333,9 @@ impl EngineConfig {
         let mut c = EngineConfig::default();
         if let Some(x) = num(var, "HOROVOD_FUSION_THRESHOLD")? {
             c.fusion_threshold = x.min(usize::MAX as f64) as usize;
+        }
+        if let Some(x) = num(var, "FERROGLOO_FUSION_MAX_TENSOR")? {
+            c.fusion_max_tensor = x.min(usize::MAX as f64) as usize;
         }
         if let Some(x) = num(var, "HOROVOD_CYCLE_TIME")? {
             c.batch_window = secs(x / 1000.0);
@@ -776,18 +785,23 @@ impl Engine {
             joined: AtomicBool::new(false),
             epoch: Instant::now(),
         });
-        // Fusion decides the sequence of collectives: every rank must use the same threshold.
-        let mut all = vec![0u64; ctx.size()];
-        ctx.allgather(&[config.fusion_threshold as u64], &mut all, &crate::CollectiveOptions::default())?;
-        if let Some(r) = all.iter().position(|&t| t != config.fusion_threshold as u64) {
+        // Fusion decides the sequence of collectives: every rank must use the same limits.
+        let mine = [config.fusion_threshold as u64, config.fusion_max_tensor as u64];
+        let mut all = vec![0u64; 2 * ctx.size()];
+        ctx.allgather(&mine, &mut all, &crate::CollectiveOptions::default())?;
+        if let Some(r) = (0..ctx.size()).find(|&r| all[2 * r..2 * r + 2] != mine) {
+            let w = |r: usize| ctx.world_rank(r).unwrap_or(r);
             return Err(Error::Mismatch {
-                rank: ctx.world_rank(r).unwrap_or(r),
+                rank: w(r),
                 detail: format!(
-                    "engine: rank {} has a fusion threshold of {} bytes, rank {} of {} (set HOROVOD_FUSION_THRESHOLD alike everywhere)",
-                    ctx.world_rank(r).unwrap_or(r),
-                    all[r],
-                    ctx.world_rank(ctx.rank()).unwrap_or(ctx.rank()),
-                    config.fusion_threshold
+                    "engine: rank {} has a fusion threshold of {} bytes and fuses tensors up to {} bytes, rank {} {} and {} \
+                     (set HOROVOD_FUSION_THRESHOLD and FERROGLOO_FUSION_MAX_TENSOR alike everywhere)",
+                    w(r),
+                    all[2 * r],
+                    all[2 * r + 1],
+                    w(ctx.rank()),
+                    mine[0],
+                    mine[1]
                 ),
             });
         }

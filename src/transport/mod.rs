@@ -418,6 +418,9 @@ pub(crate) trait Pair: Send + Sync {
 pub(crate) struct BusyWait {
     pub(crate) budget: Duration,
     pub(crate) yield_cpu: bool,
+    /// The waiter is the only thread that waits on its mesh (the engine's idle wait): it may
+    /// sleep long between looks, nobody else can take its wake-ups.
+    pub(crate) alone: bool,
 }
 
 /// How a mesh's waits make progress: a backend may do the I/O of the pairs involved on the

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 /// A sleep never lasts longer than this: a second thread waiting on the same rank may have
 /// taken the doorbell's wake-up.
 const MAX_SLEEP: Duration = Duration::from_millis(5);
+/// The longest sleep of a wait that is alone on its mesh ([`BusyWait::alone`]).
+const ALONE_SLEEP: Duration = Duration::from_millis(250);
 /// Rounds of a wait between looks at the pairs it does not wait on.
 const QUIET_EVERY: u32 = 16;
 
@@ -98,7 +100,9 @@ impl Progress for ShmProgress {
             }
             if ready && done.outcome().is_none() {
                 let hold = pairs.iter().filter_map(|p| p.hold_ends()).min();
-                let until = hold.map_or(deadline, |h| h.min(deadline)).min(now + MAX_SLEEP);
+                let until = hold
+                    .map_or(deadline, |h| h.min(deadline))
+                    .min(now + if busy.alone { ALONE_SLEEP } else { MAX_SLEEP });
                 for f in &mut fds {
                     f.revents = 0;
                 }
