@@ -89,6 +89,7 @@ fn random_submission_orders_from_two_threads_give_the_sequential_result_on_every
                         Kind3::F(h) => h.wait()?.data.into_iter().map(f64::from).collect(),
                         Kind3::I(h) => h.wait()?.data.into_iter().map(|x| x as f64).collect(),
                         Kind3::D(h) => h.wait()?.data,
+                        Kind3::U(h) => h.wait()?.data.into_iter().map(f64::from).collect(),
                     };
                     out.push((step, t, got));
                 }
@@ -115,6 +116,7 @@ fn random_submission_orders_from_two_threads_give_the_sequential_result_on_every
 }
 
 enum Kind3 {
+    U(ferrogloo::engine::Handle<Tensor<u8>>),
     F(ferrogloo::engine::Handle<Tensor<f32>>),
     I(ferrogloo::engine::Handle<Tensor<i64>>),
     D(ferrogloo::engine::Handle<Tensor<f64>>),
@@ -652,4 +654,88 @@ fn ranks_with_different_fusion_thresholds_are_refused_at_start() {
 fn shapes_whose_size_overflows_are_refused() {
     let huge = Tensor::<f32>::new(Vec::new(), vec![0, 1 << 40, 1 << 40]);
     assert!(huge.is_err_and(|e| e.to_string().contains("more elements than usize holds")));
+}
+
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// One tensor of the case: its length and element type (0 f32, 1 f64, 2 i32, 3 u8).
+    fn run_case(n: usize, tensors: &[(usize, u8)], cfg: EngineConfig, seed: u64) -> Vec<Vec<Vec<f64>>> {
+        let r = engines(n, cfg, |e| {
+            let r = e.rank();
+            let mut order: Vec<usize> = (0..tensors.len()).collect();
+            Lcg(seed ^ (r as u64 * 0x9e37)).shuffle(&mut order);
+            let v = |t: usize, i: usize| (r * 31 + t * 7 + i) % 13;
+            let mut hs = Vec::new();
+            for &t in &order {
+                let (len, ty) = tensors[t];
+                let name = format!("t{t}");
+                hs.push((
+                    t,
+                    match ty {
+                        0 => Kind3::F(e.allreduce(
+                            &name,
+                            (0..len).map(|i| v(t, i) as f32).collect::<Vec<_>>(),
+                            Op::Sum,
+                        )?),
+                        1 => Kind3::D(e.allreduce(
+                            &name,
+                            (0..len).map(|i| v(t, i) as f64).collect::<Vec<_>>(),
+                            Op::Sum,
+                        )?),
+                        2 => Kind3::I(e.allreduce(
+                            &name,
+                            (0..len).map(|i| v(t, i) as i64).collect::<Vec<_>>(),
+                            Op::Sum,
+                        )?),
+                        _ => Kind3::U(e.allreduce(
+                            &name,
+                            (0..len).map(|i| v(t, i) as u8).collect::<Vec<_>>(),
+                            Op::Sum,
+                        )?),
+                    },
+                ));
+            }
+            let mut out = vec![Vec::new(); tensors.len()];
+            for (t, h) in hs {
+                out[t] = match h {
+                    Kind3::F(h) => h.wait()?.data.into_iter().map(f64::from).collect(),
+                    Kind3::D(h) => h.wait()?.data,
+                    Kind3::I(h) => h.wait()?.data.into_iter().map(|x| x as f64).collect(),
+                    Kind3::U(h) => h.wait()?.data.into_iter().map(f64::from).collect(),
+                };
+            }
+            Ok(out)
+        });
+        all_ok(r)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        // Any world size 1-9, tensor lengths (empty ones too), element types, fusion
+        // thresholds and cache capacities: every rank gets the sequential sum.
+        #[test]
+        fn any_orders_sizes_types_and_settings_give_the_sequential_sums(
+            n in 1usize..=9,
+            tensors in proptest::collection::vec((0usize..700, 0u8..4), 1..10),
+            threshold in prop_oneof![Just(0usize), Just(256), Just(4096), Just(64 << 20)],
+            capacity in prop_oneof![Just(0usize), Just(1), Just(3), Just(1024)],
+            seed in any::<u64>(),
+        ) {
+            let cfg = EngineConfig { fusion_threshold: threshold, cache_capacity: capacity, ..cfg() };
+            let got = run_case(n, &tensors, cfg, seed);
+            for (rank, out) in got.iter().enumerate() {
+                for (t, &(len, ty)) in tensors.iter().enumerate() {
+                    let want: Vec<f64> = (0..len)
+                        .map(|i| {
+                            let s: usize = (0..n).map(|r| (r * 31 + t * 7 + i) % 13).sum();
+                            if ty == 3 { (s % 256) as f64 } else { s as f64 }
+                        })
+                        .collect();
+                    prop_assert_eq!(&out[t], &want, "n={} rank {} tensor {}", n, rank, t);
+                }
+            }
+        }
+    }
 }
