@@ -27,6 +27,7 @@ pub mod error;
 mod groups;
 pub mod launch;
 mod mesh;
+pub mod ps;
 pub mod rendezvous;
 mod sync;
 pub(crate) mod transport;

@@ -1,0 +1,189 @@
+//! Ready-made server handlers: a summing store, synchronous SGD and asynchronous SGD.
+
+use super::{Handler, Request, RequestMeta, Responder};
+use crate::error::Result;
+use crate::types::{Element, Reduction};
+use std::collections::{BTreeSet, HashMap};
+
+/// Looks up each key's values (empty for keys never pushed) for a reply.
+fn values_of<T: Element>(store: &HashMap<u64, Vec<T>>, keys: &[u64]) -> (Vec<T>, Vec<usize>) {
+    let (mut vs, mut ls) = (Vec::new(), Vec::new());
+    for k in keys {
+        let v = store.get(k).map(Vec::as_slice).unwrap_or(&[]);
+        vs.extend_from_slice(v);
+        ls.push(v.len());
+    }
+    (vs, ls)
+}
+
+/// Splits a request's values by key.
+fn per_key<'a, T>(r: &'a Request<T>) -> impl Iterator<Item = (u64, &'a [T])> + 'a {
+    let mut at = 0;
+    r.keys.iter().zip(&r.lens).map(move |(&k, &l)| {
+        let v = &r.values[at..at + l];
+        at += l;
+        (k, v)
+    })
+}
+
+/// Answers a request: nothing for a push, the keys' values for a pull or push-pull.
+fn answer<T: Element>(
+    store: &HashMap<u64, Vec<T>>,
+    meta: &RequestMeta,
+    keys: &[u64],
+    responder: &Responder<T>,
+) -> Result<()> {
+    if meta.pull {
+        let (vs, ls) = values_of(store, keys);
+        responder.respond(meta, keys, &vs, &ls)
+    } else {
+        responder.respond(meta, &[], &[], &[])
+    }
+}
+
+/// The default handler: a push adds its values into the key's stored values (a key's first
+/// push sets its length; a push of another length is refused), a pull reads them (a key
+/// never pushed has no values).
+#[derive(Debug, Clone)]
+pub struct SumStore<T> {
+    /// The stored values.
+    pub store: HashMap<u64, Vec<T>>,
+}
+
+impl<T> Default for SumStore<T> {
+    fn default() -> Self {
+        SumStore { store: HashMap::new() }
+    }
+}
+
+impl<T: Element> Handler<T> for SumStore<T> {
+    fn handle(&mut self, r: Request<T>, responder: &Responder<T>) -> Result<()> {
+        if r.meta.push {
+            if let Some((k, have, want)) = per_key(&r)
+                .find_map(|(k, v)| self.store.get(&k).filter(|s| s.len() != v.len()).map(|s| (k, s.len(), v.len())))
+            {
+                return responder.refuse(&r.meta, &format!("key {k} holds {have} values, the push has {want}"));
+            }
+            for (k, v) in per_key(&r) {
+                let s = self.store.entry(k).or_insert_with(|| vec![T::zeroed(); v.len()]);
+                T::fold(Reduction::Sum, s, v);
+            }
+        }
+        answer(&self.store, &r.meta, &r.keys, responder)
+    }
+}
+
+/// Synchronous SGD: the server collects one request from every live worker (a round), then
+/// applies `weights -= lr · (sum of the round's gradients) / workers` for every key pushed,
+/// and answers every request of the round (a push-pull gets the new weights). A worker's
+/// second request before its round completes waits for the next round. Weights start at
+/// zero, with the length of a key's first push.
+#[derive(Debug, Clone)]
+pub struct SyncSgd {
+    /// Learning rate.
+    pub lr: f32,
+    /// The weights.
+    pub weights: HashMap<u64, Vec<f32>>,
+    live: BTreeSet<usize>,
+    round: Vec<Request<f32>>,
+    later: Vec<Request<f32>>,
+}
+
+impl SyncSgd {
+    /// Rounds over `workers` workers, learning rate `lr`.
+    pub fn new(workers: usize, lr: f32) -> Self {
+        SyncSgd { lr, weights: HashMap::new(), live: (0..workers).collect(), round: Vec::new(), later: Vec::new() }
+    }
+
+    fn complete_rounds(&mut self, responder: &Responder<f32>) -> Result<()> {
+        loop {
+            let arrived: BTreeSet<usize> = self.round.iter().map(|r| r.meta.worker).collect();
+            if self.round.is_empty() || !self.live.iter().all(|w| arrived.contains(w)) {
+                return Ok(());
+            }
+            let mut sums: HashMap<u64, Vec<f32>> = HashMap::new();
+            for r in self.round.iter().filter(|r| r.meta.push) {
+                for (k, g) in per_key(r) {
+                    let s = sums.entry(k).or_insert_with(|| vec![0.0; g.len()]);
+                    if s.len() == g.len() {
+                        f32::fold(Reduction::Sum, s, g);
+                    }
+                }
+            }
+            let scale = self.lr / self.live.len().max(1) as f32;
+            for (k, g) in sums {
+                let w = self.weights.entry(k).or_insert_with(|| vec![0.0; g.len()]);
+                if w.len() == g.len() {
+                    w.iter_mut().zip(&g).for_each(|(w, g)| *w -= scale * g);
+                }
+            }
+            for r in std::mem::take(&mut self.round) {
+                answer(&self.weights, &r.meta, &r.keys, responder)?;
+            }
+            // Requests that came early go into the next round, one per worker.
+            let mut next = Vec::new();
+            for r in std::mem::take(&mut self.later) {
+                if self.round.iter().any(|q| q.meta.worker == r.meta.worker) {
+                    next.push(r);
+                } else {
+                    self.round.push(r);
+                }
+            }
+            self.later = next;
+        }
+    }
+}
+
+impl Handler<f32> for SyncSgd {
+    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        if let Some((k, have, want)) = per_key(&r).find_map(|(k, v)| {
+            self.weights.get(&k).filter(|w| r.meta.push && w.len() != v.len()).map(|w| (k, w.len(), v.len()))
+        }) {
+            return responder.refuse(&r.meta, &format!("key {k} holds {have} weights, the push has {want}"));
+        }
+        if self.round.iter().any(|q| q.meta.worker == r.meta.worker) {
+            self.later.push(r);
+        } else {
+            self.round.push(r);
+        }
+        self.complete_rounds(responder)
+    }
+
+    fn worker_left(&mut self, worker: usize, responder: &Responder<f32>) -> Result<()> {
+        self.live.remove(&worker);
+        self.complete_rounds(responder)
+    }
+}
+
+/// Asynchronous SGD: every push is applied at once (`weights -= lr · gradient`), and a
+/// push-pull gets the weights right after its own update.
+#[derive(Debug, Clone)]
+pub struct AsyncSgd {
+    /// Learning rate.
+    pub lr: f32,
+    /// The weights.
+    pub weights: HashMap<u64, Vec<f32>>,
+}
+
+impl AsyncSgd {
+    /// Learning rate `lr`.
+    pub fn new(lr: f32) -> Self {
+        AsyncSgd { lr, weights: HashMap::new() }
+    }
+}
+
+impl Handler<f32> for AsyncSgd {
+    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        if r.meta.push {
+            for (k, g) in per_key(&r) {
+                let w = self.weights.entry(k).or_insert_with(|| vec![0.0; g.len()]);
+                if w.len() != g.len() {
+                    return responder
+                        .refuse(&r.meta, &format!("key {k} holds {} weights, the push has {}", w.len(), g.len()));
+                }
+                w.iter_mut().zip(g).for_each(|(w, g)| *w -= self.lr * g);
+            }
+        }
+        answer(&self.weights, &r.meta, &r.keys, responder)
+    }
+}

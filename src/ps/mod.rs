@@ -1,0 +1,916 @@
+//! A parameter server in the style of ps-lite: workers push values for the keys they touched
+//! and pull fresh ones; servers own shards of the key space and answer through a handler.
+//!
+//! Servers and workers meet through a [`Store`] like any [`Context`] (no scheduler process):
+//! server `i` is rank `i` of one context, worker `j` is rank `servers + j`. A role that never
+//! arrives makes the others' [`Node::connect`] time out naming the role and who is missing.
+//!
+//! ```
+//! use ferrogloo::ps::{Node, PsConfig, Role, SumStore};
+//! use ferrogloo::{device::Device, rendezvous::HashStore};
+//! let store = HashStore::new();
+//! let cfg = PsConfig::new(1, 1);
+//! std::thread::scope(|s| -> ferrogloo::Result<()> {
+//!     let server = s.spawn(|| {
+//!         let node = Node::connect(&store, &Device::in_process(), Role::Server, 0, cfg.clone())?;
+//!         node.server(SumStore::<f32>::default())?.run()
+//!     });
+//!     let node = Node::connect(&store, &Device::in_process(), Role::Worker, 0, cfg.clone())?;
+//!     let w = node.worker::<f32>()?;
+//!     // Keys sorted and unique; two values for key 3, one for key 8.
+//!     let ts = w.push(&[3, 8], &[1.0, 2.0, 5.0], &[2, 1])?;
+//!     w.wait(ts)?;
+//!     let pulled = w.wait(w.pull(&[3, 8])?)?;
+//!     assert_eq!((pulled.values, pulled.lens), (vec![1.0, 2.0, 5.0], vec![2, 1]));
+//!     drop(w); // says goodbye: the server's run returns once every worker has
+//!     server.join().expect("server thread")?;
+//!     Ok(())
+//! })?;
+//! # Ok::<(), ferrogloo::Error>(())
+//! ```
+//!
+//! - **Requests** carry a timestamp ([`KvWorker::push`], [`pull`](KvWorker::pull),
+//!   [`push_pull`](KvWorker::push_pull) return it; [`KvWorker::wait`] waits with the request's
+//!   deadline, [`KvWorker::then`] is the callback form), a command id of the caller's, sorted
+//!   unique `u64` keys (checked) and variable-length values per key.
+//! - **Sharding** is by a hash of the key by default (dense small keys spread over every
+//!   server), by key range on request, or by a function of yours; a request whose keys span
+//!   several servers completes when every part has.
+//! - **Servers** run a [`Handler`]: [`SumStore`] (pushes are summed into the stored values,
+//!   pulls read them), [`SyncSgd`] (a key's update is applied when every live worker pushed
+//!   its gradient, and every pusher gets the new weights), [`AsyncSgd`] (each push applied at
+//!   once), or your own, which may answer later ([`Responder`]).
+//! - **Faults**: a server that dies (its process killed: the connection closes) fails every
+//!   pending and later request that needs it, naming the server and the keys; a server that
+//!   hangs fails them at their deadline. Servers send heartbeats (every
+//!   [`PsConfig::heartbeat`]); [`KvWorker::dead_servers`] lists those closed or silent for three
+//!   heartbeats. A worker that dies is dropped from the servers' synchronous rounds.
+//!
+//! Not (yet) done: replication of a server's state to a backup that takes over, a restarted
+//! worker rejoining, and the `DMLC_*` environment; see the README.
+
+mod handlers;
+mod wire;
+
+pub use handlers::{AsyncSgd, SumStore, SyncSgd};
+
+use crate::Context;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::rendezvous::Store;
+use crate::sync::lock;
+use crate::types::Element;
+use std::collections::{HashMap, HashSet};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use wire::{Kind, Message};
+
+/// The tag of parameter-server messages on the nodes' context.
+const PS_TAG: u32 = 0x5053_0001;
+/// How often the receiving threads look at deadlines and stop flags.
+const SLICE: Duration = Duration::from_millis(100);
+
+/// A node's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Pushes and pulls.
+    Worker,
+    /// Owns a shard of the keys.
+    Server,
+}
+
+/// Which server owns a key.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub enum Sharding {
+    /// A hash of the key (dense small keys spread over every server).
+    #[default]
+    Hash,
+    /// Equal ranges of the `u64` key space (ps-lite's way: small keys all land on server 0).
+    Range,
+    /// `f(key, servers)`, which must be below `servers` and the same on every node.
+    Custom(Arc<dyn Fn(u64, usize) -> usize + Send + Sync>),
+}
+
+impl std::fmt::Debug for Sharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Sharding::Hash => "Hash",
+            Sharding::Range => "Range",
+            Sharding::Custom(_) => "Custom",
+        })
+    }
+}
+
+impl Sharding {
+    /// The server of `key` among `servers`.
+    pub fn server_of(&self, key: u64, servers: usize) -> usize {
+        let s = servers.max(1);
+        match self {
+            Sharding::Hash => (splitmix(key) % s as u64) as usize,
+            Sharding::Range => ((u128::from(key) * s as u128) >> 64) as usize,
+            Sharding::Custom(f) => f(key, s),
+        }
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The job's shape and behaviour; every node must use the same.
+#[derive(Debug, Clone)]
+pub struct PsConfig {
+    /// Number of workers.
+    pub workers: usize,
+    /// Number of servers.
+    pub servers: usize,
+    /// Deadline of the rendezvous and of each request.
+    pub timeout: Duration,
+    /// How keys map to servers.
+    pub sharding: Sharding,
+    /// How often servers tell workers they are alive (`None`: never).
+    pub heartbeat: Option<Duration>,
+}
+
+impl PsConfig {
+    /// `workers` workers and `servers` servers, hash sharding, 30 s deadlines, a heartbeat
+    /// every second.
+    pub fn new(workers: usize, servers: usize) -> Self {
+        PsConfig {
+            workers,
+            servers,
+            timeout: Duration::from_secs(30),
+            sharding: Sharding::Hash,
+            heartbeat: Some(Duration::from_secs(1)),
+        }
+    }
+}
+
+/// A node of the job: a server or a worker, connected to every other node.
+pub struct Node {
+    ctx: Arc<Context>,
+    role: Role,
+    id: usize,
+    cfg: PsConfig,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("role", &self.role).field("id", &self.id).finish()
+    }
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Worker => "worker",
+        Role::Server => "server",
+    }
+}
+
+impl Node {
+    /// Joins the job as `role` number `id` (servers `0..servers`, workers `0..workers`),
+    /// meeting the others through `store` on `device`. Times out (after `cfg.timeout`) naming
+    /// the roles and ids that did not arrive.
+    pub fn connect<S: Store + ?Sized>(
+        store: &S,
+        device: &Device,
+        role: Role,
+        id: usize,
+        cfg: PsConfig,
+    ) -> Result<Node> {
+        if cfg.servers == 0 || cfg.workers == 0 {
+            return Err(Error::invalid(format!(
+                "a parameter server needs at least one server and one worker, not {} and {}",
+                cfg.servers, cfg.workers
+            )));
+        }
+        let count = match role {
+            Role::Worker => cfg.workers,
+            Role::Server => cfg.servers,
+        };
+        if id >= count {
+            return Err(Error::invalid(format!("{} {id} of {count}: no such {}", role_name(role), role_name(role))));
+        }
+        let rank = match role {
+            Role::Server => id,
+            Role::Worker => cfg.servers + id,
+        };
+        let ctx = Context::builder(rank, cfg.servers + cfg.workers)
+            .timeout(cfg.timeout)
+            .connect(store, device)
+            .map_err(|e| name_roles(e, &cfg))?;
+        Ok(Node { ctx: Arc::new(ctx), role, id, cfg })
+    }
+
+    /// This node's role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// This node's number among its role.
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// The node as a worker of values of type `T`.
+    pub fn worker<T: Element>(self) -> Result<KvWorker<T>> {
+        if self.role != Role::Worker {
+            return Err(Error::invalid(format!("server {} cannot be a worker", self.id)));
+        }
+        KvWorker::start(self)
+    }
+
+    /// The node as a server answering requests for values of type `T` with `handler`; call
+    /// [`KvServer::run`].
+    pub fn server<T: Element, H: Handler<T>>(self, handler: H) -> Result<KvServer<T, H>> {
+        if self.role != Role::Server {
+            return Err(Error::invalid(format!("worker {} cannot be a server", self.id)));
+        }
+        Ok(KvServer { node: self, handler, _t: PhantomData })
+    }
+}
+
+/// A rendezvous timeout in the parameter server's words: which roles are missing.
+fn name_roles(e: Error, cfg: &PsConfig) -> Error {
+    match e {
+        Error::Timeout { op, ranks, keys, waited } if !ranks.is_empty() => {
+            let servers: Vec<usize> = ranks.iter().copied().filter(|&r| r < cfg.servers).collect();
+            let workers: Vec<usize> = ranks.iter().filter(|&&r| r >= cfg.servers).map(|r| r - cfg.servers).collect();
+            let mut parts = Vec::new();
+            if !servers.is_empty() {
+                parts.push(format!("{} of {} servers missing (servers {servers:?})", servers.len(), cfg.servers));
+            }
+            if !workers.is_empty() {
+                parts.push(format!("{} of {} workers missing (workers {workers:?})", workers.len(), cfg.workers));
+            }
+            Error::Timeout { op: format!("parameter-server {op}: {}", parts.join(", ")), ranks, keys, waited }
+        }
+        other => other,
+    }
+}
+
+/// A request's identity, returned by the worker's calls.
+pub type Timestamp = u64;
+
+/// What a finished request gives back: for a pull or push-pull, the values of the keys asked
+/// for (concatenated in key order) and each key's length; empty for a push.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply<T> {
+    /// The keys.
+    pub keys: Vec<u64>,
+    /// Their values, concatenated.
+    pub values: Vec<T>,
+    /// Each key's number of values.
+    pub lens: Vec<usize>,
+}
+
+impl<T> Default for Reply<T> {
+    fn default() -> Self {
+        Reply { keys: Vec::new(), values: Vec::new(), lens: Vec::new() }
+    }
+}
+
+type Callback<T> = Box<dyn FnOnce(Result<Reply<T>>) + Send>;
+
+/// A request in flight.
+struct Pending<T> {
+    keys: Vec<u64>,
+    /// Per server: the positions (in `keys`) of the keys sent to it; `None` once answered.
+    parts: HashMap<usize, Vec<usize>>,
+    /// Per key position: its values once answered.
+    got: Vec<Option<Vec<T>>>,
+    wants_values: bool,
+    deadline: Instant,
+    what: &'static str,
+    outcome: Option<Result<Reply<T>>>,
+    callback: Option<Callback<T>>,
+}
+
+struct WorkerShared<T> {
+    ctx: Arc<Context>,
+    cfg: PsConfig,
+    id: usize,
+    next: AtomicU64,
+    pending: Mutex<HashMap<Timestamp, Pending<T>>>,
+    done: Condvar,
+    /// Servers whose connection closed.
+    closed: Mutex<HashMap<usize, Error>>,
+    /// When each server was last heard from.
+    heard: Mutex<Vec<Instant>>,
+    stop: AtomicBool,
+}
+
+/// A worker: pushes and pulls values of type `T`. Calls are thread-safe.
+pub struct KvWorker<T: Element> {
+    sh: Arc<WorkerShared<T>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<T: Element> std::fmt::Debug for KvWorker<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvWorker").field("id", &self.sh.id).finish()
+    }
+}
+
+/// Checks that keys are sorted and unique and that `lens` splits `values`; returns the lengths.
+fn check_keys(what: &str, keys: &[u64], values: Option<(usize, &[usize])>) -> Result<Vec<usize>> {
+    if let Some(i) = (1..keys.len()).find(|&i| keys[i] <= keys[i - 1]) {
+        let how = if keys[i] == keys[i - 1] { "repeats" } else { "comes after" };
+        return Err(Error::invalid(format!(
+            "{what}: keys must be sorted and unique: key {} at index {i} {how} key {} at index {}",
+            keys[i],
+            keys[i - 1],
+            i - 1
+        )));
+    }
+    let Some((n, lens)) = values else { return Ok(Vec::new()) };
+    if lens.is_empty() {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if n % keys.len() != 0 {
+            return Err(Error::invalid(format!(
+                "{what}: {n} values do not split evenly over {} keys (give their lengths)",
+                keys.len()
+            )));
+        }
+        return Ok(vec![n / keys.len(); keys.len()]);
+    }
+    if lens.len() != keys.len() {
+        return Err(Error::invalid(format!("{what}: {} lengths for {} keys", lens.len(), keys.len())));
+    }
+    let total = lens.iter().try_fold(0usize, |a, &l| a.checked_add(l));
+    if total != Some(n) {
+        return Err(Error::invalid(format!("{what}: the lengths add up to {total:?} values, not the {n} given")));
+    }
+    Ok(lens.to_vec())
+}
+
+impl<T: Element> KvWorker<T> {
+    fn start(node: Node) -> Result<Self> {
+        let sh = Arc::new(WorkerShared {
+            ctx: node.ctx,
+            next: AtomicU64::new(1),
+            pending: Mutex::new(HashMap::new()),
+            done: Condvar::new(),
+            closed: Mutex::new(HashMap::new()),
+            heard: Mutex::new(vec![Instant::now(); node.cfg.servers]),
+            stop: AtomicBool::new(false),
+            id: node.id,
+            cfg: node.cfg,
+        });
+        let s = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ferrogloo-ps-worker-{}", node.id))
+            .spawn(move || receive_replies(&s))
+            .map_err(|e| Error::io("starting the worker's receiving thread", e))?;
+        Ok(KvWorker { sh, thread: Some(thread) })
+    }
+
+    /// This worker's number.
+    pub fn id(&self) -> usize {
+        self.sh.id
+    }
+
+    /// Pushes `values` for `keys` (sorted, unique); `lens[i]` values belong to `keys[i]`
+    /// (empty `lens`: equal lengths). Returns at once with the request's timestamp.
+    pub fn push(&self, keys: &[u64], values: &[T], lens: &[usize]) -> Result<Timestamp> {
+        self.push_with(keys, values, lens, 0)
+    }
+
+    /// [`push`](Self::push) with a command id the server's handler sees.
+    pub fn push_with(&self, keys: &[u64], values: &[T], lens: &[usize], cmd: i32) -> Result<Timestamp> {
+        let lens = check_keys("push", keys, Some((values.len(), lens)))?;
+        self.send(Kind::Push, keys, values, &lens, cmd, false, "push")
+    }
+
+    /// Asks for the values of `keys` (sorted, unique); [`wait`](Self::wait) returns them.
+    pub fn pull(&self, keys: &[u64]) -> Result<Timestamp> {
+        self.pull_with(keys, 0)
+    }
+
+    /// [`pull`](Self::pull) with a command id.
+    pub fn pull_with(&self, keys: &[u64], cmd: i32) -> Result<Timestamp> {
+        check_keys("pull", keys, None)?;
+        self.send(Kind::Pull, keys, &[], &[], cmd, true, "pull")
+    }
+
+    /// Pushes, and gets back the values after the push (as the server's handler answers).
+    pub fn push_pull(&self, keys: &[u64], values: &[T], lens: &[usize]) -> Result<Timestamp> {
+        self.push_pull_with(keys, values, lens, 0)
+    }
+
+    /// [`push_pull`](Self::push_pull) with a command id.
+    pub fn push_pull_with(&self, keys: &[u64], values: &[T], lens: &[usize], cmd: i32) -> Result<Timestamp> {
+        let lens = check_keys("push_pull", keys, Some((values.len(), lens)))?;
+        self.send(Kind::PushPull, keys, values, &lens, cmd, true, "push_pull")
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        kind: Kind,
+        keys: &[u64],
+        values: &[T],
+        lens: &[usize],
+        cmd: i32,
+        wants_values: bool,
+        what: &'static str,
+    ) -> Result<Timestamp> {
+        let sh = &self.sh;
+        let ts = sh.next.fetch_add(1, Ordering::Relaxed);
+        let servers = sh.cfg.servers;
+        let mut parts: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (i, &k) in keys.iter().enumerate() {
+            let s = sh.cfg.sharding.server_of(k, servers);
+            if s >= servers {
+                return Err(Error::invalid(format!("{what}: the sharding put key {k} on server {s} of {servers}")));
+            }
+            parts.entry(s).or_default().push(i);
+        }
+        if let Some((s, e)) = parts.keys().find_map(|s| lock(&sh.closed).get(s).cloned().map(|e| (*s, e))) {
+            let ks: Vec<u64> = parts[&s].iter().map(|&i| keys[i]).collect();
+            return Err(server_gone(what, s, &ks, &e));
+        }
+        let offsets: Vec<usize> = lens
+            .iter()
+            .scan(0usize, |at, &l| {
+                let o = *at;
+                *at += l;
+                Some(o)
+            })
+            .collect();
+        let pending = Pending {
+            keys: keys.to_vec(),
+            got: vec![None; keys.len()],
+            parts: parts.clone(),
+            wants_values,
+            deadline: Instant::now() + sh.cfg.timeout,
+            what,
+            outcome: if keys.is_empty() { Some(Ok(Reply::default())) } else { None },
+            callback: None,
+        };
+        lock(&sh.pending).insert(ts, pending);
+        for (s, idx) in parts {
+            let ks: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
+            let (mut vs, mut ls) = (Vec::new(), Vec::new());
+            if kind != Kind::Pull {
+                for &i in &idx {
+                    vs.extend_from_slice(&values[offsets[i]..offsets[i] + lens[i]]);
+                    ls.push(lens[i]);
+                }
+            }
+            let msg = Message {
+                kind,
+                cmd,
+                ts,
+                keys: ks.clone(),
+                lens: ls,
+                values: bytemuck::cast_slice(&vs).to_vec(),
+                dtype: T::DTYPE as u8,
+            };
+            if let Err(e) = sh.ctx.send(s, PS_TAG, &msg.encode()) {
+                let err = server_gone(what, s, &ks, &e);
+                finish(sh, ts, Err(err.clone()));
+                return Err(err);
+            }
+        }
+        Ok(ts)
+    }
+
+    /// Waits for request `ts` (until its deadline); a pull's values come back.
+    pub fn wait(&self, ts: Timestamp) -> Result<Reply<T>> {
+        let mut p = lock(&self.sh.pending);
+        loop {
+            let Some(req) = p.get_mut(&ts) else {
+                return Err(Error::invalid(format!(
+                    "no request {ts} in flight (already waited for, or given a callback)"
+                )));
+            };
+            if req.outcome.is_some() {
+                return p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
+            }
+            let left = req.deadline.saturating_duration_since(Instant::now()) + SLICE * 2;
+            p = crate::sync::wait_timeout(&self.sh.done, p, left.min(SLICE));
+        }
+    }
+
+    /// The callback form: `f` gets the outcome of request `ts` on the worker's receiving thread
+    /// (here and now if it is already there). Keep it short.
+    pub fn then(&self, ts: Timestamp, f: impl FnOnce(Result<Reply<T>>) + Send + 'static) -> Result<()> {
+        let mut p = lock(&self.sh.pending);
+        let Some(req) = p.get_mut(&ts) else {
+            return Err(Error::invalid(format!("no request {ts} in flight")));
+        };
+        if req.outcome.is_some() {
+            let out = p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
+            drop(p);
+            f(out);
+        } else {
+            req.callback = Some(Box::new(f));
+        }
+        Ok(())
+    }
+
+    /// Servers this worker knows to be gone: their connection closed, or (with heartbeats)
+    /// nothing heard from them for three heartbeats.
+    pub fn dead_servers(&self) -> Vec<usize> {
+        let closed = lock(&self.sh.closed);
+        let heard = lock(&self.sh.heard);
+        let silent = |s: usize| self.sh.cfg.heartbeat.is_some_and(|h| heard[s].elapsed() > h * 3);
+        (0..self.sh.cfg.servers).filter(|&s| closed.contains_key(&s) || silent(s)).collect()
+    }
+}
+
+impl<T: Element> Drop for KvWorker<T> {
+    fn drop(&mut self) {
+        // Goodbye to every live server (their run ends when every worker has said it).
+        let closed: HashSet<usize> = lock(&self.sh.closed).keys().copied().collect();
+        let bye = Message::control(Kind::Bye).encode();
+        for s in (0..self.sh.cfg.servers).filter(|s| !closed.contains(s)) {
+            let _ = self.sh.ctx.send(s, PS_TAG, &bye);
+        }
+        self.sh.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn server_gone(what: &str, server: usize, keys: &[u64], cause: &Error) -> Error {
+    let shown: Vec<u64> = keys.iter().copied().take(8).collect();
+    let more = if keys.len() > 8 { format!(" and {} more", keys.len() - 8) } else { String::new() };
+    Error::PeerClosed {
+        rank: server,
+        op: format!("parameter-server {what}"),
+        detail: format!("server {server} is gone with keys {shown:?}{more} of this request outstanding ({cause})"),
+    }
+}
+
+/// Completes request `ts` (the first outcome wins).
+fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>) {
+    let cb = {
+        let mut p = lock(&sh.pending);
+        let Some(req) = p.get_mut(&ts) else { return };
+        if req.outcome.is_some() {
+            return;
+        }
+        match req.callback.take() {
+            Some(cb) => {
+                p.remove(&ts);
+                Some((cb, out))
+            }
+            None => {
+                req.outcome = Some(out);
+                None
+            }
+        }
+    };
+    match cb {
+        Some((cb, out)) => cb(out),
+        None => sh.done.notify_all(),
+    }
+}
+
+/// The worker's receiving thread: replies, heartbeats, closed servers, deadlines.
+fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
+    while !sh.stop.load(Ordering::SeqCst) {
+        let live: Vec<usize> = {
+            let closed = lock(&sh.closed);
+            (0..sh.cfg.servers).filter(|s| !closed.contains_key(s)).collect()
+        };
+        let got = if live.is_empty() {
+            std::thread::sleep(SLICE);
+            Err(Error::Timeout { op: String::new(), ranks: Vec::new(), keys: Vec::new(), waited: SLICE })
+        } else {
+            sh.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_timeout(SLICE))
+        };
+        match got {
+            Ok((server, bytes)) => {
+                if let Some(h) = lock(&sh.heard).get_mut(server) {
+                    *h = Instant::now();
+                }
+                match Message::decode(&bytes, server) {
+                    Ok(m) => on_reply(sh, server, m),
+                    Err(e) => fail_server(sh, server, e),
+                }
+            }
+            Err(Error::Timeout { .. }) => {}
+            Err(e) => {
+                // Which server: the error names it (a closed connection), else every live one
+                // is suspect; the context itself is unusable then.
+                let server = match &e {
+                    Error::PeerClosed { rank, .. } | Error::PeerTimedOut { rank, .. } if *rank < sh.cfg.servers => {
+                        Some(*rank)
+                    }
+                    _ => None,
+                };
+                match server {
+                    Some(s) => fail_server(sh, s, e),
+                    None => {
+                        for s in live {
+                            fail_server(sh, s, e.clone());
+                        }
+                    }
+                }
+            }
+        }
+        expire(sh);
+    }
+}
+
+/// Marks `server` gone and fails every request waiting for it.
+fn fail_server<T: Element>(sh: &WorkerShared<T>, server: usize, cause: Error) {
+    lock(&sh.closed).entry(server).or_insert(cause.clone());
+    let waiting: Vec<(Timestamp, Vec<u64>, &'static str)> = lock(&sh.pending)
+        .iter()
+        .filter(|(_, p)| p.outcome.is_none() && p.parts.contains_key(&server))
+        .map(|(ts, p)| (*ts, p.parts[&server].iter().map(|&i| p.keys[i]).collect(), p.what))
+        .collect();
+    for (ts, keys, what) in waiting {
+        finish(sh, ts, Err(server_gone(what, server, &keys, &cause)));
+    }
+}
+
+/// Fails requests past their deadline, naming the servers and keys still outstanding.
+fn expire<T: Element>(sh: &WorkerShared<T>) {
+    let now = Instant::now();
+    let late: Vec<(Timestamp, Error)> = lock(&sh.pending)
+        .iter()
+        .filter(|(_, p)| p.outcome.is_none() && p.deadline <= now)
+        .map(|(ts, p)| {
+            let servers: Vec<usize> = p.parts.keys().copied().collect();
+            let keys: Vec<String> = p.parts.values().flatten().take(8).map(|&i| format!("key {}", p.keys[i])).collect();
+            let err = Error::Timeout {
+                op: format!("parameter-server {} (servers {servers:?} did not answer)", p.what),
+                ranks: servers,
+                keys,
+                waited: sh.cfg.timeout,
+            };
+            (*ts, err)
+        })
+        .collect();
+    for (ts, e) in late {
+        finish(sh, ts, Err(e));
+    }
+}
+
+fn on_reply<T: Element>(sh: &WorkerShared<T>, server: usize, m: Message) {
+    match m.kind {
+        Kind::Heartbeat => return,
+        Kind::Reply | Kind::Error => {}
+        other => {
+            fail_server(
+                sh,
+                server,
+                Error::Protocol { peer: Some(server), detail: format!("a {other:?} message to a worker") },
+            );
+            return;
+        }
+    }
+    let outcome = {
+        let mut p = lock(&sh.pending);
+        let Some(req) = p.get_mut(&m.ts) else { return };
+        if req.outcome.is_some() {
+            return;
+        }
+        let Some(idx) = req.parts.remove(&server) else { return };
+        if m.kind == Kind::Error {
+            let text = String::from_utf8_lossy(&m.values).into_owned();
+            Some(Err(Error::Aborted {
+                rank: server,
+                reason: format!("server {server} refused the {}: {text}", req.what),
+            }))
+        } else if req.wants_values {
+            let values: Vec<T> = match bytemuck::try_cast_slice::<u8, T>(&m.values) {
+                Ok(v) => v.to_vec(),
+                Err(_) => bytemuck::pod_collect_to_vec(&m.values),
+            };
+            let fits = m.keys.len() == idx.len()
+                && m.lens.len() == idx.len()
+                && m.keys.iter().zip(&idx).all(|(k, &i)| *k == req.keys[i])
+                && m.lens.iter().sum::<usize>() == values.len()
+                && m.values.len().is_multiple_of(std::mem::size_of::<T>().max(1));
+            if !fits {
+                Some(Err(Error::Protocol {
+                    peer: Some(server),
+                    detail: format!("server {server} answered the {} with other keys or lengths", req.what),
+                }))
+            } else {
+                let mut at = 0;
+                for (&i, &l) in idx.iter().zip(&m.lens) {
+                    req.got[i] = Some(values[at..at + l].to_vec());
+                    at += l;
+                }
+                None
+            }
+        } else {
+            None
+        }
+        .or_else(|| {
+            req.parts.is_empty().then(|| {
+                let mut reply = Reply { keys: req.keys.clone(), ..Reply::default() };
+                if req.wants_values {
+                    for v in req.got.iter_mut() {
+                        let v = v.take().unwrap_or_default();
+                        reply.lens.push(v.len());
+                        reply.values.extend(v);
+                    }
+                }
+                Ok(reply)
+            })
+        })
+    };
+    if let Some(out) = outcome {
+        finish(sh, m.ts, out);
+    }
+}
+
+/// A request as a server's handler sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request<T> {
+    /// Who sent it, and how to answer.
+    pub meta: RequestMeta,
+    /// The keys (sorted, unique), this server's share of them.
+    pub keys: Vec<u64>,
+    /// The pushed values, concatenated (empty for a pull).
+    pub values: Vec<T>,
+    /// Each key's number of values (empty for a pull).
+    pub lens: Vec<usize>,
+}
+
+/// Who sent a request and what it asks; [`Responder::respond`] answers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestMeta {
+    /// The worker's number.
+    pub worker: usize,
+    /// The caller's command id.
+    pub cmd: i32,
+    /// The request's timestamp (the worker's).
+    pub timestamp: Timestamp,
+    /// Whether it carries values.
+    pub push: bool,
+    /// Whether it wants values back.
+    pub pull: bool,
+}
+
+/// How a handler answers, now or later.
+pub struct Responder<T> {
+    ctx: Arc<Context>,
+    servers: usize,
+    _t: PhantomData<fn(T)>,
+}
+
+impl<T: Element> Responder<T> {
+    /// Answers a request: for a push, with nothing (`keys` empty); for a pull, with the values
+    /// of the keys asked for, in their order.
+    pub fn respond(&self, meta: &RequestMeta, keys: &[u64], values: &[T], lens: &[usize]) -> Result<()> {
+        let msg = Message {
+            kind: Kind::Reply,
+            cmd: meta.cmd,
+            ts: meta.timestamp,
+            keys: keys.to_vec(),
+            lens: lens.to_vec(),
+            values: bytemuck::cast_slice(values).to_vec(),
+            dtype: T::DTYPE as u8,
+        };
+        self.ctx.send(self.servers + meta.worker, PS_TAG, &msg.encode())
+    }
+
+    /// Refuses a request: the worker's wait fails with `reason`.
+    pub fn refuse(&self, meta: &RequestMeta, reason: &str) -> Result<()> {
+        let msg = Message {
+            kind: Kind::Error,
+            cmd: meta.cmd,
+            ts: meta.timestamp,
+            keys: Vec::new(),
+            lens: Vec::new(),
+            values: reason.as_bytes().to_vec(),
+            dtype: 0,
+        };
+        self.ctx.send(self.servers + meta.worker, PS_TAG, &msg.encode())
+    }
+}
+
+/// What a server does with requests.
+pub trait Handler<T: Element>: Send {
+    /// Handles one request; answers it through `responder` now or later (every request must
+    /// be answered once, or its worker fails it at the deadline).
+    fn handle(&mut self, request: Request<T>, responder: &Responder<T>) -> Result<()>;
+
+    /// Worker `worker` is gone (it said goodbye or its connection closed): a handler that
+    /// waits for every worker (synchronous SGD) stops waiting for it.
+    fn worker_left(&mut self, worker: usize, responder: &Responder<T>) -> Result<()> {
+        let _ = (worker, responder);
+        Ok(())
+    }
+}
+
+/// A server: runs its handler on the requests until every worker has left.
+pub struct KvServer<T: Element, H: Handler<T>> {
+    node: Node,
+    handler: H,
+    _t: PhantomData<fn(T)>,
+}
+
+impl<T: Element, H: Handler<T>> KvServer<T, H> {
+    /// Serves until every worker has said goodbye or gone; returns the handler's first error.
+    pub fn run(mut self) -> Result<()> {
+        let (servers, workers) = (self.node.cfg.servers, self.node.cfg.workers);
+        let responder = Responder { ctx: self.node.ctx.clone(), servers, _t: PhantomData };
+        let mut live: Vec<usize> = (servers..servers + workers).collect();
+        let beat = self.node.cfg.heartbeat;
+        let mut last_beat = Instant::now();
+        let heartbeat = Message::control(Kind::Heartbeat).encode();
+        while !live.is_empty() {
+            if let Some(b) = beat
+                && last_beat.elapsed() >= b
+            {
+                last_beat = Instant::now();
+                for &w in &live {
+                    let _ = self.node.ctx.send(w, PS_TAG, &heartbeat);
+                }
+            }
+            let slice = beat.map_or(SLICE, |b| b.min(SLICE));
+            let got = self.node.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_timeout(slice));
+            let left = match got {
+                Ok((rank, bytes)) => {
+                    let m = Message::decode(&bytes, rank)?;
+                    let worker = rank - servers;
+                    match m.kind {
+                        Kind::Bye => Some(rank),
+                        Kind::Push | Kind::Pull | Kind::PushPull => {
+                            if m.dtype != T::DTYPE as u8 {
+                                responder.refuse(
+                                    &meta_of(&m, worker),
+                                    &format!(
+                                        "this server holds {} values, the request has type code {}",
+                                        T::DTYPE,
+                                        m.dtype
+                                    ),
+                                )?;
+                                None
+                            } else {
+                                let values: Vec<T> = bytemuck::pod_collect_to_vec(&m.values);
+                                let meta = meta_of(&m, worker);
+                                let req = Request { meta, keys: m.keys, values, lens: m.lens };
+                                if let Err(e) = check_request(&req) {
+                                    responder.refuse(&meta, &e.to_string())?;
+                                } else {
+                                    self.handler.handle(req, &responder)?;
+                                }
+                                None
+                            }
+                        }
+                        other => {
+                            return Err(Error::Protocol {
+                                peer: Some(rank),
+                                detail: format!("a {other:?} message to a server"),
+                            });
+                        }
+                    }
+                }
+                Err(Error::Timeout { .. }) => None,
+                Err(Error::PeerClosed { rank, .. }) if live.contains(&rank) => Some(rank),
+                Err(e) => return Err(e),
+            };
+            if let Some(rank) = left {
+                live.retain(|&w| w != rank);
+                self.handler.worker_left(rank - servers, &responder)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn meta_of(m: &Message, worker: usize) -> RequestMeta {
+    RequestMeta {
+        worker,
+        cmd: m.cmd,
+        timestamp: m.ts,
+        push: matches!(m.kind, Kind::Push | Kind::PushPull),
+        pull: matches!(m.kind, Kind::Pull | Kind::PushPull),
+    }
+}
+
+/// A request's keys and lengths hold together (a worker checks them before sending; this is
+/// for requests that did not come from one).
+fn check_request<T: Element>(r: &Request<T>) -> Result<()> {
+    let what = if r.meta.push { "push" } else { "pull" };
+    if r.meta.push {
+        check_keys(what, &r.keys, Some((r.values.len(), &r.lens)))?;
+        if r.lens.len() != r.keys.len() {
+            return Err(Error::invalid(format!("{what}: {} lengths for {} keys", r.lens.len(), r.keys.len())));
+        }
+    } else {
+        check_keys(what, &r.keys, None)?;
+    }
+    Ok(())
+}

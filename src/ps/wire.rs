@@ -1,0 +1,148 @@
+//! Parameter-server messages: `kind u8 | dtype u8 | cmd i32 | timestamp u64 | key count u32 |
+//! keys u64… | length count u32 | lengths u64… | values (the rest)`, little-endian. Decoding
+//! is bounds-checked; a malformed message is [`Error::Protocol`] naming the sender.
+
+use crate::error::{Error, Result};
+
+/// Longest message a node receives.
+pub(crate) const MAX_MESSAGE: usize = 1 << 30;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Push = 1,
+    Pull = 2,
+    PushPull = 3,
+    Reply = 4,
+    Error = 5,
+    Bye = 6,
+    Heartbeat = 7,
+}
+
+impl Kind {
+    fn from_code(c: u8) -> Option<Kind> {
+        [Kind::Push, Kind::Pull, Kind::PushPull, Kind::Reply, Kind::Error, Kind::Bye, Kind::Heartbeat]
+            .into_iter()
+            .find(|k| *k as u8 == c)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Message {
+    pub(crate) kind: Kind,
+    pub(crate) dtype: u8,
+    pub(crate) cmd: i32,
+    pub(crate) ts: u64,
+    pub(crate) keys: Vec<u64>,
+    pub(crate) lens: Vec<usize>,
+    pub(crate) values: Vec<u8>,
+}
+
+impl Message {
+    /// A message with no keys or values.
+    pub(crate) fn control(kind: Kind) -> Message {
+        Message { kind, dtype: 0, cmd: 0, ts: 0, keys: Vec::new(), lens: Vec::new(), values: Vec::new() }
+    }
+
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(26 + 8 * (self.keys.len() + self.lens.len()) + self.values.len());
+        b.push(self.kind as u8);
+        b.push(self.dtype);
+        b.extend_from_slice(&self.cmd.to_le_bytes());
+        b.extend_from_slice(&self.ts.to_le_bytes());
+        b.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
+        for k in &self.keys {
+            b.extend_from_slice(&k.to_le_bytes());
+        }
+        b.extend_from_slice(&(self.lens.len() as u32).to_le_bytes());
+        for l in &self.lens {
+            b.extend_from_slice(&(*l as u64).to_le_bytes());
+        }
+        b.extend_from_slice(&self.values);
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8], peer: usize) -> Result<Message> {
+        let mut r = Reader { b, at: 0, peer };
+        let head = r.take(14)?;
+        let kind = Kind::from_code(head[0]).ok_or_else(|| r.bad("an unknown kind"))?;
+        let dtype = head[1];
+        let cmd = i32::from_le_bytes([head[2], head[3], head[4], head[5]]);
+        let mut ts = [0u8; 8];
+        ts.copy_from_slice(&head[6..14]);
+        let ts = u64::from_le_bytes(ts);
+        let keys = r.words()?;
+        let lens = r
+            .words()?
+            .into_iter()
+            .map(|l| usize::try_from(l).map_err(|_| r.bad("a length too large")))
+            .collect::<Result<Vec<usize>>>()?;
+        let values = b[r.at..].to_vec();
+        Ok(Message { kind, dtype, cmd, ts, keys, lens, values })
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+    peer: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn bad(&self, what: &str) -> Error {
+        Error::Protocol {
+            peer: Some(self.peer),
+            detail: format!("parameter-server message of {} bytes from rank {}: {what}", self.b.len(), self.peer),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| self.bad("cut short"))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn words(&mut self) -> Result<Vec<u64>> {
+        let c = self.take(4)?;
+        let n = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+        let raw = self.take(n.checked_mul(8).ok_or_else(|| self.bad("a count too large"))?)?;
+        Ok(raw
+            .chunks_exact(8)
+            .map(|c| {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(c);
+                u64::from_le_bytes(w)
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip() {
+        let m = Message {
+            kind: Kind::PushPull,
+            dtype: 1,
+            cmd: -7,
+            ts: 99,
+            keys: vec![1, 5],
+            lens: vec![2, 0],
+            values: vec![1, 2, 3, 4],
+        };
+        assert_eq!(Message::decode(&m.encode(), 3).ok(), Some(m));
+        assert_eq!(Message::decode(&Message::control(Kind::Bye).encode(), 0).ok().map(|m| m.kind), Some(Kind::Bye));
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_is_a_protocol_error_naming_the_sender(data in proptest::collection::vec(any::<u8>(), 0..120)) {
+            if let Err(e) = Message::decode(&data, 4) {
+                prop_assert!(matches!(e, Error::Protocol { peer: Some(4), .. }), "{e}");
+            }
+        }
+    }
+}
