@@ -54,6 +54,7 @@ fn keys_of(w: usize, step: usize) -> Vec<u64> {
 }
 
 /// A store that holds requests with command 99 unanswered (to have requests pending).
+#[derive(Clone)]
 struct Holding(SumStore<i64>, Vec<Request<i64>>);
 
 impl Handler<i64> for Holding {
@@ -77,19 +78,35 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
     if scenario == "range" {
         cfg.sharding = Sharding::Range;
     }
+    cfg.replication = scenario == "replicated";
     let node = Node::connect(&store, &dev, role, id, cfg)?;
     if role == Role::Server {
         return node.server(Holding(SumStore::default(), Vec::new()))?.run();
     }
     let w = node.worker::<i64>()?;
     match scenario {
-        "reference" | "range" => {
-            for step in 0..4 {
+        "reference" | "range" | "replicated" => {
+            let steps = if scenario == "replicated" { 60 } else { 4 };
+            for step in 0..steps {
+                if step == 2 && scenario == "replicated" {
+                    // The parent kills server 1 now; pushes go on while it dies.
+                    println!("HALF rank {}", env.rank);
+                }
                 let keys = keys_of(id, step);
                 let lens: Vec<usize> = keys.iter().map(|k| 1 + (k % 4) as usize).collect();
                 let values: Vec<i64> =
                     keys.iter().zip(&lens).flat_map(|(&k, &l)| (0..l).map(move |j| pushed(id, step, k, j))).collect();
                 w.wait(w.push(&keys, &values, &lens)?)?;
+            }
+            if scenario == "replicated" {
+                // The final pull must be the backup's: wait (bounded) until server 1 is known dead.
+                let until = Instant::now() + DEADLINE;
+                while !w.dead_servers().contains(&1) {
+                    if Instant::now() > until {
+                        return Err(Error::invalid("server 1 was never seen dead"));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
             }
             // Every worker's pushes are in before anyone pulls.
             let n = store.add("ps-test/pushed", 1)?;
@@ -104,14 +121,14 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
                 let want: Vec<i64> = (0..1 + (k % 4) as usize)
                     .map(|j| {
                         (0..workers)
-                            .flat_map(|q| (0..4).map(move |s| (q, s)))
+                            .flat_map(|q| (0..steps).map(move |s| (q, s)))
                             .filter(|&(q, s)| keys_of(q, s).contains(&k))
                             .map(|(q, s)| pushed(q, s, k, j))
                             .sum()
                     })
                     .collect();
-                let pushed_at_all =
-                    want.iter().any(|&x| x != 0) || (0..workers).any(|q| (0..4).any(|s| keys_of(q, s).contains(&k)));
+                let pushed_at_all = want.iter().any(|&x| x != 0)
+                    || (0..workers).any(|q| (0..steps).any(|s| keys_of(q, s).contains(&k)));
                 let want = if pushed_at_all { want } else { Vec::new() };
                 if got.values[at..at + l] != want[..] {
                     return Err(Error::invalid(format!(
@@ -223,6 +240,16 @@ fn processes_get_the_sequential_sums_for_random_keys_and_lengths_on_several_serv
         let lines = job.wait_for("DONE rank", &all, Instant::now() + Duration::from_secs(60));
         assert!(!lines.iter().any(|(_, l)| l.contains("ERROR")), "{servers} servers, {workers} workers: {lines:?}");
     }
+}
+
+#[test]
+fn with_replication_the_backup_takes_over_a_sigkilled_server_and_the_sums_are_right() {
+    let mut job = start(3, 2, "replicated");
+    job.wait_for("HALF rank", &[3, 4], Instant::now() + Duration::from_secs(60));
+    job.children[1].kill().expect("SIGKILL server 1");
+    let _ = job.children[1].wait();
+    let lines = job.wait_for("DONE rank", &[0, 2, 3, 4], Instant::now() + Duration::from_secs(60));
+    assert!(!lines.iter().any(|(_, l)| l.contains("ERROR")), "{lines:?}");
 }
 
 #[test]

@@ -137,6 +137,10 @@ pub struct PsConfig {
     pub sharding: Sharding,
     /// How often servers tell workers they are alive (`None`: never).
     pub heartbeat: Option<Duration>,
+    /// Keep a copy of each server's state on the next server (its backup), which answers for
+    /// it once it dies. Workers send every push to both; handlers must be deterministic in
+    /// what they store (the ones here are; float sums may differ in the last bits).
+    pub replication: bool,
 }
 
 impl PsConfig {
@@ -149,6 +153,7 @@ impl PsConfig {
             timeout: Duration::from_secs(30),
             sharding: Sharding::Hash,
             heartbeat: Some(Duration::from_secs(1)),
+            replication: false,
         }
     }
 }
@@ -229,7 +234,7 @@ impl Node {
 
     /// The node as a server answering requests for values of type `T` with `handler`; call
     /// [`KvServer::run`].
-    pub fn server<T: Element, H: Handler<T>>(self, handler: H) -> Result<KvServer<T, H>> {
+    pub fn server<T: Element, H: Handler<T> + Clone>(self, handler: H) -> Result<KvServer<T, H>> {
         if self.role != Role::Server {
             return Err(Error::invalid(format!("worker {} cannot be a server", self.id)));
         }
@@ -291,6 +296,10 @@ struct Pending<T> {
     what: &'static str,
     outcome: Option<Result<Reply<T>>>,
     callback: Option<Callback<T>>,
+    /// A backup's answers for a shard whose primary is still alive (used if it dies).
+    stash: HashMap<usize, Message>,
+    /// Pull parts, to ask the backup if the primary dies (replication only).
+    pulls: HashMap<usize, Vec<u8>>,
 }
 
 struct WorkerShared<T> {
@@ -435,9 +444,15 @@ impl<T: Element> KvWorker<T> {
             }
             parts.entry(s).or_default().push(i);
         }
-        if let Some((s, e)) = parts.keys().find_map(|s| lock(&sh.closed).get(s).cloned().map(|e| (*s, e))) {
-            let ks: Vec<u64> = parts[&s].iter().map(|&i| keys[i]).collect();
-            return Err(server_gone(what, s, &ks, &e));
+        let replicate = sh.cfg.replication && servers > 1;
+        let closed: HashMap<usize, Error> = lock(&sh.closed).clone();
+        for s in parts.keys() {
+            if let Some(e) = closed.get(s)
+                && (!replicate || closed.contains_key(&backup_of(*s, servers)))
+            {
+                let ks: Vec<u64> = parts[s].iter().map(|&i| keys[i]).collect();
+                return Err(server_gone(what, *s, &ks, e));
+            }
         }
         let offsets: Vec<usize> = lens
             .iter()
@@ -456,8 +471,11 @@ impl<T: Element> KvWorker<T> {
             what,
             outcome: if keys.is_empty() { Some(Ok(Reply::default())) } else { None },
             callback: None,
+            stash: HashMap::new(),
+            pulls: HashMap::new(),
         };
         lock(&sh.pending).insert(ts, pending);
+        let mut failed: Vec<(usize, Error)> = Vec::new();
         for (s, idx) in parts {
             let ks: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
             let (mut vs, mut ls) = (Vec::new(), Vec::new());
@@ -471,16 +489,32 @@ impl<T: Element> KvWorker<T> {
                 kind,
                 cmd,
                 ts,
-                keys: ks.clone(),
+                shard: s as u32,
+                keys: ks,
                 lens: ls,
                 values: bytemuck::cast_slice(&vs).to_vec(),
                 dtype: T::DTYPE as u8,
             };
-            if let Err(e) = sh.ctx.send(s, PS_TAG, &msg.encode()) {
-                let err = server_gone(what, s, &ks, &e);
-                finish(sh, ts, Err(err.clone()));
-                return Err(err);
+            let bytes = msg.encode();
+            let primary_gone = closed.contains_key(&s);
+            let b = backup_of(s, servers);
+            if replicate
+                && kind == Kind::Pull
+                && !primary_gone
+                && let Some(p) = lock(&sh.pending).get_mut(&ts)
+            {
+                p.pulls.insert(s, bytes.clone());
             }
+            if !primary_gone && let Err(e) = sh.ctx.send(s, PS_TAG, &bytes) {
+                failed.push((s, e));
+            }
+            // The backup gets every push (to keep its copy) and what its dead primary would.
+            if replicate && (primary_gone || kind != Kind::Pull) && !closed.contains_key(&b) {
+                let _ = sh.ctx.send(b, PS_TAG, &bytes);
+            }
+        }
+        for (s, e) in failed {
+            fail_server(sh, s, e);
         }
         Ok(ts)
     }
@@ -542,6 +576,11 @@ impl<T: Element> Drop for KvWorker<T> {
             let _ = t.join();
         }
     }
+}
+
+/// The server that keeps a copy of server `s`'s state.
+fn backup_of(s: usize, servers: usize) -> usize {
+    (s + 1) % servers.max(1)
 }
 
 fn server_gone(what: &str, server: usize, keys: &[u64], cause: &Error) -> Error {
@@ -626,16 +665,54 @@ fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
     }
 }
 
-/// Marks `server` gone and fails every request waiting for it.
+/// Marks `server` gone: requests waiting for it go to its backup (with replication, when the
+/// backup lives) or fail naming it and their keys.
 fn fail_server<T: Element>(sh: &WorkerShared<T>, server: usize, cause: Error) {
-    lock(&sh.closed).entry(server).or_insert(cause.clone());
-    let waiting: Vec<(Timestamp, Vec<u64>, &'static str)> = lock(&sh.pending)
-        .iter()
-        .filter(|(_, p)| p.outcome.is_none() && p.parts.contains_key(&server))
-        .map(|(ts, p)| (*ts, p.parts[&server].iter().map(|&i| p.keys[i]).collect(), p.what))
-        .collect();
-    for (ts, keys, what) in waiting {
-        finish(sh, ts, Err(server_gone(what, server, &keys, &cause)));
+    let servers = sh.cfg.servers;
+    let replicate = sh.cfg.replication && servers > 1;
+    let closed: HashMap<usize, Error> = {
+        let mut c = lock(&sh.closed);
+        c.entry(server).or_insert(cause.clone());
+        c.clone()
+    };
+    // The shards this server answered for: its own, and its dead primary's.
+    let answered_by = |shard: usize| {
+        if closed.contains_key(&shard) && replicate { backup_of(shard, servers) } else { shard }
+    };
+    let mut resend: Vec<(usize, Vec<u8>)> = Vec::new();
+    let mut stashed: Vec<(Timestamp, usize, Message)> = Vec::new();
+    let mut doomed: Vec<(Timestamp, Vec<u64>, &'static str, usize)> = Vec::new();
+    {
+        let mut p = lock(&sh.pending);
+        for (ts, req) in p.iter_mut().filter(|(_, r)| r.outcome.is_none()) {
+            for (&shard, idx) in &req.parts {
+                if answered_by(shard) != server && shard != server {
+                    continue;
+                }
+                let b = backup_of(shard, servers);
+                if replicate && shard == server && !closed.contains_key(&b) {
+                    if let Some(m) = req.stash.remove(&shard) {
+                        stashed.push((*ts, shard, m));
+                    } else if let Some(bytes) = req.pulls.remove(&shard) {
+                        resend.push((b, bytes));
+                    }
+                    // A push: the backup has it and answers.
+                } else {
+                    doomed.push((*ts, idx.iter().map(|&i| req.keys[i]).collect(), req.what, shard));
+                }
+            }
+        }
+    }
+    for (b, bytes) in resend {
+        if let Err(e) = sh.ctx.send(b, PS_TAG, &bytes) {
+            tracing::debug!(server = b, error = %e, "asking a backup failed");
+        }
+    }
+    for (ts, shard, m) in stashed {
+        apply_part(sh, ts, shard, m);
+    }
+    for (ts, keys, what, shard) in doomed {
+        finish(sh, ts, Err(server_gone(what, shard, &keys, &cause)));
     }
 }
 
@@ -675,13 +752,42 @@ fn on_reply<T: Element>(sh: &WorkerShared<T>, server: usize, m: Message) {
             return;
         }
     }
+    let shard = m.shard as usize;
+    if shard != server {
+        // A backup's answer: it counts once the primary is gone, until then it waits.
+        if !sh.cfg.replication || shard >= sh.cfg.servers || backup_of(shard, sh.cfg.servers) != server {
+            fail_server(
+                sh,
+                server,
+                Error::Protocol { peer: Some(server), detail: format!("an answer for server {shard}'s keys") },
+            );
+            return;
+        }
+        if !lock(&sh.closed).contains_key(&shard) {
+            let mut p = lock(&sh.pending);
+            if let Some(req) = p.get_mut(&m.ts).filter(|r| r.outcome.is_none() && r.parts.contains_key(&shard)) {
+                req.stash.insert(shard, m);
+                return;
+            }
+            return;
+        }
+    }
+    apply_part(sh, m.ts, shard, m);
+}
+
+/// Takes the answer `m` for `shard`'s part of request `ts`; completes the request when it was
+/// the last part.
+fn apply_part<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, shard: usize, m: Message) {
+    let server = shard;
     let outcome = {
         let mut p = lock(&sh.pending);
-        let Some(req) = p.get_mut(&m.ts) else { return };
+        let Some(req) = p.get_mut(&ts) else { return };
         if req.outcome.is_some() {
             return;
         }
-        let Some(idx) = req.parts.remove(&server) else { return };
+        let Some(idx) = req.parts.remove(&shard) else { return };
+        req.pulls.remove(&shard);
+        req.stash.remove(&shard);
         if m.kind == Kind::Error {
             let text = String::from_utf8_lossy(&m.values).into_owned();
             Some(Err(Error::Aborted {
@@ -729,7 +835,7 @@ fn on_reply<T: Element>(sh: &WorkerShared<T>, server: usize, m: Message) {
         })
     };
     if let Some(out) = outcome {
-        finish(sh, m.ts, out);
+        finish(sh, ts, out);
     }
 }
 
@@ -759,6 +865,9 @@ pub struct RequestMeta {
     pub push: bool,
     /// Whether it wants values back.
     pub pull: bool,
+    /// The server whose keys these are: this one, or (with replication) the dead or living
+    /// primary this server keeps a copy for.
+    pub shard: usize,
 }
 
 /// How a handler answers, now or later.
@@ -776,6 +885,7 @@ impl<T: Element> Responder<T> {
             kind: Kind::Reply,
             cmd: meta.cmd,
             ts: meta.timestamp,
+            shard: meta.shard as u32,
             keys: keys.to_vec(),
             lens: lens.to_vec(),
             values: bytemuck::cast_slice(values).to_vec(),
@@ -790,6 +900,7 @@ impl<T: Element> Responder<T> {
             kind: Kind::Error,
             cmd: meta.cmd,
             ts: meta.timestamp,
+            shard: meta.shard as u32,
             keys: Vec::new(),
             lens: Vec::new(),
             values: reason.as_bytes().to_vec(),
@@ -814,18 +925,21 @@ pub trait Handler<T: Element>: Send {
 }
 
 /// A server: runs its handler on the requests until every worker has left.
-pub struct KvServer<T: Element, H: Handler<T>> {
+pub struct KvServer<T: Element, H: Handler<T> + Clone> {
     node: Node,
     handler: H,
     _t: PhantomData<fn(T)>,
 }
 
-impl<T: Element, H: Handler<T>> KvServer<T, H> {
+impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
     /// Serves until every worker has said goodbye or gone; returns the handler's first error.
     pub fn run(mut self) -> Result<()> {
         let (servers, workers) = (self.node.cfg.servers, self.node.cfg.workers);
         let responder = Responder { ctx: self.node.ctx.clone(), servers, _t: PhantomData };
         let mut live: Vec<usize> = (servers..servers + workers).collect();
+        // Copies of the shards this server backs up, made from the handler as it started.
+        let mut replicas: HashMap<usize, H> = HashMap::new();
+        let proto = self.handler.clone();
         let beat = self.node.cfg.heartbeat;
         let mut last_beat = Instant::now();
         let heartbeat = Message::control(Kind::Heartbeat).encode();
@@ -861,10 +975,24 @@ impl<T: Element, H: Handler<T>> KvServer<T, H> {
                                 let values: Vec<T> = bytemuck::pod_collect_to_vec(&m.values);
                                 let meta = meta_of(&m, worker);
                                 let req = Request { meta, keys: m.keys, values, lens: m.lens };
+                                let me = self.node.id;
                                 if let Err(e) = check_request(&req) {
                                     responder.refuse(&meta, &e.to_string())?;
-                                } else {
+                                } else if meta.shard == me {
                                     self.handler.handle(req, &responder)?;
+                                } else if self.node.cfg.replication
+                                    && meta.shard < servers
+                                    && backup_of(meta.shard, servers) == me
+                                {
+                                    replicas
+                                        .entry(meta.shard)
+                                        .or_insert_with(|| proto.clone())
+                                        .handle(req, &responder)?;
+                                } else {
+                                    responder.refuse(
+                                        &meta,
+                                        &format!("server {me} does not hold server {}'s keys", meta.shard),
+                                    )?;
                                 }
                                 None
                             }
@@ -884,6 +1012,9 @@ impl<T: Element, H: Handler<T>> KvServer<T, H> {
             if let Some(rank) = left {
                 live.retain(|&w| w != rank);
                 self.handler.worker_left(rank - servers, &responder)?;
+                for r in replicas.values_mut() {
+                    r.worker_left(rank - servers, &responder)?;
+                }
             }
         }
         Ok(())
@@ -897,6 +1028,7 @@ fn meta_of(m: &Message, worker: usize) -> RequestMeta {
         timestamp: m.ts,
         push: matches!(m.kind, Kind::Push | Kind::PushPull),
         pull: matches!(m.kind, Kind::Pull | Kind::PushPull),
+        shard: m.shard as usize,
     }
 }
 

@@ -1,4 +1,4 @@
-//! Parameter-server messages: `kind u8 | dtype u8 | cmd i32 | timestamp u64 | key count u32 |
+//! Parameter-server messages: `kind u8 | dtype u8 | cmd i32 | timestamp u64 | shard u32 | key count u32 |
 //! keys u64… | length count u32 | lengths u64… | values (the rest)`, little-endian. Decoding
 //! is bounds-checked; a malformed message is [`Error::Protocol`] naming the sender.
 
@@ -32,6 +32,8 @@ pub(crate) struct Message {
     pub(crate) dtype: u8,
     pub(crate) cmd: i32,
     pub(crate) ts: u64,
+    /// The server whose keys these are (a backup answers for its primary's shard).
+    pub(crate) shard: u32,
     pub(crate) keys: Vec<u64>,
     pub(crate) lens: Vec<usize>,
     pub(crate) values: Vec<u8>,
@@ -40,7 +42,7 @@ pub(crate) struct Message {
 impl Message {
     /// A message with no keys or values.
     pub(crate) fn control(kind: Kind) -> Message {
-        Message { kind, dtype: 0, cmd: 0, ts: 0, keys: Vec::new(), lens: Vec::new(), values: Vec::new() }
+        Message { kind, dtype: 0, cmd: 0, ts: 0, shard: 0, keys: Vec::new(), lens: Vec::new(), values: Vec::new() }
     }
 
     pub(crate) fn encode(&self) -> Vec<u8> {
@@ -49,6 +51,7 @@ impl Message {
         b.push(self.dtype);
         b.extend_from_slice(&self.cmd.to_le_bytes());
         b.extend_from_slice(&self.ts.to_le_bytes());
+        b.extend_from_slice(&self.shard.to_le_bytes());
         b.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
         for k in &self.keys {
             b.extend_from_slice(&k.to_le_bytes());
@@ -63,13 +66,14 @@ impl Message {
 
     pub(crate) fn decode(b: &[u8], peer: usize) -> Result<Message> {
         let mut r = Reader { b, at: 0, peer };
-        let head = r.take(14)?;
+        let head = r.take(18)?;
         let kind = Kind::from_code(head[0]).ok_or_else(|| r.bad("an unknown kind"))?;
         let dtype = head[1];
         let cmd = i32::from_le_bytes([head[2], head[3], head[4], head[5]]);
         let mut ts = [0u8; 8];
         ts.copy_from_slice(&head[6..14]);
         let ts = u64::from_le_bytes(ts);
+        let shard = u32::from_le_bytes([head[14], head[15], head[16], head[17]]);
         let keys = r.words()?;
         let lens = r
             .words()?
@@ -77,7 +81,7 @@ impl Message {
             .map(|l| usize::try_from(l).map_err(|_| r.bad("a length too large")))
             .collect::<Result<Vec<usize>>>()?;
         let values = b[r.at..].to_vec();
-        Ok(Message { kind, dtype, cmd, ts, keys, lens, values })
+        Ok(Message { kind, dtype, cmd, ts, shard, keys, lens, values })
     }
 }
 
@@ -129,6 +133,7 @@ mod tests {
             dtype: 1,
             cmd: -7,
             ts: 99,
+            shard: 3,
             keys: vec![1, 5],
             lens: vec![2, 0],
             values: vec![1, 2, 3, 4],
