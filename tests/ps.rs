@@ -23,6 +23,16 @@ const DEADLINE: Duration = Duration::from_secs(6);
 #[test]
 #[ignore = "run as a child process by the other tests in this file"]
 fn ps_node() {
+    if std::env::var_os("DMLC_ROLE").is_some() {
+        match dmlc_node() {
+            Ok(()) => println!("DONE {}", std::env::var("DMLC_ROLE").unwrap_or_default()),
+            Err(e) => {
+                println!("ERROR {e}");
+                std::process::exit(3);
+            }
+        }
+        return;
+    }
     if !RankEnv::is_set() {
         return;
     }
@@ -166,6 +176,23 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
         }
         other => Err(Error::invalid(format!("unknown scenario {other:?}"))),
     }
+}
+
+/// A node started the ps-lite way: everything from `DMLC_*`.
+fn dmlc_node() -> Result<()> {
+    use ferrogloo::ps::{EnvRole, config_from_env, role_from_env, run_scheduler};
+    if role_from_env()? == EnvRole::Scheduler {
+        return run_scheduler(Duration::from_secs(30));
+    }
+    let node = Node::from_env(config_from_env()?)?;
+    if node.role() == Role::Server {
+        return node.server(SumStore::<f32>::default())?.run();
+    }
+    let w = node.worker::<f32>()?;
+    w.wait(w.push(&[1, 2, 3], &[1.0, 2.0, 3.0], &[])?)?;
+    let n = w.id();
+    println!("WORKER {n}");
+    Ok(())
 }
 
 struct Job {
@@ -344,4 +371,42 @@ fn sharding_spreads_dense_keys_by_hash_and_keeps_ranges_by_range() {
     assert_eq!(Sharding::Range.server_of(u64::MAX, 4), 3);
     let custom = Sharding::Custom(std::sync::Arc::new(|k, n| (k as usize) % n));
     assert_eq!(per(&custom), vec![250; 4]);
+}
+
+#[test]
+fn a_job_started_with_ps_lite_variables_runs() {
+    let port =
+        std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port");
+    let roles = ["scheduler", "server", "worker", "worker"];
+    let mut children: Vec<Child> = roles
+        .iter()
+        .map(|role| {
+            Command::new(std::env::current_exe().expect("test binary"))
+                .args(["--ignored", "--exact", "ps_node", "--nocapture", "--test-threads=1"])
+                .env("DMLC_ROLE", role)
+                .env("DMLC_NUM_WORKER", "2")
+                .env("DMLC_NUM_SERVER", "1")
+                .env("DMLC_PS_ROOT_URI", "127.0.0.1")
+                .env("DMLC_PS_ROOT_PORT", port.to_string())
+                .env_remove(STORE_ENV)
+                .env_remove(RANK_ENV)
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("spawn a node")
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut outs = Vec::new();
+    for c in &mut children {
+        let out = c.stdout.take().expect("stdout");
+        let reader = std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default());
+        let st = common::wait_or_kill(c, deadline);
+        outs.push((st.is_some_and(|s| s.success()), reader.join().unwrap_or_default()));
+    }
+    for (role, (ok, out)) in roles.iter().zip(&outs) {
+        assert!(*ok && out.contains(&format!("DONE {role}")), "{role}: {out}");
+    }
+    let ids: Vec<&str> = outs.iter().flat_map(|(_, o)| o.lines().filter_map(|l| l.split("WORKER ").nth(1))).collect();
+    assert_eq!(ids.len(), 2, "{outs:?}");
+    assert_ne!(ids[0], ids[1], "the workers got numbers of their own");
 }

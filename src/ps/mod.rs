@@ -46,12 +46,17 @@
 //!   [`PsConfig::heartbeat`]); [`KvWorker::dead_servers`] lists those closed or silent for three
 //!   heartbeats. A worker that dies is dropped from the servers' synchronous rounds.
 //!
-//! Not (yet) done: replication of a server's state to a backup that takes over, a restarted
-//! worker rejoining, and the `DMLC_*` environment; see the README.
+//! - **Replication** ([`PsConfig::replication`]): server `s+1` keeps a copy of server `s`'s
+//!   state and answers for it once it dies.
+//! - **ps-lite's environment** (`DMLC_ROLE`, ...): [`Node::from_env`] and [`run_scheduler`].
+//!
+//! Not (yet) done: a restarted worker rejoining a running job.
 
+mod env;
 mod handlers;
 mod wire;
 
+pub use env::{EnvRole, config_from_env, role_from_env, run_scheduler};
 pub use handlers::{AsyncSgd, SumStore, SyncSgd};
 
 use crate::Context;

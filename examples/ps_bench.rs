@@ -1,0 +1,169 @@
+//! The parameter server's benchmark: push+pull goodput and latency against ferrogloo's own
+//! point-to-point bandwidth and round trip, and the same gradient exchanged by allreduce.
+//!
+//! `cargo run --release --example ps_bench -- --servers 2 --workers 4`
+//! (`FERROGLOO_TRANSPORT=tcp` for TCP; the default puts local nodes on shared memory)
+//!
+//! Each worker push-pulls a gradient of `--sizes` bytes (f32, spread over 16 keys, so over
+//! every server) `--iters` times: a push-pull is one push of the gradient and the summed
+//! values back. Reported per worker: median time, goodput (bytes pushed + pulled per second)
+//! and, summed over workers, the job's goodput. Anchors, in the same run, on another context
+//! of the same job: a ping-pong of the same size between worker 0 and server 0 (its round
+//! trip, and its bandwidth: 2 × size per round trip), and an allreduce of the gradient among
+//! the workers. Worker 0 prints a table and one JSON line per measurement.
+
+use clap::Parser;
+use ferrogloo::device::{Device, TcpAttr, Transport};
+use ferrogloo::launch::{RankEnv, spawn_local};
+use ferrogloo::ps::{Node, PsConfig, Role, SumStore};
+use ferrogloo::rendezvous::PrefixStore;
+use ferrogloo::{Context, Error, ReduceOp, Result};
+use std::time::{Duration, Instant};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Servers.
+    #[arg(long, default_value_t = 1)]
+    servers: usize,
+    /// Workers.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// Gradient sizes in bytes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "4096,4194304")]
+    sizes: Vec<usize>,
+    /// Timed push-pulls per size (large sizes run a tenth as many, at least 20).
+    #[arg(long, default_value_t = 1000)]
+    iters: usize,
+}
+
+const KEYS: u64 = 16;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn iters_for(args: &Args, bytes: usize) -> usize {
+    if bytes >= 1 << 20 { (args.iters / 10).max(20) } else { args.iters.max(20) }
+}
+
+/// A plain context of the job for the anchors.
+fn plain(env: &RankEnv) -> Result<Context> {
+    let store = PrefixStore::new("ps-bench/plain", ferrogloo::rendezvous::open(&env.store)?);
+    let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
+    Context::builder(env.rank, env.size).timeout(Duration::from_secs(60)).connect(&store, &dev)
+}
+
+/// Round trips of `bytes` between worker 0 (rank `servers`) and server 0 (rank 0); seconds.
+fn pingpong(ctx: &Context, servers: usize, bytes: usize, iters: usize) -> Result<Vec<f64>> {
+    let mut buf = vec![0u8; bytes];
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters + 5 {
+        if ctx.rank() == servers {
+            let t = Instant::now();
+            ctx.send(0, 1, &buf)?;
+            ctx.recv(0, 1, &mut buf)?;
+            times.push(t.elapsed().as_secs_f64());
+        } else if ctx.rank() == 0 {
+            ctx.recv(servers, 1, &mut buf)?;
+            ctx.send(servers, 1, &buf)?;
+        }
+    }
+    Ok(times.split_off(times.len().min(5)))
+}
+
+fn run(args: &Args, env: &RankEnv) -> Result<()> {
+    let (s, w) = (args.servers, args.workers);
+    let ctx = plain(env)?;
+    let mut anchors = Vec::new();
+    for &bytes in &args.sizes {
+        let rt = median(pingpong(&ctx, s, bytes, iters_for(args, bytes))?);
+        anchors.push((bytes, rt));
+    }
+    // Allreduce among the workers.
+    let workers: Vec<usize> = (s..s + w).collect();
+    let mut allreduce = Vec::new();
+    if env.rank >= s {
+        let wctx = ctx.subgroup(&workers)?;
+        for &bytes in &args.sizes {
+            let mut g = vec![1f32; bytes / 4];
+            let mut t = Vec::new();
+            for _ in 0..iters_for(args, bytes) {
+                let start = Instant::now();
+                wctx.allreduce(&mut g, ReduceOp::Sum)?;
+                t.push(start.elapsed().as_secs_f64());
+            }
+            allreduce.push(median(t));
+        }
+    }
+    ctx.barrier()?;
+    let store = ferrogloo::rendezvous::open(&env.store)?;
+    let store = PrefixStore::new("ps-bench/ps", store);
+    let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
+    let cfg = PsConfig::new(w, s);
+    if env.rank < s {
+        return Node::connect(&store, &dev, Role::Server, env.rank, cfg)?.server(SumStore::<f32>::default())?.run();
+    }
+    let me = env.rank - s;
+    let worker = Node::connect(&store, &dev, Role::Worker, me, cfg)?.worker::<f32>()?;
+    for (i, &bytes) in args.sizes.iter().enumerate() {
+        // Keys of their own per size (a key keeps the length of its first push).
+        let keys: Vec<u64> = (0..KEYS).map(|k| i as u64 * 1000 + k).collect();
+        let g = vec![1f32; (bytes / 4).max(KEYS as usize) / KEYS as usize * KEYS as usize];
+        let mut t = Vec::new();
+        for _ in 0..iters_for(args, bytes) + 5 {
+            let start = Instant::now();
+            let back = worker.wait(worker.push_pull(&keys, &g, &[])?)?;
+            t.push(start.elapsed().as_secs_f64());
+            if back.values.len() != g.len() {
+                return Err(Error::invalid(format!("pulled {} values, pushed {}", back.values.len(), g.len())));
+            }
+        }
+        let t = median(t.split_off(5));
+        let sent = (g.len() * 4) as f64;
+        let goodput = 2.0 * sent / t / 1e9;
+        let (_, rt) = anchors[i];
+        let p2p_bw = 2.0 * bytes as f64 / rt / 1e9;
+        if me == 0 {
+            println!(
+                "{{\"bench\":\"ps\",\"servers\":{s},\"workers\":{w},\"bytes\":{bytes},\"push_pull_us\":{:.2},\"goodput_gbs\":{goodput:.3},\
+                 \"job_goodput_gbs\":{:.3},\"p2p_rtt_us\":{:.2},\"p2p_bw_gbs\":{p2p_bw:.3},\"allreduce_us\":{:.2},\"transport\":\"{}\"}}",
+                t * 1e6,
+                goodput * w as f64,
+                rt * 1e6,
+                allreduce[i] * 1e6,
+                Transport::from_env().map(|t| format!("{t:?}")).unwrap_or_default()
+            );
+            println!(
+                "# {bytes} B, {s} servers, {w} workers: push+pull {:.1} µs ({goodput:.2} GB/s per worker, {:.2} job); \
+                 point-to-point round trip {:.1} µs ({p2p_bw:.2} GB/s): ratio time {:.2}x, goodput {:.2}x; allreduce {:.1} µs",
+                t * 1e6,
+                goodput * w as f64,
+                rt * 1e6,
+                t / rt,
+                goodput / p2p_bw,
+                allreduce[i] * 1e6
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let args = Args::parse();
+    let result = (|| -> Result<()> {
+        if !RankEnv::is_set() {
+            let argv: Vec<String> = std::env::args().skip(1).collect();
+            return spawn_local(args.servers + args.workers, &argv, Duration::from_secs(600));
+        }
+        let env = RankEnv::from_env()?;
+        if env.size != args.servers + args.workers || args.servers == 0 || args.workers == 0 {
+            return Err(Error::invalid("--servers and --workers must be at least 1 and add up to the job's size"));
+        }
+        run(&args, &env)
+    })();
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

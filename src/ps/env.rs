@@ -1,0 +1,122 @@
+//! ps-lite's environment: `DMLC_ROLE`, `DMLC_NUM_WORKER`, `DMLC_NUM_SERVER`,
+//! `DMLC_PS_ROOT_URI`, `DMLC_PS_ROOT_PORT`, `DMLC_INTERFACE`, so that launch scripts written
+//! for ps-lite start a ferrogloo job unchanged.
+//!
+//! The scheduler (`DMLC_ROLE=scheduler`) has one job here: it serves the store (a PyTorch
+//! TCPStore at `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`) the others meet through, until every
+//! node has connected. Nodes take their number from `DMLC_WORKER_ID`/`DMLC_SERVER_ID` when
+//! set, else in order of arrival (a counter in the store). `FERROGLOO_STORE`, when set, is
+//! used instead of the scheduler's store.
+
+use super::{Node, PsConfig, Role};
+use crate::device::{Device, TcpAttr, Transport};
+use crate::error::{Error, Result};
+use crate::rendezvous::{Store, TcpStoreServer};
+use std::time::{Duration, Instant};
+
+/// What the environment says this process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvRole {
+    /// A worker or a server.
+    Node(Role),
+    /// ps-lite's scheduler: here, the store's server.
+    Scheduler,
+}
+
+fn var(k: &str) -> Result<String> {
+    std::env::var(k).map_err(|_| Error::invalid(format!("{k} is not set (a ps-lite job sets DMLC_ROLE, DMLC_NUM_WORKER, DMLC_NUM_SERVER, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")))
+}
+
+fn num(k: &str) -> Result<usize> {
+    let v = var(k)?;
+    v.trim().parse().map_err(|_| Error::invalid(format!("{k}={v:?} is not a number")))
+}
+
+/// The role `DMLC_ROLE` names.
+pub fn role_from_env() -> Result<EnvRole> {
+    match var("DMLC_ROLE")?.trim() {
+        "worker" => Ok(EnvRole::Node(Role::Worker)),
+        "server" => Ok(EnvRole::Node(Role::Server)),
+        "scheduler" => Ok(EnvRole::Scheduler),
+        other => Err(Error::invalid(format!("DMLC_ROLE={other:?}: worker, server or scheduler"))),
+    }
+}
+
+/// The job's shape from `DMLC_NUM_WORKER` and `DMLC_NUM_SERVER` (other settings default).
+pub fn config_from_env() -> Result<PsConfig> {
+    Ok(PsConfig::new(num("DMLC_NUM_WORKER")?, num("DMLC_NUM_SERVER")?))
+}
+
+fn root() -> Result<String> {
+    Ok(format!("{}:{}", var("DMLC_PS_ROOT_URI")?.trim(), num("DMLC_PS_ROOT_PORT")?))
+}
+
+const CONNECTED: &str = "ferrogloo-ps/connected";
+
+impl Node {
+    /// Joins the ps-lite-style job the environment describes (`DMLC_*`), with `cfg`'s
+    /// settings (its counts are checked against `DMLC_NUM_WORKER`/`DMLC_NUM_SERVER`).
+    pub fn from_env(cfg: PsConfig) -> Result<Node> {
+        let EnvRole::Node(role) = role_from_env()? else {
+            return Err(Error::invalid("DMLC_ROLE=scheduler: run ferrogloo::ps::run_scheduler instead"));
+        };
+        let shape = config_from_env()?;
+        if (shape.workers, shape.servers) != (cfg.workers, cfg.servers) {
+            return Err(Error::invalid(format!(
+                "the environment says {} workers and {} servers, the configuration {} and {}",
+                shape.workers, shape.servers, cfg.workers, cfg.servers
+            )));
+        }
+        let store: Box<dyn Store> = match std::env::var(crate::rendezvous::STORE_ENV) {
+            Ok(url) => crate::rendezvous::open(&url)?,
+            Err(_) => Box::new(crate::rendezvous::TcpStore::connect(&root()?, "ferrogloo-ps", cfg.timeout)?),
+        };
+        let (id_var, counter) = match role {
+            Role::Worker => ("DMLC_WORKER_ID", "ferrogloo-ps/next-worker"),
+            Role::Server => ("DMLC_SERVER_ID", "ferrogloo-ps/next-server"),
+        };
+        let id = match std::env::var(id_var) {
+            Ok(v) => v.trim().parse().map_err(|_| Error::invalid(format!("{id_var}={v:?} is not a number")))?,
+            Err(_) => {
+                usize::try_from(store.add(counter, 1)? - 1).map_err(|_| Error::invalid("a negative node number"))?
+            }
+        };
+        let mut attr = TcpAttr::from_env()?;
+        if let Ok(iface) = std::env::var("DMLC_INTERFACE") {
+            attr.iface = Some(iface);
+        }
+        let device = Device::with_transport(Transport::from_env()?, &attr)?;
+        let node = Node::connect(&*store, &device, role, id, cfg)?;
+        store.add(CONNECTED, 1)?;
+        Ok(node)
+    }
+}
+
+/// The scheduler's part: serves the job's store at `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT` until
+/// every worker and server has connected (or `timeout` passes, naming how many did not).
+pub fn run_scheduler(timeout: Duration) -> Result<()> {
+    let cfg = config_from_env()?;
+    let port = num("DMLC_PS_ROOT_PORT")?;
+    let server = TcpStoreServer::start((
+        "0.0.0.0",
+        u16::try_from(port).map_err(|_| Error::invalid("DMLC_PS_ROOT_PORT is not a port"))?,
+    ))?;
+    let store = crate::rendezvous::TcpStore::connect(&server.local_addr().to_string(), "ferrogloo-ps", timeout)?;
+    let want = (cfg.workers + cfg.servers) as i64;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let n = store.add(CONNECTED, 0)?;
+        if n >= want {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                op: format!("parameter-server scheduler: {} of {want} nodes connected", n),
+                ranks: Vec::new(),
+                keys: vec![CONNECTED.to_string()],
+                waited: timeout,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
