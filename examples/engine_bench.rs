@@ -1,32 +1,66 @@
 //! The engine's benchmark: N local ranks measure what the [engine](ferrogloo::engine) costs
-//! against plain collectives on equal contexts.
+//! against plain collectives on equal contexts (all f32, times taken on every rank, rank 0's
+//! printed).
 //!
 //! `cargo run --release --example engine_bench -- --np 4`
 //!
-//! - **latency**: one 4 KiB f32 tensor, submit → done, with the response cache warm (the same
-//!   name every time), cold (`cache_capacity: 0`: every round goes through the coordinator),
-//!   and a bare `Context::allreduce` of 4 KiB; Horovod's floor is its 1 ms cycle.
-//! - **idle**: an engine with nothing submitted: CPU time of the whole process over
-//!   `--idle-secs`, and negotiation cycles (which must not move).
-//! - **resnet**: one step of ResNet-50's 161 gradients (25,557,032 f32, the sizes of
-//!   torchvision's `resnet50().parameters()`), submitted in reverse layer order as backprop
-//!   produces them: through the engine with fusion (64 MiB), without fusion, as plain ordered
-//!   allreduces one per tensor, and as one allreduce of all parameters in a single buffer.
+//! - **resnet**: one training step's gradients of ResNet-50: its 161 parameter tensors,
+//!   25,557,032 f32 (the list of torchvision's `resnet50().parameters()`, built from the
+//!   architecture and checked at start), submitted in reverse layer order as backprop produces
+//!   them; one step submits all 161 and waits for all. Modes: `fused` (an engine configured as
+//!   by default, 64 MiB fusion buffer), `unfused` (an engine with `fusion_threshold: 0`),
+//!   `ordered` (no engine: one plain `Context::allreduce` per tensor, in the same order) and
+//!   `single` (no engine: one `Context::allreduce` of all the parameters in one buffer).
+//!   Median, minimum and maximum per step over `--steps`, after `--warmup` steps.
+//! - **latency**: one 4 KiB tensor (1024 f32), submit → done, `--iters` times: `warm` (the
+//!   same name every time: response-cache hits), `cold` (an engine with `cache_capacity: 0`:
+//!   every round goes through the coordinator) and `bare` (a plain `Context::allreduce` of
+//!   4 KiB); median, 10th and 90th percentile, against bare and against Horovod's floor, its
+//!   1 ms cycle.
+//! - **idle**: last, an engine that has worked and then has nothing submitted for
+//!   `--idle-secs`: the CPU time of the whole process over that time (`getrusage`), as a share
+//!   of one core, and the engine's negotiation cycles before and after (idle ranks exchange
+//!   nothing, so they must be equal).
 //!
-//! Every mode runs on its own full context of the same job (formed through the job's store
-//! under a prefix), on the default transport (shared memory between local ranks). Rank 0
-//! prints a table and one JSON line per measurement.
+//! Every mode runs on its own full context of the same job, formed through the job's store
+//! under a prefix of its own, on the transport a rank gets by default (`FERROGLOO_TRANSPORT`,
+//! auto: shared memory between local ranks). The plain modes use the context the job started
+//! with. Engines are configured from the environment (`HOROVOD_FUSION_THRESHOLD`,
+//! `FERROGLOO_FUSION_MAX_TENSOR`, ... see [`EngineConfig::from_env`]) with the stall check off;
+//! each mode then sets what it is about. `HOROVOD_TIMELINE` applies to the `fused` engine only.
+//!
+//! Rank 0 prints one JSON line per measurement (`{"bench":"resnet50","mode":"fused","np":4,
+//! "median_ms":..,"min_ms":..,"max_ms":..,"reps":..}`), then a table and the targets: fused
+//! within 1.1× of single and 3× faster than unfused (at 4 ranks), warm latency within 2× of
+//! bare, an idle engine below 1% of a core. Lines that are not JSON start with `#`. Under a
+//! launcher (ferrogloo-run, mpirun, torchrun, ...) leave out `--np`.
 
 mod common;
 
 use clap::Parser;
 use ferrogloo::device::{Device, TcpAttr, Transport};
-use ferrogloo::engine::{Engine, EngineConfig, Op};
+use ferrogloo::engine::{Engine, EngineConfig, EngineStats, Op};
 use ferrogloo::launch::RankEnv;
-use ferrogloo::rendezvous::PrefixStore;
+use ferrogloo::rendezvous::{PrefixStore, STORE_ENV};
 use ferrogloo::{Context, Error, ReduceOp, Result};
+use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
+/// The measurements `--only` may name, in the order they run.
+const MEASUREMENTS: [&str; 3] = ["resnet", "latency", "idle"];
+
+/// ResNet-50's parameter tensors (`len(list(torchvision.models.resnet50().parameters()))`).
+const RESNET50_TENSORS: usize = 161;
+/// ResNet-50's parameters (the sum of those tensors' sizes).
+const RESNET50_PARAMETERS: usize = 25_557_032;
+
+/// Elements of the latency tensor: 4 KiB of f32.
+const LATENCY_ELEMENTS: usize = 1024;
+
+/// Horovod's negotiation cycle (`HOROVOD_CYCLE_TIME`'s default), in µs: its latency floor.
+const HOROVOD_CYCLE_US: f64 = 1000.0;
+
+/// Command-line options: the job's (`--np N`, ...) and the benchmark's.
 #[derive(Parser, Debug)]
 struct Args {
     #[command(flatten)]
@@ -34,30 +68,36 @@ struct Args {
     /// Timed ResNet-50 steps per mode.
     #[arg(long, default_value_t = 10)]
     steps: usize,
-    /// Untimed steps first.
+    /// Untimed ResNet-50 steps before them.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Latency iterations per mode.
+    /// Timed 4 KiB round trips per latency mode (a tenth more run untimed first).
     #[arg(long, default_value_t = 2000)]
     iters: usize,
-    /// Seconds of idling for the idle measurement.
+    /// Seconds an engine idles for the idle measurement.
     #[arg(long, default_value_t = 2.0)]
     idle_secs: f64,
-    /// Measurements to run: latency, idle, resnet (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "latency,idle,resnet")]
+    /// Measurements to run, comma-separated: resnet, latency, idle.
+    #[arg(long, value_delimiter = ',', default_value = "resnet,latency,idle")]
     only: Vec<String>,
 }
 
-/// The sizes of ResNet-50's parameter tensors, in torchvision's order.
+/// The sizes of ResNet-50's parameter tensors, in torchvision's order: the stem (conv 7×7 and
+/// its batchnorm's weight and bias), 4 stages of [3, 4, 6, 3] bottleneck blocks of widths
+/// 64/128/256/512 and expansion 4 (conv 1×1, 3×3, 1×1, each with a batchnorm; the first block
+/// of a stage also has a downsampling conv 1×1 and batchnorm), and the fully connected layer
+/// (2048×1000 weight and 1000 bias).
 fn resnet50() -> Vec<usize> {
     let mut t = vec![64 * 3 * 7 * 7, 64, 64];
     let mut inputs = 64;
     for (blocks, width) in [(3, 64), (4, 128), (6, 256), (3, 512)] {
+        let out = width * 4;
         for b in 0..blocks {
-            let out = width * 4;
-            t.extend([width * inputs, width, width, width * width * 9, width, width, out * width, out, out]);
+            t.extend([width * inputs, width, width]); // conv1 (1×1), bn1
+            t.extend([width * width * 3 * 3, width, width]); // conv2 (3×3), bn2
+            t.extend([out * width, out, out]); // conv3 (1×1), bn3
             if b == 0 {
-                t.extend([out * inputs, out, out]);
+                t.extend([out * inputs, out, out]); // downsample conv (1×1), bn
             }
             inputs = out;
         }
@@ -66,262 +106,459 @@ fn resnet50() -> Vec<usize> {
     t
 }
 
-/// Another full context of this job, formed through the job's store under `label`.
-fn context(label: &str, rank: usize, size: usize) -> Result<Context> {
-    let env = RankEnv::from_env()?;
-    let store = PrefixStore::new(format!("engine-bench/{label}"), ferrogloo::rendezvous::open(&env.store)?);
-    let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
-    Context::builder(rank, size).timeout(Duration::from_secs(60)).connect(&store, &dev)
-}
-
-fn engine(label: &str, rank: usize, size: usize, cfg: EngineConfig) -> Result<Engine> {
-    Engine::new(context(label, rank, size)?, EngineConfig { stall_check: None, timeline: None, ..cfg })
-}
-
-/// The configuration from the environment (HOROVOD_* variables), for runs that vary it.
-fn base() -> Result<EngineConfig> {
-    EngineConfig::from_env()
-}
-
-/// Median, minimum and maximum (or 10th and 90th percentile) of `xs`, in the same unit.
-fn stats(mut xs: Vec<f64>, percentiles: bool) -> (f64, f64, f64) {
-    xs.sort_by(f64::total_cmp);
-    let at = |q: f64| xs[((xs.len() - 1) as f64 * q).round() as usize];
-    if xs.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    if percentiles { (at(0.5), at(0.1), at(0.9)) } else { (at(0.5), at(0.0), at(1.0)) }
-}
-
-/// CPU time (user + system) of this process so far.
-fn cpu_time() -> Duration {
-    // SAFETY: getrusage writes one rusage struct into the zeroed one we lend it.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: RUSAGE_SELF with a valid pointer to a live rusage.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
-        return Duration::ZERO;
-    }
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(u.ru_utime) + tv(u.ru_stime)
-}
-
-struct Report {
+/// How to form more full contexts of this job, the way `common::join` formed the first one.
+struct Job {
+    /// This rank.
     rank: usize,
+    /// The number of ranks.
     size: usize,
+    /// The job's store URL.
+    store: String,
+    /// The TCP listener's settings (for peers on other hosts).
+    attr: TcpAttr,
+    /// The deadline of rendezvous and of every call, as the first context's.
+    timeout: Duration,
+}
+
+impl Job {
+    /// The job `ctx` (made by `common::join` from `args`) belongs to.
+    fn of(args: &common::JobArgs, ctx: &Context) -> Result<Job> {
+        let mut attr = TcpAttr::from_env()?;
+        if let Some(i) = &args.iface {
+            attr.iface = Some(i.clone());
+        }
+        let store = if RankEnv::is_set() {
+            let env = RankEnv::from_env()?;
+            if attr.iface.is_none() && attr.ip.is_none() && attr.hostname.is_none() {
+                attr.iface = env.iface;
+            }
+            env.store
+        } else {
+            match &args.store {
+                Some(s) => s.clone(),
+                None => std::env::var(STORE_ENV)
+                    .map_err(|_| Error::invalid("--store or FERROGLOO_STORE is required with --rank"))?,
+            }
+        };
+        Ok(Job { rank: ctx.rank(), size: ctx.size(), store, attr, timeout: ctx.timeout() })
+    }
+
+    /// Another full context of the job, formed through its store under the prefix
+    /// `engine-bench/<label>` (every rank must use the same labels, each once), on a device of
+    /// the default transport.
+    fn context(&self, label: &str) -> Result<Context> {
+        let store = PrefixStore::new(format!("engine-bench/{label}"), ferrogloo::rendezvous::open(&self.store)?);
+        let device = Device::with_transport(Transport::from_env()?, &self.attr)?;
+        Context::builder(self.rank, self.size).timeout(self.timeout).connect(&store, &device)
+    }
+
+    /// An engine over a new context `label`: the environment's configuration without the
+    /// stall check or a timeline, changed by `f`.
+    fn engine(&self, label: &str, f: impl FnOnce(&mut EngineConfig)) -> Result<Engine> {
+        let mut cfg = EngineConfig { stall_check: None, timeline: None, ..EngineConfig::from_env()? };
+        f(&mut cfg);
+        Engine::new(self.context(label)?, cfg)
+    }
+}
+
+/// A summary of samples: median, a low and a high value (minimum and maximum, or the 10th and
+/// 90th percentile), and how many samples.
+#[derive(Debug, Clone, Copy)]
+struct Summary {
+    /// The median.
+    median: f64,
+    /// The minimum, or the 10th percentile.
+    low: f64,
+    /// The maximum, or the 90th percentile.
+    high: f64,
+    /// How many samples.
+    reps: usize,
+}
+
+impl Summary {
+    /// Median, minimum and maximum.
+    fn range(xs: &[f64]) -> Summary {
+        Summary::of(xs, 0.0, 1.0)
+    }
+
+    /// Median, 10th and 90th percentile.
+    fn percentiles(xs: &[f64]) -> Summary {
+        Summary::of(xs, 0.1, 0.9)
+    }
+
+    /// Median and the `lo` and `hi` quantiles (nearest rank); NaN for no samples.
+    fn of(xs: &[f64], lo: f64, hi: f64) -> Summary {
+        let mut s = xs.to_vec();
+        s.sort_by(f64::total_cmp);
+        let at = |q: f64| if s.is_empty() { f64::NAN } else { s[((s.len() - 1) as f64 * q).round() as usize] };
+        Summary { median: at(0.5), low: at(lo), high: at(hi), reps: s.len() }
+    }
+}
+
+/// What rank 0 prints: the JSON lines as they come, the table at the end.
+struct Report {
+    /// This rank (only rank 0 prints).
+    rank: usize,
+    /// The number of ranks.
+    size: usize,
+    /// Table rows: measurement, mode, median, range, note.
+    rows: Vec<[String; 5]>,
+    /// Targets: what, the value, whether it was met.
+    targets: Vec<(String, bool)>,
 }
 
 impl Report {
-    fn line(&self, bench: &str, mode: &str, unit: &str, (mid, lo, hi): (f64, f64, f64), extra: &str) {
-        if self.rank == 0 {
-            println!(
-                "{{\"bench\":\"{bench}\",\"mode\":\"{mode}\",\"np\":{},\"median_{unit}\":{mid:.3},\"low_{unit}\":{lo:.3},\"high_{unit}\":{hi:.3}{extra}}}",
-                self.size
-            );
+    /// One measurement: a JSON line now (bench, mode, np, then `fields` in their order), a
+    /// table row later.
+    fn measured(&mut self, bench: &str, mode: &str, fields: Fields, row: [String; 3]) {
+        if self.rank != 0 {
+            return;
         }
+        let head: Fields = vec![("bench", json!(bench)), ("mode", json!(mode)), ("np", json!(self.size))];
+        let members: Vec<String> = head.iter().chain(&fields).map(|(k, v)| format!("{}:{v}", json!(k))).collect();
+        println!("{{{}}}", members.join(","));
+        let [median, range, note] = row;
+        self.rows.push([bench.to_string(), mode.to_string(), median, range, note]);
     }
-}
 
-fn latency(args: &Args, ctx: &Context, rep: &Report) -> Result<Engine> {
-    let (rank, size) = (ctx.rank(), ctx.size());
-    let iters = args.iters.max(10);
-    let mut buf = vec![1f32; 1024];
-    let mut bare = Vec::with_capacity(iters);
-    for i in 0..iters + iters / 10 {
-        let t = Instant::now();
-        ctx.allreduce(&mut buf, ReduceOp::Sum)?;
-        if i >= iters / 10 {
-            bare.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-        buf.fill(1.0);
+    /// A target, met or not.
+    fn target(&mut self, what: String, met: bool) {
+        self.targets.push((what, met));
     }
-    let time = |e: &Engine, fresh: bool| -> Result<Vec<f64>> {
-        let mut v = vec![1f32; 1024];
-        let mut out = Vec::with_capacity(iters);
-        for i in 0..iters + iters / 10 {
-            let name = if fresh { format!("t{i}") } else { "t".to_string() };
-            let t = Instant::now();
-            v = e.allreduce(&name, v, Op::Sum)?.wait()?.data;
-            if i >= iters / 10 {
-                out.push(t.elapsed().as_secs_f64() * 1e6);
+
+    /// The table and the targets (rank 0).
+    fn print(&self) {
+        if self.rank != 0 || self.rows.is_empty() {
+            return;
+        }
+        println!("# engine_bench, {} ranks, transport {}", self.size, Transport::from_env().map_or("?", |t| t.name()));
+        let heads = ["measurement", "mode", "median", "range", "note"];
+        let mut widths = heads.map(str::len);
+        for row in &self.rows {
+            for (w, c) in widths.iter_mut().zip(row) {
+                *w = (*w).max(c.chars().count());
             }
-            v.fill(1.0);
         }
-        Ok(out)
-    };
-    let warm_engine = engine("warm", rank, size, base()?)?;
-    let warm = time(&warm_engine, false)?;
-    let cold_engine = engine("cold", rank, size, EngineConfig { cache_capacity: 0, ..base()? })?;
-    let cold = time(&cold_engine, false)?;
-    let cold_hits = cold_engine.stats().cache_hits;
-    drop(cold_engine);
-    let (b, w, c) = (stats(bare, true), stats(warm, true), stats(cold, true));
-    rep.line("latency", "bare", "us", b, "");
-    rep.line("latency", "warm", "us", w, &format!(",\"ratio_to_bare\":{:.2}", w.0 / b.0));
-    rep.line("latency", "cold", "us", c, &format!(",\"ratio_to_bare\":{:.2},\"cache_hits\":{cold_hits}", c.0 / b.0));
-    if rank == 0 {
-        println!("# 4 KiB f32 submit -> done, {size} ranks, median (p10-p90) µs over {iters} iterations:");
-        println!("#   bare allreduce {:.1} ({:.1}-{:.1})", b.0, b.1, b.2);
-        println!(
-            "#   engine, cache warm {:.1} ({:.1}-{:.1}) = {:.2}x bare; Horovod's cycle alone is 1000 µs ({:.0}x this)",
-            w.0,
-            w.1,
-            w.2,
-            w.0 / b.0,
-            1000.0 / w.0
-        );
-        println!("#   engine, cache off {:.1} ({:.1}-{:.1}) = {:.2}x bare", c.0, c.1, c.2, c.0 / b.0);
+        let line = |cells: [&str; 5]| {
+            let padded: Vec<String> =
+                cells.iter().zip(widths).map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count()))).collect();
+            println!("# {}", padded.join("  ").trim_end());
+        };
+        line(heads);
+        for row in &self.rows {
+            line([&row[0], &row[1], &row[2], &row[3], &row[4]]);
+        }
+        for (what, met) in &self.targets {
+            println!("# target {}: {what}", if *met { "met   " } else { "MISSED" });
+        }
     }
-    Ok(warm_engine)
 }
 
-fn idle(args: &Args, e: &Engine, rep: &Report) -> Result<()> {
-    e.barrier()?.wait()?;
-    let (cycles, cpu, t) = (e.stats().cycles, cpu_time(), Instant::now());
-    std::thread::sleep(Duration::try_from_secs_f64(args.idle_secs).map_err(|_| Error::invalid("--idle-secs"))?);
-    let busy = (cpu_time() - cpu).as_secs_f64() / t.elapsed().as_secs_f64() * 100.0;
-    let moved = e.stats().cycles - cycles;
-    rep.line("idle", "engine", "cpu_percent", (busy, busy, busy), &format!(",\"cycles\":{moved}"));
-    if e.rank() == 0 {
-        println!("# idle engine: {busy:.3}% of a core over {:.1} s, {moved} negotiation cycles", args.idle_secs);
+/// CPU time (user + system) of this process so far, all its threads.
+fn cpu_time() -> Result<Duration> {
+    // SAFETY: rusage is plain old data; all zeroes is a valid value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a pointer to a live, writable rusage.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return Err(Error::io("getrusage", std::io::Error::last_os_error()));
     }
-    Ok(())
+    let tv =
+        |t: libc::timeval| Duration::from_secs(t.tv_sec.max(0) as u64) + Duration::from_micros(t.tv_usec.max(0) as u64);
+    Ok(tv(u.ru_utime) + tv(u.ru_stime))
 }
 
-fn resnet(args: &Args, ctx: &Context, rep: &Report) -> Result<()> {
-    let (rank, size) = (ctx.rank(), ctx.size());
+/// Fails unless every element of `buf` that is looked at (the first and the last) is `want`.
+fn check(what: &str, buf: &[f32], want: f32) -> Result<()> {
+    match [buf.first(), buf.last()].into_iter().flatten().find(|&&x| x != want) {
+        Some(x) => Err(Error::invalid(format!("{what}: an element is {x}, expected {want}"))),
+        None => Ok(()),
+    }
+}
+
+/// The members of a JSON line after bench, mode and np, in order.
+type Fields = Vec<(&'static str, Value)>;
+
+/// `x` rounded to 3 decimals, as JSON (null when not finite).
+fn r3(x: f64) -> Value {
+    json!((x * 1e3).round() / 1e3)
+}
+
+/// Engine counters per step.
+fn per_step(after: &EngineStats, before: &EngineStats, steps: usize) -> Fields {
+    let per = |a: u64, b: u64| r3(a.saturating_sub(b) as f64 / steps as f64);
+    vec![
+        ("cycles_per_step", per(after.cycles, before.cycles)),
+        ("collectives_per_step", per(after.collectives, before.collectives)),
+        ("fused_batches_per_step", per(after.fused_batches, before.fused_batches)),
+        ("fused_tensors_per_step", per(after.fused_tensors, before.fused_tensors)),
+    ]
+}
+
+/// The ResNet-50 step in the four modes.
+fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()> {
     let sizes = resnet50();
     let total: usize = sizes.iter().sum();
-    if sizes.len() != 161 || total != 25_557_032 {
-        return Err(Error::invalid(format!("the ResNet-50 list has {} tensors of {total} parameters", sizes.len())));
-    }
+    let want = job.size as f32; // every rank contributes ones
+    let (warmup, steps) = (args.warmup, args.steps.max(1));
     let mut grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1f32; n]).collect();
-    let steps = args.steps.max(1);
-    let mut times: Vec<(&str, Vec<f64>)> = Vec::new();
+    let mut times: Vec<(&str, Vec<f64>, Fields)> = Vec::new();
 
-    // Plain collectives, one per tensor in backprop order.
-    let mut t = Vec::new();
-    for s in 0..args.warmup + steps {
+    // ordered: plain allreduces, one per tensor, in backprop order.
+    let mut t = Vec::with_capacity(steps);
+    for s in 0..warmup + steps {
         ctx.barrier()?;
         let start = Instant::now();
         for g in grads.iter_mut().rev() {
             ctx.allreduce(g, ReduceOp::Sum)?;
         }
-        if s >= args.warmup {
-            t.push(start.elapsed().as_secs_f64() * 1e3);
+        let took = start.elapsed();
+        for (i, g) in grads.iter_mut().enumerate() {
+            check(&format!("ordered, tensor {i}"), g, want)?;
+            g.fill(1.0);
         }
-        grads.iter_mut().for_each(|g| g.fill(1.0));
+        if s >= warmup {
+            t.push(took.as_secs_f64() * 1e3);
+        }
     }
-    times.push(("ordered", t));
+    times.push(("ordered", t, Vec::new()));
 
-    // All parameters in one buffer.
+    // single: all parameters in one buffer, one allreduce.
     let mut flat = vec![1f32; total];
-    let mut t = Vec::new();
-    for s in 0..args.warmup + steps {
+    let mut t = Vec::with_capacity(steps);
+    for s in 0..warmup + steps {
         ctx.barrier()?;
         let start = Instant::now();
         ctx.allreduce(&mut flat, ReduceOp::Sum)?;
-        if s >= args.warmup {
-            t.push(start.elapsed().as_secs_f64() * 1e3);
-        }
+        let took = start.elapsed();
+        check("single", &flat, want)?;
         flat.fill(1.0);
+        if s >= warmup {
+            t.push(took.as_secs_f64() * 1e3);
+        }
     }
     drop(flat);
-    times.push(("single", t));
+    times.push(("single", t, Vec::new()));
 
-    for (mode, threshold) in [("fused", 64usize << 20), ("unfused", 0)] {
-        let e = engine(mode, rank, size, EngineConfig { fusion_threshold: threshold, ..base()? })?;
-        let names: Vec<String> = (0..sizes.len()).map(|i| format!("param{i}.grad")).collect();
-        let mut t = Vec::new();
-        for s in 0..args.warmup + steps {
+    // fused and unfused: the engine, each on a context of its own.
+    let names: Vec<String> = (0..sizes.len()).map(|i| format!("resnet50.param{i}.grad")).collect();
+    for mode in ["fused", "unfused"] {
+        let env_timeline = EngineConfig::from_env()?.timeline;
+        let e = job.engine(mode, |c| match mode {
+            "fused" => c.timeline = env_timeline,
+            _ => c.fusion_threshold = 0,
+        })?;
+        let mut t = Vec::with_capacity(steps);
+        let mut before = e.stats();
+        for s in 0..warmup + steps {
+            if s == warmup {
+                before = e.stats();
+            }
             e.barrier()?.wait()?;
             let start = Instant::now();
             let mut handles = Vec::with_capacity(grads.len());
-            for (i, g) in grads.drain(..).enumerate().collect::<Vec<_>>().into_iter().rev() {
-                handles.push((i, e.allreduce(&names[i], g, Op::Sum)?));
+            for i in (0..grads.len()).rev() {
+                handles.push((i, e.allreduce(&names[i], std::mem::take(&mut grads[i]), Op::Sum)?));
             }
-            let mut back: Vec<(usize, Vec<f32>)> = Vec::with_capacity(handles.len());
             for (i, h) in handles {
-                back.push((i, h.wait()?.data));
+                grads[i] = h.wait()?.data;
             }
-            if s >= args.warmup {
-                t.push(start.elapsed().as_secs_f64() * 1e3);
+            let took = start.elapsed();
+            for (i, g) in grads.iter_mut().enumerate() {
+                check(&format!("{mode}, tensor {i}"), g, want)?;
+                g.fill(1.0);
             }
-            back.sort_by_key(|(i, _)| *i);
-            grads = back
-                .into_iter()
-                .map(|(_, mut g)| {
-                    g.fill(1.0);
-                    g
-                })
-                .collect();
+            if s >= warmup {
+                t.push(took.as_secs_f64() * 1e3);
+            }
         }
-        let st = e.stats();
-        if rank == 0 {
-            println!(
-                "# {mode}: {} cycles, {} collectives, {} fused batches of {} tensors in {} steps",
-                st.cycles,
-                st.collectives,
-                st.fused_batches,
-                st.fused_tensors,
-                args.warmup + steps
-            );
-        }
-        times.push((mode, t));
+        // Each timed step also ran one engine barrier (one cycle, one collective).
+        let mut counts = per_step(&e.stats(), &before, steps);
+        let cfg = EngineConfig::from_env()?;
+        let threshold = if mode == "fused" { cfg.fusion_threshold } else { 0 };
+        counts.push(("fusion_threshold", json!(threshold)));
+        counts.push(("fusion_max_tensor", json!(cfg.fusion_max_tensor)));
+        e.shutdown()?;
+        times.push((mode, t, counts));
     }
 
-    let single = stats(times[1].1.clone(), false).0;
-    let unfused =
-        times.iter().find(|(m, _)| *m == "unfused").map(|(_, t)| stats(t.clone(), false).0).unwrap_or(f64::NAN);
-    if rank == 0 {
-        println!(
-            "# ResNet-50 step (161 tensors, {total} f32), {size} ranks, ms per step, median (min-max) of {steps}:"
-        );
+    let median = |mode: &str| times.iter().find(|m| m.0 == mode).map_or(f64::NAN, |m| Summary::range(&m.1).median);
+    let (single, unfused) = (median("single"), median("unfused"));
+    for (mode, t, extra) in &times {
+        let s = Summary::range(t);
+        let mut fields: Fields = vec![
+            ("median_ms", r3(s.median)),
+            ("min_ms", r3(s.low)),
+            ("max_ms", r3(s.high)),
+            ("reps", json!(s.reps)),
+            ("tensors", json!(sizes.len())),
+            ("parameters", json!(total)),
+            ("ratio_to_single", r3(s.median / single)),
+            ("speedup_over_unfused", r3(unfused / s.median)),
+        ];
+        fields.extend(extra.iter().cloned());
+        let note = format!("{:.2}x single, {:.2}x faster than unfused", s.median / single, unfused / s.median);
+        let row = [format!("{:.1} ms", s.median), format!("{:.1}-{:.1}", s.low, s.high), note];
+        rep.measured("resnet50", mode, fields, row);
     }
-    for (mode, t) in times {
-        let s = stats(t, false);
-        rep.line(
-            "resnet50",
-            mode,
-            "ms",
-            s,
-            &format!(",\"ratio_to_single\":{:.3},\"speedup_over_unfused\":{:.2}", s.0 / single, unfused / s.0),
-        );
-        if rank == 0 {
-            println!(
-                "#   {mode:<8} {:>9.1} ({:.1}-{:.1})  {:.2}x single, {:.2}x faster than unfused",
-                s.0,
-                s.1,
-                s.2,
-                s.0 / single,
-                unfused / s.0
-            );
-        }
-    }
+    let fused = median("fused");
+    rep.target(format!("resnet50 fused <= 1.1x single: {:.3}x", fused / single), fused <= 1.1 * single);
+    rep.target(
+        format!("resnet50 fused >= 3x faster than unfused (set at 4 ranks): {:.2}x", unfused / fused),
+        unfused >= 3.0 * fused,
+    );
     Ok(())
 }
 
+/// `iters` timed rounds (after a tenth as many untimed) of `round`, in µs.
+fn rounds(iters: usize, mut round: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    let mut us = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let t = Instant::now();
+        round()?;
+        if i >= iters / 10 {
+            us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(us)
+}
+
+/// Submit → done of one 4 KiB tensor under the same name, again and again, on `e`.
+fn engine_rounds(e: &Engine, name: &str, iters: usize, want: f32) -> Result<Vec<f64>> {
+    let mut v = Some(vec![1f32; LATENCY_ELEMENTS]);
+    rounds(iters, || {
+        let mut out = e.allreduce(name, v.take().unwrap_or_default(), Op::Sum)?.wait()?.data;
+        check(name, &out, want)?;
+        out.fill(1.0);
+        v = Some(out);
+        Ok(())
+    })
+}
+
+/// The 4 KiB latency: bare, warm, cold. Returns the warm engine (for the idle measurement).
+fn latency(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<Engine> {
+    let iters = args.iters.max(10);
+    let want = job.size as f32;
+    let mut buf = vec![1f32; LATENCY_ELEMENTS];
+    let bare = rounds(iters, || {
+        ctx.allreduce(&mut buf, ReduceOp::Sum)?;
+        check("bare", &buf, want)?;
+        buf.fill(1.0);
+        Ok(())
+    })?;
+    let warm_engine = job.engine("warm", |_| ())?;
+    let warm = engine_rounds(&warm_engine, "latency.warm", iters, want)?;
+    let hits = warm_engine.stats().cache_hits;
+    let cold_engine = job.engine("cold", |c| c.cache_capacity = 0)?;
+    let cold = engine_rounds(&cold_engine, "latency.cold", iters, want)?;
+    let cold_stats = cold_engine.stats();
+    cold_engine.shutdown()?;
+
+    let b = Summary::percentiles(&bare);
+    for (mode, samples, extra) in [
+        ("bare", &bare, vec![]),
+        ("warm", &warm, vec![("cache_hits", json!(hits))]),
+        (
+            "cold",
+            &cold,
+            vec![("cache_hits", json!(cold_stats.cache_hits)), ("coordinated", json!(cold_stats.coordinated))],
+        ),
+    ] {
+        let s = Summary::percentiles(samples);
+        let mut fields: Fields = vec![
+            ("median_us", r3(s.median)),
+            ("p10_us", r3(s.low)),
+            ("p90_us", r3(s.high)),
+            ("reps", json!(s.reps)),
+            ("bytes", json!(LATENCY_ELEMENTS * 4)),
+            ("ratio_to_bare", r3(s.median / b.median)),
+            ("ratio_to_horovod_cycle", r3(s.median / HOROVOD_CYCLE_US)),
+        ];
+        fields.extend(extra);
+        let note =
+            format!("{:.1}x bare, {:.3}x Horovod's 1 ms cycle", s.median / b.median, s.median / HOROVOD_CYCLE_US);
+        let row = [format!("{:.1} µs", s.median), format!("p10-p90 {:.1}-{:.1}", s.low, s.high), note];
+        rep.measured("latency_4k", mode, fields, row);
+    }
+    let w = Summary::percentiles(&warm).median;
+    rep.target(format!("latency warm <= 2x bare: {:.1}x", w / b.median), w <= 2.0 * b.median);
+    Ok(warm_engine)
+}
+
+/// CPU and cycles of an idle engine (`warm`, or a new one that first does some rounds).
+fn idle(args: &Args, job: &Job, warm: Option<Engine>, rep: &mut Report) -> Result<()> {
+    let secs = Duration::try_from_secs_f64(args.idle_secs)
+        .map_err(|_| Error::invalid(format!("--idle-secs {} is not a duration", args.idle_secs)))?;
+    let e = match warm {
+        Some(e) => e,
+        None => {
+            let e = job.engine("idle", |_| ())?;
+            engine_rounds(&e, "idle.warmup", 100, job.size as f32)?;
+            e
+        }
+    };
+    e.barrier()?.wait()?;
+    let (before, cpu0, t) = (e.stats().cycles, cpu_time()?, Instant::now());
+    std::thread::sleep(secs);
+    let (cpu1, elapsed, after) = (cpu_time()?, t.elapsed(), e.stats().cycles);
+    let busy = cpu1.saturating_sub(cpu0).as_secs_f64() / elapsed.as_secs_f64() * 100.0;
+    let fields: Fields = vec![
+        ("secs", r3(elapsed.as_secs_f64())),
+        ("cpu_percent", r3(busy)),
+        ("cycles_before", json!(before)),
+        ("cycles_after", json!(after)),
+    ];
+    let row = [
+        format!("{busy:.3}% of a core"),
+        format!("{:.1} s", elapsed.as_secs_f64()),
+        format!("cycles {before} -> {after}"),
+    ];
+    rep.measured("idle", "engine", fields, row);
+    rep.target(format!("idle engine < 1% of a core: {busy:.3}%"), busy < 1.0);
+    rep.target(format!("idle engine runs no cycles: {before} -> {after}"), before == after);
+    e.shutdown()
+}
+
+/// Checks the options and the ResNet-50 list, joins the job (or launches `--np` ranks) and
+/// runs the measurements asked for.
 fn main() {
     let args = Args::parse();
+    if let Some(bad) = args.only.iter().find(|m| !MEASUREMENTS.contains(&m.as_str())) {
+        common::exit_on_error::<()>(Err(Error::invalid(format!(
+            "--only {bad}: the measurements are {}",
+            MEASUREMENTS.join(", ")
+        ))));
+    }
+    let sizes = resnet50();
+    let total: usize = sizes.iter().sum();
+    if sizes.len() != RESNET50_TENSORS || total != RESNET50_PARAMETERS {
+        common::exit_on_error::<()>(Err(Error::invalid(format!(
+            "the ResNet-50 list has {} tensors of {total} parameters, not {RESNET50_TENSORS} of {RESNET50_PARAMETERS}",
+            sizes.len()
+        ))));
+    }
     let Some(ctx) = common::exit_on_error(common::join(&args.job)) else {
         return;
     };
-    let rep = Report { rank: ctx.rank(), size: ctx.size() };
-    let run = || -> Result<()> {
+    let mut rep = Report { rank: ctx.rank(), size: ctx.size(), rows: Vec::new(), targets: Vec::new() };
+    let run = |rep: &mut Report| -> Result<()> {
+        let job = Job::of(&args.job, &ctx)?;
         let want = |m: &str| args.only.iter().any(|o| o == m);
-        let mut warm = None;
-        if want("latency") || want("idle") {
-            warm = Some(latency(&args, &ctx, &rep)?);
-        }
-        if want("idle")
-            && let Some(e) = &warm
-        {
-            idle(&args, e, &rep)?;
-        }
-        drop(warm);
         if want("resnet") {
-            resnet(&args, &ctx, &rep)?;
+            resnet(&args, &job, &ctx, rep)?;
+        }
+        let mut warm = None;
+        if want("latency") {
+            warm = Some(latency(&args, &job, &ctx, rep)?);
+        }
+        if want("idle") {
+            idle(&args, &job, warm.take(), rep)?;
+        }
+        if let Some(e) = warm {
+            e.shutdown()?;
         }
         Ok(())
     };
-    common::exit_on_error(run());
+    let outcome = run(&mut rep);
+    rep.print();
+    common::exit_on_error(outcome);
 }

@@ -119,11 +119,7 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
                 }
             }
             // Every worker's pushes are in before anyone pulls.
-            let n = store.add("ps-test/pushed", 1)?;
-            if n == workers as i64 {
-                store.set("ps-test/go", b"1")?;
-            }
-            store.get("ps-test/go", DEADLINE)?;
+            w.barrier()?;
             let all: Vec<u64> = (0..200).collect();
             let got = w.wait(w.pull(&all)?)?;
             let mut at = 0;

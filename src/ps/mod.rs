@@ -163,6 +163,17 @@ impl PsConfig {
     }
 }
 
+/// The nodes a [`Node::barrier`] waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// Every worker.
+    Workers,
+    /// Every server.
+    Servers,
+    /// Everyone.
+    All,
+}
+
 /// A node of the job: a server or a worker, connected to every other node.
 pub struct Node {
     ctx: Arc<Context>,
@@ -229,6 +240,12 @@ impl Node {
         self.id
     }
 
+    /// Blocks until every node of `group` (this node's role must be in it) has called
+    /// `barrier` with it as often as this one, or the deadline passes naming who did not.
+    pub fn barrier(&self, group: Group) -> Result<()> {
+        barrier(&self.ctx, &self.cfg, self.role, group)
+    }
+
     /// The node as a worker of values of type `T`.
     pub fn worker<T: Element>(self) -> Result<KvWorker<T>> {
         if self.role != Role::Worker {
@@ -245,6 +262,16 @@ impl Node {
         }
         Ok(KvServer { node: self, handler, _t: PhantomData })
     }
+}
+
+fn barrier(ctx: &Context, cfg: &PsConfig, role: Role, group: Group) -> Result<()> {
+    let ranks: Vec<usize> = match (group, role) {
+        (Group::All, _) => return ctx.barrier(),
+        (Group::Workers, Role::Worker) => (cfg.servers..cfg.servers + cfg.workers).collect(),
+        (Group::Servers, Role::Server) => (0..cfg.servers).collect(),
+        (g, r) => return Err(Error::invalid(format!("a {} is not in the group {g:?}", role_name(r)))),
+    };
+    ctx.subgroup(&ranks)?.barrier().map_err(|e| name_roles(e, cfg))
 }
 
 /// A rendezvous timeout in the parameter server's words: which roles are missing.
@@ -391,6 +418,12 @@ impl<T: Element> KvWorker<T> {
     /// This worker's number.
     pub fn id(&self) -> usize {
         self.sh.id
+    }
+
+    /// Blocks until every worker has called `barrier` as often as this one (the servers go on
+    /// serving).
+    pub fn barrier(&self) -> Result<()> {
+        barrier(&self.sh.ctx, &self.sh.cfg, Role::Worker, Group::Workers)
     }
 
     /// Pushes `values` for `keys` (sorted, unique); `lens[i]` values belong to `keys[i]`
