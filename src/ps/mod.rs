@@ -516,13 +516,7 @@ impl<T: Element> KvWorker<T> {
         let mut failed: Vec<(usize, Error)> = Vec::new();
         for (s, idx) in parts {
             let ks: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
-            let (mut vs, mut ls) = (Vec::new(), Vec::new());
-            if kind != Kind::Pull {
-                for &i in &idx {
-                    vs.extend_from_slice(&values[offsets[i]..offsets[i] + lens[i]]);
-                    ls.push(lens[i]);
-                }
-            }
+            let ls: Vec<usize> = if kind == Kind::Pull { Vec::new() } else { idx.iter().map(|&i| lens[i]).collect() };
             let msg = Message {
                 kind,
                 cmd,
@@ -530,10 +524,19 @@ impl<T: Element> KvWorker<T> {
                 shard: s as u32,
                 keys: ks,
                 lens: ls,
-                values: bytemuck::cast_slice(&vs).to_vec(),
+                values: Vec::new(),
+                at: 0,
                 dtype: T::DTYPE as u8,
             };
-            let bytes = msg.encode();
+            // The values go straight from the caller's slice into the message.
+            let extra =
+                if kind == Kind::Pull { 0 } else { idx.iter().map(|&i| lens[i]).sum::<usize>() * size_of::<T>() };
+            let mut bytes = msg.encode_head(extra);
+            if kind != Kind::Pull {
+                for &i in &idx {
+                    bytes.extend_from_slice(bytemuck::cast_slice(&values[offsets[i]..offsets[i] + lens[i]]));
+                }
+            }
             let primary_gone = closed.contains_key(&s);
             let b = backup_of(s, servers);
             if replicate
@@ -667,14 +670,14 @@ fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
             std::thread::sleep(SLICE);
             Err(Error::Timeout { op: String::new(), ranks: Vec::new(), keys: Vec::new(), waited: SLICE })
         } else {
-            sh.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_timeout(SLICE))
+            sh.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_quietly(SLICE))
         };
         match got {
             Ok((server, bytes)) => {
                 if let Some(h) = lock(&sh.heard).get_mut(server) {
                     *h = Instant::now();
                 }
-                match Message::decode(&bytes, server) {
+                match Message::decode(bytes, server) {
                     Ok(m) => on_reply(sh, server, m),
                     Err(e) => fail_server(sh, server, e),
                 }
@@ -827,21 +830,25 @@ fn apply_part<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, shard: usize, m: 
         req.pulls.remove(&shard);
         req.stash.remove(&shard);
         if m.kind == Kind::Error {
-            let text = String::from_utf8_lossy(&m.values).into_owned();
+            let text = String::from_utf8_lossy(m.payload()).into_owned();
             Some(Err(Error::Aborted {
                 rank: server,
                 reason: format!("server {server} refused the {}: {text}", req.what),
             }))
         } else if req.wants_values {
-            let values: Vec<T> = match bytemuck::try_cast_slice::<u8, T>(&m.values) {
-                Ok(v) => v.to_vec(),
-                Err(_) => bytemuck::pod_collect_to_vec(&m.values),
+            let copied: Vec<T>;
+            let values: &[T] = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
+                Ok(v) => v,
+                Err(_) => {
+                    copied = bytemuck::pod_collect_to_vec(m.payload());
+                    &copied
+                }
             };
             let fits = m.keys.len() == idx.len()
                 && m.lens.len() == idx.len()
                 && m.keys.iter().zip(&idx).all(|(k, &i)| *k == req.keys[i])
                 && m.lens.iter().sum::<usize>() == values.len()
-                && m.values.len().is_multiple_of(std::mem::size_of::<T>().max(1));
+                && m.payload().len().is_multiple_of(std::mem::size_of::<T>().max(1));
             if !fits {
                 Some(Err(Error::Protocol {
                     peer: Some(server),
@@ -926,10 +933,14 @@ impl<T: Element> Responder<T> {
             shard: meta.shard as u32,
             keys: keys.to_vec(),
             lens: lens.to_vec(),
-            values: bytemuck::cast_slice(values).to_vec(),
+            values: Vec::new(),
+            at: 0,
             dtype: T::DTYPE as u8,
         };
-        self.ctx.send(self.servers + meta.worker, PS_TAG, &msg.encode())
+        let values: &[u8] = bytemuck::cast_slice(values);
+        let mut bytes = msg.encode_head(values.len());
+        bytes.extend_from_slice(values);
+        self.ctx.send(self.servers + meta.worker, PS_TAG, &bytes)
     }
 
     /// Refuses a request: the worker's wait fails with `reason`.
@@ -942,6 +953,7 @@ impl<T: Element> Responder<T> {
             keys: Vec::new(),
             lens: Vec::new(),
             values: reason.as_bytes().to_vec(),
+            at: 0,
             dtype: 0,
         };
         self.ctx.send(self.servers + meta.worker, PS_TAG, &msg.encode())
@@ -991,10 +1003,10 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
                 }
             }
             let slice = beat.map_or(SLICE, |b| b.min(SLICE));
-            let got = self.node.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_timeout(slice));
+            let got = self.node.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_quietly(slice));
             let left = match got {
                 Ok((rank, bytes)) => {
-                    let m = Message::decode(&bytes, rank)?;
+                    let m = Message::decode(bytes, rank)?;
                     let worker = rank - servers;
                     match m.kind {
                         Kind::Bye => Some(rank),
@@ -1010,7 +1022,10 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
                                 )?;
                                 None
                             } else {
-                                let values: Vec<T> = bytemuck::pod_collect_to_vec(&m.values);
+                                let values: Vec<T> = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
+                                    Ok(v) => v.to_vec(),
+                                    Err(_) => bytemuck::pod_collect_to_vec(m.payload()),
+                                };
                                 let meta = meta_of(&m, worker);
                                 let req = Request { meta, keys: m.keys, values, lens: m.lens };
                                 let me = self.node.id;

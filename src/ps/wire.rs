@@ -36,17 +36,42 @@ pub(crate) struct Message {
     pub(crate) shard: u32,
     pub(crate) keys: Vec<u64>,
     pub(crate) lens: Vec<usize>,
+    /// The values' bytes start at `at` (a received message keeps its whole buffer).
     pub(crate) values: Vec<u8>,
+    pub(crate) at: usize,
 }
 
 impl Message {
     /// A message with no keys or values.
     pub(crate) fn control(kind: Kind) -> Message {
-        Message { kind, dtype: 0, cmd: 0, ts: 0, shard: 0, keys: Vec::new(), lens: Vec::new(), values: Vec::new() }
+        Message {
+            kind,
+            dtype: 0,
+            cmd: 0,
+            ts: 0,
+            shard: 0,
+            keys: Vec::new(),
+            lens: Vec::new(),
+            values: Vec::new(),
+            at: 0,
+        }
+    }
+
+    /// The values' bytes.
+    pub(crate) fn payload(&self) -> &[u8] {
+        self.values.get(self.at..).unwrap_or(&[])
     }
 
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(26 + 8 * (self.keys.len() + self.lens.len()) + self.values.len());
+        let mut b = self.encode_head(self.payload().len());
+        b.extend_from_slice(self.payload());
+        b
+    }
+
+    /// Everything but the values (padded so that they start 8-byte aligned), with room for
+    /// `extra` bytes of them.
+    pub(crate) fn encode_head(&self, extra: usize) -> Vec<u8> {
+        let mut b = Vec::with_capacity(40 + 8 * (self.keys.len() + self.lens.len()) + extra);
         b.push(self.kind as u8);
         b.push(self.dtype);
         b.extend_from_slice(&self.cmd.to_le_bytes());
@@ -60,11 +85,12 @@ impl Message {
         for l in &self.lens {
             b.extend_from_slice(&(*l as u64).to_le_bytes());
         }
-        b.extend_from_slice(&self.values);
+        b.resize(b.len().next_multiple_of(8), 0);
         b
     }
 
-    pub(crate) fn decode(b: &[u8], peer: usize) -> Result<Message> {
+    pub(crate) fn decode(buf: Vec<u8>, peer: usize) -> Result<Message> {
+        let b = &buf[..];
         let mut r = Reader { b, at: 0, peer };
         let head = r.take(18)?;
         let kind = Kind::from_code(head[0]).ok_or_else(|| r.bad("an unknown kind"))?;
@@ -80,8 +106,11 @@ impl Message {
             .into_iter()
             .map(|l| usize::try_from(l).map_err(|_| r.bad("a length too large")))
             .collect::<Result<Vec<usize>>>()?;
-        let values = b[r.at..].to_vec();
-        Ok(Message { kind, dtype, cmd, ts, shard, keys, lens, values })
+        let at = r.at.next_multiple_of(8);
+        if at > b.len() {
+            return Err(r.bad("cut short"));
+        }
+        Ok(Message { kind, dtype, cmd, ts, shard, keys, lens, values: buf, at })
     }
 }
 
@@ -137,15 +166,21 @@ mod tests {
             keys: vec![1, 5],
             lens: vec![2, 0],
             values: vec![1, 2, 3, 4],
+            at: 0,
         };
-        assert_eq!(Message::decode(&m.encode(), 3).ok(), Some(m));
-        assert_eq!(Message::decode(&Message::control(Kind::Bye).encode(), 0).ok().map(|m| m.kind), Some(Kind::Bye));
+        let d = Message::decode(m.encode(), 3).expect("decodes");
+        assert_eq!(
+            (d.kind, d.cmd, d.ts, d.shard, &d.keys, &d.lens, d.payload()),
+            (m.kind, m.cmd, m.ts, m.shard, &m.keys, &m.lens, m.payload())
+        );
+        assert_eq!(d.at % 8, 0);
+        assert_eq!(Message::decode(Message::control(Kind::Bye).encode(), 0).ok().map(|m| m.kind), Some(Kind::Bye));
     }
 
     proptest! {
         #[test]
         fn garbage_is_a_protocol_error_naming_the_sender(data in proptest::collection::vec(any::<u8>(), 0..120)) {
-            if let Err(e) = Message::decode(&data, 4) {
+            if let Err(e) = Message::decode(data, 4) {
                 prop_assert!(matches!(e, Error::Protocol { peer: Some(4), .. }), "{e}");
             }
         }
