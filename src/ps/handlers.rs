@@ -5,17 +5,6 @@ use crate::error::Result;
 use crate::types::{Element, Reduction};
 use std::collections::{BTreeSet, HashMap};
 
-/// Looks up each key's values (empty for keys never pushed) for a reply.
-fn values_of<T: Element>(store: &HashMap<u64, Vec<T>>, keys: &[u64]) -> (Vec<T>, Vec<usize>) {
-    let (mut vs, mut ls) = (Vec::new(), Vec::new());
-    for k in keys {
-        let v = store.get(k).map(Vec::as_slice).unwrap_or(&[]);
-        vs.extend_from_slice(v);
-        ls.push(v.len());
-    }
-    (vs, ls)
-}
-
 /// Splits a request's values by key.
 fn per_key<'a, T>(r: &'a Request<T>) -> impl Iterator<Item = (u64, &'a [T])> + 'a {
     let mut at = 0;
@@ -34,8 +23,8 @@ fn answer<T: Element>(
     responder: &Responder<T>,
 ) -> Result<()> {
     if meta.pull {
-        let (vs, ls) = values_of(store, keys);
-        responder.respond(meta, keys, &vs, &ls)
+        let parts: Vec<&[T]> = keys.iter().map(|k| store.get(k).map(Vec::as_slice).unwrap_or(&[])).collect();
+        responder.respond_parts(meta, keys, &parts)
     } else {
         responder.respond(meta, &[], &[], &[])
     }

@@ -321,8 +321,8 @@ struct Pending<T> {
     keys: Vec<u64>,
     /// Per server: the positions (in `keys`) of the keys sent to it; `None` once answered.
     parts: HashMap<usize, Vec<usize>>,
-    /// Per key position: its values once answered.
-    got: Vec<Option<Vec<T>>>,
+    /// The answers so far: the key positions each covers, and the message.
+    answers: Vec<(Vec<usize>, Message)>,
     wants_values: bool,
     deadline: Instant,
     what: &'static str,
@@ -345,6 +345,8 @@ struct WorkerShared<T> {
     closed: Mutex<HashMap<usize, Error>>,
     /// When each server was last heard from.
     heard: Mutex<Vec<Instant>>,
+    /// A message buffer to reuse (large fresh buffers cost their page faults every time).
+    scratch: Mutex<Vec<u8>>,
     stop: AtomicBool,
 }
 
@@ -403,6 +405,7 @@ impl<T: Element> KvWorker<T> {
             done: Condvar::new(),
             closed: Mutex::new(HashMap::new()),
             heard: Mutex::new(vec![Instant::now(); node.cfg.servers]),
+            scratch: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             id: node.id,
             cfg: node.cfg,
@@ -502,7 +505,7 @@ impl<T: Element> KvWorker<T> {
             .collect();
         let pending = Pending {
             keys: keys.to_vec(),
-            got: vec![None; keys.len()],
+            answers: Vec::new(),
             parts: parts.clone(),
             wants_values,
             deadline: Instant::now() + sh.cfg.timeout,
@@ -531,7 +534,8 @@ impl<T: Element> KvWorker<T> {
             // The values go straight from the caller's slice into the message.
             let extra =
                 if kind == Kind::Pull { 0 } else { idx.iter().map(|&i| lens[i]).sum::<usize>() * size_of::<T>() };
-            let mut bytes = msg.encode_head(extra);
+            let mut bytes = std::mem::take(&mut *lock(&sh.scratch));
+            msg.encode_head_into(&mut bytes, extra);
             if kind != Kind::Pull {
                 for &i in &idx {
                     bytes.extend_from_slice(bytemuck::cast_slice(&values[offsets[i]..offsets[i] + lens[i]]));
@@ -552,6 +556,10 @@ impl<T: Element> KvWorker<T> {
             // The backup gets every push (to keep its copy) and what its dead primary would.
             if replicate && (primary_gone || kind != Kind::Pull) && !closed.contains_key(&b) {
                 let _ = sh.ctx.send(b, PS_TAG, &bytes);
+            }
+            let mut slot = lock(&sh.scratch);
+            if slot.capacity() < bytes.capacity() {
+                *slot = bytes;
             }
         }
         for (s, e) in failed {
@@ -836,52 +844,68 @@ fn apply_part<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, shard: usize, m: 
                 reason: format!("server {server} refused the {}: {text}", req.what),
             }))
         } else if req.wants_values {
-            let copied: Vec<T>;
-            let values: &[T] = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
-                Ok(v) => v,
-                Err(_) => {
-                    copied = bytemuck::pod_collect_to_vec(m.payload());
-                    &copied
-                }
-            };
+            let size = std::mem::size_of::<T>().max(1);
             let fits = m.keys.len() == idx.len()
                 && m.lens.len() == idx.len()
                 && m.keys.iter().zip(&idx).all(|(k, &i)| *k == req.keys[i])
-                && m.lens.iter().sum::<usize>() == values.len()
-                && m.payload().len().is_multiple_of(std::mem::size_of::<T>().max(1));
+                && m.lens.iter().try_fold(0usize, |a, &l| a.checked_add(l)).and_then(|n| n.checked_mul(size))
+                    == Some(m.payload().len());
             if !fits {
                 Some(Err(Error::Protocol {
                     peer: Some(server),
                     detail: format!("server {server} answered the {} with other keys or lengths", req.what),
                 }))
             } else {
-                let mut at = 0;
-                for (&i, &l) in idx.iter().zip(&m.lens) {
-                    req.got[i] = Some(values[at..at + l].to_vec());
-                    at += l;
-                }
+                req.answers.push((idx, m));
                 None
             }
         } else {
             None
         }
-        .or_else(|| {
-            req.parts.is_empty().then(|| {
-                let mut reply = Reply { keys: req.keys.clone(), ..Reply::default() };
-                if req.wants_values {
-                    for v in req.got.iter_mut() {
-                        let v = v.take().unwrap_or_default();
-                        reply.lens.push(v.len());
-                        reply.values.extend(v);
-                    }
-                }
-                Ok(reply)
-            })
-        })
+        .or_else(|| req.parts.is_empty().then(|| Ok(assemble(req))))
     };
     if let Some(out) = outcome {
         finish(sh, ts, out);
     }
+}
+
+/// The reply of a request whose every part has been answered: the values in key order, read
+/// once from the answers' buffers into one allocation.
+fn assemble<T: Element>(req: &mut Pending<T>) -> Reply<T> {
+    let n = req.keys.len();
+    let mut reply = Reply { keys: req.keys.clone(), ..Reply::default() };
+    if !req.wants_values {
+        return reply;
+    }
+    let answers = std::mem::take(&mut req.answers);
+    let typed: Vec<std::borrow::Cow<'_, [T]>> = answers
+        .iter()
+        .map(|(_, m)| match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
+            Ok(v) => std::borrow::Cow::Borrowed(v),
+            Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(m.payload())),
+        })
+        .collect();
+    let mut lens = vec![0usize; n];
+    let mut from = vec![(0usize, 0usize); n];
+    for (a, (idx, m)) in answers.iter().enumerate() {
+        let mut at = 0;
+        for (&i, &l) in idx.iter().zip(&m.lens) {
+            if let (Some(len), Some(f)) = (lens.get_mut(i), from.get_mut(i)) {
+                *len = l;
+                *f = (a, at);
+            }
+            at += l;
+        }
+    }
+    reply.values.reserve(lens.iter().sum());
+    for (i, &l) in lens.iter().enumerate() {
+        let (a, at) = from[i];
+        if let Some(v) = typed.get(a).and_then(|t| t.get(at..at + l)) {
+            reply.values.extend_from_slice(v);
+        }
+    }
+    reply.lens = lens;
+    reply
 }
 
 /// A request as a server's handler sees it.
@@ -919,6 +943,7 @@ pub struct RequestMeta {
 pub struct Responder<T> {
     ctx: Arc<Context>,
     servers: usize,
+    scratch: Mutex<Vec<u8>>,
     _t: PhantomData<fn(T)>,
 }
 
@@ -926,21 +951,39 @@ impl<T: Element> Responder<T> {
     /// Answers a request: for a push, with nothing (`keys` empty); for a pull, with the values
     /// of the keys asked for, in their order.
     pub fn respond(&self, meta: &RequestMeta, keys: &[u64], values: &[T], lens: &[usize]) -> Result<()> {
+        self.send_reply(meta, keys, lens.to_vec(), &[values])
+    }
+
+    /// [`respond`](Self::respond) with each key's values as a slice of its own (no gathering
+    /// copy before the message is written).
+    pub fn respond_parts(&self, meta: &RequestMeta, keys: &[u64], parts: &[&[T]]) -> Result<()> {
+        self.send_reply(meta, keys, parts.iter().map(|p| p.len()).collect(), parts)
+    }
+
+    fn send_reply(&self, meta: &RequestMeta, keys: &[u64], lens: Vec<usize>, parts: &[&[T]]) -> Result<()> {
         let msg = Message {
             kind: Kind::Reply,
             cmd: meta.cmd,
             ts: meta.timestamp,
             shard: meta.shard as u32,
             keys: keys.to_vec(),
-            lens: lens.to_vec(),
+            lens,
             values: Vec::new(),
             at: 0,
             dtype: T::DTYPE as u8,
         };
-        let values: &[u8] = bytemuck::cast_slice(values);
-        let mut bytes = msg.encode_head(values.len());
-        bytes.extend_from_slice(values);
-        self.ctx.send(self.servers + meta.worker, PS_TAG, &bytes)
+        let total: usize = parts.iter().map(|p| std::mem::size_of_val(*p)).sum();
+        let mut bytes = std::mem::take(&mut *lock(&self.scratch));
+        msg.encode_head_into(&mut bytes, total);
+        for p in parts {
+            bytes.extend_from_slice(bytemuck::cast_slice(p));
+        }
+        let sent = self.ctx.send(self.servers + meta.worker, PS_TAG, &bytes);
+        let mut slot = lock(&self.scratch);
+        if slot.capacity() < bytes.capacity() {
+            *slot = bytes;
+        }
+        sent
     }
 
     /// Refuses a request: the worker's wait fails with `reason`.
@@ -985,7 +1028,8 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
     /// Serves until every worker has said goodbye or gone; returns the handler's first error.
     pub fn run(mut self) -> Result<()> {
         let (servers, workers) = (self.node.cfg.servers, self.node.cfg.workers);
-        let responder = Responder { ctx: self.node.ctx.clone(), servers, _t: PhantomData };
+        let responder =
+            Responder { ctx: self.node.ctx.clone(), servers, scratch: Mutex::new(Vec::new()), _t: PhantomData };
         let mut live: Vec<usize> = (servers..servers + workers).collect();
         // Copies of the shards this server backs up, made from the handler as it started.
         let mut replicas: HashMap<usize, H> = HashMap::new();

@@ -71,7 +71,15 @@ impl Message {
     /// Everything but the values (padded so that they start 8-byte aligned), with room for
     /// `extra` bytes of them.
     pub(crate) fn encode_head(&self, extra: usize) -> Vec<u8> {
-        let mut b = Vec::with_capacity(40 + 8 * (self.keys.len() + self.lens.len()) + extra);
+        let mut b = Vec::new();
+        self.encode_head_into(&mut b, extra);
+        b
+    }
+
+    /// [`encode_head`](Self::encode_head) into `b` (cleared; its memory is reused).
+    pub(crate) fn encode_head_into(&self, b: &mut Vec<u8>, extra: usize) {
+        b.clear();
+        b.reserve(40 + 8 * (self.keys.len() + self.lens.len()) + extra);
         b.push(self.kind as u8);
         b.push(self.dtype);
         b.extend_from_slice(&self.cmd.to_le_bytes());
@@ -86,7 +94,6 @@ impl Message {
             b.extend_from_slice(&(*l as u64).to_le_bytes());
         }
         b.resize(b.len().next_multiple_of(8), 0);
-        b
     }
 
     pub(crate) fn decode(buf: Vec<u8>, peer: usize) -> Result<Message> {
