@@ -89,6 +89,9 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
         cfg.sharding = Sharding::Range;
     }
     cfg.replication = scenario == "replicated";
+    if scenario == "rejoin" {
+        return rejoin_scenario(store.into(), &dev, role, id, cfg, env);
+    }
     let node = Node::connect(&store, &dev, role, id, cfg)?;
     if role == Role::Server {
         return node.server(Holding(SumStore::default(), Vec::new()))?.run();
@@ -174,6 +177,50 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
     }
 }
 
+/// Worker 1 dies after 5 of its 10 pushes and comes back (FERROGLOO_TEST_REJOIN set) for the
+/// other 5; every key ends at 10 pushes of 1 (worker 0) + 10 of 2 (worker 1).
+fn rejoin_scenario(
+    store: std::sync::Arc<dyn Store>,
+    dev: &Device,
+    role: Role,
+    id: usize,
+    mut cfg: PsConfig,
+    env: &RankEnv,
+) -> Result<()> {
+    cfg.rejoin_wait = Some(Duration::from_secs(30));
+    let keys: Vec<u64> = (0..20).collect();
+    if role == Role::Server {
+        return Node::connect_shared(store, dev, role, id, cfg)?.server(SumStore::<i64>::default())?.run();
+    }
+    let again = std::env::var_os("FERROGLOO_TEST_REJOIN").is_some();
+    let node = if again { Node::rejoin(&*store, dev, id, cfg)? } else { Node::connect(&*store, dev, role, id, cfg)? };
+    let w = node.worker::<i64>()?;
+    let steps = match (id, again) {
+        (0, _) => 0..10,
+        (_, false) => 0..5,
+        (_, true) => 5..10,
+    };
+    for _ in steps {
+        w.wait(w.push(&keys, &vec![id as i64 + 1; keys.len()], &[])?)?;
+    }
+    if id == 0 {
+        store.set("ps-test/w0-done", b"1")?;
+        return Ok(());
+    }
+    if !again {
+        println!("READY rank {}", env.rank);
+        // Killed by the parent here (bounded, should it not be).
+        std::thread::sleep(DEADLINE * 5);
+        return Err(Error::invalid("worker 1 was not killed"));
+    }
+    store.get("ps-test/w0-done", DEADLINE)?;
+    let got = w.wait(w.pull(&keys)?)?;
+    if got.values != vec![30i64; keys.len()] {
+        return Err(Error::invalid(format!("after the rejoin the keys hold {:?}, expected 30 each", got.values)));
+    }
+    Ok(())
+}
+
 /// A node started the ps-lite way: everything from `DMLC_*`.
 fn dmlc_node() -> Result<()> {
     use ferrogloo::ps::{EnvRole, config_from_env, role_from_env, run_scheduler};
@@ -194,6 +241,11 @@ fn dmlc_node() -> Result<()> {
 struct Job {
     children: Vec<Child>,
     lines: mpsc::Receiver<(usize, String)>,
+    tx: mpsc::Sender<(usize, String)>,
+    url: String,
+    servers: usize,
+    n: usize,
+    scenario: String,
     _dir: tempfile::TempDir,
 }
 
@@ -202,32 +254,39 @@ fn start(servers: usize, workers: usize, scenario: &str) -> Job {
     let url = format!("file:{}", dir.path().display());
     let n = servers + workers;
     let (tx, lines) = mpsc::channel();
-    let children = (0..n)
-        .map(|rank| {
-            let mut child = Command::new(std::env::current_exe().expect("test binary"))
-                .args(["--ignored", "--exact", "ps_node", "--nocapture", "--test-threads=1"])
-                .env(RANK_ENV, rank.to_string())
-                .env(SIZE_ENV, n.to_string())
-                .env(STORE_ENV, &url)
-                .env(SCENARIO_ENV, scenario)
-                .env(SERVERS_ENV, servers.to_string())
-                .stdout(Stdio::piped())
-                .spawn()
-                .expect("spawn a node");
-            let out = child.stdout.take().expect("piped stdout");
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
-                    let _ = tx.send((rank, line));
-                }
-            });
-            child
-        })
-        .collect();
-    Job { children, lines, _dir: dir }
+    let mut job = Job { children: Vec::new(), lines, tx, url, servers, n, scenario: scenario.to_string(), _dir: dir };
+    for rank in 0..n {
+        let c = job.spawn(rank, &[]);
+        job.children.push(c);
+    }
+    job
 }
 
 impl Job {
+    /// Starts node `rank` (again), with `extra` variables.
+    fn spawn(&self, rank: usize, extra: &[(&str, &str)]) -> Child {
+        let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
+        cmd.args(["--ignored", "--exact", "ps_node", "--nocapture", "--test-threads=1"])
+            .env(RANK_ENV, rank.to_string())
+            .env(SIZE_ENV, self.n.to_string())
+            .env(STORE_ENV, &self.url)
+            .env(SCENARIO_ENV, &self.scenario)
+            .env(SERVERS_ENV, self.servers.to_string())
+            .stdout(Stdio::piped());
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn a node");
+        let out = child.stdout.take().expect("piped stdout");
+        let tx = self.tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                let _ = tx.send((rank, line));
+            }
+        });
+        child
+    }
+
     /// Lines until every rank of `ranks` printed one containing `what`.
     fn wait_for(&self, what: &str, ranks: &[usize], deadline: Instant) -> Vec<(usize, String)> {
         let (mut seen, mut all) = (Vec::new(), Vec::new());
@@ -272,6 +331,18 @@ fn with_replication_the_backup_takes_over_a_sigkilled_server_and_the_sums_are_ri
     job.children[1].kill().expect("SIGKILL server 1");
     let _ = job.children[1].wait();
     let lines = job.wait_for("DONE rank", &[0, 2, 3, 4], Instant::now() + Duration::from_secs(60));
+    assert!(!lines.iter().any(|(_, l)| l.contains("ERROR")), "{lines:?}");
+}
+
+#[test]
+fn a_worker_killed_with_sigkill_and_restarted_rejoins_and_the_sums_are_right() {
+    let mut job = start(1, 2, "rejoin");
+    job.wait_for("READY rank", &[2], Instant::now() + Duration::from_secs(60));
+    job.children[2].kill().expect("SIGKILL worker 1");
+    let _ = job.children[2].wait();
+    let again = job.spawn(2, &[("FERROGLOO_TEST_REJOIN", "1")]);
+    job.children[2] = again;
+    let lines = job.wait_for("DONE rank", &[0, 1, 2], Instant::now() + Duration::from_secs(60));
     assert!(!lines.iter().any(|(_, l)| l.contains("ERROR")), "{lines:?}");
 }
 

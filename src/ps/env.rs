@@ -67,9 +67,9 @@ impl Node {
                 shape.workers, shape.servers, cfg.workers, cfg.servers
             )));
         }
-        let store: Box<dyn Store> = match std::env::var(crate::rendezvous::STORE_ENV) {
-            Ok(url) => crate::rendezvous::open(&url)?,
-            Err(_) => Box::new(crate::rendezvous::TcpStore::connect(&root()?, "ferrogloo-ps", cfg.timeout)?),
+        let store: std::sync::Arc<dyn Store> = match std::env::var(crate::rendezvous::STORE_ENV) {
+            Ok(url) => crate::rendezvous::open(&url)?.into(),
+            Err(_) => std::sync::Arc::new(crate::rendezvous::TcpStore::connect(&root()?, "ferrogloo-ps", cfg.timeout)?),
         };
         let (id_var, counter) = match role {
             Role::Worker => ("DMLC_WORKER_ID", "ferrogloo-ps/next-worker"),
@@ -86,7 +86,7 @@ impl Node {
             attr.iface = Some(iface);
         }
         let device = Device::with_transport(Transport::from_env()?, &attr)?;
-        let node = Node::connect(&*store, &device, role, id, cfg)?;
+        let node = Node::connect_shared(store.clone(), &device, role, id, cfg)?;
         store.add(CONNECTED, 1)?;
         Ok(node)
     }

@@ -140,7 +140,15 @@ impl Handler<f32> for SyncSgd {
 
     fn worker_left(&mut self, worker: usize, responder: &Responder<f32>) -> Result<()> {
         self.live.remove(&worker);
+        // Its requests waiting in a round go with it.
+        self.round.retain(|r| r.meta.worker != worker);
+        self.later.retain(|r| r.meta.worker != worker);
         self.complete_rounds(responder)
+    }
+
+    fn worker_joined(&mut self, worker: usize, _responder: &Responder<f32>) -> Result<()> {
+        self.live.insert(worker);
+        Ok(())
     }
 }
 

@@ -49,8 +49,8 @@
 //! - **Replication** ([`PsConfig::replication`]): server `s+1` keeps a copy of server `s`'s
 //!   state and answers for it once it dies.
 //! - **ps-lite's environment** (`DMLC_ROLE`, ...): [`Node::from_env`] and [`run_scheduler`].
-//!
-//! Not (yet) done: a restarted worker rejoining a running job.
+//! - **Rejoining**: a worker whose process died, restarted, calls [`Node::rejoin`]; servers
+//!   with [`PsConfig::rejoin_wait`] meet it in a new context of its own.
 
 mod env;
 mod handlers;
@@ -72,6 +72,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use wire::{Kind, Message};
+
+/// Where rejoining workers announce themselves in the store.
+const REJOIN: &str = "ferrogloo-ps/rejoin";
 
 /// The tag of parameter-server messages on the nodes' context.
 const PS_TAG: u32 = 0x5053_0001;
@@ -146,6 +149,10 @@ pub struct PsConfig {
     /// it once it dies. Workers send every push to both; handlers must be deterministic in
     /// what they store (the ones here are; float sums may differ in the last bits).
     pub replication: bool,
+    /// How long a server waits for a worker whose process died to come back
+    /// ([`Node::rejoin`]) before counting it gone (`None`: it is gone at once). Needs a
+    /// node made with [`Node::connect_shared`] (or [`Node::from_env`]), which keeps the store.
+    pub rejoin_wait: Option<Duration>,
 }
 
 impl PsConfig {
@@ -159,6 +166,7 @@ impl PsConfig {
             sharding: Sharding::Hash,
             heartbeat: Some(Duration::from_secs(1)),
             replication: false,
+            rejoin_wait: None,
         }
     }
 }
@@ -180,6 +188,8 @@ pub struct Node {
     role: Role,
     id: usize,
     cfg: PsConfig,
+    /// The job's store, when the node keeps it (for workers rejoining).
+    store: Option<Arc<dyn Store>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -227,7 +237,39 @@ impl Node {
             .timeout(cfg.timeout)
             .connect(store, device)
             .map_err(|e| name_roles(e, &cfg))?;
-        Ok(Node { ctx: Arc::new(ctx), role, id, cfg })
+        Ok(Node { ctx: Arc::new(ctx), role, id, cfg, store: None })
+    }
+
+    /// [`connect`](Self::connect), keeping the store: a server made this way watches it for
+    /// workers that rejoin ([`PsConfig::rejoin_wait`]).
+    pub fn connect_shared(
+        store: Arc<dyn Store>,
+        device: &Device,
+        role: Role,
+        id: usize,
+        cfg: PsConfig,
+    ) -> Result<Node> {
+        let mut node = Node::connect(&*store, device, role, id, cfg)?;
+        node.store = Some(store);
+        Ok(node)
+    }
+
+    /// Worker `id`, restarted after its process died, joins the running job again: it meets
+    /// every server (which must have [`PsConfig::rejoin_wait`] set and still be waiting for
+    /// it) in a new context of its own. Handlers hear of it through
+    /// [`Handler::worker_joined`].
+    pub fn rejoin<S: Store + ?Sized>(store: &S, device: &Device, id: usize, cfg: PsConfig) -> Result<Node> {
+        if id >= cfg.workers {
+            return Err(Error::invalid(format!("worker {id} of {}: no such worker", cfg.workers)));
+        }
+        let generation = store.add(&format!("{REJOIN}/{id}/generations"), 1)? - 1;
+        store.set(&format!("{REJOIN}/{id}/{generation}"), b"rejoin")?;
+        let prefixed = crate::rendezvous::PrefixStore::new(format!("{REJOIN}/{id}/{generation}/"), store);
+        let ctx = Context::builder(cfg.servers, cfg.servers + 1)
+            .timeout(cfg.timeout)
+            .connect(&prefixed, device)
+            .map_err(|e| name_roles(e, &cfg))?;
+        Ok(Node { ctx: Arc::new(ctx), role: Role::Worker, id, cfg, store: None })
     }
 
     /// This node's role.
@@ -944,6 +986,8 @@ pub struct Responder<T> {
     ctx: Arc<Context>,
     servers: usize,
     scratch: Mutex<Vec<u8>>,
+    /// Workers that rejoined: the context and rank they are reached at now.
+    routes: Mutex<HashMap<usize, (Arc<Context>, usize)>>,
     _t: PhantomData<fn(T)>,
 }
 
@@ -958,6 +1002,14 @@ impl<T: Element> Responder<T> {
     /// copy before the message is written).
     pub fn respond_parts(&self, meta: &RequestMeta, keys: &[u64], parts: &[&[T]]) -> Result<()> {
         self.send_reply(meta, keys, parts.iter().map(|p| p.len()).collect(), parts)
+    }
+
+    fn send_to(&self, worker: usize, bytes: &[u8]) -> Result<()> {
+        let route = lock(&self.routes).get(&worker).cloned();
+        match route {
+            Some((ctx, rank)) => ctx.send(rank, PS_TAG, bytes),
+            None => self.ctx.send(self.servers + worker, PS_TAG, bytes),
+        }
     }
 
     fn send_reply(&self, meta: &RequestMeta, keys: &[u64], lens: Vec<usize>, parts: &[&[T]]) -> Result<()> {
@@ -978,7 +1030,7 @@ impl<T: Element> Responder<T> {
         for p in parts {
             bytes.extend_from_slice(bytemuck::cast_slice(p));
         }
-        let sent = self.ctx.send(self.servers + meta.worker, PS_TAG, &bytes);
+        let sent = self.send_to(meta.worker, &bytes);
         let mut slot = lock(&self.scratch);
         if slot.capacity() < bytes.capacity() {
             *slot = bytes;
@@ -999,7 +1051,7 @@ impl<T: Element> Responder<T> {
             at: 0,
             dtype: 0,
         };
-        self.ctx.send(self.servers + meta.worker, PS_TAG, &msg.encode())
+        self.send_to(meta.worker, &msg.encode())
     }
 }
 
@@ -1012,6 +1064,12 @@ pub trait Handler<T: Element>: Send {
     /// Worker `worker` is gone (it said goodbye or its connection closed): a handler that
     /// waits for every worker (synchronous SGD) stops waiting for it.
     fn worker_left(&mut self, worker: usize, responder: &Responder<T>) -> Result<()> {
+        let _ = (worker, responder);
+        Ok(())
+    }
+
+    /// Worker `worker`, which had left, rejoined ([`Node::rejoin`]).
+    fn worker_joined(&mut self, worker: usize, responder: &Responder<T>) -> Result<()> {
         let _ = (worker, responder);
         Ok(())
     }
@@ -1028,71 +1086,78 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
     /// Serves until every worker has said goodbye or gone; returns the handler's first error.
     pub fn run(mut self) -> Result<()> {
         let (servers, workers) = (self.node.cfg.servers, self.node.cfg.workers);
-        let responder =
-            Responder { ctx: self.node.ctx.clone(), servers, scratch: Mutex::new(Vec::new()), _t: PhantomData };
-        let mut live: Vec<usize> = (servers..servers + workers).collect();
+        let responder = Responder {
+            ctx: self.node.ctx.clone(),
+            servers,
+            scratch: Mutex::new(Vec::new()),
+            routes: Mutex::new(HashMap::new()),
+            _t: PhantomData,
+        };
+        // Each link is a context and its live workers by rank: the job's, then one per
+        // rejoined worker.
+        let mut links: Vec<(Arc<Context>, HashMap<usize, usize>)> =
+            vec![(self.node.ctx.clone(), (0..workers).map(|w| (servers + w, w)).collect())];
+        // Workers whose process died, waited for until the deadline (rejoin), and the next
+        // generation each may come back as.
+        let mut dead: HashMap<usize, Instant> = HashMap::new();
+        let mut generations: HashMap<usize, i64> = HashMap::new();
         // Copies of the shards this server backs up, made from the handler as it started.
         let mut replicas: HashMap<usize, H> = HashMap::new();
         let proto = self.handler.clone();
         let beat = self.node.cfg.heartbeat;
         let mut last_beat = Instant::now();
+        let mut last_look = Instant::now();
         let heartbeat = Message::control(Kind::Heartbeat).encode();
-        while !live.is_empty() {
+        let mut turn = 0usize;
+        while links.iter().any(|(_, w)| !w.is_empty()) || !dead.is_empty() {
             if let Some(b) = beat
                 && last_beat.elapsed() >= b
             {
                 last_beat = Instant::now();
-                for &w in &live {
-                    let _ = self.node.ctx.send(w, PS_TAG, &heartbeat);
+                for (ctx, ws) in &links {
+                    for &r in ws.keys() {
+                        let _ = ctx.send(r, PS_TAG, &heartbeat);
+                    }
                 }
             }
-            let slice = beat.map_or(SLICE, |b| b.min(SLICE));
-            let got = self.node.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_quietly(slice));
-            let left = match got {
+            if !dead.is_empty() && last_look.elapsed() >= SLICE {
+                last_look = Instant::now();
+                dead.retain(|_, until| Instant::now() < *until);
+                for w in dead.keys().copied().collect::<Vec<_>>() {
+                    if let Some(link) = self.accept_rejoin(w, &mut generations)? {
+                        dead.remove(&w);
+                        lock(&responder.routes).insert(w, (link.clone(), servers));
+                        links.push((link, HashMap::from([(servers, w)])));
+                        self.handler.worker_joined(w, &responder)?;
+                        for r in replicas.values_mut() {
+                            r.worker_joined(w, &responder)?;
+                        }
+                    }
+                }
+            }
+            let active: Vec<usize> = (0..links.len()).filter(|&i| !links[i].1.is_empty()).collect();
+            if active.is_empty() {
+                std::thread::sleep(SLICE.min(Duration::from_millis(20)));
+                continue;
+            }
+            turn = (turn + 1) % active.len();
+            let li = active[turn];
+            let (ctx, ws) = (&links[li].0, &links[li].1);
+            let ranks: Vec<usize> = ws.keys().copied().collect();
+            let mut slice = beat.map_or(SLICE, |b| b.min(SLICE));
+            if active.len() > 1 || !dead.is_empty() {
+                slice = slice.min(Duration::from_millis(2));
+            }
+            let got = ctx.scope(|s| s.irecv_bytes(&ranks, PS_TAG, wire::MAX_MESSAGE)?.wait_quietly(slice));
+            let (left, died) = match got {
                 Ok((rank, bytes)) => {
                     let m = Message::decode(bytes, rank)?;
-                    let worker = rank - servers;
+                    let worker = ws.get(&rank).copied().unwrap_or(usize::MAX);
                     match m.kind {
-                        Kind::Bye => Some(rank),
+                        Kind::Bye => (Some(rank), false),
                         Kind::Push | Kind::Pull | Kind::PushPull => {
-                            if m.dtype != T::DTYPE as u8 {
-                                responder.refuse(
-                                    &meta_of(&m, worker),
-                                    &format!(
-                                        "this server holds {} values, the request has type code {}",
-                                        T::DTYPE,
-                                        m.dtype
-                                    ),
-                                )?;
-                                None
-                            } else {
-                                let values: Vec<T> = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
-                                    Ok(v) => v.to_vec(),
-                                    Err(_) => bytemuck::pod_collect_to_vec(m.payload()),
-                                };
-                                let meta = meta_of(&m, worker);
-                                let req = Request { meta, keys: m.keys, values, lens: m.lens };
-                                let me = self.node.id;
-                                if let Err(e) = check_request(&req) {
-                                    responder.refuse(&meta, &e.to_string())?;
-                                } else if meta.shard == me {
-                                    self.handler.handle(req, &responder)?;
-                                } else if self.node.cfg.replication
-                                    && meta.shard < servers
-                                    && backup_of(meta.shard, servers) == me
-                                {
-                                    replicas
-                                        .entry(meta.shard)
-                                        .or_insert_with(|| proto.clone())
-                                        .handle(req, &responder)?;
-                                } else {
-                                    responder.refuse(
-                                        &meta,
-                                        &format!("server {me} does not hold server {}'s keys", meta.shard),
-                                    )?;
-                                }
-                                None
-                            }
+                            self.serve_one(m, worker, &responder, &mut replicas, &proto)?;
+                            (None, false)
                         }
                         other => {
                             return Err(Error::Protocol {
@@ -1102,19 +1167,83 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
                         }
                     }
                 }
-                Err(Error::Timeout { .. }) => None,
-                Err(Error::PeerClosed { rank, .. }) if live.contains(&rank) => Some(rank),
+                Err(Error::Timeout { .. }) => (None, false),
+                Err(Error::PeerClosed { rank, .. }) if ws.contains_key(&rank) => (Some(rank), true),
+                Err(e) if li > 0 => {
+                    // A rejoined worker's own context failed: that worker is gone again.
+                    tracing::debug!(error = %e, "a rejoined worker's context failed");
+                    (ranks.first().copied(), true)
+                }
                 Err(e) => return Err(e),
             };
-            if let Some(rank) = left {
-                live.retain(|&w| w != rank);
-                self.handler.worker_left(rank - servers, &responder)?;
+            if let Some(rank) = left
+                && let Some(w) = links[li].1.remove(&rank)
+            {
+                lock(&responder.routes).remove(&w);
+                self.handler.worker_left(w, &responder)?;
                 for r in replicas.values_mut() {
-                    r.worker_left(rank - servers, &responder)?;
+                    r.worker_left(w, &responder)?;
+                }
+                if died
+                    && self.node.store.is_some()
+                    && let Some(wait) = self.node.cfg.rejoin_wait
+                {
+                    dead.insert(w, Instant::now() + wait);
                 }
             }
         }
         Ok(())
+    }
+
+    /// A new context with worker `w` if it announced a rejoin in the store.
+    fn accept_rejoin(&self, w: usize, generations: &mut HashMap<usize, i64>) -> Result<Option<Arc<Context>>> {
+        let Some(store) = &self.node.store else { return Ok(None) };
+        let g = generations.entry(w).or_insert(0);
+        if store.try_get(&format!("{REJOIN}/{w}/{g}"))?.is_none() {
+            return Ok(None);
+        }
+        let prefixed = crate::rendezvous::PrefixStore::new(format!("{REJOIN}/{w}/{g}/"), store.clone());
+        *g += 1;
+        let cfg = &self.node.cfg;
+        let ctx = Context::builder(self.node.id, cfg.servers + 1)
+            .timeout(cfg.timeout)
+            .connect(&prefixed, self.node.ctx.device())
+            .map_err(|e| name_roles(e, cfg))?;
+        Ok(Some(Arc::new(ctx)))
+    }
+
+    /// Hands one request to the handler (or the backup copy it is for), or refuses it.
+    fn serve_one(
+        &mut self,
+        m: Message,
+        worker: usize,
+        responder: &Responder<T>,
+        replicas: &mut HashMap<usize, H>,
+        proto: &H,
+    ) -> Result<()> {
+        let servers = self.node.cfg.servers;
+        let meta = meta_of(&m, worker);
+        if m.dtype != T::DTYPE as u8 {
+            return responder.refuse(
+                &meta,
+                &format!("this server holds {} values, the request has type code {}", T::DTYPE, m.dtype),
+            );
+        }
+        let values: Vec<T> = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
+            Ok(v) => v.to_vec(),
+            Err(_) => bytemuck::pod_collect_to_vec(m.payload()),
+        };
+        let req = Request { meta, keys: m.keys, values, lens: m.lens };
+        let me = self.node.id;
+        if let Err(e) = check_request(&req) {
+            responder.refuse(&meta, &e.to_string())
+        } else if meta.shard == me {
+            self.handler.handle(req, responder)
+        } else if self.node.cfg.replication && meta.shard < servers && backup_of(meta.shard, servers) == me {
+            replicas.entry(meta.shard).or_insert_with(|| proto.clone()).handle(req, responder)
+        } else {
+            responder.refuse(&meta, &format!("server {me} does not hold server {}'s keys", meta.shard))
+        }
     }
 }
 
