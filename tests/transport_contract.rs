@@ -555,6 +555,11 @@ backends! {
     mixed => super::mixed_hosts,
 }
 
+#[cfg(feature = "ibverbs")]
+backends! {
+    ibverbs_sim => || ferrogloo::device::Device::ibverbs_with(&ferrogloo::device::IbAttr::simulated()),
+}
+
 /// Auto devices on two pretend hosts, in turn: a context of three or more ranks mixes shared
 /// memory (between ranks of one pretend host) and TCP (across).
 fn mixed_hosts() -> ferrogloo::Result<ferrogloo::device::Device> {

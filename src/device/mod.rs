@@ -114,10 +114,14 @@ pub enum Transport {
     Shm,
     /// Shared memory to peers on this host, TCP to the others.
     Auto,
+    /// RDMA through ibverbs to every peer ([`Device::ibverbs_with`] with
+    /// [`IbAttr::from_env`]); needs the cargo feature `ibverbs`.
+    Ibverbs,
 }
 
 impl Transport {
-    /// `FERROGLOO_TRANSPORT` (`tcp`, `shm` or `auto`); [`Transport::Auto`] when unset or empty.
+    /// `FERROGLOO_TRANSPORT` (`tcp`, `shm`, `auto` or `ibverbs`); [`Transport::Auto`] when unset
+    /// or empty.
     /// Another value is an error.
     pub fn from_env() -> Result<Self> {
         match std::env::var(TRANSPORT_ENV) {
@@ -128,12 +132,13 @@ impl Transport {
         }
     }
 
-    /// `"tcp"`, `"shm"` or `"auto"`.
+    /// `"tcp"`, `"shm"`, `"auto"` or `"ibverbs"`.
     pub fn name(self) -> &'static str {
         match self {
             Transport::Tcp => "tcp",
             Transport::Shm => "shm",
             Transport::Auto => "auto",
+            Transport::Ibverbs => "ibverbs",
         }
     }
 }
@@ -152,8 +157,81 @@ impl std::str::FromStr for Transport {
             "tcp" => Ok(Transport::Tcp),
             "shm" | "shared-memory" => Ok(Transport::Shm),
             "auto" => Ok(Transport::Auto),
-            other => Err(Error::invalid(format!("unknown transport {other:?} (expected tcp, shm or auto)"))),
+            "ibverbs" | "rdma" => Ok(Transport::Ibverbs),
+            other => Err(Error::invalid(format!("unknown transport {other:?} (expected tcp, shm, auto or ibverbs)"))),
         }
+    }
+}
+
+/// The environment variable that names the RDMA device ([`IbAttr::from_env`]): `mlx5_0`,
+/// or `sim` for the simulated provider.
+pub const IB_DEVICE_ENV: &str = "FERROGLOO_IB_DEVICE";
+/// The environment variable that gives the RDMA port number (default 1).
+pub const IB_PORT_ENV: &str = "FERROGLOO_IB_PORT";
+/// The environment variable that gives the GID table index (RoCE v2 address choice).
+pub const IB_GID_INDEX_ENV: &str = "FERROGLOO_IB_GID_INDEX";
+
+/// How to build an ibverbs (RDMA) [`Device`] ([`Device::ibverbs_with`]).
+///
+/// Pairs are reliable-connected queue pairs; their addresses (LID, GID, queue pair number,
+/// packet sequence number, MTU) go in the store entry, and a TCP handshake on `tcp`'s address
+/// brings each pair up and stays open as the pair's lifeline (it carries aborts and tells when
+/// a peer is gone). Needs the cargo feature `ibverbs`.
+///
+/// `device: Some("sim")` chooses the *simulated* provider: RDMA modelled in this process (for
+/// tests of ranks that are threads; nothing leaves the process).
+///
+/// ```
+/// use ferrogloo::device::IbAttr;
+/// let attr = IbAttr { device: Some("mlx5_0".into()), gid_index: Some(3), ..IbAttr::default() };
+/// assert_eq!(attr.port, 1);
+/// assert_eq!(IbAttr::simulated().device.as_deref(), Some("sim"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct IbAttr {
+    /// The RDMA device (`mlx5_0`); `None`: the first with an active port; `"sim"`: the
+    /// simulated provider.
+    pub device: Option<String>,
+    /// The port on the device (default 1).
+    pub port: u8,
+    /// The GID table index; `None`: for RoCE the first RoCE v2 entry with an IPv4 address,
+    /// else 0.
+    pub gid_index: Option<u8>,
+    /// Where the handshake listens (default: as [`TcpAttr::default`]).
+    pub tcp: TcpAttr,
+    /// Bytes per pair that may arrive before their receive is posted (default 8 MiB).
+    pub early_budget: usize,
+}
+
+impl Default for IbAttr {
+    fn default() -> Self {
+        IbAttr { device: None, port: 1, gid_index: None, tcp: TcpAttr::default(), early_budget: 8 << 20 }
+    }
+}
+
+impl IbAttr {
+    /// The simulated provider, handshakes on loopback.
+    pub fn simulated() -> Self {
+        IbAttr { device: Some("sim".into()), tcp: TcpAttr::loopback(), ..IbAttr::default() }
+    }
+
+    /// `FERROGLOO_IB_DEVICE`, `FERROGLOO_IB_PORT`, `FERROGLOO_IB_GID_INDEX` and the handshake
+    /// address of [`TcpAttr::from_env`]; unset ones keep their defaults. A value that does not
+    /// parse is an error.
+    pub fn from_env() -> Result<Self> {
+        let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let num = |name: &str| -> Result<Option<u8>> {
+            var(name)
+                .map(|v| v.parse::<u8>().map_err(|e| Error::invalid(format!("{name}={v:?}: {e} (expected 0 to 255)"))))
+                .transpose()
+        };
+        Ok(IbAttr {
+            device: var(IB_DEVICE_ENV),
+            port: num(IB_PORT_ENV)?.unwrap_or(1),
+            gid_index: num(IB_GID_INDEX_ENV)?,
+            tcp: TcpAttr::from_env()?,
+            ..IbAttr::default()
+        })
     }
 }
 
@@ -414,13 +492,15 @@ impl Device {
         Ok(Device { kind: Arc::new(Kind::Auto(AutoDevice::new(Self::tcp(attr)?, shm, host.into()))) })
     }
 
-    /// The device `transport` names: [`Device::new`], [`Device::shared_memory`] or
-    /// [`Device::auto`] (`attr` is unused for shared memory).
+    /// The device `transport` names: [`Device::new`], [`Device::shared_memory`],
+    /// [`Device::auto`] (`attr` is unused for shared memory) or [`Device::ibverbs_with`] (the
+    /// RDMA device from [`IbAttr::from_env`], with `attr` as the handshake's address).
     pub fn with_transport(transport: Transport, attr: &TcpAttr) -> Result<Self> {
         match transport {
             Transport::Tcp => Self::new(attr),
             Transport::Shm => Ok(Self::shared_memory()),
             Transport::Auto => Self::auto(attr),
+            Transport::Ibverbs => Self::ibverbs_with(&IbAttr { tcp: attr.clone(), ..IbAttr::from_env()? }),
         }
     }
 
@@ -462,10 +542,23 @@ impl Device {
         Device { kind: Arc::new(Kind::Shm(ShmDevice::new(attr.options()))) }
     }
 
-    /// The ibverbs (RDMA) transport on device `name` (the first one found for `None`). Not
-    /// written yet: always [`Error::Unsupported`].
+    /// The ibverbs (RDMA) transport on device `name` (the first one with an active port for
+    /// `None`; `"sim"` for the simulated provider), with the other settings of
+    /// [`IbAttr::from_env`]. Needs the cargo feature `ibverbs` ([`Error::Unsupported`] without
+    /// it); with no RDMA device on the host the error says so.
     pub fn ibverbs(name: Option<&str>) -> Result<Self> {
-        crate::transport::ibverbs::open(name).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
+        Self::ibverbs_with(&IbAttr { device: name.map(str::to_string), ..IbAttr::from_env()? })
+    }
+
+    /// A device on a backend made elsewhere in the crate (tests).
+    #[cfg(all(test, feature = "ibverbs"))]
+    pub(crate) fn from_backend(b: Arc<dyn Backend>) -> Self {
+        Device { kind: Arc::new(Kind::Other(b)) }
+    }
+
+    /// The ibverbs (RDMA) transport `attr` describes. See [`IbAttr`].
+    pub fn ibverbs_with(attr: &IbAttr) -> Result<Self> {
+        crate::transport::ibverbs::open(attr).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
     }
 
     /// The backend's name: `"tcp"`, `"shm"`, `"tcp+shm"` (auto) or `"memory"`.
