@@ -1,7 +1,7 @@
 //! Choosing where a device listens.
 
 use ferrogloo::Error;
-use ferrogloo::device::{Device, Family, TcpAttr};
+use ferrogloo::device::{Device, Family, TcpAttr, Transport};
 use std::net::{IpAddr, Ipv4Addr, TcpListener};
 
 #[test]
@@ -74,8 +74,50 @@ fn the_host_identity_is_stable_and_names_the_host() {
     }
     assert_eq!(Device::in_process().backend_name(), "memory");
     assert!(Device::in_process().local_addr().is_none());
-    match Device::ibverbs(None) {
-        Err(Error::Unsupported { what, .. }) => assert!(what.contains("ibverbs"), "{what}"),
-        other => panic!("the ibverbs transport is not written yet: expected Unsupported, got {other:?}"),
+}
+
+/// Without the cargo feature, the ibverbs transport is refused naming the feature.
+#[cfg(not(feature = "ibverbs"))]
+#[test]
+fn without_the_feature_ibverbs_is_refused_naming_it() {
+    for made in [Device::ibverbs(None), Device::with_transport(Transport::Ibverbs, &TcpAttr::loopback())] {
+        match made {
+            Err(Error::Unsupported { what, feature }) => {
+                assert!(what.contains("ibverbs"), "{what}");
+                assert_eq!(feature.as_deref(), Some("ibverbs"));
+            }
+            other => panic!("expected Unsupported naming the feature, got {other:?}"),
+        }
     }
+}
+
+/// With the feature and no RDMA device on the host, every way to ask for the real provider
+/// says that no RDMA device was found: no panic, no hang.
+#[cfg(feature = "ibverbs")]
+#[test]
+fn with_the_feature_and_no_rdma_device_every_entry_point_says_so() {
+    let devices = std::fs::read_dir("/sys/class/infiniband").map(|d| d.count()).unwrap_or(0);
+    if devices > 0 {
+        eprintln!("skipped: this host has {devices} RDMA device(s); the no-device path cannot be checked here");
+        return;
+    }
+    let t = std::time::Instant::now();
+    let attempts = [
+        ("Device::ibverbs(None)", Device::ibverbs(None)),
+        ("Device::ibverbs(Some(\"mlx5_0\"))", Device::ibverbs(Some("mlx5_0"))),
+        (
+            "Device::ibverbs_with(port 2)",
+            Device::ibverbs_with(&ferrogloo::device::IbAttr { port: 2, ..ferrogloo::device::IbAttr::default() }),
+        ),
+        ("Device::with_transport(Ibverbs)", Device::with_transport(Transport::Ibverbs, &TcpAttr::loopback())),
+    ];
+    for (how, made) in attempts {
+        match made {
+            Err(e) => assert!(e.to_string().contains("no RDMA device was found"), "{how}: {e}"),
+            Ok(d) => panic!("{how}: a device ({}) on a host without RDMA devices", d.backend_name()),
+        }
+    }
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t.elapsed());
+    // The simulated provider needs no device.
+    assert_eq!(Device::ibverbs(Some("sim")).map(|d| d.backend_name()).ok(), Some("ibverbs"));
 }

@@ -522,24 +522,25 @@ fn mismatch_in_words(dev: MakeDevice) {
 }
 
 macro_rules! backends {
-    ($($backend:ident => $device:expr),* $(,)?) => {$(
+    ($($(#[$attr:meta])* $backend:ident => $device:expr),* $(,)?) => {$(
+        #[allow(unused_attributes)]
         mod $backend {
             const DEVICE: super::MakeDevice = $device;
-            #[test] fn ordering() { super::ordering(DEVICE) }
-            #[test] fn recv_any() { super::recv_any(DEVICE) }
-            #[test] fn unknown_length() { super::unknown_length(DEVICE) }
-            #[test] fn zero_length() { super::zero_length(DEVICE) }
-            #[test] fn to_itself() { super::to_itself(DEVICE) }
-            #[test] fn large() { super::large(DEVICE) }
-            #[test] fn deadline() { super::deadline(DEVICE) }
-            #[test] fn peer_gone() { super::peer_gone(DEVICE) }
-            #[test] fn abort() { super::abort(DEVICE) }
-            #[test] fn concurrent_contexts() { super::concurrent_contexts(DEVICE) }
-            #[test] fn collectives() { super::collectives(DEVICE) }
-            #[test] fn subgroups() { super::subgroups(DEVICE) }
-            #[test] fn subgroup_abort() { super::subgroup_abort(DEVICE) }
-            #[test] fn local_abort() { super::local_abort(DEVICE) }
-            #[test] fn mismatch_in_words() { super::mismatch_in_words(DEVICE) }
+            $(#[$attr])* #[test] fn ordering() { super::ordering(DEVICE) }
+            $(#[$attr])* #[test] fn recv_any() { super::recv_any(DEVICE) }
+            $(#[$attr])* #[test] fn unknown_length() { super::unknown_length(DEVICE) }
+            $(#[$attr])* #[test] fn zero_length() { super::zero_length(DEVICE) }
+            $(#[$attr])* #[test] fn to_itself() { super::to_itself(DEVICE) }
+            $(#[$attr])* #[test] fn large() { super::large(DEVICE) }
+            $(#[$attr])* #[test] fn deadline() { super::deadline(DEVICE) }
+            $(#[$attr])* #[test] fn peer_gone() { super::peer_gone(DEVICE) }
+            $(#[$attr])* #[test] fn abort() { super::abort(DEVICE) }
+            $(#[$attr])* #[test] fn concurrent_contexts() { super::concurrent_contexts(DEVICE) }
+            $(#[$attr])* #[test] fn collectives() { super::collectives(DEVICE) }
+            $(#[$attr])* #[test] fn subgroups() { super::subgroups(DEVICE) }
+            $(#[$attr])* #[test] fn subgroup_abort() { super::subgroup_abort(DEVICE) }
+            $(#[$attr])* #[test] fn local_abort() { super::local_abort(DEVICE) }
+            $(#[$attr])* #[test] fn mismatch_in_words() { super::mismatch_in_words(DEVICE) }
         }
     )*};
 }
@@ -558,6 +559,22 @@ backends! {
 #[cfg(feature = "ibverbs")]
 backends! {
     ibverbs_sim => || ferrogloo::device::Device::ibverbs_with(&ferrogloo::device::IbAttr::simulated()),
+    #[ignore = "needs an RDMA device: FERROGLOO_TEST_IB_DEVICE=<device> ... -- --ignored"]
+    ibverbs_real => super::real_ib_device,
+}
+
+/// The RDMA device `FERROGLOO_TEST_IB_DEVICE` names (the real provider), handshakes on
+/// loopback: for running the suite on a machine with RDMA hardware.
+#[cfg(feature = "ibverbs")]
+fn real_ib_device() -> ferrogloo::Result<ferrogloo::device::Device> {
+    let name = std::env::var("FERROGLOO_TEST_IB_DEVICE").map_err(|_| {
+        ferrogloo::Error::invalid("set FERROGLOO_TEST_IB_DEVICE to the RDMA device to run the suite on")
+    })?;
+    ferrogloo::device::Device::ibverbs_with(&ferrogloo::device::IbAttr {
+        device: Some(name),
+        tcp: ferrogloo::device::TcpAttr::loopback(),
+        ..ferrogloo::device::IbAttr::default()
+    })
 }
 
 /// Auto devices on two pretend hosts, in turn: a context of three or more ranks mixes shared

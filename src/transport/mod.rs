@@ -1,8 +1,8 @@
 //! The transport contract: what a backend is, and what every backend promises.
 //!
 //! A *backend* ([`Backend`]) is what a [`Device`](crate::device::Device) is made of: TCP
-//! ([`tcp`]), ranks as threads of one process ([`memory`]), and later shared memory and
-//! ibverbs. The [`Context`](crate::Context) and the algorithms know only this module; a new
+//! ([`tcp`]), ranks as threads of one process ([`memory`]), shared memory ([`shm`]) and
+//! ibverbs ([`ibverbs`], RDMA). The [`Context`](crate::Context) and the algorithms know only this module; a new
 //! backend is a folder here plus a line in `tests/transport_contract.rs`.
 //!
 //! # Forming a mesh

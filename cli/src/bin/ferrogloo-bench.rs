@@ -108,8 +108,9 @@ struct Args {
     /// Busy-poll this many microseconds before sleeping in a wait (default: automatic).
     #[arg(long)]
     busy_poll_us: Option<u64>,
-    /// Transport between ranks: tcp, shm (shared memory) or auto (shared memory on one host,
-    /// TCP across hosts). Default: FERROGLOO_TRANSPORT when set, else auto.
+    /// Transport between ranks: tcp, shm (shared memory), auto (shared memory on one host,
+    /// TCP across hosts) or ibverbs (RDMA; built with the feature `ibverbs`, device from
+    /// FERROGLOO_IB_DEVICE). Default: FERROGLOO_TRANSPORT when set, else auto.
     #[arg(long)]
     transport: Option<String>,
     /// Append one JSON object per measured cell and line to this file (created if missing;
