@@ -48,6 +48,10 @@ pub(crate) const SLOT_BYTES: usize = 32 << 10;
 const HDR: usize = 80;
 /// The largest payload sent eagerly.
 pub(crate) const EAGER_MAX: usize = SLOT_BYTES - HDR;
+/// The most bytes one RDMA read request moves (a work request's length is 32 bits, and ports
+/// take up to 2 GiB per message). The crate's own tests use 64 KiB, so that their payloads
+/// take several.
+const MAX_READ: usize = if cfg!(test) { 64 << 10 } else { 1 << 30 };
 /// Send-queue requests a pair keeps posted at once (more wait in order).
 pub(crate) const SQ_DEPTH: usize = 64;
 /// Receive requests a pair keeps posted (data, credits and dones each take one).
@@ -138,6 +142,10 @@ struct Reading {
     into: ReadInto,
     send_id: u32,
     len: usize,
+    /// Read requests of this payload not yet completed (one per [`MAX_READ`] bytes).
+    parts: usize,
+    /// The first failure of a part.
+    error: Option<Error>,
     _mr: Arc<dyn MemoryRegion>,
 }
 
@@ -471,13 +479,19 @@ impl Link {
         };
         st.next_id = st.next_id.wrapping_add(1);
         let id = st.next_id;
-        let wr = Wr {
-            wr_id: wr_id(self.peer, WrKind::Read, id),
-            sge: Sge { addr: dst as u64, len: len as u32, lkey: mr.lkey() },
-            op: SendOp::Read { remote_addr: hdr.addr, rkey: hdr.rkey },
-        };
-        st.reads.insert(id, Reading { into, send_id: hdr.id, len, _mr: mr });
-        self.post(st, wr);
+        let parts = len.div_ceil(MAX_READ);
+        let lkey = mr.lkey();
+        st.reads.insert(id, Reading { into, send_id: hdr.id, len, parts, error: None, _mr: mr });
+        for part in 0..parts {
+            let at = part * MAX_READ;
+            let n = (len - at).min(MAX_READ);
+            let wr = Wr {
+                wr_id: wr_id(self.peer, WrKind::Read, id),
+                sge: Sge { addr: dst as u64 + at as u64, len: n as u32, lkey },
+                op: SendOp::Read { remote_addr: hdr.addr + at as u64, rkey: hdr.rkey },
+            };
+            self.post(st, wr);
+        }
     }
 
     /// Tells the peer which slots were freed, if any.
@@ -508,19 +522,34 @@ impl Link {
             self.arrived(&mut st, wc.imm);
         } else {
             st.outstanding = st.outstanding.saturating_sub(1);
-            let read = if kind == Some(WrKind::Read) { st.reads.remove(&(wc.wr_id as u32)) } else { None };
-            if wc.status != WcStatus::Success {
-                let what = if read.is_some() { "RDMA read" } else { "RDMA write" };
-                let err = self.wc_error(&st, what, &wc.status);
+            let is_read = kind == Some(WrKind::Read);
+            let ok = wc.status == WcStatus::Success;
+            let err = (!ok).then(|| self.wc_error(&st, if is_read { "RDMA read" } else { "RDMA write" }, &wc.status));
+            // A read whose last part this was.
+            let mut read = None;
+            if is_read {
+                let id = wc.wr_id as u32;
+                if let Some(r) = st.reads.get_mut(&id) {
+                    r.parts = r.parts.saturating_sub(1);
+                    if let Some(e) = &err {
+                        r.error.get_or_insert_with(|| e.clone());
+                    }
+                    if r.parts == 0 {
+                        read = st.reads.remove(&id);
+                    }
+                }
+            }
+            if let Some(err) = err {
                 self.fail_request(&mut st, &wc.status, err);
-                if let Some(r) = read {
-                    let err = st.failed.clone().unwrap_or(err_or_flushed());
+                if let Some(mut r) = read {
+                    let err = st.failed.clone().or(r.error.take()).unwrap_or_else(err_or_flushed);
                     self.finish_read(&mut st, r, Some(err));
                 }
                 return;
             }
-            if let Some(r) = read {
-                self.finish_read(&mut st, r, None);
+            if let Some(mut r) = read {
+                let err = r.error.take();
+                self.finish_read(&mut st, r, err);
             }
             while st.outstanding < SQ_DEPTH && st.failed.is_none() {
                 let Some(wr) = st.backlog.pop_front() else { break };
@@ -568,7 +597,7 @@ impl Link {
     /// A read finished (with `err`, or not): its receive or early buffer gets the payload, and
     /// the sender is told.
     fn finish_read(&self, st: &mut State, r: Reading, err: Option<Error>) {
-        let Reading { into, send_id, len, _mr } = r;
+        let Reading { into, send_id, len, _mr, .. } = r;
         drop(_mr);
         match (into, err) {
             (ReadInto::Deliver(d), Some(e)) => d.done().complete(Err(e)),

@@ -179,6 +179,33 @@ fn a_remote_access_error_is_reported_in_words_on_both_ranks() {
 }
 
 #[test]
+fn large_payloads_are_read_in_parts_into_posted_and_early_receives() {
+    let store = HashStore::new();
+    let attr = IbAttr::simulated();
+    let data: Vec<u8> = (0..(5 << 20) + 3).map(|i: usize| (i * 7 + i / 65536) as u8).collect();
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let (store, attr, data) = (&store, &attr, &data);
+            s.spawn(move || {
+                let dev = Device::ibverbs_with(attr).unwrap();
+                let ctx = Context::builder(rank, 2).timeout(Duration::from_secs(10)).connect(store, &dev).unwrap();
+                if rank == 1 {
+                    ctx.send(0, 3, data).unwrap(); // into an early buffer (budget 8 MiB)
+                    ctx.barrier().unwrap();
+                    ctx.send(0, 4, data).unwrap(); // into the posted receive
+                } else {
+                    ctx.barrier().unwrap();
+                    assert!(ctx.recv_bytes(1, 3, 8 << 20).unwrap() == *data, "the early payload");
+                    let mut got = vec![0u8; data.len()];
+                    ctx.recv(1, 4, &mut got).unwrap();
+                    assert!(got == *data, "the posted payload");
+                }
+            });
+        }
+    });
+}
+
+#[test]
 fn a_dropped_context_s_pending_sends_still_arrive() {
     // Rank 1 sends and drops its context at once; the bytes were only at the peer once the
     // write completed, which closing waits for.
