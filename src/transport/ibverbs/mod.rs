@@ -25,7 +25,6 @@ pub(crate) mod verbs;
 #[cfg(feature = "ibverbs")]
 pub(crate) mod pair;
 #[cfg(feature = "ibverbs")]
-#[path = "rdma_tmp.rs"]
 pub(crate) mod rdma;
 #[cfg(feature = "ibverbs")]
 pub(crate) mod reg;

@@ -159,10 +159,7 @@ impl VerbsDevice for SimDevice {
     }
 
     fn create_qp(&self, cq: &Arc<dyn CompletionQueue>, _max_send: u32, _max_recv: u32) -> Result<Arc<dyn QueuePair>> {
-        // The simulated queue pairs complete on simulated completion queues only: find ours
-        // by the descriptor it reports.
-        let sim_cq = lock(cqs()).get(&cq.fd()).and_then(Weak::upgrade);
-        let Some(sim_cq) = sim_cq else {
+        let Some(sim_cq) = cq.as_any().downcast_ref::<SimCq>().map(|c| c.inner.clone()) else {
             return Err(Error::invalid("a simulated queue pair needs a simulated completion queue"));
         };
         let mut f = lock(fabric());
@@ -179,20 +176,13 @@ impl VerbsDevice for SimDevice {
     }
 }
 
-/// The simulated completion queues by their channel's descriptor (so that a queue pair can
-/// find the concrete queue behind the trait object).
-fn cqs() -> &'static Mutex<HashMap<RawFd, Weak<SimCqInner>>> {
-    static CQS: OnceLock<Mutex<HashMap<RawFd, Weak<SimCqInner>>>> = OnceLock::new();
-    CQS.get_or_init(Mutex::default)
-}
-
 #[derive(Default)]
 struct CqState {
     wcs: VecDeque<Wc>,
     armed: bool,
 }
 
-/// What a simulated completion queue is; [`SimCq`] registers it in [`cqs`].
+/// What a simulated completion queue is (queue pairs hold it).
 struct SimCqInner {
     state: Mutex<CqState>,
     event: EventFd,
@@ -214,19 +204,15 @@ struct SimCq {
 
 impl SimCq {
     fn new(event: EventFd) -> Self {
-        let inner = Arc::new(SimCqInner { state: Mutex::new(CqState::default()), event });
-        lock(cqs()).insert(inner.event.raw(), Arc::downgrade(&inner));
-        SimCq { inner }
-    }
-}
-
-impl Drop for SimCq {
-    fn drop(&mut self) {
-        lock(cqs()).remove(&self.inner.event.raw());
+        SimCq { inner: Arc::new(SimCqInner { state: Mutex::new(CqState::default()), event }) }
     }
 }
 
 impl CompletionQueue for SimCq {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<usize> {
         let mut s = lock(&self.inner.state);
         let n = s.wcs.len().min(max);

@@ -134,7 +134,9 @@ pub(crate) struct Wc {
 }
 
 /// A completion queue with a completion channel.
-pub(crate) trait CompletionQueue: Send + Sync {
+pub(crate) trait CompletionQueue: Send + Sync + std::any::Any {
+    /// Itself, for a provider to find its own type behind the trait object.
+    fn as_any(&self) -> &dyn std::any::Any;
     /// Appends up to `max` completions to `out`; returns how many.
     fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<usize>;
     /// Asks for an event on [`fd`](CompletionQueue::fd) at the next completion. Poll once more
