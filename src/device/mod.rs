@@ -558,7 +558,16 @@ impl Device {
 
     /// The ibverbs (RDMA) transport `attr` describes. See [`IbAttr`].
     pub fn ibverbs_with(attr: &IbAttr) -> Result<Self> {
-        crate::transport::ibverbs::open(attr).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
+        // The handshake address matters only where the transport exists.
+        let ip = if cfg!(feature = "ibverbs") { attr.tcp.resolve()? } else { IpAddr::V4(Ipv4Addr::LOCALHOST) };
+        let opts = crate::transport::ibverbs::IbOptions {
+            device: attr.device.clone(),
+            port: attr.port,
+            gid_index: attr.gid_index,
+            ip,
+            early_budget: attr.early_budget,
+        };
+        crate::transport::ibverbs::open(&opts).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
     }
 
     /// The backend's name: `"tcp"`, `"shm"`, `"tcp+shm"` (auto) or `"memory"`.

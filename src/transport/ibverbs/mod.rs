@@ -33,11 +33,23 @@ pub(crate) mod sim;
 #[cfg(all(test, feature = "ibverbs"))]
 mod tests;
 
+/// What an ibverbs device is opened with (what `IbAttr` says, with
+/// the handshake address resolved).
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "ibverbs"), allow(dead_code))]
+pub(crate) struct IbOptions {
+    /// The RDMA device; `None`: the first with an active port; `"sim"`: the simulated provider.
+    pub(crate) device: Option<String>,
+    pub(crate) port: u8,
+    pub(crate) gid_index: Option<u8>,
+    /// Where handshakes listen.
+    pub(crate) ip: std::net::IpAddr,
+    pub(crate) early_budget: usize,
+}
+
 /// The ibverbs backend `attr` describes.
 #[cfg(not(feature = "ibverbs"))]
-pub(crate) fn open(
-    attr: &crate::device::IbAttr,
-) -> crate::error::Result<std::sync::Arc<dyn crate::transport::Backend>> {
+pub(crate) fn open(attr: &IbOptions) -> crate::error::Result<std::sync::Arc<dyn crate::transport::Backend>> {
     use crate::error::Error;
     let device = attr.device.as_ref().map_or_else(String::new, |n| format!(" on device {n:?}"));
     Err(Error::unsupported(format!("the ibverbs (RDMA) transport{device}"), Some("ibverbs")))
@@ -50,11 +62,11 @@ pub(crate) use backend::open_on;
 
 #[cfg(feature = "ibverbs")]
 mod backend {
+    use super::IbOptions;
     use super::pair::{self, IbPair, Link, LinkParts, RQ_DEPTH, Region, SLOT_BYTES, SLOTS, SQ_DEPTH, WrKind};
     use super::reg::RegCache;
     use super::verbs::{CompletionQueue, QpAddr, QueuePair, VerbsDevice, Wc};
     use super::{rdma, sim};
-    use crate::device::IbAttr;
     use crate::error::{Error, Result};
     use crate::transport::auth::{mac, mac_eq};
     use crate::transport::wake::{EventFd, poll_fds};
@@ -81,7 +93,7 @@ mod backend {
     const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
     /// Opens the backend `attr` describes.
-    pub(crate) fn open(attr: &IbAttr) -> Result<Arc<dyn Backend>> {
+    pub(crate) fn open(attr: &IbOptions) -> Result<Arc<dyn Backend>> {
         let verbs = match attr.device.as_deref() {
             Some("sim") => sim::open(),
             name => rdma::open(name, attr.port, attr.gid_index)?,
@@ -90,8 +102,8 @@ mod backend {
     }
 
     /// The backend on an opened verbs device (`attr.device` is not looked at).
-    pub(crate) fn open_on(verbs: Arc<dyn VerbsDevice>, attr: &IbAttr) -> Result<Arc<dyn Backend>> {
-        let ip = attr.tcp.resolve()?;
+    pub(crate) fn open_on(verbs: Arc<dyn VerbsDevice>, attr: &IbOptions) -> Result<Arc<dyn Backend>> {
+        let ip = attr.ip;
         if ip.is_unspecified() {
             return Err(Error::invalid(format!(
                 "{ip} is not an address peers can reach for the ibverbs handshake; name an interface or host"

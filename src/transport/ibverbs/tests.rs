@@ -3,12 +3,12 @@
 //! crate; the transport contract suite and the collectives run on the simulated provider in
 //! `tests/`).
 
+use super::IbOptions;
 use super::reg::RegCache;
 use super::sim::{self, Fault};
 use super::verbs::{QpAddr, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus};
-use crate::device::{Device, IbAttr};
 use crate::rendezvous::HashStore;
-use crate::{Context, Error, ReduceOp};
+use crate::{Context, Device, Error, ReduceOp};
 
 use std::time::{Duration, Instant};
 
@@ -105,6 +105,21 @@ fn the_registration_cache_reuses_covering_registrations_and_stays_bounded() {
     assert_eq!(cache.cached(), 0);
 }
 
+/// Simulated devices, handshakes on loopback.
+fn simulated() -> IbOptions {
+    IbOptions {
+        device: Some("sim".into()),
+        port: 1,
+        gid_index: None,
+        ip: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        early_budget: 8 << 20,
+    }
+}
+
+fn sim_device(opts: &IbOptions) -> Device {
+    Device::from_backend(super::open(opts).unwrap())
+}
+
 /// Runs two ranks on simulated devices; `fault` is injected into rank 1's device (given its
 /// number) once both are connected. Returns each rank's result of `f`, and how long it took.
 fn two_ranks_with_fault(
@@ -112,7 +127,7 @@ fn two_ranks_with_fault(
     f: impl Fn(&Context) -> crate::Result<()> + Sync,
 ) -> Vec<(crate::Result<()>, Duration)> {
     let store = HashStore::new();
-    let attr = IbAttr::simulated();
+    let attr = simulated();
     let connected = std::sync::Barrier::new(2);
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
@@ -181,13 +196,13 @@ fn a_remote_access_error_is_reported_in_words_on_both_ranks() {
 #[test]
 fn large_payloads_are_read_in_parts_into_posted_and_early_receives() {
     let store = HashStore::new();
-    let attr = IbAttr::simulated();
+    let attr = simulated();
     let data: Vec<u8> = (0..(5 << 20) + 3).map(|i: usize| (i * 7 + i / 65536) as u8).collect();
     std::thread::scope(|s| {
         for rank in 0..2 {
             let (store, attr, data) = (&store, &attr, &data);
             s.spawn(move || {
-                let dev = Device::ibverbs_with(attr).unwrap();
+                let dev = sim_device(attr);
                 let ctx = Context::builder(rank, 2).timeout(Duration::from_secs(10)).connect(store, &dev).unwrap();
                 if rank == 1 {
                     ctx.send(0, 3, data).unwrap(); // into an early buffer (budget 8 MiB)
@@ -210,12 +225,12 @@ fn a_dropped_context_s_pending_sends_still_arrive() {
     // Rank 1 sends and drops its context at once; the bytes were only at the peer once the
     // write completed, which closing waits for.
     let store = HashStore::new();
-    let attr = IbAttr::simulated();
+    let attr = simulated();
     std::thread::scope(|s| {
         for rank in 0..2 {
             let (store, attr) = (&store, &attr);
             s.spawn(move || {
-                let dev = Device::ibverbs_with(attr).unwrap();
+                let dev = sim_device(attr);
                 let ctx = Context::builder(rank, 2).timeout(Duration::from_secs(10)).connect(store, &dev).unwrap();
                 if rank == 1 {
                     for i in 0..30u32 {
