@@ -24,6 +24,7 @@ pub mod context;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod gpu;
 mod groups;
 pub mod launch;
 mod mesh;

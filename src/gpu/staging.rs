@@ -1,0 +1,591 @@
+//! The staging pipeline: collectives on memory the host cannot touch directly (a GPU's),
+//! moved in chunks through a small pool of host buffers.
+//!
+//! A collective is cut into *chunks*. Each chunk names the device bytes to copy into a pool
+//! buffer (*downloads*), the host collective to run on that buffer, and the bytes to copy back
+//! (*uploads*). With [`POOL`] buffers in rotation the copies overlap the network: chunk `i + 1`
+//! is downloading while chunk `i` is on the wire, and chunk `i` uploads while chunk `i + 1` is.
+//! A buffer is reused only after its uploads finished; every copy started is waited for before
+//! the pipeline returns, also when it fails, so device and pool memory are never touched after.
+//!
+//! The pipeline knows device memory only through [`Staging`], which the CUDA path implements
+//! with asynchronous copies on a stream and events, and which the tests implement with host
+//! memory and copies on another thread that finish late and in random order, so that a
+//! missing wait shows up as a wrong result.
+
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use crate::algorithms::CollectiveOptions;
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::types::{DType, Reduction};
+
+/// Buffers in the pool.
+pub(crate) const POOL: usize = 3;
+
+/// Device memory as the pipeline sees it: copies in and out of the pool's buffers that finish
+/// later, each with a ticket to wait on.
+pub(crate) trait Staging {
+    /// What a started copy gives to wait on.
+    type Ticket;
+
+    /// Bytes in each pool buffer.
+    fn chunk_bytes(&self) -> usize;
+
+    /// Pool buffer `i` (`i < POOL`), [`chunk_bytes`](Staging::chunk_bytes) long.
+    fn buffer(&mut self, i: usize) -> *mut u8;
+
+    /// Starts copying `len` bytes at byte `dev` of the input into pool buffer `buf` at byte
+    /// `host`.
+    fn download(&mut self, dev: usize, buf: usize, host: usize, len: usize) -> Result<Self::Ticket>;
+
+    /// Starts copying `len` bytes of pool buffer `buf` at byte `host` to byte `dev` of the
+    /// output.
+    fn upload(&mut self, buf: usize, host: usize, dev: usize, len: usize) -> Result<Self::Ticket>;
+
+    /// Waits until the copy of `t` finished.
+    fn wait(&mut self, t: Self::Ticket) -> Result<()>;
+}
+
+/// One copy of a chunk: `len` bytes between device byte `dev` and pool byte `host`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Copy {
+    pub(crate) dev: usize,
+    pub(crate) host: usize,
+    pub(crate) len: usize,
+}
+
+/// One chunk: copies in, then the host collective, then copies out.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Chunk {
+    pub(crate) downloads: Vec<Copy>,
+    pub(crate) uploads: Vec<Copy>,
+    /// Pool bytes the chunk uses.
+    pub(crate) bytes: usize,
+}
+
+/// Runs `chunks` through the pool; `host(i, buf)` runs chunk `i`'s collective on its pool
+/// buffer's first `bytes` bytes.
+pub(crate) fn run<S: Staging>(
+    s: &mut S,
+    chunks: &[Chunk],
+    mut host: impl FnMut(usize, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let mut downs: Vec<Vec<S::Ticket>> = (0..POOL).map(|_| Vec::new()).collect();
+    let mut ups: Vec<Vec<S::Ticket>> = (0..POOL).map(|_| Vec::new()).collect();
+    let outcome = run_inner(s, chunks, &mut host, &mut downs, &mut ups);
+    // Whatever happened, no copy may still be running when the caller gets its memory back.
+    let mut first_err = outcome.err();
+    for t in downs.into_iter().chain(ups).flatten() {
+        if let Err(e) = s.wait(t) {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+fn run_inner<S: Staging>(
+    s: &mut S,
+    chunks: &[Chunk],
+    host: &mut impl FnMut(usize, &mut [u8]) -> Result<()>,
+    downs: &mut [Vec<S::Ticket>],
+    ups: &mut [Vec<S::Ticket>],
+) -> Result<()> {
+    let cap = s.chunk_bytes();
+    if let Some(c) = chunks.iter().find(|c| c.bytes > cap) {
+        return Err(Error::invalid(format!("a staging chunk of {} bytes in a pool of {cap}-byte buffers", c.bytes)));
+    }
+    let start = |s: &mut S, i: usize, downs: &mut [Vec<S::Ticket>], ups: &mut [Vec<S::Ticket>]| -> Result<()> {
+        let b = i % POOL;
+        // The buffer's previous chunk must have finished uploading before it is written again.
+        for t in ups[b].drain(..) {
+            s.wait(t)?;
+        }
+        for c in &chunks[i].downloads {
+            downs[b].push(s.download(c.dev, b, c.host, c.len)?);
+        }
+        Ok(())
+    };
+    if !chunks.is_empty() {
+        start(s, 0, downs, ups)?;
+    }
+    for (i, chunk) in chunks.iter().enumerate() {
+        let b = i % POOL;
+        if i + 1 < chunks.len() {
+            start(s, i + 1, downs, ups)?;
+        }
+        for t in downs[b].drain(..) {
+            s.wait(t)?;
+        }
+        let ptr = s.buffer(b);
+        // SAFETY: pool buffer `b` holds `chunk_bytes() >= chunk.bytes` bytes (checked above);
+        // its downloads have finished and its previous uploads too (waited in `start`), and no
+        // copy touches it until this chunk's uploads start below.
+        let buf = unsafe { std::slice::from_raw_parts_mut(ptr, chunk.bytes) };
+        host(i, buf)?;
+        for c in &chunk.uploads {
+            ups[b].push(s.upload(b, c.host, c.dev, c.len)?);
+        }
+    }
+    Ok(())
+}
+
+/// The largest multiple of `esize` that is at most `n` (at least `esize` when `n >= esize`).
+fn whole(n: usize, esize: usize) -> usize {
+    n / esize * esize
+}
+
+/// Chunks of an in-place collective over `len` bytes: each chunk downloads where `down`,
+/// uploads where `up`.
+pub(crate) fn in_place(len: usize, esize: usize, cap: usize, down: bool, up: bool) -> Vec<Chunk> {
+    let step = whole(cap, esize).max(esize);
+    (0..len)
+        .step_by(step)
+        .map(|off| {
+            let n = step.min(len - off);
+            let c = Copy { dev: off, host: 0, len: n };
+            Chunk {
+                downloads: if down { vec![c] } else { vec![] },
+                uploads: if up { vec![c] } else { vec![] },
+                bytes: n,
+            }
+        })
+        .collect()
+}
+
+/// The piece of each rank's block a chunk of a gathering or scattering collective moves: the
+/// pool holds the piece once and `n` times.
+fn piece(esize: usize, cap: usize, n: usize) -> Result<usize> {
+    let p = whole(cap / (n + 1), esize);
+    if p == 0 {
+        return Err(Error::invalid(format!(
+            "a staging buffer of {cap} bytes cannot hold one element per rank for {n} ranks"
+        )));
+    }
+    Ok(p)
+}
+
+/// Chunks of an allgather of `block` bytes per rank among `n` ranks, this one `me`: the
+/// chunk's own piece lands at pool byte 0, the gathered pieces at `p + r * len`.
+pub(crate) fn allgather(block: usize, esize: usize, cap: usize, n: usize) -> Result<(Vec<Chunk>, usize)> {
+    let p = piece(esize, cap, n)?;
+    let chunks = (0..block)
+        .step_by(p)
+        .map(|off| {
+            let len = p.min(block - off);
+            Chunk {
+                downloads: vec![Copy { dev: off, host: 0, len }],
+                uploads: (0..n).map(|r| Copy { dev: r * block + off, host: p + r * len, len }).collect(),
+                bytes: p + n * len,
+            }
+        })
+        .collect();
+    Ok((chunks, p))
+}
+
+/// Chunks of a reduce-scatter to `block` bytes per rank among `n` ranks: the pieces of every
+/// rank's block land at `r * len`, the reduced piece at `n * p`.
+pub(crate) fn reduce_scatter(block: usize, esize: usize, cap: usize, n: usize) -> Result<(Vec<Chunk>, usize)> {
+    let p = piece(esize, cap, n)?;
+    let chunks = (0..block)
+        .step_by(p)
+        .map(|off| {
+            let len = p.min(block - off);
+            Chunk {
+                downloads: (0..n).map(|r| Copy { dev: r * block + off, host: r * len, len }).collect(),
+                uploads: vec![Copy { dev: off, host: n * p, len }],
+                bytes: n * p + len,
+            }
+        })
+        .collect();
+    Ok((chunks, p))
+}
+
+/// What a staged collective does on the host.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Op {
+    Allreduce(Reduction),
+    Broadcast { root: usize },
+    Reduce { root: usize, op: Reduction },
+    Allgather,
+    ReduceScatter(Reduction),
+}
+
+/// Runs collective `op` on `ctx` over staged memory: `len` bytes of `dtype` in the input (per
+/// rank for allgather, in all for reduce-scatter, whose output is `len / size`).
+pub(crate) fn collective<S: Staging>(
+    ctx: &Context,
+    s: &mut S,
+    op: Op,
+    dtype: DType,
+    len: usize,
+    opts: &CollectiveOptions,
+) -> Result<()> {
+    let esize = dtype.size();
+    let (n, me) = (ctx.size(), ctx.rank());
+    if !len.is_multiple_of(esize) {
+        return Err(Error::invalid(format!("{len} bytes are not whole {dtype:?} elements of {esize} bytes")));
+    }
+    let cap = s.chunk_bytes();
+    match op {
+        Op::Allreduce(red) => {
+            let chunks = in_place(len, esize, cap, true, true);
+            run(s, &chunks, |_, b| ctx.allreduce_bytes(b, dtype, red, opts))
+        }
+        Op::Broadcast { root } => {
+            let chunks = in_place(len, esize, cap, me == root, me != root);
+            run(s, &chunks, |_, b| ctx.broadcast_bytes(b, dtype, root, opts))
+        }
+        Op::Reduce { root, op: red } => {
+            let chunks = in_place(len, esize, cap, true, me == root);
+            run(s, &chunks, |_, b| ctx.reduce_bytes(b, dtype, root, red, opts))
+        }
+        Op::Allgather => {
+            let (chunks, p) = allgather(len, esize, cap, n)?;
+            run(s, &chunks, |i, b| {
+                let piece = chunks[i].downloads[0].len;
+                let (input, rest) = b.split_at_mut(p);
+                ctx.allgather_bytes(&input[..piece], &mut rest[..n * piece], dtype, opts)
+            })
+        }
+        Op::ReduceScatter(red) => {
+            if !len.is_multiple_of(n * esize) {
+                return Err(Error::invalid(format!(
+                    "reduce-scatter of {len} bytes of {dtype:?} over {n} ranks: not a whole number of elements per rank"
+                )));
+            }
+            let (chunks, p) = reduce_scatter(len / n, esize, cap, n)?;
+            run(s, &chunks, |i, b| {
+                let piece = chunks[i].uploads[0].len;
+                let (input, out) = b.split_at_mut(n * p);
+                ctx.reduce_scatter_bytes(&input[..n * piece], &mut out[..piece], dtype, red, opts)
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod host {
+    //! Staged memory in host memory, with copies that finish late and out of order on a
+    //! thread of their own, and copies that fail on request.
+
+    use super::{POOL, Staging};
+    use crate::error::{Error, Result};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::Duration;
+
+    type Job = Box<dyn FnOnce() + Send>;
+
+    /// A ticket: set once its copy ran.
+    pub(crate) struct Ticket(Arc<(Mutex<Option<bool>>, Condvar)>);
+
+    /// Host buffers pretending to be device memory.
+    pub(crate) struct HostStaging {
+        pub(crate) input: Vec<u8>,
+        /// `None`: the output is the input (in-place collectives).
+        pub(crate) output: Option<Vec<u8>>,
+        pool: Vec<Vec<u8>>,
+        jobs: Option<mpsc::Sender<Job>>,
+        worker: Option<std::thread::JoinHandle<()>>,
+        /// Copies started and not yet finished.
+        pub(crate) in_flight: Arc<AtomicUsize>,
+        /// The copy with this number (counted from 0) fails.
+        pub(crate) fail_at: Option<usize>,
+        started: usize,
+        seed: u64,
+    }
+
+    impl HostStaging {
+        pub(crate) fn new(input: Vec<u8>, output: Option<Vec<u8>>, chunk: usize, seed: u64) -> Self {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let worker = std::thread::spawn(move || {
+                // Copies run in batches in reverse order of arrival: late, and out of order.
+                while let Ok(first) = rx.recv() {
+                    let mut batch = vec![first];
+                    while let Ok(j) = rx.recv_timeout(Duration::from_micros(200)) {
+                        batch.push(j);
+                        if batch.len() >= 4 {
+                            break;
+                        }
+                    }
+                    for j in batch.into_iter().rev() {
+                        j();
+                    }
+                }
+            });
+            HostStaging {
+                input,
+                output,
+                pool: (0..POOL).map(|_| vec![0xEE; chunk]).collect(),
+                jobs: Some(tx),
+                worker: Some(worker),
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                fail_at: None,
+                started: 0,
+                seed,
+            }
+        }
+
+        /// The output (the input for in-place collectives).
+        pub(crate) fn result(&self) -> &[u8] {
+            self.output.as_deref().unwrap_or(&self.input)
+        }
+
+        fn copy(&mut self, src: *const u8, dst: *mut u8, len: usize) -> Result<Ticket> {
+            let n = self.started;
+            self.started += 1;
+            if self.fail_at == Some(n) {
+                return Err(Error::io("a simulated device copy", std::io::Error::other(format!("copy {n} fails"))));
+            }
+            let t = Arc::new((Mutex::new(None), Condvar::new()));
+            let (t2, flight) = (t.clone(), self.in_flight.clone());
+            flight.fetch_add(1, Ordering::SeqCst);
+            let (src, dst) = (src as usize, dst as usize);
+            self.seed = self.seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let delay = self.seed >> 60;
+            let job: Job = Box::new(move || {
+                std::thread::sleep(Duration::from_micros(delay * 20));
+                // SAFETY: the pipeline keeps both ranges alive and untouched until it waited for
+                // this ticket (what the test checks by the results).
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+                flight.fetch_sub(1, Ordering::SeqCst);
+                *t2.0.lock().unwrap() = Some(true);
+                t2.1.notify_all();
+            });
+            self.jobs.as_ref().unwrap().send(job).unwrap();
+            Ok(Ticket(t))
+        }
+    }
+
+    impl Drop for HostStaging {
+        fn drop(&mut self) {
+            self.jobs = None;
+            if let Some(w) = self.worker.take() {
+                let _ = w.join();
+            }
+        }
+    }
+
+    impl Staging for HostStaging {
+        type Ticket = Ticket;
+
+        fn chunk_bytes(&self) -> usize {
+            self.pool[0].len()
+        }
+
+        fn buffer(&mut self, i: usize) -> *mut u8 {
+            self.pool[i].as_mut_ptr()
+        }
+
+        fn download(&mut self, dev: usize, buf: usize, host: usize, len: usize) -> Result<Ticket> {
+            assert!(dev + len <= self.input.len() && host + len <= self.pool[buf].len(), "download out of bounds");
+            let src = self.input[dev..].as_ptr();
+            let dst = self.pool[buf][host..].as_mut_ptr();
+            self.copy(src, dst, len)
+        }
+
+        fn upload(&mut self, buf: usize, host: usize, dev: usize, len: usize) -> Result<Ticket> {
+            let out = self.output.as_mut().unwrap_or(&mut self.input);
+            assert!(dev + len <= out.len() && host + len <= self.pool[buf].len(), "upload out of bounds");
+            let dst = out[dev..].as_mut_ptr();
+            let src = self.pool[buf][host..].as_ptr();
+            self.copy(src, dst, len)
+        }
+
+        fn wait(&mut self, t: Ticket) -> Result<()> {
+            let mut g = t.0.0.lock().unwrap();
+            while g.is_none() {
+                g = t.0.1.wait(g).unwrap();
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host::HostStaging;
+    use super::{Op, collective};
+    use crate::algorithms::CollectiveOptions;
+    use crate::rendezvous::HashStore;
+    use crate::types::{DType, Reduction};
+    use crate::{Context, Device};
+    use proptest::prelude::*;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    /// A value of rank `r` at element `i`, small so sums of every type stay exact.
+    fn val(seed: u64, r: usize, i: usize) -> i64 {
+        ((seed as usize ^ (r * 7919) ^ (i * 31)) % 5) as i64 - 2
+    }
+
+    fn encode(dtype: DType, vals: &[i64]) -> Vec<u8> {
+        vals.iter()
+            .flat_map(|&v| match dtype {
+                DType::F32 => (v as f32).to_ne_bytes().to_vec(),
+                DType::F64 => (v as f64).to_ne_bytes().to_vec(),
+                DType::F16 => half::f16::from_f32(v as f32).to_ne_bytes().to_vec(),
+                DType::BF16 => half::bf16::from_f32(v as f32).to_ne_bytes().to_vec(),
+                DType::I32 => (v as i32).to_ne_bytes().to_vec(),
+                DType::I64 => v.to_ne_bytes().to_vec(),
+                _ => vec![v as u8],
+            })
+            .collect()
+    }
+
+    const TYPES: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
+
+    /// Runs `op` on `n` ranks with staged memory of `count` elements (per rank for allgather,
+    /// per rank's output for reduce-scatter), pool buffers of `chunk` bytes; returns every
+    /// rank's result, and checks that no copy was left running.
+    fn staged(n: usize, op: Op, dtype: DType, count: usize, chunk: usize, seed: u64) -> Vec<Vec<u8>> {
+        let store = HashStore::new();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let store = &store;
+                    s.spawn(move || {
+                        let ctx = Context::builder(r, n)
+                            .timeout(Duration::from_secs(20))
+                            .connect(store, &Device::in_process())
+                            .unwrap();
+                        let elems = if matches!(op, Op::ReduceScatter(_)) { count * n } else { count };
+                        let input = encode(dtype, &(0..elems).map(|i| val(seed, r, i)).collect::<Vec<_>>());
+                        let len = input.len();
+                        let output = match op {
+                            Op::Allgather => Some(vec![0xAB; len * n]),
+                            Op::ReduceScatter(_) => Some(vec![0xAB; len / n]),
+                            _ => None,
+                        };
+                        let mut st = HostStaging::new(input, output, chunk, seed ^ r as u64);
+                        collective(&ctx, &mut st, op, dtype, len, &CollectiveOptions::default()).unwrap();
+                        assert_eq!(st.in_flight.load(Ordering::SeqCst), 0, "a copy outlived the collective");
+                        st.result().to_vec()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// The same collective on plain host buffers.
+    fn reference(n: usize, op: Op, dtype: DType, count: usize, seed: u64) -> Vec<Vec<u8>> {
+        let sum = |i: usize| (0..n).map(|r| val(seed, r, i)).sum::<i64>();
+        (0..n)
+            .map(|r| {
+                let vals: Vec<i64> = match op {
+                    Op::Allreduce(_) => (0..count).map(sum).collect(),
+                    Op::Broadcast { root } => (0..count).map(|i| val(seed, root, i)).collect(),
+                    Op::Reduce { root, .. } if r == root => (0..count).map(sum).collect(),
+                    Op::Reduce { .. } => (0..count).map(|i| val(seed, r, i)).collect(),
+                    Op::Allgather => (0..n).flat_map(|q| (0..count).map(move |i| val(seed, q, i))).collect(),
+                    Op::ReduceScatter(_) => (0..count).map(|i| sum(r * count + i)).collect(),
+                };
+                if dtype == DType::U8 {
+                    encode(dtype, &vals.iter().map(|v| v.rem_euclid(256)).collect::<Vec<_>>())
+                } else {
+                    encode(dtype, &vals)
+                }
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Every staged collective, every element type, sizes around the chunk size, 1 to 5
+        /// ranks: the same bytes as the host collective, on every rank.
+        #[test]
+        fn staged_collectives_match_the_host_reference(
+            n in 1usize..=5, which in 0usize..5, t in 0usize..7, count in 0usize..600,
+            chunk in prop_oneof![Just(64usize), Just(96), Just(1000), Just(4096)], seed in any::<u64>(),
+        ) {
+            let dtype = TYPES[t];
+            let root = (seed as usize) % n;
+            let op = [
+                Op::Allreduce(Reduction::Sum),
+                Op::Broadcast { root },
+                Op::Reduce { root, op: Reduction::Sum },
+                Op::Allgather,
+                Op::ReduceScatter(Reduction::Sum),
+            ][which];
+            // A pool buffer must hold one element per rank and one more.
+            let chunk = chunk.max((n + 1) * dtype.size());
+            let got = staged(n, op, dtype, count, chunk, seed);
+            let want = reference(n, op, dtype, count, seed);
+            for r in 0..n {
+                prop_assert!(got[r] == want[r], "rank {} of {}: {:?} {:?} count {} chunk {}", r, n, op, dtype, count, chunk);
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_copy_fails_the_collective_after_every_started_copy_finished() {
+        let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process()).unwrap();
+        for fail_at in [0, 1, 5, 9] {
+            let mut st = HostStaging::new(vec![1u8; 4000], None, 256, fail_at as u64);
+            st.fail_at = Some(fail_at);
+            let r = collective(
+                &ctx,
+                &mut st,
+                Op::Allreduce(Reduction::Sum),
+                DType::U8,
+                4000,
+                &CollectiveOptions::default(),
+            );
+            let e = r.expect_err("the copy fails");
+            assert!(e.to_string().contains(&format!("copy {fail_at} fails")), "{e}");
+            assert_eq!(st.in_flight.load(Ordering::SeqCst), 0, "a copy outlived the failed collective");
+        }
+    }
+
+    #[test]
+    fn a_failed_host_collective_waits_for_the_copies_too() {
+        // Rank 1 stages fewer bytes: the chunk where they differ is a mismatch in words.
+        let store = HashStore::new();
+        std::thread::scope(|s| {
+            for r in 0..2 {
+                let store = &store;
+                s.spawn(move || {
+                    let ctx = Context::builder(r, 2)
+                        .timeout(Duration::from_secs(5))
+                        .connect(store, &Device::in_process())
+                        .unwrap();
+                    let len = if r == 0 { 1000 } else { 900 };
+                    let mut st = HostStaging::new(vec![1u8; len], None, 256, r as u64);
+                    let e = collective(
+                        &ctx,
+                        &mut st,
+                        Op::Allreduce(Reduction::Sum),
+                        DType::U8,
+                        len,
+                        &CollectiveOptions::default(),
+                    )
+                    .expect_err("lengths differ");
+                    assert!(
+                        matches!(
+                            e,
+                            crate::Error::Mismatch { .. }
+                                | crate::Error::Timeout { .. }
+                                | crate::Error::Aborted { .. }
+                                | crate::Error::PeerClosed { .. }
+                        ),
+                        "rank {r}: {e}"
+                    );
+                    assert_eq!(st.in_flight.load(Ordering::SeqCst), 0);
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn lengths_that_are_not_whole_elements_are_refused() {
+        let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process()).unwrap();
+        let mut st = HostStaging::new(vec![0u8; 10], None, 256, 0);
+        let e = collective(&ctx, &mut st, Op::Allreduce(Reduction::Sum), DType::F32, 10, &CollectiveOptions::default())
+            .expect_err("10 bytes of f32");
+        assert!(e.to_string().contains("not whole"), "{e}");
+    }
+}
