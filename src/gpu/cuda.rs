@@ -223,6 +223,91 @@ impl<'c> Cuda<'c> {
         self.staged(Op::ReduceScatter(op), T::DTYPE, ilen, (iptr, ilen), (optr, olen))
     }
 
+    /// [`allreduce`](Self::allreduce) on a byte buffer holding elements of `dtype` (the
+    /// runtime-typed twin, for bindings that learn the type at run time).
+    pub fn allreduce_bytes(&mut self, buf: &mut impl DevicePtrMut<u8>, dtype: DType, op: Reduction) -> Result<()> {
+        self.check_gpu("allreduce", buf)?;
+        let len = buf.len();
+        let copy = self.copy.clone();
+        let (ptr, _sync) = buf.device_ptr_mut(&copy);
+        self.staged(Op::Allreduce(op), dtype, len, (ptr, len), (ptr, len))
+    }
+
+    /// [`broadcast`](Self::broadcast) on bytes of `dtype`.
+    pub fn broadcast_bytes(&mut self, buf: &mut impl DevicePtrMut<u8>, dtype: DType, root: usize) -> Result<()> {
+        self.check_gpu("broadcast", buf)?;
+        let len = buf.len();
+        let copy = self.copy.clone();
+        let (ptr, _sync) = buf.device_ptr_mut(&copy);
+        self.staged(Op::Broadcast { root }, dtype, len, (ptr, len), (ptr, len))
+    }
+
+    /// [`reduce`](Self::reduce) on bytes of `dtype`.
+    pub fn reduce_bytes(
+        &mut self,
+        buf: &mut impl DevicePtrMut<u8>,
+        dtype: DType,
+        root: usize,
+        op: Reduction,
+    ) -> Result<()> {
+        self.check_gpu("reduce", buf)?;
+        let len = buf.len();
+        let copy = self.copy.clone();
+        let (ptr, _sync) = buf.device_ptr_mut(&copy);
+        self.staged(Op::Reduce { root, op }, dtype, len, (ptr, len), (ptr, len))
+    }
+
+    /// [`allgather`](Self::allgather) on bytes of `dtype`.
+    pub fn allgather_bytes(
+        &mut self,
+        input: &impl DevicePtr<u8>,
+        output: &mut impl DevicePtrMut<u8>,
+        dtype: DType,
+    ) -> Result<()> {
+        self.check_gpu("allgather input", input)?;
+        self.check_gpu("allgather output", output)?;
+        let n = self.ctx.size();
+        if output.len() != n * input.len() {
+            return Err(Error::invalid(format!(
+                "allgather: the output holds {} bytes, {n} ranks × {} input bytes need {}",
+                output.len(),
+                input.len(),
+                n * input.len()
+            )));
+        }
+        let (ilen, olen) = (input.len(), output.len());
+        let copy = self.copy.clone();
+        let (iptr, _si) = input.device_ptr(&copy);
+        let (optr, _so) = output.device_ptr_mut(&copy);
+        self.staged(Op::Allgather, dtype, ilen, (iptr, ilen), (optr, olen))
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) on bytes of `dtype`.
+    pub fn reduce_scatter_bytes(
+        &mut self,
+        input: &impl DevicePtr<u8>,
+        output: &mut impl DevicePtrMut<u8>,
+        dtype: DType,
+        op: Reduction,
+    ) -> Result<()> {
+        self.check_gpu("reduce_scatter input", input)?;
+        self.check_gpu("reduce_scatter output", output)?;
+        let n = self.ctx.size();
+        if input.len() != n * output.len() {
+            return Err(Error::invalid(format!(
+                "reduce_scatter: the input holds {} bytes, {n} ranks × {} output bytes need {}",
+                input.len(),
+                output.len(),
+                n * output.len()
+            )));
+        }
+        let (ilen, olen) = (input.len(), output.len());
+        let copy = self.copy.clone();
+        let (iptr, _si) = input.device_ptr(&copy);
+        let (optr, _so) = output.device_ptr_mut(&copy);
+        self.staged(Op::ReduceScatter(op), dtype, ilen, (iptr, ilen), (optr, olen))
+    }
+
     /// Bytes per staging buffer.
     pub fn chunk_bytes(&self) -> usize {
         self.chunk
