@@ -35,7 +35,9 @@ fn without_a_gpu_the_error_says_what_is_missing() {
         return;
     }
     match default_stream(0) {
-        Err(Error::Unsupported { what, .. }) => assert!(what.contains("no CUDA driver library"), "{what}"),
+        Err(Error::Unsupported { what, .. }) => {
+            assert!(what.contains("no CUDA driver library") && what.contains("libcuda.so"), "{what}")
+        }
         other => panic!("expected Unsupported naming the missing driver, got {other:?}"),
     }
 }

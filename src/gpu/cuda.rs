@@ -41,8 +41,8 @@ fn require_cuda() -> Result<()> {
         Ok(())
     } else {
         Err(Error::unsupported(
-            "CUDA collectives: no CUDA driver library (libcuda.so) was found on this machine (no NVIDIA driver, or \
-             no GPU)",
+            "CUDA collectives on this machine (no CUDA driver library, libcuda.so, was found: no NVIDIA driver, or no \
+             GPU)",
             None,
         ))
     }
@@ -306,6 +306,11 @@ impl<'c> Cuda<'c> {
         let (iptr, _si) = input.device_ptr(&copy);
         let (optr, _so) = output.device_ptr_mut(&copy);
         self.staged(Op::ReduceScatter(op), dtype, ilen, (iptr, ilen), (optr, olen))
+    }
+
+    /// The stream the calls are ordered on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// Bytes per staging buffer.
