@@ -136,6 +136,8 @@ impl<'c> Cuda<'c> {
 
     /// Runs `op` with `src` as input and `dst` as output device addresses.
     fn staged(&mut self, op: Op, dtype: DType, len: usize, src: (u64, usize), dst: (u64, usize)) -> Result<()> {
+        // The raw copies below need the GPU's context current on this thread.
+        self.stream.context().bind_to_thread().map_err(|e| cuda_error("binding the GPU's context", e))?;
         // The copies wait for the work already queued on the user's stream.
         let entry = self.stream.record_event(None).map_err(|e| cuda_error("recording an event", e))?;
         self.copy.wait(&entry).map_err(|e| cuda_error("ordering the staging stream", e))?;
