@@ -169,13 +169,13 @@ impl Context {
 
     /// The hierarchy for the hierarchical allreduce, when this context has one: it is the
     /// context a mesh was formed for, on a device that shares memory within a host and talks TCP
-    /// across (auto), over two hosts or more, one of which has two ranks or more. Every rank
+    /// or ibverbs across (auto), over two hosts or more, one of which has two ranks or more. Every rank
     /// decides alike: from the backend (the same on every rank) and the host identities every
     /// rank published.
     pub(crate) fn hierarchy(&self) -> Option<&Hierarchy> {
         self.hier
             .get_or_init(|| {
-                if !self.comm.is_world() || self.device.backend().name() != "tcp+shm" {
+                if !self.comm.is_world() || !matches!(self.device.backend().name(), "tcp+shm" | "ibverbs+shm") {
                     return None;
                 }
                 let hosts = &self.comm.shared().hosts;

@@ -320,6 +320,10 @@ enum Dev {
     /// The ibverbs transport on the simulated verbs provider.
     #[cfg(feature = "ibverbs")]
     IbverbsSim,
+    /// Shared memory within two pretend hosts, simulated ibverbs across (hierarchical
+    /// allreduce over RDMA).
+    #[cfg(feature = "ibverbs")]
+    IbverbsMixed,
 }
 
 fn device(dev: Dev) -> ferrogloo::Result<Device> {
@@ -333,6 +337,11 @@ fn device(dev: Dev) -> ferrogloo::Result<Device> {
         }
         #[cfg(feature = "ibverbs")]
         Dev::IbverbsSim => Device::ibverbs_with(&ferrogloo::device::IbAttr::simulated()),
+        #[cfg(feature = "ibverbs")]
+        Dev::IbverbsMixed => {
+            let host = NEXT.fetch_add(1, Ordering::Relaxed) % 2;
+            Device::ibverbs_auto(&ferrogloo::device::IbAttr::simulated(), Some(format!("pretend-ib-host-{host}")))
+        }
     }
 }
 
@@ -390,6 +399,13 @@ proptest! {
         n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10),
     ) {
         run_plan_on(Dev::IbverbsSim, n, &plan);
+    }
+
+    #[test]
+    fn collectives_across_pretend_hosts_over_simulated_ibverbs_match_the_sequential_reference(
+        n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10),
+    ) {
+        run_plan_on(Dev::IbverbsMixed, n, &plan);
     }
 }
 

@@ -559,8 +559,18 @@ backends! {
 #[cfg(feature = "ibverbs")]
 backends! {
     ibverbs_sim => || ferrogloo::device::Device::ibverbs_with(&ferrogloo::device::IbAttr::simulated()),
+    ibverbs_mixed => super::ibverbs_mixed_hosts,
     #[ignore = "needs an RDMA device: FERROGLOO_TEST_IB_DEVICE=<device> ... -- --ignored"]
     ibverbs_real => super::real_ib_device,
+}
+
+/// Shared memory within each of two pretend hosts, simulated ibverbs across.
+#[cfg(feature = "ibverbs")]
+fn ibverbs_mixed_hosts() -> ferrogloo::Result<ferrogloo::device::Device> {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let attr = ferrogloo::device::IbAttr::simulated();
+    ferrogloo::device::Device::ibverbs_auto(&attr, Some(format!("pretend-ib-host-{}", n % 2)))
 }
 
 /// The RDMA device `FERROGLOO_TEST_IB_DEVICE` names (the real provider), handshakes on

@@ -114,8 +114,8 @@ pub enum Transport {
     Shm,
     /// Shared memory to peers on this host, TCP to the others.
     Auto,
-    /// RDMA through ibverbs to every peer ([`Device::ibverbs_with`] with
-    /// [`IbAttr::from_env`]); needs the cargo feature `ibverbs`.
+    /// RDMA through ibverbs to the peers on other hosts, shared memory to those on this one
+    /// ([`Device::ibverbs_auto`] with [`IbAttr::from_env`]); needs the cargo feature `ibverbs`.
     Ibverbs,
 }
 
@@ -493,14 +493,14 @@ impl Device {
     }
 
     /// The device `transport` names: [`Device::new`], [`Device::shared_memory`],
-    /// [`Device::auto`] (`attr` is unused for shared memory) or [`Device::ibverbs_with`] (the
+    /// [`Device::auto`] (`attr` is unused for shared memory) or [`Device::ibverbs_auto`] (the
     /// RDMA device from [`IbAttr::from_env`], with `attr` as the handshake's address).
     pub fn with_transport(transport: Transport, attr: &TcpAttr) -> Result<Self> {
         match transport {
             Transport::Tcp => Self::new(attr),
             Transport::Shm => Ok(Self::shared_memory()),
             Transport::Auto => Self::auto(attr),
-            Transport::Ibverbs => Self::ibverbs_with(&IbAttr { tcp: attr.clone(), ..IbAttr::from_env()? }),
+            Transport::Ibverbs => Self::ibverbs_auto(&IbAttr { tcp: attr.clone(), ..IbAttr::from_env()? }, None),
         }
     }
 
@@ -556,6 +556,20 @@ impl Device {
         Device { kind: Arc::new(Kind::Other(b)) }
     }
 
+    /// Shared memory to the peers on this host and ibverbs (RDMA, `attr`) to the others, chosen
+    /// per peer by host identity as [`Device::auto`] does with TCP: what a job with several
+    /// ranks per node on an RDMA cluster wants. `host` overrides [`host_id`] (`None`: this
+    /// host's).
+    pub fn ibverbs_auto(attr: &IbAttr, host: Option<String>) -> Result<Self> {
+        let rdma = Self::ibverbs_with(attr)?;
+        let Kind::Other(remote) = &*rdma.kind else {
+            return Err(Error::invalid("the ibverbs device is not a backend of its own"));
+        };
+        let shm = ShmDevice::new(ShmAttr::default().options());
+        let host = host.unwrap_or_else(host_id);
+        Ok(Device { kind: Arc::new(Kind::Auto(AutoDevice::with_remote(remote.clone(), shm, host))) })
+    }
+
     /// The ibverbs (RDMA) transport `attr` describes. See [`IbAttr`].
     pub fn ibverbs_with(attr: &IbAttr) -> Result<Self> {
         // The handshake address matters only where the transport exists.
@@ -570,7 +584,8 @@ impl Device {
         crate::transport::ibverbs::open(&opts).map(|b| Device { kind: Arc::new(Kind::Other(b)) })
     }
 
-    /// The backend's name: `"tcp"`, `"shm"`, `"tcp+shm"` (auto) or `"memory"`.
+    /// The backend's name: `"tcp"`, `"shm"`, `"tcp+shm"` (auto), `"memory"`, `"ibverbs"` or
+    /// `"ibverbs+shm"`.
     pub fn backend_name(&self) -> &'static str {
         self.backend().name()
     }
@@ -579,7 +594,7 @@ impl Device {
     pub fn local_addr(&self) -> Option<SocketAddr> {
         match &*self.kind {
             Kind::Tcp(t) => Some(t.local_addr()),
-            Kind::Auto(a) => Some(a.tcp().local_addr()),
+            Kind::Auto(a) => a.tcp().map(TcpDevice::local_addr),
             Kind::Memory(_) | Kind::Shm(_) | Kind::Other(_) => None,
         }
     }

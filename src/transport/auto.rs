@@ -1,7 +1,9 @@
-//! Choice by locality: one backend made of a TCP device and a shared-memory one. Each pair
-//! uses shared memory when both ranks have the same host identity ([`host_id`](crate::device::host_id): the host,
-//! its boot and the network namespace; never IP addresses or `LOCAL_WORLD_SIZE`), and TCP
-//! otherwise, so one context may mix both.
+//! Choice by locality: one backend made of a *remote* device (TCP, or ibverbs) and a
+//! shared-memory one. Each pair uses shared memory when both ranks have the same host identity
+//! ([`host_id`](crate::device::host_id): the host, its boot and the network namespace; never IP
+//! addresses or `LOCAL_WORLD_SIZE`), and the remote device otherwise, so one context may mix
+//! both. (Below, "TCP" stands for the remote device; an ibverbs one makes progress on its own
+//! thread, which the same slicing serves.)
 //!
 //! The endpoint's address carries the rank's host identity, its TCP address and its
 //! shared-memory address; the connecting (higher) rank compares host identities and connects
@@ -28,9 +30,25 @@ const SLICE: Duration = Duration::from_millis(2);
 /// How long a TCP wait on a mesh with shared-memory pairs leaves those pairs alone at most.
 const TCP_SLICE: Duration = Duration::from_millis(2);
 
-/// TCP between hosts, shared memory within one.
+/// What reaches the ranks of other hosts.
+pub(crate) enum Remote {
+    Tcp(TcpDevice),
+    /// Another backend (ibverbs).
+    Other(Arc<dyn Backend>),
+}
+
+impl Remote {
+    fn backend(&self) -> &dyn Backend {
+        match self {
+            Remote::Tcp(t) => t,
+            Remote::Other(b) => &**b,
+        }
+    }
+}
+
+/// A remote device between hosts, shared memory within one.
 pub(crate) struct AutoDevice {
-    tcp: TcpDevice,
+    remote: Remote,
     shm: ShmDevice,
     host: String,
 }
@@ -38,26 +56,39 @@ pub(crate) struct AutoDevice {
 impl AutoDevice {
     /// Peers whose host identity is `host` are reached through `shm`, the others through `tcp`.
     pub(crate) fn new(tcp: TcpDevice, shm: ShmDevice, host: String) -> Self {
-        AutoDevice { tcp, shm, host }
+        AutoDevice { remote: Remote::Tcp(tcp), shm, host }
     }
 
-    /// The TCP half.
-    pub(crate) fn tcp(&self) -> &TcpDevice {
-        &self.tcp
+    /// Peers whose host identity is `host` are reached through `shm`, the others through
+    /// `remote`.
+    pub(crate) fn with_remote(remote: Arc<dyn Backend>, shm: ShmDevice, host: String) -> Self {
+        AutoDevice { remote: Remote::Other(remote), shm, host }
+    }
+
+    /// The TCP half, if the remote device is TCP.
+    pub(crate) fn tcp(&self) -> Option<&TcpDevice> {
+        match &self.remote {
+            Remote::Tcp(t) => Some(t),
+            Remote::Other(_) => None,
+        }
     }
 }
 
 impl Backend for AutoDevice {
     fn name(&self) -> &'static str {
-        "tcp+shm"
+        match self.remote.backend().name() {
+            "tcp" => "tcp+shm",
+            "ibverbs" => "ibverbs+shm",
+            _ => "remote+shm",
+        }
     }
 
     fn host_only(&self) -> bool {
-        self.tcp.host_only()
+        self.remote.backend().host_only()
     }
 
     fn endpoint(&self, spec: EndpointSpec) -> Result<Box<dyn Endpoint>> {
-        let tcp = self.tcp.endpoint(spec.clone())?;
+        let tcp = self.remote.backend().endpoint(spec.clone())?;
         let shm = self.shm.endpoint(spec.clone())?;
         Ok(Box::new(AutoEndpoint { host: self.host.clone(), tcp, shm, size: spec.size }))
     }
@@ -106,7 +137,7 @@ impl Endpoint for AutoEndpoint {
         let Some((host, tcp, shm)) = decode(addr) else {
             return Err(ConnectError::Refused(Error::Protocol {
                 peer: Some(peer),
-                detail: format!("its address ({} bytes) is not a TCP-and-shared-memory address", addr.len()),
+                detail: format!("its address ({} bytes) is not a remote-and-shared-memory address", addr.len()),
             }));
         };
         if host == self.host.as_bytes() {
