@@ -92,6 +92,13 @@ impl Delivery {
         self.filled = (self.filled + n).min(self.len);
     }
 
+    /// Whether the receive's buffer is one this delivery allocated (an owned receive), not the
+    /// caller's.
+    #[cfg_attr(not(feature = "ibverbs"), allow(dead_code))]
+    pub(crate) fn is_owned(&self) -> bool {
+        self.owned.is_some()
+    }
+
     /// Whether the whole payload is in.
     pub(crate) fn is_full(&self) -> bool {
         self.filled == self.len
@@ -132,6 +139,18 @@ impl EarlyRx {
         let start = self.data.len();
         self.data.resize(start + n.min(self.remaining()), 0);
         fill(&mut self.data[start..])
+    }
+}
+
+impl EarlyRx {
+    /// Makes room for the whole payload and returns where it starts: for a backend whose
+    /// hardware writes it in place later (an RDMA read). The buffer stays where it is while the
+    /// `EarlyRx` is moved, and is complete once the writer has finished.
+    #[cfg_attr(not(feature = "ibverbs"), allow(dead_code))]
+    pub(crate) fn room_for_all(&mut self) -> *mut u8 {
+        let start = self.data.len();
+        self.data.resize(self.header.len as usize, 0);
+        self.data[start..].as_mut_ptr()
     }
 }
 

@@ -516,9 +516,30 @@ mod backend {
                 let _ = t.join();
             }
             // Cached registrations of user buffers end with the last context that could use
-            // them; the next context registers again.
+            // them (the links hold the cache too: they go first); the next context registers
+            // again.
+            self.links.clear();
             if Arc::strong_count(&self.regs) <= 2 {
                 self.regs.clear();
+            }
+        }
+    }
+
+    /// How often a busy progress thread looks at the lifelines.
+    const LIFELINE_EVERY: Duration = Duration::from_millis(2);
+
+    /// Reads the lifelines `poll` found readable (`fds[i]` is peer `i`'s).
+    fn read_lifelines(fds: &mut [libc::pollfd], links: &[Option<Arc<Link>>]) {
+        for (fd, link) in fds.iter_mut().zip(links) {
+            if fd.revents == 0 {
+                continue;
+            }
+            fd.revents = 0;
+            if let Some(l) = link {
+                l.lifeline_readable();
+                if l.is_failed() {
+                    fd.fd = -1; // its end was read: nothing more to watch
+                }
             }
         }
     }
@@ -543,6 +564,7 @@ mod backend {
             .map(|fd| libc::pollfd { fd: fd.unwrap_or(-1), events: libc::POLLIN, revents: 0 })
             .collect();
         let mut idle_since = Instant::now();
+        let mut lifelines_seen = Instant::now();
         while !stop.load(Ordering::Acquire) {
             if let Err(e) = cq.poll(&mut wcs, 64) {
                 for l in links.iter().flatten() {
@@ -553,6 +575,18 @@ mod backend {
             if !wcs.is_empty() {
                 dispatch(&mut wcs);
                 idle_since = Instant::now();
+                // Under steady traffic the completion queue is never idle: look at the
+                // lifelines now and then anyway (aborts, a peer's end).
+                if lifelines_seen.elapsed() >= LIFELINE_EVERY {
+                    lifelines_seen = Instant::now();
+                    if poll_fds(&mut fds[2..], Duration::ZERO).is_ok_and(|n| n > 0) {
+                        // Completions first, as below: what a peer wrote before its lifeline
+                        // ended is taken before the end fails the pair.
+                        let _ = cq.poll(&mut wcs, usize::MAX);
+                        dispatch(&mut wcs);
+                        read_lifelines(&mut fds[2..], links);
+                    }
+                }
                 continue;
             }
             if idle_since.elapsed() < SPIN {
@@ -586,17 +620,8 @@ mod backend {
             // end fails the pair.
             let _ = cq.poll(&mut wcs, usize::MAX);
             dispatch(&mut wcs);
-            for (fd, link) in fds[2..].iter_mut().zip(links) {
-                if fd.revents == 0 {
-                    continue;
-                }
-                if let Some(l) = link {
-                    l.lifeline_readable();
-                    if l.is_failed() {
-                        fd.fd = -1; // its end was read: nothing more to watch
-                    }
-                }
-            }
+            read_lifelines(&mut fds[2..], links);
+            lifelines_seen = Instant::now();
             idle_since = Instant::now();
         }
         // Completions still queued (reads that finished) reach their links, so that nothing

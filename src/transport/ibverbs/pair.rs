@@ -90,29 +90,71 @@ fn wr_kind(wr_id: u64) -> Option<WrKind> {
     }
 }
 
-/// Registered memory this pair owns: a ring or a staging area. The registration is dropped
-/// before the memory.
+/// Registered memory this pair owns: a ring or a staging area. The NIC writes it behind
+/// Rust's back, so it is held as a raw allocation (never as a reference), and freed after the
+/// registration is dropped.
 pub(crate) struct Region {
     pub(crate) mr: Arc<dyn MemoryRegion>,
-    mem: Box<[u8]>,
+    mem: *mut u8,
+    len: usize,
 }
+
+// SAFETY: the region is plain memory owned by this value; accesses to it are coordinated by
+// the protocol (a slot is written by one side at a time, under the link's lock).
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
 
 impl Region {
     pub(crate) fn new(dev: &dyn VerbsDevice, len: usize) -> Result<Self> {
-        let mut mem = vec![0u8; len].into_boxed_slice();
-        // SAFETY: the memory is owned by the region and freed only after `mr` is dropped
-        // (field order), and nothing else frees it.
-        let mr = unsafe { dev.register(mem.as_mut_ptr(), len)? };
-        Ok(Region { mr, mem })
+        let mem = Box::into_raw(vec![0u8; len].into_boxed_slice()).cast::<u8>();
+        // SAFETY: the memory is owned by the region and freed only in its drop, after the
+        // registration is dropped.
+        match unsafe { dev.register(mem, len) } {
+            Ok(mr) => Ok(Region { mr, mem, len }),
+            Err(e) => {
+                // SAFETY: allocated above as a boxed slice of `len` bytes, not registered.
+                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(mem, len)) });
+                Err(e)
+            }
+        }
     }
 
     fn ptr(&self, offset: usize) -> *mut u8 {
-        // The NIC writes this memory behind Rust's back: hand out raw pointers only.
-        self.mem.as_ptr().cast_mut().wrapping_add(offset)
+        self.mem.wrapping_add(offset)
     }
 
     fn addr(&self, offset: usize) -> u64 {
         self.mr.addr() + offset as u64
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // Deregister first: from then on the NIC no longer touches the memory. (Another holder
+        // of the registration would be a bug; the region is the only one.)
+        let mr = std::mem::replace(&mut self.mr, Arc::new(Unregistered));
+        drop(mr);
+        // SAFETY: allocated in `new` as a boxed slice of `len` bytes, freed once.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.mem, self.len)) });
+    }
+}
+
+/// A placeholder registration (what a dropped region holds while it frees its memory).
+struct Unregistered;
+
+impl MemoryRegion for Unregistered {
+    fn addr(&self) -> u64 {
+        0
+    }
+    fn len(&self) -> usize {
+        0
+    }
+    fn lkey(&self) -> u32 {
+        0
+    }
+    fn rkey(&self) -> u32 {
+        0
     }
 }
 
@@ -133,8 +175,8 @@ struct RtsSend {
 /// Where a read lands.
 enum ReadInto {
     Deliver(Delivery),
-    /// An early message, read into `tmp` first (it is registered per read).
-    Early(EarlyRx, Vec<u8>),
+    /// An early message, read straight into its early buffer (registered per read).
+    Early(EarlyRx),
 }
 
 /// A rendezvous payload being read.
@@ -176,6 +218,10 @@ struct State {
     next_id: u32,
     /// Send-queue requests posted and not completed.
     outstanding: usize,
+    /// Reads into early buffers under way (later messages wait for them).
+    early_reads: usize,
+    /// Requests that failed to post (their reads' parts are settled when the pair fails).
+    unposted: Vec<u64>,
     backlog: VecDeque<Wr>,
     /// Set once the pair failed.
     failed: Option<Error>,
@@ -305,6 +351,8 @@ impl Link {
                 reads: HashMap::new(),
                 next_id: 0,
                 outstanding: 0,
+                early_reads: 0,
+                unposted: Vec::new(),
                 backlog: VecDeque::new(),
                 failed: None,
                 lifeline_in: Vec::new(),
@@ -330,6 +378,8 @@ impl Link {
         match self.qp.post_send(wr.wr_id, wr.sge, wr.op) {
             Ok(()) => st.outstanding += 1,
             Err(e) => {
+                // A read part that never went out will never complete either.
+                st.unposted.push(wr.wr_id);
                 let err = self.io_error(&format!("posting an RDMA request to rank {}", self.peer), &e.to_string());
                 self.fail_and_tell(st, err);
             }
@@ -400,7 +450,7 @@ impl Link {
 
     /// Takes arrived messages in order until one cannot be taken yet.
     fn take_arrived(&self, st: &mut State) {
-        while st.failed.is_none() {
+        while st.failed.is_none() && st.early_reads == 0 {
             let Some(&slot) = st.arrived.front() else { break };
             let base = slot * SLOT_BYTES;
             // SAFETY: the peer wrote this slot completely before its completion arrived, and
@@ -444,7 +494,7 @@ impl Link {
             } else {
                 match dispatch {
                     Dispatch::Deliver(d) => self.read(st, ReadInto::Deliver(d), &hdr, len),
-                    Dispatch::Early(e) => self.read(st, ReadInto::Early(e, vec![0u8; len]), &hdr, len),
+                    Dispatch::Early(e) => self.read(st, ReadInto::Early(e), &hdr, len),
                     Dispatch::Discard | Dispatch::Stall => self.control(st, IMM_DONE | hdr.id),
                 }
             }
@@ -454,29 +504,32 @@ impl Link {
 
     /// Starts reading a rendezvous payload.
     fn read(&self, st: &mut State, mut into: ReadInto, hdr: &SlotHeader, len: usize) {
-        let dst = match &mut into {
-            ReadInto::Deliver(d) => d.dst().as_mut_ptr(),
-            ReadInto::Early(_, tmp) => tmp.as_mut_ptr(),
+        let (dst, once) = match &mut into {
+            // An owned receive's buffer is allocated (and freed) per message: never cached.
+            ReadInto::Deliver(d) => (d.dst().as_mut_ptr(), d.is_owned()),
+            ReadInto::Early(e) => (e.room_for_all(), true),
         };
         // SAFETY: `dst` is a claimed receive's buffer (lent until it completes, which happens
-        // when this read finishes or fails) or `tmp`, owned by the reading entry; either stays
-        // allocated while the region is used. Early buffers are registered per read: they are
-        // freed right after.
-        let mr = match &into {
-            ReadInto::Deliver(_) => unsafe { self.regs.get(dst, len) },
-            ReadInto::Early(..) => unsafe { self.regs.register_once(dst, len) },
-        };
+        // when this read finishes or fails) or the early buffer the reading entry owns; either
+        // stays allocated while the region is used. Buffers of this library's own (early and
+        // owned) are registered per read, as they are freed right after.
+        let mr = if once { unsafe { self.regs.register_once(dst, len) } } else { unsafe { self.regs.get(dst, len) } };
         let mr = match mr {
             Ok(mr) => mr,
             Err(e) => {
                 match into {
                     ReadInto::Deliver(d) => d.done().complete(Err(e)),
-                    ReadInto::Early(e, _) => st.matcher.early_dropped(e),
+                    ReadInto::Early(e) => st.matcher.early_dropped(e),
                 }
                 self.control(st, IMM_DONE | hdr.id);
                 return;
             }
         };
+        if matches!(into, ReadInto::Early(_)) {
+            // Later messages wait until this one is in the early list: one of the same key
+            // must not overtake it (contract rule 2).
+            st.early_reads += 1;
+        }
         st.next_id = st.next_id.wrapping_add(1);
         let id = st.next_id;
         let parts = len.div_ceil(MAX_READ);
@@ -601,19 +654,24 @@ impl Link {
         drop(_mr);
         match (into, err) {
             (ReadInto::Deliver(d), Some(e)) => d.done().complete(Err(e)),
-            (ReadInto::Early(e, _), Some(_)) => st.matcher.early_dropped(e),
+            (ReadInto::Early(e), Some(_)) => {
+                st.early_reads -= 1;
+                st.matcher.early_dropped(e);
+            }
             (ReadInto::Deliver(mut d), None) => {
                 d.advance(len);
                 d.finish(self.peer);
             }
-            (ReadInto::Early(mut e, tmp), None) => {
-                e.extend(&tmp);
+            (ReadInto::Early(e), None) => {
+                st.early_reads -= 1;
                 st.matcher.early_arrived(e);
             }
         }
         self.read_done.notify_all();
         if st.failed.is_none() {
             self.control(st, IMM_DONE | send_id);
+            // Messages held behind an early read go on.
+            self.take_arrived(st);
         }
     }
 
@@ -637,7 +695,22 @@ impl Link {
         for (_, s) in st.rts.drain() {
             s.done.complete(Err(err.clone()));
         }
-        st.backlog.clear();
+        // Read parts that will never complete (queued, or refused by the provider) settle
+        // their reads now; parts posted end with their flush.
+        let dropped: Vec<u64> = st.backlog.drain(..).map(|w| w.wr_id).chain(std::mem::take(&mut st.unposted)).collect();
+        for id in dropped {
+            if wr_kind(id) != Some(WrKind::Read) {
+                continue;
+            }
+            let rid = id as u32;
+            let done = st.reads.get_mut(&rid).is_some_and(|r| {
+                r.parts = r.parts.saturating_sub(1);
+                r.parts == 0
+            });
+            if done && let Some(r) = st.reads.remove(&rid) {
+                self.finish_read(st, r, Some(err.clone()));
+            }
+        }
         st.arrived.clear();
         let _ = self.lifeline.shutdown(std::net::Shutdown::Both);
     }
@@ -837,30 +910,32 @@ impl Pair for IbPair {
             };
             l.fail(&mut st, err);
         }
-        // A read into the receive's buffer must end before the buffer goes back.
+        // A read into the receive's buffer must end before the buffer goes back: it may be
+        // finishing now; otherwise only stopping the queue pair stops it (its flush ends it).
         let start = Instant::now();
         let mut stopped = false;
         while st.reads.values().any(|r| r.is_for(done)) {
-            if !stopped && start.elapsed() > Duration::from_secs(2) {
-                l.fail(
-                    &mut st,
-                    Error::Protocol {
-                        peer: Some(l.peer),
-                        detail: "a withdrawn receive's RDMA read did not finish".into(),
-                    },
+            if !stopped && start.elapsed() > CANCEL_GRACE {
+                let detail = format!(
+                    "a receive was withdrawn while rank {} wrote into it by RDMA; the connection cannot go on",
+                    l.peer
                 );
+                l.fail(&mut st, Error::Protocol { peer: Some(l.peer), detail });
                 stopped = true;
             }
-            if start.elapsed() > Duration::from_secs(10) {
-                // The flush never came: the provider is broken. Leak nothing the NIC may still
-                // write into by keeping the entry (its buffer belongs to the caller, though).
+            if start.elapsed() > CANCEL_GRACE + Duration::from_secs(10) {
+                // The flush never came: the provider is broken.
                 tracing::error!(peer = l.peer, "an RDMA read was neither completed nor flushed within 10 s");
                 break;
             }
-            st = wait_timeout(&l.read_done, st, Duration::from_millis(50));
+            st = wait_timeout(&l.read_done, st, Duration::from_millis(10));
         }
     }
 }
+
+/// How long withdrawing a receive that is being read into waits for the read to finish before
+/// it stops the queue pair.
+const CANCEL_GRACE: Duration = Duration::from_millis(100);
 
 /// How long closing waits for this side's writes to reach the peer.
 const CLOSE_DRAIN: Duration = Duration::from_secs(2);

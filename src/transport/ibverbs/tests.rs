@@ -247,3 +247,65 @@ fn a_dropped_context_s_pending_sends_still_arrive() {
         }
     });
 }
+
+#[test]
+fn a_large_message_read_early_is_not_overtaken_by_a_later_one_of_its_key() {
+    // Rank 1 sends a large message (read into rank 0's early buffer) and at once a small one
+    // with the same tag; rank 0 receives both only afterwards, and must get them in order.
+    for _ in 0..20 {
+        let store = HashStore::new();
+        let attr = simulated();
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let (store, attr) = (&store, &attr);
+                s.spawn(move || {
+                    let dev = sim_device(attr);
+                    let ctx = Context::builder(rank, 2).timeout(Duration::from_secs(10)).connect(store, &dev).unwrap();
+                    let (big, small) = (vec![1u8; 100_000], [2u8; 16]);
+                    if rank == 1 {
+                        ctx.scope(|sc| {
+                            let a = sc.isend(0, 7, &big)?;
+                            let b = sc.isend(0, 7, &small)?;
+                            a.wait()?;
+                            b.wait()
+                        })
+                        .unwrap();
+                        ctx.barrier().unwrap();
+                    } else {
+                        ctx.barrier().unwrap(); // both are in (the large one read early)
+                        let mut g = vec![0u8; big.len()];
+                        ctx.recv(1, 7, &mut g).unwrap();
+                        assert!(g == big, "the first message of the tag");
+                        let mut t = [0u8; 16];
+                        ctx.recv(1, 7, &mut t).unwrap();
+                        assert_eq!(t, small);
+                    }
+                });
+            }
+        });
+    }
+}
+
+#[test]
+fn a_pair_that_fails_with_read_parts_still_queued_ends_the_receive_at_once() {
+    // 5 MiB in 64 KiB parts (this build's read size) is 80 read requests, more than the send
+    // queue takes: when the reader's queue pair fails, the queued parts must settle the read.
+    for after in 0..3u32 {
+        let results = two_ranks_with_fault(
+            |dev| Fault::QpError { dev, after },
+            |ctx| {
+                let data = vec![7u8; 5 << 20];
+                if ctx.rank() == 0 {
+                    ctx.send(1, 9, &data)
+                } else {
+                    let mut got = vec![0u8; data.len()];
+                    ctx.recv(0, 9, &mut got)
+                }
+            },
+        );
+        for (rank, (r, took)) in results.iter().enumerate() {
+            let e = r.as_ref().expect_err("the transfer cannot succeed");
+            assert!(*took < Duration::from_secs(3), "fault after {after}: rank {rank} ended after {took:?}: {e}");
+        }
+    }
+}
