@@ -65,7 +65,7 @@ mod backend {
     use super::IbOptions;
     use super::pair::{self, IbPair, Link, LinkParts, RQ_DEPTH, Region, SLOT_BYTES, SLOTS, SQ_DEPTH, WrKind};
     use super::reg::RegCache;
-    use super::verbs::{CompletionQueue, QpAddr, QueuePair, VerbsDevice, Wc};
+    use super::verbs::{Access, CompletionQueue, QpAddr, QueuePair, VerbsDevice, Wc};
     use super::{rdma, sim};
     use crate::error::{Error, Result};
     use crate::transport::auth::{mac, mac_eq};
@@ -245,8 +245,8 @@ mod backend {
                     continue;
                 }
                 let qp = dev.verbs.create_qp(&cq, (SQ_DEPTH + 1) as u32, RQ_DEPTH as u32)?;
-                let ring = Region::new(&*dev.verbs, SLOTS * SLOT_BYTES)?;
-                let staging = Region::new(&*dev.verbs, SLOTS * SLOT_BYTES)?;
+                let ring = Region::new(&*dev.verbs, SLOTS * SLOT_BYTES, Access::RemoteWrite)?;
+                let staging = Region::new(&*dev.verbs, SLOTS * SLOT_BYTES, Access::LocalRead)?;
                 preps.push(Some(Prep { qp, psn: psn(), ring, staging, connected: false }));
             }
             Ok(IbEndpoint {

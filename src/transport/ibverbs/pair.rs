@@ -24,7 +24,7 @@
 //! tells that the peer is gone (its process died or it closed the context).
 
 use super::reg::RegCache;
-use super::verbs::{MemoryRegion, QueuePair, SendOp, Sge, VerbsDevice, Wc, WcStatus};
+use super::verbs::{Access, MemoryRegion, QueuePair, SendOp, Sge, VerbsDevice, Wc, WcStatus};
 use crate::error::{Error, Result};
 use crate::sync::{lock, wait_timeout};
 use crate::transport::matching::{Delivery, Dispatch, EarlyRx, Header, Matcher, RecvOp};
@@ -106,11 +106,11 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 impl Region {
-    pub(crate) fn new(dev: &dyn VerbsDevice, len: usize) -> Result<Self> {
+    pub(crate) fn new(dev: &dyn VerbsDevice, len: usize, access: Access) -> Result<Self> {
         let mem = Box::into_raw(vec![0u8; len].into_boxed_slice()).cast::<u8>();
         // SAFETY: the memory is owned by the region and freed only in its drop, after the
         // registration is dropped.
-        match unsafe { dev.register(mem, len) } {
+        match unsafe { dev.register(mem, len, access) } {
             Ok(mr) => Ok(Region { mr, mem, len }),
             Err(e) => {
                 // SAFETY: allocated above as a boxed slice of `len` bytes, not registered.
@@ -431,7 +431,7 @@ impl Link {
             } else {
                 // SAFETY: the buffer stays lent until the send completes, which happens only
                 // after `DONE` (the peer finished reading) or once the queue pair is in error.
-                let mr = match unsafe { self.regs.get(send.buf.ptr.cast_mut(), len) } {
+                let mr = match unsafe { self.regs.get(send.buf.ptr.cast_mut(), len, Access::RemoteRead) } {
                     Ok(mr) => mr,
                     Err(e) => {
                         send.done.complete(Err(e));
@@ -513,7 +513,11 @@ impl Link {
         // when this read finishes or fails) or the early buffer the reading entry owns; either
         // stays allocated while the region is used. Buffers of this library's own (early and
         // owned) are registered per read, as they are freed right after.
-        let mr = if once { unsafe { self.regs.register_once(dst, len) } } else { unsafe { self.regs.get(dst, len) } };
+        let mr = if once {
+            unsafe { self.regs.register_once(dst, len, Access::LocalWrite) }
+        } else {
+            unsafe { self.regs.get(dst, len, Access::LocalWrite) }
+        };
         let mr = match mr {
             Ok(mr) => mr,
             Err(e) => {

@@ -11,7 +11,7 @@
 //! errno in words; nothing here panics or blocks (the completion channel is non-blocking).
 
 use super::verbs::{
-    CompletionQueue, MemoryRegion, PortInfo, QpAddr, QueuePair, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus,
+    Access, CompletionQueue, MemoryRegion, PortInfo, QpAddr, QueuePair, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus,
 };
 use crate::error::{Error, Result};
 use crate::sync::lock;
@@ -301,7 +301,15 @@ impl VerbsDevice for RdmaDevice {
         &self.ctx.port
     }
 
-    unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<Arc<dyn MemoryRegion>> {
+    unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> Result<Arc<dyn MemoryRegion>> {
+        let flags = match access {
+            Access::LocalRead => 0,
+            Access::RemoteRead => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            Access::LocalWrite => ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0,
+            Access::RemoteWrite => {
+                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+            }
+        };
         if len == 0 {
             // The verb refuses empty regions; a zero-length request checks no key, so an
             // unregistered region with keys 0 serves.
@@ -316,7 +324,7 @@ impl VerbsDevice for RdmaDevice {
         }
         // SAFETY: the protection domain is live; the caller promises the memory stays
         // allocated while it is registered.
-        let mr = unsafe { ibv_reg_mr(self.ctx.pd, addr.cast(), len, ACCESS as i32) };
+        let mr = unsafe { ibv_reg_mr(self.ctx.pd, addr.cast(), len, flags as i32) };
         if mr.is_null() {
             let e = errno_error();
             return Err(Error::io(

@@ -9,7 +9,7 @@
 //! buffer) unless `FERROGLOO_IB_REG_CACHE=1` says the program never frees buffers it
 //! communicates from.
 
-use super::verbs::{MemoryRegion, VerbsDevice};
+use super::verbs::{Access, MemoryRegion, VerbsDevice};
 use crate::error::Result;
 use crate::sync::lock;
 use std::sync::{Arc, Mutex};
@@ -22,6 +22,7 @@ pub(crate) const REG_CACHE_ENV: &str = "FERROGLOO_IB_REG_CACHE";
 const MAX_ENTRIES: usize = 64;
 
 struct Entry {
+    access: Access,
     start: usize,
     end: usize,
     mr: Arc<dyn MemoryRegion>,
@@ -62,16 +63,16 @@ impl RegCache {
     ///
     /// # Safety
     /// As [`VerbsDevice::register`]: the memory stays allocated while work requests use it.
-    pub(crate) unsafe fn get(&self, ptr: *mut u8, len: usize) -> Result<Arc<dyn MemoryRegion>> {
+    pub(crate) unsafe fn get(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Arc<dyn MemoryRegion>> {
         if !self.enabled {
             // SAFETY: the caller's promise.
-            return unsafe { self.register_once(ptr, len) };
+            return unsafe { self.register_once(ptr, len, access) };
         }
         let (start, end) = (ptr as usize, ptr as usize + len);
         let mut g = lock(&self.entries);
         let (entries, tick) = &mut *g;
         *tick += 1;
-        if let Some(e) = entries.iter_mut().find(|e| e.start <= start && end <= e.end) {
+        if let Some(e) = entries.iter_mut().find(|e| e.access == access && e.start <= start && end <= e.end) {
             e.used = *tick;
             return Ok(e.mr.clone());
         }
@@ -80,14 +81,20 @@ impl RegCache {
         let (pstart, pend) = (start & !(PAGE - 1), end.div_ceil(PAGE) * PAGE);
         // SAFETY: the caller's promise covers the buffer; the rest of its pages are mapped (a
         // page is mapped whole), and a coherent registration follows later remappings.
-        let mr = unsafe { self.dev.register(pstart as *mut u8, pend - pstart)? };
+        let mr = unsafe { self.dev.register(pstart as *mut u8, pend - pstart, access)? };
         if entries.len() >= MAX_ENTRIES
             && let Some(i) = entries.iter().enumerate().min_by_key(|(_, e)| e.used).map(|(i, _)| i)
         {
             // Dropped here; operations still using it hold their own reference.
             entries.swap_remove(i);
         }
-        entries.push(Entry { start: pstart, end: pstart + mr.len().min(pend - pstart), mr: mr.clone(), used: *tick });
+        entries.push(Entry {
+            access,
+            start: pstart,
+            end: pstart + mr.len().min(pend - pstart),
+            mr: mr.clone(),
+            used: *tick,
+        });
         Ok(mr)
     }
 
@@ -95,9 +102,14 @@ impl RegCache {
     ///
     /// # Safety
     /// As [`VerbsDevice::register`].
-    pub(crate) unsafe fn register_once(&self, ptr: *mut u8, len: usize) -> Result<Arc<dyn MemoryRegion>> {
+    pub(crate) unsafe fn register_once(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Arc<dyn MemoryRegion>> {
         // SAFETY: the caller's promise.
-        unsafe { self.dev.register(ptr, len) }
+        unsafe { self.dev.register(ptr, len, access) }
     }
 
     /// Drops every cached registration.

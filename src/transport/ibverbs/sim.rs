@@ -3,9 +3,10 @@
 //!
 //! One fabric per process connects every simulated device. What it models, and checks:
 //!
-//! - **Memory regions** with keys and bounds: a work request's local bytes must lie inside
-//!   the region its `lkey` names, and a remote access inside the peer's region `rkey` names,
-//!   in the peer's protection domain. A bad remote key or range completes the request with
+//! - **Memory regions** with keys, bounds and access rights: a work request's local bytes must
+//!   lie inside the region its `lkey` names (one that allows local writes, for a read's
+//!   destination), and a remote access inside the peer's region `rkey` names, in the peer's
+//!   protection domain, which must allow that access (remote write, or remote read). A bad remote key or range completes the request with
 //!   [`WcStatus::RemoteAccess`] and puts both queue pairs in the error state, as an RC
 //!   responder does. A deregistered region's keys grant nothing.
 //! - **RC queue pairs** with states: posting needs RTS; a queue pair in error completes every
@@ -22,7 +23,7 @@
 //! queued at once. Timing, packet loss and MTU segmentation are not modelled.
 
 use super::verbs::{
-    CompletionQueue, MemoryRegion, PortInfo, QpAddr, QueuePair, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus,
+    Access, CompletionQueue, MemoryRegion, PortInfo, QpAddr, QueuePair, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus,
 };
 use crate::error::{Error, Result};
 use crate::sync::lock;
@@ -49,6 +50,7 @@ struct MrEntry {
     addr: u64,
     len: usize,
     pd: u32,
+    access: Access,
 }
 
 #[derive(Default)]
@@ -139,11 +141,11 @@ impl VerbsDevice for SimDevice {
         &self.port
     }
 
-    unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<Arc<dyn MemoryRegion>> {
+    unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> Result<Arc<dyn MemoryRegion>> {
         let mut f = lock(fabric());
         f.next_key = f.next_key.wrapping_add(1).max(0x100);
         let key = f.next_key;
-        f.mrs.insert(key, MrEntry { addr: addr as u64, len, pd: self.pd });
+        f.mrs.insert(key, MrEntry { addr: addr as u64, len, pd: self.pd, access });
         Ok(Arc::new(SimMr { addr: addr as u64, len, key }))
     }
 
@@ -344,7 +346,12 @@ impl QueuePair for SimQp {
             return Ok(());
         }
         let len = sge.len as usize;
-        let local_ok = len == 0 || f.mrs.get(&sge.lkey).is_some_and(|mr| mr.pd == self.pd && inside(mr, sge.addr, len));
+        // A read writes the local bytes: their region must allow local writes.
+        let writes_local = matches!(op, SendOp::Read { .. });
+        let local_ok = len == 0
+            || f.mrs.get(&sge.lkey).is_some_and(|mr| {
+                mr.pd == self.pd && inside(mr, sge.addr, len) && (!writes_local || mr.access.local_write())
+            });
         if !local_ok {
             let what =
                 format!("local protection error: lkey {:#x} does not cover {len} bytes at {:#x}", sge.lkey, sge.addr);
@@ -369,7 +376,14 @@ impl QueuePair for SimQp {
             SendOp::WriteImm { remote_addr, rkey, .. } | SendOp::Read { remote_addr, rkey } => (remote_addr, rkey),
         };
         let rkey = if bad_rkey { rkey ^ 0x5a5a_0000 } else { rkey };
-        let remote_ok = len == 0 || f.mrs.get(&rkey).is_some_and(|mr| mr.pd == peer.pd && inside(mr, remote_addr, len));
+        let permitted = |a: Access| match op {
+            SendOp::WriteImm { .. } => a == Access::RemoteWrite,
+            SendOp::Read { .. } => a == Access::RemoteRead,
+        };
+        let remote_ok = len == 0
+            || f.mrs
+                .get(&rkey)
+                .is_some_and(|mr| mr.pd == peer.pd && inside(mr, remote_addr, len) && permitted(mr.access));
         if !remote_ok {
             // The responder refuses, and both ends of an RC connection go to error.
             peer.fail(&mut pst);

@@ -6,7 +6,7 @@
 use super::IbOptions;
 use super::reg::RegCache;
 use super::sim::{self, Fault};
-use super::verbs::{QpAddr, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus};
+use super::verbs::{Access, QpAddr, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus};
 use crate::rendezvous::HashStore;
 use crate::{Context, Device, Error, ReduceOp};
 
@@ -37,8 +37,15 @@ fn the_simulated_fabric_checks_keys_bounds_and_states() {
     let mut src = vec![7u8; 4096];
     let mut dst = vec![0u8; 4096];
     // SAFETY: both buffers outlive their regions (dropped at the end of the test, after them).
-    let (ma, mb) =
-        unsafe { (a.register(src.as_mut_ptr(), 4096).unwrap(), b.register(dst.as_mut_ptr(), 4096).unwrap()) };
+    // `ma`: a read's destination; `mb`: a ring the peer writes; `mr`: the same memory, which
+    // the peer may read.
+    let (ma, mb, mr) = unsafe {
+        (
+            a.register(src.as_mut_ptr(), 4096, Access::LocalWrite).unwrap(),
+            b.register(dst.as_mut_ptr(), 4096, Access::RemoteWrite).unwrap(),
+            b.register(dst.as_mut_ptr(), 4096, Access::RemoteRead).unwrap(),
+        )
+    };
     let sge = |len: u32| Sge { addr: ma.addr(), len, lkey: ma.lkey() };
 
     // A write with immediate waits for a receive request, then lands and completes on both.
@@ -52,12 +59,12 @@ fn the_simulated_fabric_checks_keys_bounds_and_states() {
 
     // A read of the peer's memory.
     dst[0] = 99;
-    qa.post_send(2, sge(1), SendOp::Read { remote_addr: mb.addr(), rkey: mb.rkey() }).unwrap();
+    qa.post_send(2, sge(1), SendOp::Read { remote_addr: mr.addr(), rkey: mr.rkey() }).unwrap();
     assert_eq!(completions(&*cqa, 1)[0].status, WcStatus::Success);
     assert_eq!(src[0], 99);
 
     // Beyond the peer's region: a remote access error, and both queue pairs in error.
-    qa.post_send(3, sge(100), SendOp::Read { remote_addr: mb.addr() + 4000, rkey: mb.rkey() }).unwrap();
+    qa.post_send(3, sge(100), SendOp::Read { remote_addr: mr.addr() + 4000, rkey: mr.rkey() }).unwrap();
     assert_eq!(completions(&*cqa, 1)[0].status, WcStatus::RemoteAccess);
     qa.post_send(4, sge(1), SendOp::Read { remote_addr: mb.addr(), rkey: mb.rkey() }).unwrap();
     assert_eq!(completions(&*cqa, 1)[0].status, WcStatus::Flushed);
@@ -65,14 +72,21 @@ fn the_simulated_fabric_checks_keys_bounds_and_states() {
     let wc = &completions(&*cqb, 1)[0];
     assert_eq!((wc.wr_id, &wc.status), (10, &WcStatus::Flushed), "the responder is in error too");
 
-    // A fresh pair: a deregistered region grants nothing; a destroyed peer does not answer.
+    // Fresh pairs: a region grants only its access (a ring the peer writes cannot be read);
+    // a deregistered region grants nothing; a destroyed peer does not answer.
     let (qa, qb) = (a.create_qp(&cqa, 8, 8).unwrap(), b.create_qp(&cqb, 8, 8).unwrap());
     qa.connect(0, &addr(&*b, qb.qpn())).unwrap();
     qb.connect(0, &addr(&*a, qa.qpn())).unwrap();
-    let rkey = mb.rkey();
-    drop(mb);
+    qa.post_send(5, sge(1), SendOp::Read { remote_addr: mb.addr(), rkey: mb.rkey() }).unwrap();
+    assert_eq!(completions(&*cqa, 1)[0].status, WcStatus::RemoteAccess);
+    let (qa, qb) = (a.create_qp(&cqa, 8, 8).unwrap(), b.create_qp(&cqb, 8, 8).unwrap());
+    qa.connect(0, &addr(&*b, qb.qpn())).unwrap();
+    qb.connect(0, &addr(&*a, qa.qpn())).unwrap();
+    let rkey = mr.rkey();
+    drop(mr);
     qa.post_send(5, sge(1), SendOp::Read { remote_addr: dst.as_ptr() as u64, rkey }).unwrap();
     assert_eq!(completions(&*cqa, 1)[0].status, WcStatus::RemoteAccess);
+    drop(mb);
     let (qa, qb) = (a.create_qp(&cqa, 8, 8).unwrap(), b.create_qp(&cqb, 8, 8).unwrap());
     qa.connect(0, &addr(&*b, qb.qpn())).unwrap();
     qb.connect(0, &addr(&*a, qa.qpn())).unwrap();
@@ -93,11 +107,13 @@ fn the_registration_cache_reuses_covering_registrations_and_stays_bounded() {
     let mut bufs: Vec<Vec<u8>> = (0..70).map(|_| vec![0u8; 3 << 12]).collect();
     // SAFETY: the buffers outlive the cache's use of them in this test (no requests).
     unsafe {
-        let a = cache.get(bufs[0].as_mut_ptr(), 1000).unwrap();
-        let b = cache.get(bufs[0].as_mut_ptr().add(100), 500).unwrap();
+        let a = cache.get(bufs[0].as_mut_ptr(), 1000, Access::RemoteRead).unwrap();
+        let b = cache.get(bufs[0].as_mut_ptr().add(100), 500, Access::RemoteRead).unwrap();
         assert_eq!(a.rkey(), b.rkey(), "a range inside a cached registration reuses it");
+        let c = cache.get(bufs[0].as_mut_ptr().add(100), 500, Access::LocalWrite).unwrap();
+        assert_ne!(a.rkey(), c.rkey(), "another access is another registration");
         for b in &mut bufs {
-            cache.get(b.as_mut_ptr(), b.len()).unwrap();
+            cache.get(b.as_mut_ptr(), b.len(), Access::RemoteRead).unwrap();
         }
     }
     assert_eq!(cache.cached(), 64, "at most 64 registrations are kept");

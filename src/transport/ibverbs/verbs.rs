@@ -64,6 +64,27 @@ pub(crate) struct PortInfo {
     pub(crate) roce: bool,
 }
 
+/// What a memory region allows, besides local reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Access {
+    /// Local reads only (staging areas the NIC sends from).
+    LocalRead,
+    /// The peer reads it (a send buffer a rendezvous reads from). Needs no write permission,
+    /// so read-only memory can be sent from.
+    RemoteRead,
+    /// The NIC writes it locally (the destination of a read).
+    LocalWrite,
+    /// The peer writes it (a ring), and the NIC locally.
+    RemoteWrite,
+}
+
+impl Access {
+    /// Whether a region of this access may be written by the local NIC.
+    pub(crate) fn local_write(self) -> bool {
+        matches!(self, Access::LocalWrite | Access::RemoteWrite)
+    }
+}
+
 /// A registered memory region. Dropping it deregisters it; from then on the remote key no
 /// longer grants access.
 pub(crate) trait MemoryRegion: Send + Sync {
@@ -169,12 +190,12 @@ pub(crate) trait QueuePair: Send + Sync {
 pub(crate) trait VerbsDevice: Send + Sync {
     /// The port in use.
     fn port(&self) -> &PortInfo;
-    /// Registers `len` bytes at `addr` for local writes and remote reads and writes.
+    /// Registers `len` bytes at `addr` with `access`.
     ///
     /// # Safety
     /// The memory must stay allocated while the region is registered and work requests may
     /// touch it (the simulated provider reads and writes it directly).
-    unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<Arc<dyn MemoryRegion>>;
+    unsafe fn register(&self, addr: *mut u8, len: usize, access: Access) -> Result<Arc<dyn MemoryRegion>>;
     /// Whether a registration follows the process's page tables (on-demand paging): a region
     /// stays valid when the memory under it is unmapped and mapped again, so registrations of
     /// user buffers may be cached.
