@@ -497,26 +497,41 @@ fn process_sets_negotiate_on_their_own() {
 
 #[test]
 fn a_duplicate_name_in_flight_and_bad_arguments_are_refused_at_once() {
-    let r = engines(1, cfg(), |e| {
+    // Two ranks, so "dup" stays in flight on rank 0 until rank 1 submits it: rank 1
+    // waits at the barrier until rank 0 has tried the duplicate (with one rank the
+    // first "dup" could finish before the second submission).
+    let gate = std::sync::Barrier::new(2);
+    let r = engines(2, cfg(), |e| {
         let errs = [
             e.allreduce("a", vec![1i32], Op::Average).err(),
             e.allreduce_with("a", vec![1f64], &AllreduceOptions::new(Op::Sum).compression(Compression::F16)).err(),
             e.allreduce("ferrogloo.mine", vec![1f32], Op::Sum).err(),
-            e.broadcast("a", vec![1f32], 1).err(),
+            e.broadcast("a", vec![1f32], 2).err(),
             e.allreduce("", vec![1f32], Op::Sum).err(),
         ];
-        let h = e.allreduce("dup", vec![1f32], Op::Sum)?;
-        let dup = e.allreduce("dup", vec![1f32], Op::Sum).err();
-        h.wait()?;
-        Ok((errs.map(|e| e.map(|e| e.to_string())), dup.map(|e| e.to_string())))
+        let (h, dup) = if e.rank() == 0 {
+            let h = e.allreduce("dup", vec![1f32], Op::Sum)?;
+            let dup = e.allreduce("dup", vec![1f32], Op::Sum).err();
+            gate.wait();
+            (h, dup)
+        } else {
+            gate.wait();
+            (e.allreduce("dup", vec![1f32], Op::Sum)?, None)
+        };
+        let sum = h.wait()?.data;
+        Ok((errs.map(|e| e.map(|e| e.to_string())), dup.map(|e| e.to_string()), sum))
     });
-    let (errs, dup) = all_ok(r).remove(0);
-    assert!(errs[0].as_deref().is_some_and(|e| e.contains("average of i32")), "{errs:?}");
-    assert!(errs[1].as_deref().is_some_and(|e| e.contains("f32 tensors, not f64")), "{errs:?}");
-    assert!(errs[2].as_deref().is_some_and(|e| e.contains("are the engine's")), "{errs:?}");
-    assert!(errs[3].as_deref().is_some_and(|e| e.contains("root 1 is not a rank of 1")), "{errs:?}");
-    assert!(errs[4].as_deref().is_some_and(|e| e.contains("1 to 4096 bytes")), "{errs:?}");
-    assert!(dup.is_some_and(|e| e.contains("'dup' is already in flight on rank 0")));
+    for (rank, (errs, dup, sum)) in all_ok(r).into_iter().enumerate() {
+        assert!(errs[0].as_deref().is_some_and(|e| e.contains("average of i32")), "{errs:?}");
+        assert!(errs[1].as_deref().is_some_and(|e| e.contains("f32 tensors, not f64")), "{errs:?}");
+        assert!(errs[2].as_deref().is_some_and(|e| e.contains("are the engine's")), "{errs:?}");
+        assert!(errs[3].as_deref().is_some_and(|e| e.contains("root 2 is not a rank of 2")), "{errs:?}");
+        assert!(errs[4].as_deref().is_some_and(|e| e.contains("1 to 4096 bytes")), "{errs:?}");
+        if rank == 0 {
+            assert!(dup.as_deref().is_some_and(|e| e.contains("'dup' is already in flight on rank 0")), "{dup:?}");
+        }
+        assert_eq!(sum, vec![2f32], "rank {rank}");
+    }
 }
 
 #[test]
