@@ -341,11 +341,6 @@ impl Drop for Op {
     }
 }
 
-/// How long a quiet wait ([`BytesRequest::wait_quietly`]) busy-waits before it sleeps: long
-/// enough to catch the next fragment of a large message, short enough to leave the core to
-/// others.
-const QUIET_SPIN: Duration = Duration::from_micros(50);
-
 /// A region in which non-blocking sends and receives may borrow buffers; see
 /// [`Context::scope`](crate::Context::scope).
 pub struct Scope<'scope, 'env: 'scope> {
@@ -640,15 +635,6 @@ impl BytesRequest<'_, '_> {
     /// Whether the receive has finished (successfully or not).
     pub fn is_done(&self) -> bool {
         self.scope.is_done(self.idx)
-    }
-
-    /// Like [`wait_timeout`](Self::wait_timeout), but sleeps at once instead of busy-waiting:
-    /// for a thread that waits for messages in the background (a parameter server's receiving
-    /// thread), whose spinning would take a core from the threads that do the work.
-    pub(crate) fn wait_quietly(self, timeout: Duration) -> Result<(usize, Vec<u8>)> {
-        let spin = BusyWait { budget: QUIET_SPIN, yield_cpu: false, alone: false };
-        let (done, data) = self.scope.finish_spinning(self.idx, Instant::now() + timeout, spin)?;
-        Ok((done.peer, data.unwrap_or_default()))
     }
 
     /// Like [`wait_timeout`](Self::wait_timeout), but sleeps at once instead of busy-waiting

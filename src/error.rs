@@ -123,6 +123,15 @@ pub enum Error {
         /// The generation the launcher published since.
         generation: u64,
     },
+    /// A callback of the caller's panicked; the thread that ran it caught the panic and goes
+    /// on (see [`KvWorker::then`](crate::ps::KvWorker::then)).
+    #[error("{what} panicked: {message}")]
+    Panicked {
+        /// Whose callback, in words ("the callback of parameter-server pull request 6 on worker 0").
+        what: String,
+        /// The panic's message.
+        message: String,
+    },
     /// Rank processes of a local job failed (see [`launch::spawn_local`](crate::launch::spawn_local)).
     #[error("{}", fmt_failed(ranks, detail))]
     RanksFailed {
@@ -266,6 +275,8 @@ mod tests {
         assert_eq!(s, "store error: cannot create the directory at path /x");
         let s = Error::unsupported("the ibverbs transport", Some("ibverbs")).to_string();
         assert_eq!(s, "the ibverbs transport is not supported by this build (enable the cargo feature `ibverbs`)");
+        let s = Error::Panicked { what: "the callback of request 6".into(), message: "boom".into() }.to_string();
+        assert_eq!(s, "the callback of request 6 panicked: boom");
         let s = Error::RanksFailed { ranks: vec![0, 3], detail: "exit status 1".into() }.to_string();
         assert_eq!(s, "ranks 0 and 3 failed: exit status 1");
     }

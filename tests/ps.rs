@@ -6,12 +6,12 @@ mod common;
 
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
-use ferrogloo::ps::{Handler, Node, PsConfig, Request, Responder, Role, Sharding, SumStore};
+use ferrogloo::ps::{Handler, Node, PsConfig, Request, Responder, Role, Sharding, SumStore, SyncSgd};
 use ferrogloo::rendezvous::{HashStore, STORE_ENV, Store};
-use ferrogloo::{Error, Result};
+use ferrogloo::{Context, Element, Error, Result};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 const SCENARIO_ENV: &str = "FERROGLOO_TEST_PS";
@@ -369,19 +369,257 @@ fn in_process<T: Send>(
     timeout: Duration,
     f: impl Fn(Node) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
-    let store = HashStore::new();
     let mut cfg = PsConfig::new(workers, servers);
     cfg.timeout = timeout;
+    threads(cfg, &|| Ok(Device::in_process()), arrive, f)
+}
+
+/// Nodes as threads of this process, each with a device of its own from `device`, meeting
+/// through one store; returns each node's result in the order of `arrive`.
+fn threads<T: Send>(
+    cfg: PsConfig,
+    device: &(dyn Fn() -> Result<Device> + Sync),
+    arrive: &[(Role, usize)],
+    f: impl Fn(Node) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    members(arrive.len(), |i, store| {
+        let (role, id) = arrive[i];
+        f(Node::connect(&**store, &device()?, role, id, cfg.clone())?)
+    })
+}
+
+/// `n` threads running `f(i, store)`, all with the same store; returns their results in order.
+fn members<T: Send>(n: usize, f: impl Fn(usize, &Arc<dyn Store>) -> Result<T> + Sync) -> Vec<Result<T>> {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
     std::thread::scope(|s| {
-        let hs: Vec<_> = arrive
-            .iter()
-            .map(|&(role, id)| {
-                let (store, cfg, f) = (&store, cfg.clone(), &f);
-                s.spawn(move || f(Node::connect(store as &dyn Store, &Device::in_process(), role, id, cfg)?))
+        let hs: Vec<_> = (0..n)
+            .map(|i| {
+                let (store, f) = (&store, &f);
+                s.spawn(move || f(i, store))
             })
             .collect();
         hs.into_iter().map(|h| h.join().expect("node thread")).collect()
     })
+}
+
+/// The tag of parameter-server messages (src/ps/mod.rs), for tests that play a worker that
+/// breaks the rules with a context of its own.
+const PS_TAG: u32 = 0x5053_0001;
+
+/// A parameter-server message as src/ps/wire.rs lays it out: `kind u8 | dtype u8 | cmd i32 |
+/// timestamp u64 | shard u32 | key count u32 | keys u64… | length count u32 | lengths u64… |
+/// padding to 8 | values`, little-endian. Kinds: push 1, pull 2, reply 4, error 5, bye 6.
+fn ps_message(kind: u8, ts: u64, keys: &[u64], lens: &[u64], values: &[u8]) -> Vec<u8> {
+    let mut b = vec![kind, <f32 as Element>::DTYPE as u8];
+    b.extend_from_slice(&0i32.to_le_bytes());
+    b.extend_from_slice(&ts.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    for words in [keys, lens] {
+        b.extend_from_slice(&(words.len() as u32).to_le_bytes());
+        words.iter().for_each(|w| b.extend_from_slice(&w.to_le_bytes()));
+    }
+    b.resize(b.len().next_multiple_of(8), 0);
+    b.extend_from_slice(values);
+    b
+}
+
+/// Worker `id` of a job of `servers` servers and `workers` workers as a bare context (no
+/// parameter-server worker: it sends what the test says).
+fn bare_worker(store: &Arc<dyn Store>, servers: usize, workers: usize, id: usize) -> Result<Context> {
+    Context::builder(servers + id, servers + workers).timeout(common::TIMEOUT).connect(&**store, &Device::in_process())
+}
+
+/// Sends `msg` to server 0 and returns the answer's kind and its text (an error's reason).
+fn ask(ctx: &Context, msg: &[u8]) -> Result<(u8, String)> {
+    ctx.send(0, PS_TAG, msg)?;
+    let answer = ctx.recv_bytes(0, PS_TAG, 1 << 20)?;
+    let kind = answer.first().copied().unwrap_or(0);
+    let text =
+        if kind == 5 { String::from_utf8_lossy(answer.get(32..).unwrap_or(&[])).into_owned() } else { String::new() };
+    Ok((kind, text))
+}
+
+#[test]
+fn malformed_requests_are_refused_and_the_server_goes_on() {
+    let r = members(2, |i, store| {
+        if i == 0 {
+            let node = Node::connect(&**store, &Device::in_process(), Role::Server, 0, PsConfig::new(1, 1))?;
+            node.server(SyncSgd::new(1, 1.0))?.run()?;
+            return Ok(Vec::new());
+        }
+        let ctx = bare_worker(store, 1, 1, 0)?;
+        let two = [1f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let answers = vec![
+            // A pull with lengths and values (the handler indexed the values by the lengths).
+            ask(&ctx, &ps_message(2, 1, &[3], &[5], &[]))?,
+            ask(&ctx, &ps_message(2, 2, &[3], &[], &two))?,
+            // A push whose values are not a whole number of f32s.
+            ask(&ctx, &ps_message(1, 3, &[3], &[2], &two[..7]))?,
+            // Lengths that do not add up; keys out of order.
+            ask(&ctx, &ps_message(1, 4, &[3], &[3], &two))?,
+            ask(&ctx, &ps_message(1, 5, &[4, 3], &[1, 1], &two))?,
+            // A good push and pull: the server still serves.
+            ask(&ctx, &ps_message(1, 6, &[3], &[2], &two))?,
+            ask(&ctx, &ps_message(2, 7, &[3], &[], &[]))?,
+        ];
+        ctx.send(0, PS_TAG, &ps_message(6, 0, &[], &[], &[]))?;
+        Ok(answers)
+    });
+    let r = common::all_ok(r);
+    let a = &r[1];
+    assert!(a[0].0 == 5 && a[0].1.contains("a pull carries no values, this one has 0 values and 1 lengths"), "{a:?}");
+    assert!(a[1].0 == 5 && a[1].1.contains("a pull carries no values, this one has 2 values and 0 lengths"), "{a:?}");
+    assert!(a[2].0 == 5 && a[2].1.contains("7 bytes, not a whole number of 4-byte values"), "{a:?}");
+    assert!(a[3].0 == 5 && a[3].1.contains("the lengths add up to Some(3) values, not the 2 given"), "{a:?}");
+    assert!(a[4].0 == 5 && a[4].1.contains("keys must be sorted and unique"), "{a:?}");
+    assert_eq!((a[5].0, a[6].0), (4, 4), "{a:?}");
+}
+
+#[test]
+fn messages_that_are_no_request_are_skipped_and_the_server_goes_on() {
+    let r = members(3, |i, store| {
+        let cfg = PsConfig::new(2, 1);
+        match i {
+            0 => {
+                let node = Node::connect(&**store, &Device::in_process(), Role::Server, 0, cfg)?;
+                node.server(SumStore::<f32>::default())?.run()?;
+                Ok(String::new())
+            }
+            1 => {
+                let ctx = bare_worker(store, 1, 2, 0)?;
+                ctx.send(0, PS_TAG, &[0xff, 0xff, 0xff])?; // undecodable
+                ctx.send(0, PS_TAG, &ps_message(4, 1, &[], &[], &[]))?; // a reply, to a server
+                // Over the largest message (1 GiB): the server reads past it.
+                ctx.send(0, PS_TAG, &vec![0u8; (1 << 30) + 1])?;
+                let (kind, text) = ask(&ctx, &ps_message(1, 2, &[3], &[1], &1f32.to_le_bytes()))?;
+                ctx.send(0, PS_TAG, &ps_message(6, 0, &[], &[], &[]))?;
+                Ok(format!("{kind} {text}"))
+            }
+            _ => {
+                // A worker does not send what no server would take.
+                let node = Node::connect(&**store, &Device::in_process(), Role::Worker, 1, cfg)?;
+                let w = node.worker::<f32>()?;
+                let big = vec![0f32; 1 << 28];
+                Ok(w.push(&[1], &big, &[]).err().map(|e| e.to_string()).unwrap_or_default())
+            }
+        }
+    });
+    let r = common::all_ok(r);
+    assert_eq!(r[1], "4 ", "the good push after the bad messages was answered");
+    assert!(
+        r[2].contains("the message to server 0 (1 of the keys) would be 1073741872 bytes, more than the 1073741824"),
+        "{}",
+        r[2]
+    );
+}
+
+/// [`SyncSgd`] that holds worker 0's first request until told to go, and says whose request
+/// it got.
+#[derive(Clone)]
+struct Gated {
+    inner: SyncSgd,
+    arrived: mpsc::Sender<usize>,
+    go: Arc<Mutex<mpsc::Receiver<()>>>,
+    held: bool,
+}
+
+impl Handler<f32> for Gated {
+    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        let _ = self.arrived.send(r.meta.worker);
+        if r.meta.worker == 0 && !self.held {
+            self.held = true;
+            let go = self.go.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+            go.map_err(|_| Error::invalid("never told to go"))?;
+        }
+        self.inner.handle(r, responder)
+    }
+
+    fn worker_left(&mut self, worker: usize, responder: &Responder<f32>) -> Result<()> {
+        self.inner.worker_left(worker, responder)
+    }
+}
+
+#[test]
+fn a_worker_dying_while_its_round_is_answered_leaves_the_others_served() {
+    let (arrived_tx, arrived) = mpsc::channel();
+    let (go_tx, go) = mpsc::channel();
+    let arrived = Mutex::new(arrived);
+    let gated = Gated { inner: SyncSgd::new(2, 1.0), arrived: arrived_tx, go: Arc::new(Mutex::new(go)), held: false };
+    let gated = Mutex::new(Some(gated));
+    let go_tx = Mutex::new(go_tx);
+    let (w1_pushed, w1_pushed_rx) = mpsc::channel::<()>();
+    let w1_pushed = Mutex::new(w1_pushed);
+    let w1_pushed_rx = Mutex::new(w1_pushed_rx);
+    let r = members(3, |i, store| {
+        let cfg = PsConfig::new(2, 1);
+        match i {
+            0 => {
+                let handler =
+                    gated.lock().ok().and_then(|mut g| g.take()).ok_or_else(|| Error::invalid("no handler"))?;
+                Node::connect(&**store, &Device::in_process(), Role::Server, 0, cfg)?.server(handler)?.run()?;
+                Ok(Vec::new())
+            }
+            1 => {
+                // Worker 1 pushes, and dies once the server holds worker 0's push of the same
+                // round: answering the round then fails to reach it.
+                let ctx = bare_worker(store, 1, 2, 1)?;
+                let arrived = arrived.lock().map_err(|_| Error::invalid("poisoned"))?;
+                let next = || arrived.recv_timeout(common::TIMEOUT).map_err(|_| Error::invalid("no request arrived"));
+                ctx.send(0, PS_TAG, &ps_message(1, 1, &[1], &[1], &1f32.to_le_bytes()))?;
+                if next()? != 1 {
+                    return Err(Error::invalid("worker 0's request came first"));
+                }
+                let _ = w1_pushed.lock().map(|t| t.send(()));
+                if next()? != 0 {
+                    return Err(Error::invalid("not worker 0's request"));
+                }
+                drop(ctx);
+                let _ = go_tx.lock().map(|t| t.send(()));
+                Ok(Vec::new())
+            }
+            _ => {
+                let w = Node::connect(&**store, &Device::in_process(), Role::Worker, 0, cfg)?.worker::<f32>()?;
+                let pushed = w1_pushed_rx.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+                pushed.map_err(|_| Error::invalid("worker 1 never pushed"))?;
+                // Round 1 with worker 1: w = -(1 + 3) / 2; round 2 alone: w -= 3.
+                w.wait(w.push(&[1], &[3.0], &[])?)?;
+                w.wait(w.push(&[1], &[3.0], &[])?)?;
+                Ok(w.wait(w.pull(&[1])?)?.values)
+            }
+        }
+    });
+    let r = common::all_ok(r);
+    assert_eq!(r[2], [-5.0]);
+}
+
+/// A TCP device on the loopback interface.
+fn tcp() -> Result<Device> {
+    Device::new(&TcpAttr::loopback())
+}
+
+#[test]
+fn a_value_of_160_mib_round_trips_over_tcp_and_shared_memory() {
+    // Far longer to move than the receiving loops' wait slices (100 ms and less): a receive
+    // withdrawn while its message was half read lost the message (the push then failed).
+    let n = 40 << 20;
+    let values: Vec<f32> = (0..n).map(|i| (i % 1_000_003) as f32).collect();
+    let shm = || Ok(Device::shared_memory());
+    let devices: [(&str, &(dyn Fn() -> Result<Device> + Sync)); 2] = [("tcp", &tcp), ("shm", &shm)];
+    for (name, device) in devices {
+        let mut cfg = PsConfig::new(1, 1);
+        cfg.timeout = Duration::from_secs(30);
+        let r = threads(cfg, device, &[(Role::Server, 0), (Role::Worker, 0)], |node| {
+            if node.role() == Role::Server {
+                node.server(SumStore::<f32>::default())?.run()?;
+                return Ok(true);
+            }
+            let w = node.worker::<f32>()?;
+            w.wait(w.push(&[7], &values, &[])?)?;
+            let got = w.wait(w.pull(&[7])?)?;
+            Ok(got.lens == [n] && got.values == values)
+        });
+        assert_eq!(common::all_ok(r), [true, true], "{name}: the pulled value differs from the pushed one");
+    }
 }
 
 #[test]
@@ -476,4 +714,130 @@ fn a_job_started_with_ps_lite_variables_runs() {
     let ids: Vec<&str> = outs.iter().flat_map(|(_, o)| o.lines().filter_map(|l| l.split("WORKER ").nth(1))).collect();
     assert_eq!(ids.len(), 2, "{outs:?}");
     assert_ne!(ids[0], ids[1], "the workers got numbers of their own");
+}
+
+/// A [`SumStore`] that answers requests with command 99 only when the next other request
+/// comes (before it), and those with command 98 never.
+#[derive(Clone, Default)]
+struct Deferred(SumStore<f32>, Vec<Request<f32>>);
+
+impl Handler<f32> for Deferred {
+    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        match r.meta.cmd {
+            98 => Ok(()),
+            99 => {
+                self.1.push(r);
+                Ok(())
+            }
+            _ => {
+                for held in std::mem::take(&mut self.1) {
+                    self.0.handle(held, responder)?;
+                }
+                self.0.handle(r, responder)
+            }
+        }
+    }
+}
+
+#[test]
+fn a_panicking_callback_fails_only_its_request_and_the_worker_goes_on() {
+    let r = in_process(1, 1, &[(Role::Server, 0), (Role::Worker, 0)], common::TIMEOUT, |node| {
+        if node.role() == Role::Server {
+            node.server(Deferred::default())?.run()?;
+            return Ok(String::new());
+        }
+        let w = node.worker::<f32>()?;
+        w.wait(w.push(&[1], &[2.0], &[])?)?;
+        // On the receiving thread: the answer comes after `then` (the server holds it).
+        let ts = w.pull_with(&[1], 99)?;
+        w.then(ts, |_| panic!("a callback on the receiving thread"))?;
+        // The receiving thread goes on (the next answer comes right after the panicking one).
+        let after = w.wait(w.pull(&[1])?)?;
+        if after.values != [2.0] {
+            return Err(Error::invalid(format!("pulled {:?}", after.values)));
+        }
+        // Here and now: the panic is `then`'s error.
+        let ts = w.pull(&[1])?;
+        w.wait(w.pull(&[1])?)?; // answered after `ts`
+        Ok(w.then(ts, |_| panic!("a callback here")).err().map(|e| e.to_string()).unwrap_or_default())
+    });
+    let r = common::all_ok(r);
+    assert!(r[1].contains("the callback of parameter-server pull request"), "{}", r[1]);
+    assert!(r[1].contains("on worker 0 panicked: a callback here"), "{}", r[1]);
+}
+
+#[test]
+fn wait_ends_at_the_deadline_even_while_the_receiving_thread_is_busy() {
+    let deadline = Duration::from_secs(2);
+    let (release, released) = mpsc::channel::<()>();
+    let released = Mutex::new(Some(released));
+    let r = in_process(1, 1, &[(Role::Server, 0), (Role::Worker, 0)], deadline, |node| {
+        if node.role() == Role::Server {
+            node.server(Deferred::default())?.run()?;
+            return Ok((Duration::ZERO, String::new()));
+        }
+        let w = node.worker::<f32>()?;
+        // A callback that keeps the receiving thread until this test lets it go.
+        let held = w.pull_with(&[1], 99)?;
+        let rx = released.lock().ok().and_then(|mut r| r.take()).ok_or_else(|| Error::invalid("no channel"))?;
+        w.then(held, move |_| {
+            let _ = rx.recv_timeout(common::TIMEOUT);
+        })?;
+        let unanswered = w.push_with(&[5], &[1.0], &[], 98)?;
+        let start = Instant::now();
+        w.then(w.pull(&[1])?, drop)?; // releases `held` on the server
+        let e = w.wait(unanswered).err().map(|e| e.to_string()).unwrap_or_default();
+        let took = start.elapsed();
+        let _ = release.send(());
+        // The receiving thread is back.
+        w.wait(w.push(&[1], &[1.0], &[])?)?;
+        Ok((took, e))
+    });
+    let r = common::all_ok(r);
+    let (took, e) = &r[1];
+    assert!(*took < deadline + Duration::from_secs(3), "the wait took {took:?}");
+    assert!(e.contains("parameter-server push request") && e.contains("did not answer for keys [5]"), "{e}");
+    assert!(e.contains("timed out after 2.0 s; still waiting for rank 0"), "{e}");
+}
+
+#[test]
+fn a_rejoin_that_fails_is_logged_and_a_later_one_is_met() {
+    let mut cfg = PsConfig::new(2, 1);
+    cfg.timeout = Duration::from_secs(3);
+    cfg.rejoin_wait = Some(common::TIMEOUT);
+    let r = members(3, |i, store| {
+        let dev = Device::in_process();
+        match i {
+            0 => {
+                let node = Node::connect_shared(store.clone(), &dev, Role::Server, 0, cfg.clone())?;
+                node.server(SumStore::<f32>::default())?.run()?;
+                Ok(Vec::new())
+            }
+            1 => {
+                let w = Node::connect(&**store, &dev, Role::Worker, 0, cfg.clone())?.worker::<f32>()?;
+                w.wait(w.push(&[1], &[1.0], &[])?)?;
+                store.get("ps-test/w1-done", common::TIMEOUT)?;
+                Ok(w.wait(w.pull(&[1, 5])?)?.values)
+            }
+            _ => {
+                // Worker 1 dies, announces a rejoin and gives up before the server meets it
+                // (the server's meeting fails), then rejoins for good.
+                drop(bare_worker(store, 1, 2, 1)?);
+                let mut hasty = cfg.clone();
+                hasty.timeout = Duration::from_millis(1);
+                if Node::rejoin(&**store, &dev, 1, hasty).is_ok() {
+                    return Err(Error::invalid("the hasty rejoin was met"));
+                }
+                let mut patient = cfg.clone();
+                patient.timeout = common::TIMEOUT;
+                let w = Node::rejoin(&**store, &dev, 1, patient)?.worker::<f32>()?;
+                w.wait(w.push(&[5], &[7.0], &[])?)?;
+                let got = w.wait(w.pull(&[5])?)?.values;
+                store.set("ps-test/w1-done", b"1")?;
+                Ok(got)
+            }
+        }
+    });
+    let r = common::all_ok(r);
+    assert_eq!((&r[1][..], &r[2][..]), (&[1.0, 7.0][..], &[7.0][..]));
 }

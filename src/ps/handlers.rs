@@ -1,18 +1,29 @@
 //! Ready-made server handlers: a summing store, synchronous SGD and asynchronous SGD.
 
-use super::{Handler, Request, RequestMeta, Responder};
+use super::{Handler, Request, RequestMeta, Responder, check_request};
 use crate::error::Result;
 use crate::types::{Element, Reduction};
 use std::collections::{BTreeSet, HashMap};
 
-/// Splits a request's values by key.
+/// Splits a request's values by key (a request [`check_request`] passed: its lengths add up
+/// to its values; a key past the values would get none).
 fn per_key<'a, T>(r: &'a Request<T>) -> impl Iterator<Item = (u64, &'a [T])> + 'a {
-    let mut at = 0;
+    let mut at = 0usize;
     r.keys.iter().zip(&r.lens).map(move |(&k, &l)| {
-        let v = &r.values[at..at + l];
-        at += l;
+        let end = at.saturating_add(l);
+        let v = r.values.get(at..end).unwrap_or(&[]);
+        at = end;
         (k, v)
     })
+}
+
+/// Refuses `r` if it is malformed (for requests handed to a handler by other code than the
+/// server, which checks them itself); `true` when it did.
+fn refused<T: Element>(r: &Request<T>, responder: &Responder<T>) -> Result<bool> {
+    match check_request(r) {
+        Ok(()) => Ok(false),
+        Err(e) => responder.refuse(&r.meta, &e.to_string()).map(|()| true),
+    }
 }
 
 /// Answers a request: nothing for a push, the keys' values for a pull or push-pull.
@@ -47,6 +58,9 @@ impl<T> Default for SumStore<T> {
 
 impl<T: Element> Handler<T> for SumStore<T> {
     fn handle(&mut self, r: Request<T>, responder: &Responder<T>) -> Result<()> {
+        if refused(&r, responder)? {
+            return Ok(());
+        }
         if r.meta.push {
             if let Some((k, have, want)) = per_key(&r)
                 .find_map(|(k, v)| self.store.get(&k).filter(|s| s.len() != v.len()).map(|s| (k, s.len(), v.len())))
@@ -106,9 +120,15 @@ impl SyncSgd {
                     w.iter_mut().zip(&g).for_each(|(w, g)| *w -= scale * g);
                 }
             }
+            // Every request of the round is answered, whatever happens to one answer.
+            let mut first = Ok(());
             for r in std::mem::take(&mut self.round) {
-                answer(&self.weights, &r.meta, &r.keys, responder)?;
+                let sent = answer(&self.weights, &r.meta, &r.keys, responder);
+                if first.is_ok() {
+                    first = sent;
+                }
             }
+            first?;
             // Requests that came early go into the next round, one per worker.
             let mut next = Vec::new();
             for r in std::mem::take(&mut self.later) {
@@ -125,6 +145,9 @@ impl SyncSgd {
 
 impl Handler<f32> for SyncSgd {
     fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        if refused(&r, responder)? {
+            return Ok(());
+        }
         if let Some((k, have, want)) = per_key(&r).find_map(|(k, v)| {
             self.weights.get(&k).filter(|w| r.meta.push && w.len() != v.len()).map(|w| (k, w.len(), v.len()))
         }) {
@@ -171,6 +194,9 @@ impl AsyncSgd {
 
 impl Handler<f32> for AsyncSgd {
     fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        if refused(&r, responder)? {
+            return Ok(());
+        }
         if r.meta.push {
             for (k, g) in per_key(&r) {
                 let w = self.weights.entry(k).or_insert_with(|| vec![0.0; g.len()]);

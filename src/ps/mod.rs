@@ -44,16 +44,22 @@
 //!   pending and later request that needs it, naming the server and the keys; a server that
 //!   hangs fails them at their deadline. Servers send heartbeats (every
 //!   [`PsConfig::heartbeat`]); [`KvWorker::dead_servers`] lists those closed or silent for three
-//!   heartbeats. A worker that dies is dropped from the servers' synchronous rounds.
-//!
+//!   heartbeats. A worker that dies (also one an answer can no longer reach) is dropped from
+//!   the servers' synchronous rounds; the others go on. A malformed request is refused (its
+//!   wait fails saying why) and a message that is no request is logged and skipped: neither
+//!   ends a server's run. Messages are at most 1 GiB: a request that would be larger fails
+//!   at once naming its size.
 //! - **Replication** ([`PsConfig::replication`]): server `s+1` keeps a copy of server `s`'s
 //!   state and answers for it once it dies.
 //! - **ps-lite's environment** (`DMLC_ROLE`, ...): [`Node::from_env`] and [`run_scheduler`].
 //! - **Rejoining**: a worker whose process died, restarted, calls [`Node::rejoin`]; servers
-//!   with [`PsConfig::rejoin_wait`] meet it in a new context of its own.
+//!   with [`PsConfig::rejoin_wait`] meet it in a new context of its own (in the background,
+//!   serving the others meanwhile; a meeting that fails is logged, and the server goes on
+//!   waiting for the worker).
 
 mod env;
 mod handlers;
+mod inbox;
 mod wire;
 
 pub use env::{EnvRole, config_from_env, role_from_env, run_scheduler};
@@ -65,6 +71,7 @@ use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use crate::sync::lock;
 use crate::types::Element;
+use inbox::Inbox;
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -335,11 +342,18 @@ fn name_roles(e: Error, cfg: &PsConfig) -> Error {
     }
 }
 
-/// A request's identity, returned by the worker's calls.
+/// A request's identity, returned by the worker's calls: unique and increasing among one
+/// worker's requests (not consecutive).
 pub type Timestamp = u64;
 
+/// A timestamp from a worker's request counter: the lowest bit says whether the request is a
+/// push (which gives nothing back, so that its entry can go once acknowledged).
+fn timestamp_of(counter: u64, push: bool) -> Timestamp {
+    counter << 1 | u64::from(push)
+}
+
 /// What a finished request gives back: for a pull or push-pull, the values of the keys asked
-/// for (concatenated in key order) and each key's length; empty for a push.
+/// for (concatenated in key order) and each key's length; empty for a push (no keys either).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reply<T> {
     /// The keys.
@@ -517,7 +531,6 @@ impl<T: Element> KvWorker<T> {
         what: &'static str,
     ) -> Result<Timestamp> {
         let sh = &self.sh;
-        let ts = sh.next.fetch_add(1, Ordering::Relaxed);
         let servers = sh.cfg.servers;
         let mut parts: HashMap<usize, Vec<usize>> = HashMap::new();
         for (i, &k) in keys.iter().enumerate() {
@@ -527,6 +540,27 @@ impl<T: Element> KvWorker<T> {
             }
             parts.entry(s).or_default().push(i);
         }
+        // Every part must fit a message before any is sent.
+        for (s, idx) in &parts {
+            let carries = kind != Kind::Pull;
+            let payload = if carries {
+                idx.iter().try_fold(0usize, |a, &i| a.checked_add(lens[i])).and_then(|n| n.checked_mul(size_of::<T>()))
+            } else {
+                Some(0)
+            };
+            let size = payload.and_then(|p| wire::encoded_len(idx.len(), if carries { idx.len() } else { 0 }, p));
+            if size.is_none_or(|n| n > wire::MAX_MESSAGE) {
+                let size = size.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string());
+                return Err(Error::invalid(format!(
+                    "{what} of {} keys: the message to server {s} ({} of the keys) would be {size} bytes, more \
+                     than the {} bytes a parameter-server message may have (split the request)",
+                    keys.len(),
+                    idx.len(),
+                    wire::MAX_MESSAGE
+                )));
+            }
+        }
+        let ts = timestamp_of(sh.next.fetch_add(1, Ordering::Relaxed), kind == Kind::Push);
         let replicate = sh.cfg.replication && servers > 1;
         let closed: HashMap<usize, Error> = lock(&sh.closed).clone();
         for s in parts.keys() {
@@ -557,6 +591,10 @@ impl<T: Element> KvWorker<T> {
             stash: HashMap::new(),
             pulls: HashMap::new(),
         };
+        if keys.is_empty() && kind == Kind::Push {
+            // Done already, and a push's success is not kept (see `wait`).
+            return Ok(ts);
+        }
         lock(&sh.pending).insert(ts, pending);
         let mut failed: Vec<(usize, Error)> = Vec::new();
         for (s, idx) in parts {
@@ -610,38 +648,74 @@ impl<T: Element> KvWorker<T> {
         Ok(ts)
     }
 
-    /// Waits for request `ts` (until its deadline); a pull's values come back.
+    /// Waits for request `ts` until its deadline ([`PsConfig::timeout`] after it was sent),
+    /// then fails it with [`Error::Timeout`] naming the request, the servers that did not
+    /// answer and their keys; a pull's values come back.
+    ///
+    /// A push that succeeded is not kept once acknowledged (so that pushes nobody waits for
+    /// cost nothing): waiting for one returns an empty reply at once, also when it was already
+    /// waited for or given to [`then`](Self::then). A push that failed is kept until waited for,
+    /// as is every pull.
     pub fn wait(&self, ts: Timestamp) -> Result<Reply<T>> {
-        let mut p = lock(&self.sh.pending);
+        let sh = &self.sh;
+        let mut p = lock(&sh.pending);
         loop {
             let Some(req) = p.get_mut(&ts) else {
+                if self.is_issued_push(ts) {
+                    return Ok(Reply::default());
+                }
                 return Err(Error::invalid(format!(
-                    "no request {ts} in flight (already waited for, or given a callback)"
+                    "worker {}: no request {ts} in flight (already waited for, or given a callback)",
+                    sh.id
                 )));
             };
             if req.outcome.is_some() {
                 return p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
             }
-            let left = req.deadline.saturating_duration_since(Instant::now()) + SLICE * 2;
-            p = crate::sync::wait_timeout(&self.sh.done, p, left.min(SLICE));
+            let now = Instant::now();
+            if now >= req.deadline {
+                // The receiving thread fails late requests too; this wait does not depend on it.
+                let e = overdue(ts, req, sh.cfg.timeout);
+                p.remove(&ts);
+                return Err(e);
+            }
+            let left = req.deadline - now;
+            p = crate::sync::wait_timeout(&sh.done, p, left);
         }
     }
 
     /// The callback form: `f` gets the outcome of request `ts` on the worker's receiving thread
     /// (here and now if it is already there). Keep it short.
+    ///
+    /// A panic in `f` is caught: here, `then` returns it as [`Error::Panicked`] naming the
+    /// request; on the receiving thread it is logged (`tracing`, error level) and the thread
+    /// goes on with the other requests.
     pub fn then(&self, ts: Timestamp, f: impl FnOnce(Result<Reply<T>>) + Send + 'static) -> Result<()> {
+        let id = self.sh.id;
         let mut p = lock(&self.sh.pending);
         let Some(req) = p.get_mut(&ts) else {
-            return Err(Error::invalid(format!("no request {ts} in flight")));
+            drop(p);
+            if self.is_issued_push(ts) {
+                return run_callback(id, ts, "push", Box::new(f), Ok(Reply::default()));
+            }
+            return Err(Error::invalid(format!("worker {id}: no request {ts} in flight")));
         };
         if req.outcome.is_some() {
+            let what = req.what;
             let out = p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
             drop(p);
-            f(out);
+            run_callback(id, ts, what, Box::new(f), out)
         } else {
             req.callback = Some(Box::new(f));
+            Ok(())
         }
-        Ok(())
+    }
+
+    /// Whether `ts` is a push this worker sent (which, once not in flight, succeeded or was
+    /// waited for).
+    fn is_issued_push(&self, ts: Timestamp) -> bool {
+        let counter = ts >> 1;
+        ts & 1 == 1 && counter >= 1 && counter < self.sh.next.load(Ordering::Relaxed)
     }
 
     /// Servers this worker knows to be gone: their connection closed, or (with heartbeats)
@@ -684,7 +758,8 @@ fn server_gone(what: &str, server: usize, keys: &[u64], cause: &Error) -> Error 
     }
 }
 
-/// Completes request `ts` (the first outcome wins).
+/// Completes request `ts` (the first outcome wins): runs its callback, or keeps the outcome
+/// for `wait` (a push's success is not kept: waiting for it returns at once).
 fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>) {
     let cb = {
         let mut p = lock(&sh.pending);
@@ -694,8 +769,13 @@ fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>
         }
         match req.callback.take() {
             Some(cb) => {
+                let what = req.what;
                 p.remove(&ts);
-                Some((cb, out))
+                Some((cb, what, out))
+            }
+            None if out.is_ok() && !req.wants_values => {
+                p.remove(&ts);
+                None
             }
             None => {
                 req.outcome = Some(out);
@@ -704,23 +784,38 @@ fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>
         }
     };
     match cb {
-        Some((cb, out)) => cb(out),
+        Some((cb, what, out)) => {
+            if let Err(e) = run_callback(sh.id, ts, what, cb, out) {
+                tracing::error!(worker = sh.id, request = ts, error = %e, "parameter-server callback panicked");
+            }
+        }
         None => sh.done.notify_all(),
     }
 }
 
+/// Runs request `ts`'s callback, catching a panic as [`Error::Panicked`].
+fn run_callback<T>(worker: usize, ts: Timestamp, what: &str, cb: Callback<T>, out: Result<Reply<T>>) -> Result<()> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(out))).map_err(|p| Error::Panicked {
+        what: format!("the callback of parameter-server {what} request {ts} on worker {worker}"),
+        message: crate::engine::panic_message(&*p),
+    })
+}
+
 /// The worker's receiving thread: replies, heartbeats, closed servers, deadlines.
 fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
+    // One receive stays posted from slice to slice: a reply half read is not lost.
+    let mut inbox = Inbox::new(sh.ctx.clone(), PS_TAG, wire::MAX_MESSAGE);
     while !sh.stop.load(Ordering::SeqCst) {
         let live: Vec<usize> = {
             let closed = lock(&sh.closed);
             (0..sh.cfg.servers).filter(|s| !closed.contains_key(s)).collect()
         };
         let got = if live.is_empty() {
+            inbox.withdraw();
             std::thread::sleep(SLICE);
             Err(Error::Timeout { op: String::new(), ranks: Vec::new(), keys: Vec::new(), waited: SLICE })
         } else {
-            sh.ctx.scope(|s| s.irecv_bytes(&live, PS_TAG, wire::MAX_MESSAGE)?.wait_quietly(SLICE))
+            inbox.recv(&live, SLICE)
         };
         match got {
             Ok((server, bytes)) => {
@@ -807,23 +902,33 @@ fn fail_server<T: Element>(sh: &WorkerShared<T>, server: usize, cause: Error) {
     }
 }
 
+/// Request `ts`'s deadline passed: the error names it, the servers that did not answer and
+/// their keys.
+fn overdue<T>(ts: Timestamp, p: &Pending<T>, waited: Duration) -> Error {
+    let mut servers: Vec<usize> = p.parts.keys().copied().collect();
+    servers.sort_unstable();
+    let mut keys: Vec<u64> = p.parts.values().flatten().filter_map(|&i| p.keys.get(i).copied()).collect();
+    keys.sort_unstable();
+    let more = if keys.len() > 8 { format!(" and {} more", keys.len() - 8) } else { String::new() };
+    keys.truncate(8);
+    Error::Timeout {
+        op: format!(
+            "parameter-server {} request {ts} (server(s) {servers:?} did not answer for keys {keys:?}{more})",
+            p.what
+        ),
+        ranks: servers,
+        keys: Vec::new(),
+        waited,
+    }
+}
+
 /// Fails requests past their deadline, naming the servers and keys still outstanding.
 fn expire<T: Element>(sh: &WorkerShared<T>) {
     let now = Instant::now();
     let late: Vec<(Timestamp, Error)> = lock(&sh.pending)
         .iter()
         .filter(|(_, p)| p.outcome.is_none() && p.deadline <= now)
-        .map(|(ts, p)| {
-            let servers: Vec<usize> = p.parts.keys().copied().collect();
-            let keys: Vec<String> = p.parts.values().flatten().take(8).map(|&i| format!("key {}", p.keys[i])).collect();
-            let err = Error::Timeout {
-                op: format!("parameter-server {} (servers {servers:?} did not answer)", p.what),
-                ranks: servers,
-                keys,
-                waited: sh.cfg.timeout,
-            };
-            (*ts, err)
-        })
+        .map(|(ts, p)| (*ts, overdue(*ts, p, sh.cfg.timeout)))
         .collect();
     for (ts, e) in late {
         finish(sh, ts, Err(e));
@@ -914,11 +1019,11 @@ fn apply_part<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, shard: usize, m: 
 /// The reply of a request whose every part has been answered: the values in key order, read
 /// once from the answers' buffers into one allocation.
 fn assemble<T: Element>(req: &mut Pending<T>) -> Reply<T> {
+    if !req.wants_values {
+        return Reply::default();
+    }
     let n = req.keys.len();
     let mut reply = Reply { keys: req.keys.clone(), ..Reply::default() };
-    if !req.wants_values {
-        return reply;
-    }
     let answers = std::mem::take(&mut req.answers);
     let typed: Vec<std::borrow::Cow<'_, [T]>> = answers
         .iter()
@@ -982,18 +1087,26 @@ pub struct RequestMeta {
 }
 
 /// How a handler answers, now or later.
+///
+/// A worker that cannot be reached any more (its connection failed, or a send to it timed
+/// out) counts as gone: the answer is dropped, the call returns `Ok`, and the server tells the
+/// handler ([`Handler::worker_left`]) once the handler's call returns.
 pub struct Responder<T> {
     ctx: Arc<Context>,
     servers: usize,
+    workers: usize,
     scratch: Mutex<Vec<u8>>,
     /// Workers that rejoined: the context and rank they are reached at now.
     routes: Mutex<HashMap<usize, (Arc<Context>, usize)>>,
+    /// Workers a send to failed, and why: the server counts them gone.
+    unreachable: Mutex<Vec<(usize, Error)>>,
     _t: PhantomData<fn(T)>,
 }
 
 impl<T: Element> Responder<T> {
     /// Answers a request: for a push, with nothing (`keys` empty); for a pull, with the values
-    /// of the keys asked for, in their order.
+    /// of the keys asked for, in their order. An answer larger than a parameter-server message
+    /// may be is not sent: the worker's request fails with an error naming both sizes.
     pub fn respond(&self, meta: &RequestMeta, keys: &[u64], values: &[T], lens: &[usize]) -> Result<()> {
         self.send_reply(meta, keys, lens.to_vec(), &[values])
     }
@@ -1004,15 +1117,37 @@ impl<T: Element> Responder<T> {
         self.send_reply(meta, keys, parts.iter().map(|p| p.len()).collect(), parts)
     }
 
+    /// Sends to worker `worker`; a failed send makes the worker unreachable, not an error.
     fn send_to(&self, worker: usize, bytes: &[u8]) -> Result<()> {
+        if worker >= self.workers {
+            return Err(Error::invalid(format!("an answer to worker {worker} of {}: no such worker", self.workers)));
+        }
         let route = lock(&self.routes).get(&worker).cloned();
-        match route {
+        let sent = match route {
             Some((ctx, rank)) => ctx.send(rank, PS_TAG, bytes),
             None => self.ctx.send(self.servers + worker, PS_TAG, bytes),
+        };
+        if let Err(e) = sent {
+            tracing::debug!(worker, error = %e, "a parameter-server answer could not be sent; the worker counts as gone");
+            lock(&self.unreachable).push((worker, e));
         }
+        Ok(())
     }
 
     fn send_reply(&self, meta: &RequestMeta, keys: &[u64], lens: Vec<usize>, parts: &[&[T]]) -> Result<()> {
+        let total = parts.iter().try_fold(0usize, |a, p| a.checked_add(std::mem::size_of_val(*p)));
+        let size = total.and_then(|t| wire::encoded_len(keys.len(), lens.len(), t));
+        if size.is_none_or(|n| n > wire::MAX_MESSAGE) {
+            let size = size.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string());
+            let reason = format!(
+                "the answer for {} keys would be {size} bytes, more than the {} bytes a parameter-server message \
+                 may have",
+                keys.len(),
+                wire::MAX_MESSAGE
+            );
+            tracing::warn!(worker = meta.worker, request = meta.timestamp, "{reason}");
+            return self.refuse(meta, &reason);
+        }
         let msg = Message {
             kind: Kind::Reply,
             cmd: meta.cmd,
@@ -1024,9 +1159,8 @@ impl<T: Element> Responder<T> {
             at: 0,
             dtype: T::DTYPE as u8,
         };
-        let total: usize = parts.iter().map(|p| std::mem::size_of_val(*p)).sum();
         let mut bytes = std::mem::take(&mut *lock(&self.scratch));
-        msg.encode_head_into(&mut bytes, total);
+        msg.encode_head_into(&mut bytes, total.unwrap_or(0));
         for p in parts {
             bytes.extend_from_slice(bytemuck::cast_slice(p));
         }
@@ -1053,16 +1187,24 @@ impl<T: Element> Responder<T> {
         };
         self.send_to(meta.worker, &msg.encode())
     }
+
+    /// The workers found unreachable since the last call.
+    fn take_unreachable(&self) -> Vec<(usize, Error)> {
+        std::mem::take(&mut *lock(&self.unreachable))
+    }
 }
 
 /// What a server does with requests.
 pub trait Handler<T: Element>: Send {
     /// Handles one request; answers it through `responder` now or later (every request must
-    /// be answered once, or its worker fails it at the deadline).
+    /// be answered once, or its worker fails it at the deadline). The server checks requests
+    /// before they get here (sorted unique keys, lengths that add up to the values, no values
+    /// in a pull) and refuses those that fail.
     fn handle(&mut self, request: Request<T>, responder: &Responder<T>) -> Result<()>;
 
-    /// Worker `worker` is gone (it said goodbye or its connection closed): a handler that
-    /// waits for every worker (synchronous SGD) stops waiting for it.
+    /// Worker `worker` is gone (it said goodbye, its connection closed, or an answer to it
+    /// could not be sent): a handler that waits for every worker (synchronous SGD) stops
+    /// waiting for it.
     fn worker_left(&mut self, worker: usize, responder: &Responder<T>) -> Result<()> {
         let _ = (worker, responder);
         Ok(())
@@ -1083,150 +1225,310 @@ pub struct KvServer<T: Element, H: Handler<T> + Clone> {
 }
 
 impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
-    /// Serves until every worker has said goodbye or gone; returns the handler's first error.
-    pub fn run(mut self) -> Result<()> {
+    /// Serves until every worker has said goodbye or gone; returns the handler's first error,
+    /// or the error that made the server's own context unusable.
+    ///
+    /// What one worker does wrong or suffers ends nothing but that worker's part: a malformed
+    /// request is refused (the worker's wait fails with why), a message that is not a request
+    /// or does not fit a message is logged (`tracing`) and skipped, and a worker whose
+    /// connection fails, or that an answer cannot reach, counts as gone. A worker that fails
+    /// to rejoin is logged and waited for until its [`PsConfig::rejoin_wait`] ends.
+    pub fn run(self) -> Result<()> {
         let (servers, workers) = (self.node.cfg.servers, self.node.cfg.workers);
+        let ctx = self.node.ctx.clone();
         let responder = Responder {
-            ctx: self.node.ctx.clone(),
+            ctx: ctx.clone(),
             servers,
+            workers,
             scratch: Mutex::new(Vec::new()),
             routes: Mutex::new(HashMap::new()),
+            unreachable: Mutex::new(Vec::new()),
             _t: PhantomData,
         };
-        // Each link is a context and its live workers by rank: the job's, then one per
-        // rejoined worker.
-        let mut links: Vec<(Arc<Context>, HashMap<usize, usize>)> =
-            vec![(self.node.ctx.clone(), (0..workers).map(|w| (servers + w, w)).collect())];
-        // Workers whose process died, waited for until the deadline (rejoin), and the next
-        // generation each may come back as.
-        let mut dead: HashMap<usize, Instant> = HashMap::new();
-        let mut generations: HashMap<usize, i64> = HashMap::new();
-        // Copies of the shards this server backs up, made from the handler as it started.
-        let mut replicas: HashMap<usize, H> = HashMap::new();
         let proto = self.handler.clone();
+        let mut serving = Serving {
+            links: vec![Link {
+                inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE),
+                ctx,
+                workers: (0..workers).map(|w| (servers + w, w)).collect(),
+            }],
+            node: self.node,
+            handler: self.handler,
+            proto,
+            responder,
+            dead: HashMap::new(),
+            generations: HashMap::new(),
+            rejoining: HashMap::new(),
+            replicas: HashMap::new(),
+        };
+        serving.run()
+    }
+}
+
+/// A context the server reaches workers through: the job's, or a rejoined worker's own.
+struct Link {
+    ctx: Arc<Context>,
+    /// Its live workers: rank in `ctx` → worker number.
+    workers: HashMap<usize, usize>,
+    /// The receive from them, posted from one slice to the next.
+    inbox: Inbox,
+}
+
+/// A server's state while it runs.
+struct Serving<T: Element, H: Handler<T> + Clone> {
+    node: Node,
+    handler: H,
+    /// The handler as it started: copied for each shard this server backs up.
+    proto: H,
+    responder: Responder<T>,
+    links: Vec<Link>,
+    /// Workers whose process died, waited for until the deadline (rejoin).
+    dead: HashMap<usize, Instant>,
+    /// The next generation each dead worker may come back as.
+    generations: HashMap<usize, i64>,
+    /// Rejoins being met (a context forming in the background).
+    rejoining: HashMap<usize, JoinHandle<Result<Context>>>,
+    /// Copies of the shards this server backs up, made from `proto`.
+    replicas: HashMap<usize, H>,
+}
+
+impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
+    fn run(&mut self) -> Result<()> {
         let beat = self.node.cfg.heartbeat;
         let mut last_beat = Instant::now();
         let mut last_look = Instant::now();
         let heartbeat = Message::control(Kind::Heartbeat).encode();
         let mut turn = 0usize;
-        while links.iter().any(|(_, w)| !w.is_empty()) || !dead.is_empty() {
+        while self.links.iter().any(|l| !l.workers.is_empty()) || !self.dead.is_empty() || !self.rejoining.is_empty() {
             if let Some(b) = beat
                 && last_beat.elapsed() >= b
             {
                 last_beat = Instant::now();
-                for (ctx, ws) in &links {
-                    for &r in ws.keys() {
-                        let _ = ctx.send(r, PS_TAG, &heartbeat);
-                    }
-                }
-            }
-            if !dead.is_empty() && last_look.elapsed() >= SLICE {
-                last_look = Instant::now();
-                dead.retain(|_, until| Instant::now() < *until);
-                for w in dead.keys().copied().collect::<Vec<_>>() {
-                    if let Some(link) = self.accept_rejoin(w, &mut generations)? {
-                        dead.remove(&w);
-                        lock(&responder.routes).insert(w, (link.clone(), servers));
-                        links.push((link, HashMap::from([(servers, w)])));
-                        self.handler.worker_joined(w, &responder)?;
-                        for r in replicas.values_mut() {
-                            r.worker_joined(w, &responder)?;
+                for link in &self.links {
+                    for (&r, &w) in &link.workers {
+                        if let Err(e) = link.ctx.send(r, PS_TAG, &heartbeat) {
+                            lock(&self.responder.unreachable).push((w, e));
                         }
                     }
                 }
+                self.settle()?;
             }
-            let active: Vec<usize> = (0..links.len()).filter(|&i| !links[i].1.is_empty()).collect();
+            if (!self.dead.is_empty() || !self.rejoining.is_empty()) && last_look.elapsed() >= SLICE {
+                last_look = Instant::now();
+                self.look_for_rejoins()?;
+            }
+            let active: Vec<usize> = (0..self.links.len()).filter(|&i| !self.links[i].workers.is_empty()).collect();
             if active.is_empty() {
+                // Only workers that may rejoin are left: look for them again shortly.
                 std::thread::sleep(SLICE.min(Duration::from_millis(20)));
                 continue;
             }
             turn = (turn + 1) % active.len();
             let li = active[turn];
-            let (ctx, ws) = (&links[li].0, &links[li].1);
-            let ranks: Vec<usize> = ws.keys().copied().collect();
             let mut slice = beat.map_or(SLICE, |b| b.min(SLICE));
-            if active.len() > 1 || !dead.is_empty() {
+            if active.len() > 1 || !self.dead.is_empty() || !self.rejoining.is_empty() {
                 slice = slice.min(Duration::from_millis(2));
             }
-            let got = ctx.scope(|s| s.irecv_bytes(&ranks, PS_TAG, wire::MAX_MESSAGE)?.wait_quietly(slice));
-            let (left, died) = match got {
-                Ok((rank, bytes)) => {
-                    let m = Message::decode(bytes, rank)?;
-                    let worker = ws.get(&rank).copied().unwrap_or(usize::MAX);
-                    match m.kind {
-                        Kind::Bye => (Some(rank), false),
-                        Kind::Push | Kind::Pull | Kind::PushPull => {
-                            self.serve_one(m, worker, &responder, &mut replicas, &proto)?;
-                            (None, false)
-                        }
-                        other => {
-                            return Err(Error::Protocol {
-                                peer: Some(rank),
-                                detail: format!("a {other:?} message to a server"),
-                            });
-                        }
+            let link = &mut self.links[li];
+            let ranks: Vec<usize> = link.workers.keys().copied().collect();
+            let got = link.inbox.recv(&ranks, slice);
+            self.take(li, got)?;
+            self.settle()?;
+        }
+        Ok(())
+    }
+
+    /// What the receive on link `li` gave.
+    fn take(&mut self, li: usize, got: Result<(usize, Vec<u8>)>) -> Result<()> {
+        let id = self.node.id;
+        let worker_at = |rank: usize| self.links[li].workers.get(&rank).copied();
+        match got {
+            Ok((rank, bytes)) => {
+                let Some(w) = worker_at(rank) else {
+                    tracing::debug!(server = id, rank, "a message from a worker that has left; skipped");
+                    return Ok(());
+                };
+                match Message::decode(bytes, rank) {
+                    Err(e) => {
+                        tracing::warn!(server = id, worker = w, error = %e, "an undecodable message; skipped");
+                        Ok(())
                     }
+                    Ok(m) => match m.kind {
+                        Kind::Bye => self.depart(w, false),
+                        Kind::Push | Kind::Pull | Kind::PushPull => self.serve_one(m, w),
+                        other => {
+                            tracing::warn!(server = id, worker = w, "a {other:?} message to a server; skipped");
+                            Ok(())
+                        }
+                    },
                 }
-                Err(Error::Timeout { .. }) => (None, false),
-                Err(Error::PeerClosed { rank, .. }) if ws.contains_key(&rank) => (Some(rank), true),
-                Err(e) if li > 0 => {
+            }
+            Err(Error::Timeout { .. }) => Ok(()),
+            Err(Error::Mismatch { rank, detail }) if worker_at(rank).is_some() => {
+                // The pair reads past the message and goes on: only that message is lost.
+                tracing::warn!(server = id, worker = worker_at(rank), "{detail}; skipped");
+                Ok(())
+            }
+            Err(e) => match e.rank().and_then(worker_at) {
+                Some(w) => {
+                    tracing::debug!(server = id, worker = w, error = %e, "a worker's connection failed");
+                    self.depart(w, true)
+                }
+                None if li > 0 => {
                     // A rejoined worker's own context failed: that worker is gone again.
-                    tracing::debug!(error = %e, "a rejoined worker's context failed");
-                    (ranks.first().copied(), true)
+                    tracing::debug!(server = id, error = %e, "a rejoined worker's context failed");
+                    let gone: Vec<usize> = self.links[li].workers.values().copied().collect();
+                    gone.into_iter().try_for_each(|w| self.depart(w, true))
                 }
-                Err(e) => return Err(e),
-            };
-            if let Some(rank) = left
-                && let Some(w) = links[li].1.remove(&rank)
-            {
-                lock(&responder.routes).remove(&w);
-                self.handler.worker_left(w, &responder)?;
-                for r in replicas.values_mut() {
-                    r.worker_left(w, &responder)?;
+                None if e.rank().is_some_and(|r| r != self.links[li].ctx.rank()) => {
+                    tracing::debug!(server = id, error = %e, "an error from a rank that is no live worker; ignored");
+                    Ok(())
                 }
-                if died
-                    && self.node.store.is_some()
-                    && let Some(wait) = self.node.cfg.rejoin_wait
-                {
-                    dead.insert(w, Instant::now() + wait);
+                None => Err(e),
+            },
+        }
+    }
+
+    /// Worker `w` is gone (`died`: without a goodbye, so it may rejoin).
+    fn depart(&mut self, w: usize, died: bool) -> Result<()> {
+        let Some(li) = self.links.iter().position(|l| l.workers.values().any(|&x| x == w)) else {
+            return Ok(()); // gone already
+        };
+        let link = &mut self.links[li];
+        link.workers.retain(|_, x| *x != w);
+        if link.workers.is_empty() {
+            if li > 0 {
+                // A rejoined worker's own context: nothing more comes through it.
+                self.links.remove(li);
+            } else {
+                link.inbox.withdraw();
+            }
+        }
+        lock(&self.responder.routes).remove(&w);
+        if died
+            && self.node.store.is_some()
+            && let Some(wait) = self.node.cfg.rejoin_wait
+        {
+            self.dead.insert(w, Instant::now() + wait);
+        }
+        self.handler.worker_left(w, &self.responder)?;
+        for r in self.replicas.values_mut() {
+            r.worker_left(w, &self.responder)?;
+        }
+        Ok(())
+    }
+
+    /// Counts the workers that answers could not reach as gone (which may make more answers
+    /// go out, and fail).
+    fn settle(&mut self) -> Result<()> {
+        loop {
+            let gone = self.responder.take_unreachable();
+            if gone.is_empty() {
+                return Ok(());
+            }
+            for (w, e) in gone {
+                tracing::debug!(server = self.node.id, worker = w, error = %e, "a worker cannot be reached");
+                self.depart(w, true)?;
+            }
+        }
+    }
+
+    /// Starts meeting dead workers that announced a rejoin in the store, and takes in those met.
+    fn look_for_rejoins(&mut self) -> Result<()> {
+        let now = Instant::now();
+        self.dead.retain(|_, until| now < *until);
+        let id = self.node.id;
+        let met: Vec<usize> = self.rejoining.iter().filter(|(_, h)| h.is_finished()).map(|(&w, _)| w).collect();
+        for w in met {
+            let Some(h) = self.rejoining.remove(&w) else { continue };
+            match h.join() {
+                Ok(Ok(ctx)) => self.admit(w, Arc::new(ctx))?,
+                Ok(Err(e)) => tracing::warn!(server = id, worker = w, error = %e, "a rejoining worker did not connect"),
+                Err(p) => tracing::warn!(
+                    server = id,
+                    worker = w,
+                    "the thread meeting a rejoining worker panicked: {}",
+                    crate::engine::panic_message(&*p)
+                ),
+            }
+        }
+        let Some(store) = self.node.store.clone() else { return Ok(()) };
+        let waiting: Vec<usize> = self.dead.keys().copied().filter(|w| !self.rejoining.contains_key(w)).collect();
+        for w in waiting {
+            let g = self.generations.entry(w).or_insert(0);
+            match store.try_get(&format!("{REJOIN}/{w}/{g}")) {
+                Ok(Some(_)) => {}
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(server = id, worker = w, error = %e, "reading the store for rejoins failed");
+                    continue;
+                }
+            }
+            let prefixed = crate::rendezvous::PrefixStore::new(format!("{REJOIN}/{w}/{g}/"), store.clone());
+            *g += 1;
+            let (cfg, device) = (self.node.cfg.clone(), self.node.ctx.device().clone());
+            let meet = std::thread::Builder::new().name(format!("ferrogloo-ps-rejoin-{w}")).spawn(move || {
+                Context::builder(id, cfg.servers + 1).timeout(cfg.timeout).connect(&prefixed, &device).map_err(|e| {
+                    match e {
+                        // Rank `servers` of this context is the worker (not worker 0).
+                        Error::Timeout { op, ranks, keys, waited } => Error::Timeout {
+                            op: format!("parameter-server server {id} meeting rejoining worker {w}: {op}"),
+                            ranks,
+                            keys,
+                            waited,
+                        },
+                        other => other,
+                    }
+                })
+            });
+            match meet {
+                Ok(h) => {
+                    self.rejoining.insert(w, h);
+                }
+                Err(e) => {
+                    tracing::warn!(server = id, worker = w, error = %e, "cannot start meeting a rejoining worker")
                 }
             }
         }
         Ok(())
     }
 
-    /// A new context with worker `w` if it announced a rejoin in the store.
-    fn accept_rejoin(&self, w: usize, generations: &mut HashMap<usize, i64>) -> Result<Option<Arc<Context>>> {
-        let Some(store) = &self.node.store else { return Ok(None) };
-        let g = generations.entry(w).or_insert(0);
-        if store.try_get(&format!("{REJOIN}/{w}/{g}"))?.is_none() {
-            return Ok(None);
+    /// Worker `w` rejoined in its own context `ctx`.
+    fn admit(&mut self, w: usize, ctx: Arc<Context>) -> Result<()> {
+        let rank = self.node.cfg.servers;
+        self.dead.remove(&w);
+        lock(&self.responder.routes).insert(w, (ctx.clone(), rank));
+        self.links.push(Link {
+            inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE),
+            ctx,
+            workers: HashMap::from([(rank, w)]),
+        });
+        self.handler.worker_joined(w, &self.responder)?;
+        for r in self.replicas.values_mut() {
+            r.worker_joined(w, &self.responder)?;
         }
-        let prefixed = crate::rendezvous::PrefixStore::new(format!("{REJOIN}/{w}/{g}/"), store.clone());
-        *g += 1;
-        let cfg = &self.node.cfg;
-        let ctx = Context::builder(self.node.id, cfg.servers + 1)
-            .timeout(cfg.timeout)
-            .connect(&prefixed, self.node.ctx.device())
-            .map_err(|e| name_roles(e, cfg))?;
-        Ok(Some(Arc::new(ctx)))
+        Ok(())
     }
 
     /// Hands one request to the handler (or the backup copy it is for), or refuses it.
-    fn serve_one(
-        &mut self,
-        m: Message,
-        worker: usize,
-        responder: &Responder<T>,
-        replicas: &mut HashMap<usize, H>,
-        proto: &H,
-    ) -> Result<()> {
+    fn serve_one(&mut self, m: Message, worker: usize) -> Result<()> {
         let servers = self.node.cfg.servers;
+        let responder = &self.responder;
         let meta = meta_of(&m, worker);
         if m.dtype != T::DTYPE as u8 {
             return responder.refuse(
                 &meta,
                 &format!("this server holds {} values, the request has type code {}", T::DTYPE, m.dtype),
+            );
+        }
+        let size = size_of::<T>().max(1);
+        if !m.payload().len().is_multiple_of(size) {
+            return responder.refuse(
+                &meta,
+                &format!(
+                    "the request's values are {} bytes, not a whole number of {size}-byte values",
+                    m.payload().len()
+                ),
             );
         }
         let values: Vec<T> = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
@@ -1240,7 +1542,7 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
         } else if meta.shard == me {
             self.handler.handle(req, responder)
         } else if self.node.cfg.replication && meta.shard < servers && backup_of(meta.shard, servers) == me {
-            replicas.entry(meta.shard).or_insert_with(|| proto.clone()).handle(req, responder)
+            self.replicas.entry(meta.shard).or_insert_with(|| self.proto.clone()).handle(req, responder)
         } else {
             responder.refuse(&meta, &format!("server {me} does not hold server {}'s keys", meta.shard))
         }
@@ -1258,17 +1560,67 @@ fn meta_of(m: &Message, worker: usize) -> RequestMeta {
     }
 }
 
-/// A request's keys and lengths hold together (a worker checks them before sending; this is
-/// for requests that did not come from one).
-fn check_request<T: Element>(r: &Request<T>) -> Result<()> {
-    let what = if r.meta.push { "push" } else { "pull" };
-    if r.meta.push {
-        check_keys(what, &r.keys, Some((r.values.len(), &r.lens)))?;
-        if r.lens.len() != r.keys.len() {
-            return Err(Error::invalid(format!("{what}: {} lengths for {} keys", r.lens.len(), r.keys.len())));
-        }
-    } else {
+/// A request's keys, lengths and values hold together (a worker checks them before sending;
+/// this is for requests that did not come from one): keys sorted and unique, a push's
+/// lengths one per key and adding up to its values, a pull with neither.
+pub(crate) fn check_request<T>(r: &Request<T>) -> Result<()> {
+    let what = match (r.meta.push, r.meta.pull) {
+        (true, true) => "push_pull",
+        (true, false) => "push",
+        _ => "pull",
+    };
+    if !r.meta.push {
         check_keys(what, &r.keys, None)?;
+        if !r.lens.is_empty() || !r.values.is_empty() {
+            return Err(Error::invalid(format!(
+                "{what} request {} of worker {}: a pull carries no values, this one has {} values and {} lengths",
+                r.meta.timestamp,
+                r.meta.worker,
+                r.values.len(),
+                r.lens.len()
+            )));
+        }
+        return Ok(());
     }
-    Ok(())
+    if r.lens.len() != r.keys.len() {
+        return Err(Error::invalid(format!(
+            "{what} request {} of worker {}: {} lengths for {} keys",
+            r.meta.timestamp,
+            r.meta.worker,
+            r.lens.len(),
+            r.keys.len()
+        )));
+    }
+    check_keys(what, &r.keys, Some((r.values.len(), &r.lens))).map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::HashStore;
+
+    #[test]
+    fn pushes_nobody_waits_for_are_forgotten_once_acknowledged() -> Result<()> {
+        let store = HashStore::new();
+        let cfg = PsConfig::new(1, 1);
+        std::thread::scope(|s| {
+            let server = s.spawn(|| {
+                let node = Node::connect(&store, &Device::in_process(), Role::Server, 0, cfg.clone())?;
+                node.server(SumStore::<f32>::default())?.run()
+            });
+            let w = Node::connect(&store, &Device::in_process(), Role::Worker, 0, cfg.clone())?.worker::<f32>()?;
+            let first = w.push(&[1], &[1.0], &[])?;
+            for _ in 0..99 {
+                w.push(&[1], &[1.0], &[])?;
+            }
+            // One server answers in order: the pull's answer comes after every acknowledgement.
+            assert_eq!(w.wait(w.pull(&[1])?)?.values, [100.0]);
+            assert_eq!(lock(&w.sh.pending).len(), 0, "requests kept after their answers");
+            // Waiting for an acknowledged push still works.
+            assert_eq!(w.wait(first)?, Reply::default());
+            assert!(w.wait(first + 1).is_err(), "a pull that was never sent");
+            drop(w);
+            server.join().expect("server thread")
+        })
+    }
 }

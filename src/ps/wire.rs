@@ -7,6 +7,15 @@ use crate::error::{Error, Result};
 /// Longest message a node receives.
 pub(crate) const MAX_MESSAGE: usize = 1 << 30;
 
+/// The length of a message with `keys` keys, `lens` lengths and `payload` bytes of values
+/// (`None`: more than a `usize` holds).
+pub(crate) fn encoded_len(keys: usize, lens: usize, payload: usize) -> Option<usize> {
+    // kind, dtype, cmd, timestamp, shard: 18 bytes; two counts of 4; 8 per key and length;
+    // padded so that the values start 8-byte aligned.
+    let words = keys.checked_add(lens)?.checked_mul(8)?;
+    words.checked_add(26)?.checked_next_multiple_of(8)?.checked_add(payload)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Push = 1,
@@ -181,6 +190,9 @@ mod tests {
             (m.kind, m.cmd, m.ts, m.shard, &m.keys, &m.lens, m.payload())
         );
         assert_eq!(d.at % 8, 0);
+        assert_eq!(encoded_len(2, 2, 4), Some(m.encode().len()));
+        assert_eq!(encoded_len(0, 0, 0), Some(Message::control(Kind::Bye).encode().len()));
+        assert_eq!(encoded_len(usize::MAX / 8, 1, 0), None);
         assert_eq!(Message::decode(Message::control(Kind::Bye).encode(), 0).ok().map(|m| m.kind), Some(Kind::Bye));
     }
 
