@@ -636,16 +636,6 @@ impl BytesRequest<'_, '_> {
     pub fn is_done(&self) -> bool {
         self.scope.is_done(self.idx)
     }
-
-    /// Like [`wait_timeout`](Self::wait_timeout), but sleeps at once instead of busy-waiting
-    /// first, and long: for the only thread that waits on this mesh, which waits long and
-    /// rarely (the engine's idle wait), whose spinning would take a core from the threads that
-    /// do the work.
-    pub(crate) fn wait_sleeping(self, timeout: Duration) -> Result<(usize, Vec<u8>)> {
-        let spin = BusyWait { budget: Duration::ZERO, yield_cpu: false, alone: true };
-        let (done, data) = self.scope.finish_spinning(self.idx, Instant::now() + timeout, spin)?;
-        Ok((done.peer, data.unwrap_or_default()))
-    }
 }
 
 /// The bytes of a slice of plain-old-data values.

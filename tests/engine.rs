@@ -754,3 +754,63 @@ mod prop {
         }
     }
 }
+
+/// A large state message that arrives while rank 0's idle wait looks for stalls every 10 ms is
+/// read whole: the idle receive stays posted from one look to the next (withdrawn at a look
+/// while half read, the message was lost and both ranks waited for each other to the end).
+#[test]
+fn a_large_state_message_arriving_between_stall_looks_is_not_lost() {
+    let check = Duration::from_millis(40);
+    let go = Barrier::new(2);
+    let store = HashStore::new();
+    let cfg = EngineConfig { stall_check: Some(check), ..EngineConfig::default() };
+    // Tensors of one element in 2,000,000 dimensions: rank 1's state message carries their
+    // shapes (about 80 MB).
+    let names: Vec<String> = (0..5).map(|i| format!("big{i}")).collect();
+    let reported = |e: &Engine, name: &str| -> Result<()> {
+        let start = Instant::now();
+        while !e.stall_reports().iter().any(|r| r.name == name) {
+            if start.elapsed() > TIMEOUT {
+                return Err(Error::invalid(format!("no stall report of '{name}'")));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    };
+    let r = common::run_ranks_on(
+        2,
+        &store,
+        &Device::loopback,
+        |b| b,
+        |ctx: Context| {
+            let e = Engine::new(ctx, cfg.clone())?;
+            let submit = || {
+                names
+                    .iter()
+                    .map(|n| e.allreduce(n, Tensor::new(vec![e.rank() as u32 + 1], vec![1; 2_000_000])?, Op::Sum))
+                    .collect::<Result<Vec<_>>>()
+            };
+            let (first, hs) = if e.rank() == 0 {
+                // Pending on rank 0 only: its idle wait looks for stalls every 10 ms. Rank 1
+                // sends its large state once the stall is reported, so the looks are surely on,
+                // and rank 0, with nothing to say, receives it in its idle wait.
+                let first = e.allreduce("first", vec![1f32], Op::Sum)?;
+                let seen = reported(&e, "first");
+                go.wait();
+                seen?;
+                reported(&e, "big0")?;
+                (first, submit()?)
+            } else {
+                go.wait();
+                let hs = submit()?;
+                (e.allreduce("first", vec![1f32], Op::Sum)?, hs)
+            };
+            let sums = hs.into_iter().map(|h| Ok(h.wait()?.data[0])).collect::<Result<Vec<_>>>()?;
+            Ok((first.wait()?.data, sums))
+        },
+    );
+    for (first, sums) in all_ok(r) {
+        assert_eq!(first, vec![2.0]);
+        assert_eq!(sums, vec![3; 5]);
+    }
+}

@@ -8,6 +8,7 @@ use super::{CONTROL_TAG, Completion, EngineConfig, Kind, Meta, Output, Payload, 
 use super::{Submission, TimelineCommand};
 use crate::Context;
 use crate::error::{Error, Result};
+use crate::inbox::{Inbox, SLEEPING};
 use crate::sync::lock;
 use std::collections::{BTreeSet, HashMap};
 use std::io::Write as _;
@@ -145,6 +146,9 @@ pub(crate) struct Core {
     reported: HashMap<String, Instant>,
     fusion: Vec<u64>,
     timeline: Option<Timeline>,
+    /// The idle wait's receive of control messages from any rank: it stays posted from one
+    /// idle slice to the next (withdrawn at a slice's end, a half-read message would be lost).
+    inbox: Inbox,
 }
 
 impl Core {
@@ -159,6 +163,7 @@ impl Core {
             timeline.map(|p| Timeline::create(&p, ctx.world_rank(rank).unwrap_or(rank), sh.epoch)).transpose()?;
         Ok(Core {
             cache: Cache::new(cfg.cache_capacity.min(u32::MAX as usize - 1)),
+            inbox: Inbox::new(ctx.clone(), CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
             ctx,
             sh,
             cfg,
@@ -292,11 +297,15 @@ impl Core {
         let all: Vec<usize> = (0..self.size).collect();
         loop {
             if self.has_news() {
-                return Ok(None);
+                // The cycle's own receives must not race the idle one: withdraw it, unless a
+                // message is arriving into it already, which then comes first.
+                self.inbox.withdraw();
+                if !self.inbox.is_posted() {
+                    return Ok(None);
+                }
             }
             let timeout = self.idle_timeout();
-            let got = self.ctx.scope(|s| s.irecv_bytes(&all, CONTROL_TAG, wire::MAX_MESSAGE)?.wait_sleeping(timeout));
-            match got {
+            match self.inbox.recv(&all, timeout) {
                 Ok((peer, msg)) if peer == self.rank => {
                     self.sh.wake_pending.store(false, Ordering::SeqCst);
                     if msg != [wire::WAKE] {

@@ -59,7 +59,6 @@
 
 mod env;
 mod handlers;
-mod inbox;
 mod wire;
 
 pub use env::{EnvRole, config_from_env, role_from_env, run_scheduler};
@@ -68,10 +67,10 @@ pub use handlers::{AsyncSgd, SumStore, SyncSgd};
 use crate::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::inbox::{Inbox, QUIET};
 use crate::rendezvous::Store;
 use crate::sync::lock;
 use crate::types::Element;
-use inbox::Inbox;
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -85,6 +84,8 @@ const REJOIN: &str = "ferrogloo-ps/rejoin";
 
 /// The tag of parameter-server messages on the nodes' context.
 const PS_TAG: u32 = 0x5053_0001;
+/// The parameter server's receives, as errors name them.
+const PS_RECEIVE: &str = "parameter-server receive";
 /// How often the receiving threads look at deadlines and stop flags.
 const SLICE: Duration = Duration::from_millis(100);
 
@@ -804,7 +805,7 @@ fn run_callback<T>(worker: usize, ts: Timestamp, what: &str, cb: Callback<T>, ou
 /// The worker's receiving thread: replies, heartbeats, closed servers, deadlines.
 fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
     // One receive stays posted from slice to slice: a reply half read is not lost.
-    let mut inbox = Inbox::new(sh.ctx.clone(), PS_TAG, wire::MAX_MESSAGE);
+    let mut inbox = Inbox::new(sh.ctx.clone(), PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE);
     while !sh.stop.load(Ordering::SeqCst) {
         let live: Vec<usize> = {
             let closed = lock(&sh.closed);
@@ -1248,7 +1249,7 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
         let proto = self.handler.clone();
         let mut serving = Serving {
             links: vec![Link {
-                inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE),
+                inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
                 ctx,
                 workers: (0..workers).map(|w| (servers + w, w)).collect(),
             }],
@@ -1499,7 +1500,7 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         self.dead.remove(&w);
         lock(&self.responder.routes).insert(w, (ctx.clone(), rank));
         self.links.push(Link {
-            inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE),
+            inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
             ctx,
             workers: HashMap::from([(rank, w)]),
         });

@@ -1,11 +1,12 @@
-//! A receive of parameter-server messages that stays posted from one wait to the next.
+//! A receive from any of a set of ranks that stays posted from one wait to the next.
 //!
-//! The server's loop and the worker's receiving thread wait in short slices (to send
-//! heartbeats, look at deadlines and stop flags). A receive withdrawn at the end of a slice
-//! while its message is half read loses the message: the transport reads and drops the rest of
-//! the payload. So the receive stays posted across slices, and is only withdrawn when no
-//! message has claimed it (the claim is the transport's own arbiter: a claimed receive is
-//! finished by the pair that claimed it, an unclaimed one is withdrawn with no message lost).
+//! Background loops (the parameter server's loop and its workers' receiving threads, the
+//! engine's idle wait) wait in slices, to send heartbeats or look at deadlines, stop flags and
+//! stalls between them. A receive withdrawn at the end of a slice while its message is half
+//! read loses the message: the transport reads and drops the rest of the payload. So the
+//! receive stays posted across slices, and is only withdrawn when no message has claimed it
+//! (the claim is the transport's own arbiter: a claimed receive is finished by the pair that
+//! claimed it, an unclaimed one is withdrawn with no message lost).
 
 use crate::Context;
 use crate::error::{Error, Result};
@@ -14,9 +15,14 @@ use crate::types::OpDesc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How long a wait busy-waits before it sleeps: long enough to catch the next fragment of a
-/// large message, short enough to leave the core to the threads that do the work.
-const QUIET: BusyWait = BusyWait { budget: Duration::from_micros(50), yield_cpu: false, alone: false };
+/// A background thread's wait: busy-waits 50 µs before it sleeps, long enough to catch the
+/// next fragment of a large message, short enough to leave the core to the threads that do the
+/// work.
+pub(crate) const QUIET: BusyWait = BusyWait { budget: Duration::from_micros(50), yield_cpu: false, alone: false };
+
+/// The wait of the only thread that waits on its mesh, which waits long and rarely (the
+/// engine's idle wait): sleeps at once.
+pub(crate) const SLEEPING: BusyWait = BusyWait { budget: Duration::ZERO, yield_cpu: false, alone: true };
 
 /// A posted receive from any of `ranks`.
 struct Posted {
@@ -27,23 +33,34 @@ struct Posted {
 
 /// The next message with one tag from any of a set of ranks of a context, received into a
 /// buffer of its own length (at most `max` bytes).
-pub(super) struct Inbox {
+pub(crate) struct Inbox {
     ctx: Arc<Context>,
     tag: u32,
     max: usize,
+    spin: BusyWait,
+    /// The operation's name in errors.
+    what: &'static str,
     posted: Option<Posted>,
 }
 
 impl Inbox {
-    pub(super) fn new(ctx: Arc<Context>, tag: u32, max: usize) -> Self {
-        Inbox { ctx, tag, max, posted: None }
+    /// An inbox of messages of at most `max` bytes with `tag` on `ctx`, waiting as `spin`
+    /// says; `what` names the operation in errors.
+    pub(crate) fn new(ctx: Arc<Context>, tag: u32, max: usize, spin: BusyWait, what: &'static str) -> Self {
+        Inbox { ctx, tag, max, spin, what, posted: None }
+    }
+
+    /// Whether a receive is posted (one that timed out, or that [`withdraw`](Self::withdraw)
+    /// kept because a message claimed it).
+    pub(crate) fn is_posted(&self) -> bool {
+        self.posted.is_some()
     }
 
     /// Waits up to `slice` for the next message from any of `ranks`; returns the sender and
     /// the message, or [`Error::Timeout`] with the receive still posted for the next call. A
     /// receive posted for another set of ranks is withdrawn first, unless a message already
     /// claimed it: then that message is what this call waits for.
-    pub(super) fn recv(&mut self, ranks: &[usize], slice: Duration) -> Result<(usize, Vec<u8>)> {
+    pub(crate) fn recv(&mut self, ranks: &[usize], slice: Duration) -> Result<(usize, Vec<u8>)> {
         if self.posted.as_ref().is_some_and(|p| p.ranks != ranks) {
             self.withdraw();
         }
@@ -53,11 +70,11 @@ impl Inbox {
         };
         let own: Vec<usize> = posted.pairs.iter().map(|p| p.peer()).collect();
         let progress = &self.ctx.comm().shared().mesh.progress;
-        match progress.wait(&posted.done, &own, &[], Instant::now() + slice, QUIET) {
+        match progress.wait(&posted.done, &own, &[], Instant::now() + slice, self.spin) {
             None => {
                 let ranks = posted.ranks.clone();
                 self.posted = Some(posted);
-                Err(Error::Timeout { op: "parameter-server receive".into(), ranks, keys: Vec::new(), waited: slice })
+                Err(Error::Timeout { op: self.what.into(), ranks, keys: Vec::new(), waited: slice })
             }
             Some(outcome) => {
                 if posted.pairs.len() > 1 {
@@ -67,7 +84,7 @@ impl Inbox {
                         p.cancel(&posted.done);
                     }
                 }
-                let done = outcome.map_err(|e| e.during("parameter-server receive"))?;
+                let done = outcome.map_err(|e| e.during(self.what))?;
                 Ok((done.peer, posted.done.take_payload().unwrap_or_default()))
             }
         }
@@ -75,7 +92,7 @@ impl Inbox {
 
     /// Withdraws the posted receive unless a message has claimed it (or it finished): that one
     /// stays, for the next [`recv`](Self::recv) to return.
-    pub(super) fn withdraw(&mut self) {
+    pub(crate) fn withdraw(&mut self) {
         let Some(p) = self.posted.take() else { return };
         if p.done.try_claim() {
             // Claimed here, so no pair can claim it any more: nothing is lost.
@@ -90,7 +107,7 @@ impl Inbox {
     /// Posts a receive on the pairs of `ranks`.
     fn post(&self, ranks: &[usize]) -> Result<Posted> {
         if ranks.is_empty() {
-            return Err(Error::invalid("a parameter-server receive from no rank"));
+            return Err(Error::invalid(format!("{} from no rank", self.what)));
         }
         let comm = self.ctx.comm();
         let pairs = ranks.iter().map(|&r| comm.pair(r).cloned()).collect::<Result<Vec<_>>>()?;
@@ -105,7 +122,7 @@ impl Inbox {
                     for p in &pairs[..i] {
                         p.cancel(&done);
                     }
-                    return Err(e.during("parameter-server receive"));
+                    return Err(e.during(self.what));
                 }
                 // A message from an earlier pair claimed it: take that one; the failed pair's
                 // error shows on the next receive that includes it.
