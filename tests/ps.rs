@@ -6,7 +6,7 @@ mod common;
 
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
-use ferrogloo::ps::{Handler, Node, PsConfig, Request, Responder, Role, Sharding, SumStore, SyncSgd};
+use ferrogloo::ps::{AsyncSgd, Handler, Node, PsConfig, Request, Responder, Role, Sharding, SumStore, SyncSgd};
 use ferrogloo::rendezvous::{HashStore, STORE_ENV, Store};
 use ferrogloo::{Context, Element, Error, Result};
 use std::io::{BufRead, BufReader};
@@ -840,4 +840,170 @@ fn a_rejoin_that_fails_is_logged_and_a_later_one_is_met() {
     });
     let r = common::all_ok(r);
     assert_eq!((&r[1][..], &r[2][..]), (&[1.0, 7.0][..], &[7.0][..]));
+}
+
+/// A [`SyncSgd`] that says which workers it saw leave.
+#[derive(Clone)]
+struct Watched {
+    inner: SyncSgd,
+    left: mpsc::Sender<usize>,
+}
+
+impl Handler<f32> for Watched {
+    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        self.inner.handle(r, responder)
+    }
+
+    fn worker_left(&mut self, worker: usize, responder: &Responder<f32>) -> Result<()> {
+        let _ = self.left.send(worker);
+        self.inner.worker_left(worker, responder)
+    }
+}
+
+#[test]
+fn a_backup_copy_knows_of_workers_that_left_before_its_first_request() {
+    // Server 1 keeps server 0's copy. Worker 1 dies before anything was sent; then worker 0
+    // pushes to server 1's copy of shard 0 (as a worker does when server 0 is gone). The
+    // copy's synchronous round has worker 0 only and is answered (made at its first request,
+    // the copy waited for worker 1 to the end).
+    let (left_tx, left) = mpsc::channel();
+    let left = Mutex::new(left);
+    let r = members(4, |i, store| {
+        let mut cfg = PsConfig::new(2, 2);
+        cfg.replication = true;
+        cfg.heartbeat = None;
+        match i {
+            0 | 1 => {
+                let (tx, _) = mpsc::channel();
+                let left = if i == 1 { left_tx.clone() } else { tx };
+                let handler = Watched { inner: SyncSgd::new(2, 1.0), left };
+                Node::connect(&**store, &Device::in_process(), Role::Server, i, cfg)?.server(handler)?.run()?;
+                Ok((0, String::new()))
+            }
+            2 => {
+                drop(bare_worker(store, 2, 2, 1)?);
+                Ok((0, String::new()))
+            }
+            _ => {
+                let ctx = bare_worker(store, 2, 2, 0)?;
+                let gone = left.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+                if gone != Ok(1) {
+                    return Err(Error::invalid(format!("server 1 did not see worker 1 leave: {gone:?}")));
+                }
+                // A push of key 1 for shard 0 (the message's shard field), to server 1.
+                ctx.send(1, PS_TAG, &ps_message(1, 3, &[1], &[1], &2f32.to_le_bytes()))?;
+                let answer = ctx.recv_bytes(1, PS_TAG, 1 << 20)?;
+                for s in 0..2 {
+                    ctx.send(s, PS_TAG, &ps_message(6, 0, &[], &[], &[]))?;
+                }
+                let kind = answer.first().copied().unwrap_or(0);
+                Ok((kind, String::from_utf8_lossy(answer.get(32..).unwrap_or(&[])).into_owned()))
+            }
+        }
+    });
+    let r = common::all_ok(r);
+    assert_eq!(r[3].0, 4, "server 1's copy of shard 0 answered {:?}", r[3]);
+}
+
+/// The values of a parameter-server reply (the layout of [`ps_message`]).
+fn reply_values(m: &[u8]) -> Vec<f32> {
+    let word = |at: usize| m.get(at..at + 4).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+    let nkeys = word(18);
+    let at = 22 + 8 * nkeys;
+    let nlens = word(at);
+    let start = (at + 4 + 8 * nlens).next_multiple_of(8);
+    m.get(start..).unwrap_or(&[]).chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+/// A [`SyncSgd`] that says whose request it took.
+#[derive(Clone)]
+struct Arrivals {
+    inner: SyncSgd,
+    took: mpsc::Sender<usize>,
+}
+
+impl Handler<f32> for Arrivals {
+    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+        let worker = r.meta.worker;
+        self.inner.handle(r, responder)?;
+        let _ = self.took.send(worker);
+        Ok(())
+    }
+
+    fn worker_left(&mut self, worker: usize, responder: &Responder<f32>) -> Result<()> {
+        self.inner.worker_left(worker, responder)
+    }
+}
+
+#[test]
+fn sgd_pushes_that_do_not_fit_a_key_are_refused_whole() {
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    // Synchronous rounds: worker 1's push of another length to a key new in the round is
+    // refused (it was left out of the sum, silently); its push of the right length completes
+    // the round.
+    let (took_tx, took) = mpsc::channel();
+    let took = Mutex::new(took);
+    let r = members(3, |i, store| {
+        let mut cfg = PsConfig::new(2, 1);
+        cfg.heartbeat = None;
+        if i == 0 {
+            let handler = Arrivals { inner: SyncSgd::new(2, 1.0), took: took_tx.clone() };
+            Node::connect(&**store, &Device::in_process(), Role::Server, 0, cfg)?.server(handler)?.run()?;
+            return Ok(Vec::new());
+        }
+        let ctx = bare_worker(store, 1, 2, i - 1)?;
+        let took = || {
+            let t = took.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+            t.map_err(|_| Error::invalid("the server took no request"))
+        };
+        let mut out = Vec::new();
+        if i == 1 {
+            ctx.send(0, PS_TAG, &ps_message(1, 1, &[5], &[3], &f32s(&[1.0, 2.0, 3.0])))?;
+            let answer = ctx.recv_bytes(0, PS_TAG, 1 << 20)?;
+            out.push((answer.first().copied().unwrap_or(0), String::new()));
+            out.push((ask(&ctx, &ps_message(2, 3, &[5], &[], &[]))?.0, String::new()));
+            ctx.send(0, PS_TAG, &ps_message(2, 5, &[5], &[], &[]))?;
+            out.push((9, format!("{:?}", reply_values(&ctx.recv_bytes(0, PS_TAG, 1 << 20)?))));
+        } else {
+            if took()? != 0 {
+                return Err(Error::invalid("worker 1's request came first"));
+            }
+            out.push(ask(&ctx, &ps_message(1, 2, &[5], &[4], &f32s(&[1.0; 4])))?);
+            out.push(ask(&ctx, &ps_message(1, 4, &[5], &[3], &f32s(&[3.0, 2.0, 1.0])))?);
+            // Worker 0's pull (its second request) waits for this round.
+            out.push(ask(&ctx, &ps_message(2, 6, &[5], &[], &[]))?);
+        }
+        ctx.send(0, PS_TAG, &ps_message(6, 0, &[], &[], &[]))?;
+        Ok(out)
+    });
+    let r = common::all_ok(r);
+    let (w0, w1) = (&r[1], &r[2]);
+    assert!(w1[0].0 == 5 && w1[0].1.contains("key 5 holds 3 weights, the push has 4"), "{w1:?}");
+    assert_eq!((w1[1].0, w1[2].0, w0[0].0, w0[1].0), (4, 4, 4, 4), "{w0:?} {w1:?}");
+    // w = -(1 + 3, 2 + 2, 3 + 1) / 2.
+    assert_eq!(w0[2].1, "[-2.0, -2.0, -2.0]");
+
+    // Asynchronous: a push with one misfit key changes no key.
+    let r = members(2, |i, store| {
+        let mut cfg = PsConfig::new(1, 1);
+        cfg.heartbeat = None;
+        if i == 0 {
+            Node::connect(&**store, &Device::in_process(), Role::Server, 0, cfg)?.server(AsyncSgd::new(1.0))?.run()?;
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let ctx = bare_worker(store, 1, 1, 0)?;
+        let answers = vec![
+            ask(&ctx, &ps_message(1, 1, &[1, 2], &[2, 2], &f32s(&[1.0; 4])))?,
+            ask(&ctx, &ps_message(1, 2, &[1, 2], &[2, 3], &f32s(&[1.0; 5])))?,
+        ];
+        ctx.send(0, PS_TAG, &ps_message(2, 3, &[1], &[], &[]))?;
+        let values = reply_values(&ctx.recv_bytes(0, PS_TAG, 1 << 20)?);
+        ctx.send(0, PS_TAG, &ps_message(6, 0, &[], &[], &[]))?;
+        Ok((answers, values))
+    });
+    let r = common::all_ok(r);
+    let (answers, values) = &r[1];
+    assert_eq!(answers[0].0, 4, "{answers:?}");
+    assert!(answers[1].0 == 5 && answers[1].1.contains("key 2 holds 2 weights, the push has 3"), "{answers:?}");
+    assert_eq!(values, &[-1.0, -1.0]);
 }

@@ -98,6 +98,19 @@ impl SyncSgd {
         SyncSgd { lr, weights: HashMap::new(), live: (0..workers).collect(), round: Vec::new(), later: Vec::new() }
     }
 
+    /// How many weights key `k` holds, or will hold: its weights' length, or that of a push of
+    /// it waiting in a round (so that pushes of different lengths to a new key are refused,
+    /// not summed in part).
+    fn known_len(&self, k: u64) -> Option<usize> {
+        self.weights.get(&k).map(Vec::len).or_else(|| {
+            self.round
+                .iter()
+                .chain(&self.later)
+                .filter(|q| q.meta.push)
+                .find_map(|q| per_key(q).find(|(qk, _)| *qk == k).map(|(_, v)| v.len()))
+        })
+    }
+
     fn complete_rounds(&mut self, responder: &Responder<f32>) -> Result<()> {
         loop {
             let arrived: BTreeSet<usize> = self.round.iter().map(|r| r.meta.worker).collect();
@@ -148,9 +161,10 @@ impl Handler<f32> for SyncSgd {
         if refused(&r, responder)? {
             return Ok(());
         }
-        if let Some((k, have, want)) = per_key(&r).find_map(|(k, v)| {
-            self.weights.get(&k).filter(|w| r.meta.push && w.len() != v.len()).map(|w| (k, w.len(), v.len()))
-        }) {
+        if r.meta.push
+            && let Some((k, have, want)) =
+                per_key(&r).find_map(|(k, v)| self.known_len(k).filter(|&n| n != v.len()).map(|n| (k, n, v.len())))
+        {
             return responder.refuse(&r.meta, &format!("key {k} holds {have} weights, the push has {want}"));
         }
         if self.round.iter().any(|q| q.meta.worker == r.meta.worker) {
@@ -198,12 +212,14 @@ impl Handler<f32> for AsyncSgd {
             return Ok(());
         }
         if r.meta.push {
+            // All or nothing: a push with one misfit key changes no key.
+            if let Some((k, have, want)) = per_key(&r)
+                .find_map(|(k, g)| self.weights.get(&k).filter(|w| w.len() != g.len()).map(|w| (k, w.len(), g.len())))
+            {
+                return responder.refuse(&r.meta, &format!("key {k} holds {have} weights, the push has {want}"));
+            }
             for (k, g) in per_key(&r) {
                 let w = self.weights.entry(k).or_insert_with(|| vec![0.0; g.len()]);
-                if w.len() != g.len() {
-                    return responder
-                        .refuse(&r.meta, &format!("key {k} holds {} weights, the push has {}", w.len(), g.len()));
-                }
                 w.iter_mut().zip(g).for_each(|(w, g)| *w -= self.lr * g);
             }
         }

@@ -1246,7 +1246,13 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
             unreachable: Mutex::new(Vec::new()),
             _t: PhantomData,
         };
-        let proto = self.handler.clone();
+        // The copy of the shard this server backs up exists from the start, so that it sees
+        // every worker leave and join, as the shard's own handler does (made at its first
+        // request, it waited in synchronous rounds for workers gone before).
+        let mut replicas = HashMap::new();
+        if self.node.cfg.replication && servers > 1 {
+            replicas.insert((self.node.id + servers - 1) % servers, self.handler.clone());
+        }
         let mut serving = Serving {
             links: vec![Link {
                 inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
@@ -1255,12 +1261,11 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
             }],
             node: self.node,
             handler: self.handler,
-            proto,
             responder,
             dead: HashMap::new(),
             generations: HashMap::new(),
             rejoining: HashMap::new(),
-            replicas: HashMap::new(),
+            replicas,
         };
         serving.run()
     }
@@ -1279,8 +1284,6 @@ struct Link {
 struct Serving<T: Element, H: Handler<T> + Clone> {
     node: Node,
     handler: H,
-    /// The handler as it started: copied for each shard this server backs up.
-    proto: H,
     responder: Responder<T>,
     links: Vec<Link>,
     /// Workers whose process died, waited for until the deadline (rejoin).
@@ -1289,7 +1292,8 @@ struct Serving<T: Element, H: Handler<T> + Clone> {
     generations: HashMap<usize, i64>,
     /// Rejoins being met (a context forming in the background).
     rejoining: HashMap<usize, JoinHandle<Result<Context>>>,
-    /// Copies of the shards this server backs up, made from `proto`.
+    /// The copy of the shard this server backs up (with replication), made from the handler
+    /// as it started.
     replicas: HashMap<usize, H>,
 }
 
@@ -1513,7 +1517,6 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
 
     /// Hands one request to the handler (or the backup copy it is for), or refuses it.
     fn serve_one(&mut self, m: Message, worker: usize) -> Result<()> {
-        let servers = self.node.cfg.servers;
         let responder = &self.responder;
         let meta = meta_of(&m, worker);
         if m.dtype != T::DTYPE as u8 {
@@ -1542,8 +1545,8 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
             responder.refuse(&meta, &e.to_string())
         } else if meta.shard == me {
             self.handler.handle(req, responder)
-        } else if self.node.cfg.replication && meta.shard < servers && backup_of(meta.shard, servers) == me {
-            self.replicas.entry(meta.shard).or_insert_with(|| self.proto.clone()).handle(req, responder)
+        } else if let Some(replica) = self.replicas.get_mut(&meta.shard) {
+            replica.handle(req, responder)
         } else {
             responder.refuse(&meta, &format!("server {me} does not hold server {}'s keys", meta.shard))
         }
