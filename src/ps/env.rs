@@ -94,6 +94,10 @@ impl Node {
 
 /// The scheduler's part: serves the job's store at `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT` until
 /// every worker and server has connected (or `timeout` passes, naming how many did not).
+///
+/// The store is gone once this returns, so a worker restarted later cannot rejoin through
+/// it ([`Node::rejoin`]): a job that wants rejoining sets `FERROGLOO_STORE` on every node to a
+/// store that lives as long as the job.
 pub fn run_scheduler(timeout: Duration) -> Result<()> {
     let cfg = config_from_env()?;
     let port = num("DMLC_PS_ROOT_PORT")?;

@@ -80,7 +80,8 @@ impl<T: Element> Handler<T> for SumStore<T> {
 /// applies `weights -= lr · (sum of the round's gradients) / workers` for every key pushed,
 /// and answers every request of the round (a push-pull gets the new weights). A worker's
 /// second request before its round completes waits for the next round. Weights start at
-/// zero, with the length of a key's first push.
+/// zero, with the length of a key's first push; a push of another length (also one in the
+/// same round as that first push) is refused whole.
 #[derive(Debug, Clone)]
 pub struct SyncSgd {
     /// Learning rate.
