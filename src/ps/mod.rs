@@ -1265,6 +1265,7 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
             dead: HashMap::new(),
             generations: HashMap::new(),
             rejoining: HashMap::new(),
+            store_failing: false,
             replicas,
         };
         serving.run()
@@ -1292,6 +1293,8 @@ struct Serving<T: Element, H: Handler<T> + Clone> {
     generations: HashMap<usize, i64>,
     /// Rejoins being met (a context forming in the background).
     rejoining: HashMap<usize, JoinHandle<Result<Context>>>,
+    /// Whether the last look at the store for rejoins failed (said once, not at every look).
+    store_failing: bool,
     /// The copy of the shard this server backs up (with replication), made from the handler
     /// as it started.
     replicas: HashMap<usize, H>,
@@ -1462,10 +1465,16 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         for w in waiting {
             let g = self.generations.entry(w).or_insert(0);
             match store.try_get(&format!("{REJOIN}/{w}/{g}")) {
-                Ok(Some(_)) => {}
-                Ok(None) => continue,
+                Ok(found) => {
+                    self.store_failing = false;
+                    if found.is_none() {
+                        continue;
+                    }
+                }
                 Err(e) => {
-                    tracing::warn!(server = id, worker = w, error = %e, "reading the store for rejoins failed");
+                    if !std::mem::replace(&mut self.store_failing, true) {
+                        tracing::warn!(server = id, worker = w, error = %e, "reading the store for rejoins failed");
+                    }
                     continue;
                 }
             }
