@@ -4,14 +4,15 @@
 //!
 //! The scheduler (`DMLC_ROLE=scheduler`) has one job here: it serves the store (a PyTorch
 //! TCPStore at `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`) the others meet through, until every
-//! node has connected. Nodes take their number from `DMLC_WORKER_ID`/`DMLC_SERVER_ID` when
+//! node has connected and then until every node has gone (a restarted worker rejoins through
+//! it meanwhile). Nodes take their number from `DMLC_WORKER_ID`/`DMLC_SERVER_ID` when
 //! set, else in order of arrival (a counter in the store). `FERROGLOO_STORE`, when set, is
 //! used instead of the scheduler's store.
 
 use super::{Node, PsConfig, Role};
 use crate::device::{Device, TcpAttr, Transport};
 use crate::error::{Error, Result};
-use crate::rendezvous::{Store, TcpStoreServer};
+use crate::rendezvous::{Store, TcpStore, TcpStoreServer};
 use std::time::{Duration, Instant};
 
 /// What the environment says this process is.
@@ -69,7 +70,7 @@ impl Node {
         }
         let store: std::sync::Arc<dyn Store> = match std::env::var(crate::rendezvous::STORE_ENV) {
             Ok(url) => crate::rendezvous::open(&url)?.into(),
-            Err(_) => std::sync::Arc::new(crate::rendezvous::TcpStore::connect(&root()?, "ferrogloo-ps", cfg.timeout)?),
+            Err(_) => std::sync::Arc::new(TcpStore::connect(&root()?, "ferrogloo-ps", cfg.timeout)?),
         };
         let (id_var, counter) = match role {
             Role::Worker => ("DMLC_WORKER_ID", "ferrogloo-ps/next-worker"),
@@ -93,11 +94,10 @@ impl Node {
 }
 
 /// The scheduler's part: serves the job's store at `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT` until
-/// every worker and server has connected (or `timeout` passes, naming how many did not).
-///
-/// The store is gone once this returns, so a worker restarted later cannot rejoin through
-/// it ([`Node::rejoin`]): a job that wants rejoining sets `FERROGLOO_STORE` on every node to a
-/// store that lives as long as the job.
+/// every worker and server has connected (or `timeout` passes, naming how many did not), and
+/// then for as long as any node holds a connection to it (servers keep theirs, so a worker
+/// restarted later rejoins through it, [`Node::rejoin`]); it returns once every node has
+/// exited or died.
 pub fn run_scheduler(timeout: Duration) -> Result<()> {
     let cfg = config_from_env()?;
     let port = num("DMLC_PS_ROOT_PORT")?;
@@ -105,22 +105,68 @@ pub fn run_scheduler(timeout: Duration) -> Result<()> {
         "0.0.0.0",
         u16::try_from(port).map_err(|_| Error::invalid("DMLC_PS_ROOT_PORT is not a port"))?,
     ))?;
-    let store = crate::rendezvous::TcpStore::connect(&server.local_addr().to_string(), "ferrogloo-ps", timeout)?;
-    let want = (cfg.workers + cfg.servers) as i64;
-    let deadline = Instant::now() + timeout;
-    loop {
-        let n = store.add(CONNECTED, 0)?;
-        if n >= want {
-            return Ok(());
+    schedule(&server, cfg.workers + cfg.servers, timeout)
+}
+
+/// Serves `server` until `nodes` nodes have said they connected (or `timeout` passes), then
+/// until no connection to it is left.
+fn schedule(server: &TcpStoreServer, nodes: usize, timeout: Duration) -> Result<()> {
+    {
+        let store = TcpStore::connect(&server.local_addr().to_string(), "ferrogloo-ps", timeout)?;
+        let want = nodes as i64;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let n = store.add(CONNECTED, 0)?;
+            if n >= want {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    op: format!("parameter-server scheduler: {n} of {want} nodes connected"),
+                    ranks: Vec::new(),
+                    keys: vec![CONNECTED.to_string()],
+                    waited: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
-        if Instant::now() >= deadline {
-            return Err(Error::Timeout {
-                op: format!("parameter-server scheduler: {} of {want} nodes connected", n),
-                ranks: Vec::new(),
-                keys: vec![CONNECTED.to_string()],
-                waited: timeout,
-            });
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Its own connection is closed: what is left are the nodes'.
+    tracing::info!(nodes, "parameter-server scheduler: every node connected; serving the store until they have gone");
+    while server.connections() > 0 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    #[test]
+    fn the_scheduler_serves_the_store_until_every_node_has_gone() -> Result<()> {
+        let server = TcpStoreServer::start("127.0.0.1:0")?;
+        let addr = server.local_addr().to_string();
+        let (done_tx, done) = mpsc::channel();
+        let scheduler = std::thread::spawn(move || {
+            let _ = done_tx.send(schedule(&server, 2, Duration::from_secs(20)).map_err(|e| e.to_string()));
+        });
+        let t = Duration::from_secs(10);
+        let (a, b) = (TcpStore::connect(&addr, "ferrogloo-ps", t)?, TcpStore::connect(&addr, "ferrogloo-ps", t)?);
+        a.add(CONNECTED, 1)?;
+        b.add(CONNECTED, 1)?;
+        // Every node connected, and the scheduler goes on serving while they live (it used to
+        // stop here, and a restarted worker had no store to rejoin through).
+        assert!(done.recv_timeout(Duration::from_millis(500)).is_err(), "the scheduler stopped with nodes alive");
+        a.set("later", b"rejoin")?;
+        assert_eq!(b.get("later", t)?, b"rejoin");
+        drop(a);
+        assert!(done.recv_timeout(Duration::from_millis(300)).is_err(), "the scheduler stopped with a node alive");
+        drop(b);
+        let ended = done.recv_timeout(Duration::from_secs(10));
+        assert_eq!(ended, Ok(Ok(())), "the scheduler did not end once every node had gone");
+        scheduler.join().map_err(|_| Error::invalid("the scheduler thread panicked"))?;
+        Ok(())
     }
 }

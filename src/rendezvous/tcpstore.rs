@@ -595,6 +595,12 @@ impl TcpStoreServer {
         self.state.max_connections.store(n, Ordering::Relaxed);
     }
 
+    /// Connections being served now: clients connected and not gone (a client's process
+    /// that exits or dies closes its connection).
+    pub fn connections(&self) -> usize {
+        self.state.open.load(Ordering::SeqCst)
+    }
+
     /// Sets the time a new connection has to validate.
     #[cfg(test)]
     fn set_handshake_timeout(&self, t: Duration) {
