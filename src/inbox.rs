@@ -29,6 +29,8 @@ struct Posted {
     ranks: Vec<usize>,
     pairs: Vec<Arc<dyn Pair>>,
     done: Arc<Completion>,
+    /// When a wait first found it claimed by a message still arriving.
+    claimed_at: Option<Instant>,
 }
 
 /// The next message with one tag from any of a set of ranks of a context, received into a
@@ -60,34 +62,61 @@ impl Inbox {
     /// the message, or [`Error::Timeout`] with the receive still posted for the next call. A
     /// receive posted for another set of ranks is withdrawn first, unless a message already
     /// claimed it: then that message is what this call waits for.
+    ///
+    /// A message that began arriving and has not finished within the context's timeout (its
+    /// sender stopped mid-message) is given up: the receive is withdrawn, which drops the
+    /// message, and the call fails with [`Error::Timeout`]; the next call posts a new one, so
+    /// one stalled sender does not keep the others' messages out for longer than that.
     pub(crate) fn recv(&mut self, ranks: &[usize], slice: Duration) -> Result<(usize, Vec<u8>)> {
         if self.posted.as_ref().is_some_and(|p| p.ranks != ranks) {
             self.withdraw();
         }
-        let posted = match self.posted.take() {
+        let mut posted = match self.posted.take() {
             Some(p) => p,
             None => self.post(ranks)?,
         };
         let own: Vec<usize> = posted.pairs.iter().map(|p| p.peer()).collect();
         let progress = &self.ctx.comm().shared().mesh.progress;
-        match progress.wait(&posted.done, &own, &[], Instant::now() + slice, self.spin) {
-            None => {
-                let ranks = posted.ranks.clone();
-                self.posted = Some(posted);
-                Err(Error::Timeout { op: self.what.into(), ranks, keys: Vec::new(), waited: slice })
-            }
-            Some(outcome) => {
-                if posted.pairs.len() > 1 {
-                    // A receive from any: withdraw what the winner left on the other pairs (the
-                    // receive is finished, so no message can claim it there any more).
-                    for p in &posted.pairs {
-                        p.cancel(&posted.done);
-                    }
+        if let Some(outcome) = progress.wait(&posted.done, &own, &[], Instant::now() + slice, self.spin) {
+            return self.finished(&posted, outcome);
+        }
+        if !posted.done.is_open() {
+            // A message claimed it and is arriving.
+            let since = *posted.claimed_at.get_or_insert_with(Instant::now);
+            if since.elapsed() >= self.ctx.timeout() {
+                for p in &posted.pairs {
+                    p.cancel(&posted.done);
                 }
-                let done = outcome.map_err(|e| e.during(self.what))?;
-                Ok((done.peer, posted.done.take_payload().unwrap_or_default()))
+                // It may have finished between the wait and the withdrawal.
+                if let Some(outcome) = posted.done.outcome() {
+                    return self.finished(&posted, outcome);
+                }
+                let e = Error::Timeout {
+                    op: format!("{}: a message began arriving and stopped; dropped", self.what),
+                    ranks: posted.ranks.clone(),
+                    keys: Vec::new(),
+                    waited: since.elapsed(),
+                };
+                posted.done.complete(Err(e.clone()));
+                return Err(e);
             }
         }
+        let ranks = posted.ranks.clone();
+        self.posted = Some(posted);
+        Err(Error::Timeout { op: self.what.into(), ranks, keys: Vec::new(), waited: slice })
+    }
+
+    /// The message of a finished receive (or its error).
+    fn finished(&self, posted: &Posted, outcome: Result<crate::transport::Done>) -> Result<(usize, Vec<u8>)> {
+        if posted.pairs.len() > 1 {
+            // A receive from any: withdraw what the winner left on the other pairs (the
+            // receive is finished, so no message can claim it there any more).
+            for p in &posted.pairs {
+                p.cancel(&posted.done);
+            }
+        }
+        let done = outcome.map_err(|e| e.during(self.what))?;
+        Ok((done.peer, posted.done.take_payload().unwrap_or_default()))
     }
 
     /// Withdraws the posted receive unless a message has claimed it (or it finished): that one
@@ -126,10 +155,10 @@ impl Inbox {
                 }
                 // A message from an earlier pair claimed it: take that one; the failed pair's
                 // error shows on the next receive that includes it.
-                return Ok(Posted { ranks: ranks.to_vec(), pairs: pairs[..i].to_vec(), done });
+                return Ok(Posted { ranks: ranks.to_vec(), pairs: pairs[..i].to_vec(), done, claimed_at: None });
             }
         }
-        Ok(Posted { ranks: ranks.to_vec(), pairs, done })
+        Ok(Posted { ranks: ranks.to_vec(), pairs, done, claimed_at: None })
     }
 }
 

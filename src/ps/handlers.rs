@@ -99,17 +99,41 @@ impl SyncSgd {
         SyncSgd { lr, weights: HashMap::new(), live: (0..workers).collect(), round: Vec::new(), later: Vec::new() }
     }
 
-    /// How many weights key `k` holds, or will hold: its weights' length, or that of a push of
-    /// it waiting in a round (so that pushes of different lengths to a new key are refused,
-    /// not summed in part).
-    fn known_len(&self, k: u64) -> Option<usize> {
-        self.weights.get(&k).map(Vec::len).or_else(|| {
-            self.round
-                .iter()
-                .chain(&self.later)
-                .filter(|q| q.meta.push)
-                .find_map(|q| per_key(q).find(|(qk, _)| *qk == k).map(|(_, v)| v.len()))
-        })
+    /// Why push `r` does not fit: a key whose weights, or whose push waiting in a round (a key
+    /// new in this round), have another length. Pushes of different lengths to a new key
+    /// would be summed in part.
+    fn misfit(&self, r: &Request<f32>) -> Option<String> {
+        // The keys of `r` that hold no weights yet, and their lengths in `r`.
+        let mut new: HashMap<u64, usize> = HashMap::new();
+        for (k, v) in per_key(r) {
+            match self.weights.get(&k) {
+                Some(w) if w.len() != v.len() => {
+                    return Some(format!("key {k} holds {} weights, the push has {}", w.len(), v.len()));
+                }
+                Some(_) => {}
+                None => {
+                    new.insert(k, v.len());
+                }
+            }
+        }
+        if new.is_empty() {
+            return None;
+        }
+        // One pass over the waiting pushes (a lookup per key, not a search).
+        for q in self.round.iter().chain(&self.later).filter(|q| q.meta.push) {
+            for (k, v) in per_key(q) {
+                if let Some(&n) = new.get(&k)
+                    && n != v.len()
+                {
+                    return Some(format!(
+                        "key {k} has {} values in worker {}'s push waiting in this round, this push has {n}",
+                        v.len(),
+                        q.meta.worker
+                    ));
+                }
+            }
+        }
+        None
     }
 
     fn complete_rounds(&mut self, responder: &Responder<f32>) -> Result<()> {
@@ -163,10 +187,9 @@ impl Handler<f32> for SyncSgd {
             return Ok(());
         }
         if r.meta.push
-            && let Some((k, have, want)) =
-                per_key(&r).find_map(|(k, v)| self.known_len(k).filter(|&n| n != v.len()).map(|n| (k, n, v.len())))
+            && let Some(why) = self.misfit(&r)
         {
-            return responder.refuse(&r.meta, &format!("key {k} holds {have} weights, the push has {want}"));
+            return responder.refuse(&r.meta, &why);
         }
         if self.round.iter().any(|q| q.meta.worker == r.meta.worker) {
             self.later.push(r);

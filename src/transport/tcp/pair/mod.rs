@@ -254,9 +254,20 @@ impl TcpPair {
         self.fail_locked(&mut g, Error::Aborted { rank: self.me, reason: "this rank closed the context".into() });
     }
 
+    /// An error of the pair's socket: one that says the connection to the peer is lost (its
+    /// end closed it, or the network or the peer's host stopped answering) is the peer's
+    /// [`Error::PeerClosed`], naming it, so that callers can tell which peer is gone; others
+    /// stay I/O errors.
     fn io_error(&self, e: io::Error, what: &str) -> Error {
         match e.kind() {
-            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted => {
+            io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::TimedOut
+            | io::ErrorKind::HostUnreachable
+            | io::ErrorKind::NetworkUnreachable
+            | io::ErrorKind::NetworkDown => {
                 Error::PeerClosed { rank: self.peer, op: String::new(), detail: format!("{what} it: {e}") }
             }
             _ => Error::io(format!("{what} rank {}", self.peer), e),
