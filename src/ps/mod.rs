@@ -404,6 +404,9 @@ struct WorkerShared<T> {
     heard: Mutex<Vec<Instant>>,
     /// A message buffer to reuse (large fresh buffers cost their page faults every time).
     scratch: Mutex<Vec<u8>>,
+    /// Pushes whose failure was handed out (to `wait` or a callback): waiting for one again is
+    /// an error, not the empty success of an acknowledged push.
+    spent_failures: Mutex<HashSet<Timestamp>>,
     stop: AtomicBool,
 }
 
@@ -463,6 +466,7 @@ impl<T: Element> KvWorker<T> {
             closed: Mutex::new(HashMap::new()),
             heard: Mutex::new(vec![Instant::now(); node.cfg.servers]),
             scratch: Mutex::new(Vec::new()),
+            spent_failures: Mutex::new(HashSet::new()),
             stop: AtomicBool::new(false),
             id: node.id,
             cfg: node.cfg,
@@ -655,8 +659,8 @@ impl<T: Element> KvWorker<T> {
     ///
     /// A push that succeeded is not kept once acknowledged (so that pushes nobody waits for
     /// cost nothing): waiting for one returns an empty reply at once, also when it was already
-    /// waited for or given to [`then`](Self::then). A push that failed is kept until waited for,
-    /// as is every pull.
+    /// waited for or given to [`then`](Self::then). A push that failed is kept until waited for
+    /// (or given to `then`), as is every pull; waiting for it again is an error.
     pub fn wait(&self, ts: Timestamp) -> Result<Reply<T>> {
         let sh = &self.sh;
         let mut p = lock(&sh.pending);
@@ -671,7 +675,10 @@ impl<T: Element> KvWorker<T> {
                 )));
             };
             if req.outcome.is_some() {
-                return p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
+                let out = p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
+                drop(p);
+                spend(sh, ts, &out);
+                return out;
             }
             let now = Instant::now();
             if now >= req.deadline {
@@ -705,6 +712,7 @@ impl<T: Element> KvWorker<T> {
             let what = req.what;
             let out = p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
             drop(p);
+            spend(&self.sh, ts, &out);
             run_callback(id, ts, what, Box::new(f), out)
         } else {
             req.callback = Some(Box::new(f));
@@ -712,11 +720,14 @@ impl<T: Element> KvWorker<T> {
         }
     }
 
-    /// Whether `ts` is a push this worker sent (which, once not in flight, succeeded or was
-    /// waited for).
+    /// Whether `ts` is a push this worker sent that, once not in flight, succeeded (a failed
+    /// one stays in flight until its failure is handed out, and is then remembered).
     fn is_issued_push(&self, ts: Timestamp) -> bool {
         let counter = ts >> 1;
-        ts & 1 == 1 && counter >= 1 && counter < self.sh.next.load(Ordering::Relaxed)
+        ts & 1 == 1
+            && counter >= 1
+            && counter < self.sh.next.load(Ordering::Relaxed)
+            && !lock(&self.sh.spent_failures).contains(&ts)
     }
 
     /// Servers this worker knows to be gone: their connection closed, or (with heartbeats)
@@ -786,11 +797,19 @@ fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>
     };
     match cb {
         Some((cb, what, out)) => {
+            spend(sh, ts, &out);
             if let Err(e) = run_callback(sh.id, ts, what, cb, out) {
                 tracing::error!(worker = sh.id, request = ts, error = %e, "parameter-server callback panicked");
             }
         }
         None => sh.done.notify_all(),
+    }
+}
+
+/// Remembers a push's failure once handed out (see [`WorkerShared::spent_failures`]).
+fn spend<T>(sh: &WorkerShared<T>, ts: Timestamp, out: &Result<Reply<T>>) {
+    if ts & 1 == 1 && out.is_err() {
+        lock(&sh.spent_failures).insert(ts);
     }
 }
 
@@ -1632,6 +1651,12 @@ mod tests {
             // Waiting for an acknowledged push still works.
             assert_eq!(w.wait(first)?, Reply::default());
             assert!(w.wait(first + 1).is_err(), "a pull that was never sent");
+            // A push that failed (refused: key 1 holds one value) fails each time it is waited
+            // for, not only the first.
+            let bad = w.push(&[1], &[1.0, 2.0], &[])?;
+            let first_wait = w.wait(bad).map_err(|e| e.to_string());
+            assert!(first_wait.as_ref().is_err_and(|e| e.contains("key 1 holds 1 values")), "{first_wait:?}");
+            assert!(w.wait(bad).is_err(), "a failed push waited for again");
             drop(w);
             server.join().expect("server thread")
         })
