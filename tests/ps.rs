@@ -241,6 +241,8 @@ fn dmlc_node() -> Result<()> {
 struct Job {
     children: Vec<Child>,
     lines: mpsc::Receiver<(usize, String)>,
+    /// Every line read so far (a node may print what a later wait looks for early).
+    history: std::cell::RefCell<Vec<(usize, String)>>,
     tx: mpsc::Sender<(usize, String)>,
     url: String,
     servers: usize,
@@ -254,7 +256,17 @@ fn start(servers: usize, workers: usize, scenario: &str) -> Job {
     let url = format!("file:{}", dir.path().display());
     let n = servers + workers;
     let (tx, lines) = mpsc::channel();
-    let mut job = Job { children: Vec::new(), lines, tx, url, servers, n, scenario: scenario.to_string(), _dir: dir };
+    let mut job = Job {
+        children: Vec::new(),
+        lines,
+        history: Default::default(),
+        tx,
+        url,
+        servers,
+        n,
+        scenario: scenario.to_string(),
+        _dir: dir,
+    };
     for rank in 0..n {
         let c = job.spawn(rank, &[]);
         job.children.push(c);
@@ -287,9 +299,11 @@ impl Job {
         child
     }
 
-    /// Lines until every rank of `ranks` printed one containing `what`.
+    /// Lines until every rank of `ranks` printed one containing `what` (lines read by earlier
+    /// waits count too: a node may have printed it while the test waited for something else).
     fn wait_for(&self, what: &str, ranks: &[usize], deadline: Instant) -> Vec<(usize, String)> {
-        let (mut seen, mut all) = (Vec::new(), Vec::new());
+        let mut all = self.history.borrow_mut();
+        let mut seen: Vec<usize> = all.iter().filter(|(_, l)| l.contains(what)).map(|(r, _)| *r).collect();
         while !ranks.iter().all(|r| seen.contains(r)) {
             match self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok((r, line)) => {
@@ -301,7 +315,7 @@ impl Job {
                 Err(_) => panic!("ranks {ranks:?} did not all print {what:?} in time; lines: {all:?}"),
             }
         }
-        all
+        all.clone()
     }
 }
 
