@@ -856,16 +856,27 @@ fn a_rejoin_that_fails_is_logged_and_a_later_one_is_met() {
     assert_eq!((&r[1][..], &r[2][..]), (&[1.0, 7.0][..], &[7.0][..]));
 }
 
-/// A [`SyncSgd`] that says which workers it saw leave.
+/// A [`SyncSgd`] that says whose request it took and which workers it saw leave (to
+/// senders whose receivers a test may have dropped).
 #[derive(Clone)]
-struct Watched {
+struct Observed {
     inner: SyncSgd,
+    took: mpsc::Sender<usize>,
     left: mpsc::Sender<usize>,
 }
 
-impl Handler<f32> for Watched {
+impl Observed {
+    fn new(workers: usize, took: mpsc::Sender<usize>, left: mpsc::Sender<usize>) -> Self {
+        Observed { inner: SyncSgd::new(workers, 1.0), took, left }
+    }
+}
+
+impl Handler<f32> for Observed {
     fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
-        self.inner.handle(r, responder)
+        let worker = r.meta.worker;
+        self.inner.handle(r, responder)?;
+        let _ = self.took.send(worker);
+        Ok(())
     }
 
     fn worker_left(&mut self, worker: usize, responder: &Responder<f32>) -> Result<()> {
@@ -889,8 +900,8 @@ fn a_backup_copy_knows_of_workers_that_left_before_its_first_request() {
         match i {
             0 | 1 => {
                 let (tx, _) = mpsc::channel();
-                let left = if i == 1 { left_tx.clone() } else { tx };
-                let handler = Watched { inner: SyncSgd::new(2, 1.0), left };
+                let left = if i == 1 { left_tx.clone() } else { tx.clone() };
+                let handler = Observed::new(2, tx, left);
                 Node::connect(&**store, &Device::in_process(), Role::Server, i, cfg)?.server(handler)?.run()?;
                 Ok((0, String::new()))
             }
@@ -929,26 +940,6 @@ fn reply_values(m: &[u8]) -> Vec<f32> {
     m.get(start..).unwrap_or(&[]).chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
-/// A [`SyncSgd`] that says whose request it took.
-#[derive(Clone)]
-struct Arrivals {
-    inner: SyncSgd,
-    took: mpsc::Sender<usize>,
-}
-
-impl Handler<f32> for Arrivals {
-    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
-        let worker = r.meta.worker;
-        self.inner.handle(r, responder)?;
-        let _ = self.took.send(worker);
-        Ok(())
-    }
-
-    fn worker_left(&mut self, worker: usize, responder: &Responder<f32>) -> Result<()> {
-        self.inner.worker_left(worker, responder)
-    }
-}
-
 #[test]
 fn sgd_pushes_that_do_not_fit_a_key_are_refused_whole() {
     let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -961,7 +952,7 @@ fn sgd_pushes_that_do_not_fit_a_key_are_refused_whole() {
         let mut cfg = PsConfig::new(2, 1);
         cfg.heartbeat = None;
         if i == 0 {
-            let handler = Arrivals { inner: SyncSgd::new(2, 1.0), took: took_tx.clone() };
+            let handler = Observed::new(2, took_tx.clone(), mpsc::channel().0);
             Node::connect(&**store, &Device::in_process(), Role::Server, 0, cfg)?.server(handler)?.run()?;
             return Ok(Vec::new());
         }

@@ -546,18 +546,16 @@ impl<T: Element> KvWorker<T> {
             parts.entry(s).or_default().push(i);
         }
         // Every part must fit a message before any is sent.
+        let carries = kind != Kind::Pull;
         for (s, idx) in &parts {
-            let carries = kind != Kind::Pull;
             let payload = if carries {
                 idx.iter().try_fold(0usize, |a, &i| a.checked_add(lens[i])).and_then(|n| n.checked_mul(size_of::<T>()))
             } else {
                 Some(0)
             };
-            let size = payload.and_then(|p| wire::encoded_len(idx.len(), if carries { idx.len() } else { 0 }, p));
-            if size.is_none_or(|n| n > wire::MAX_MESSAGE) {
-                let size = size.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string());
+            if let Some(size) = wire::oversize(idx.len(), if carries { idx.len() } else { 0 }, payload) {
                 return Err(Error::invalid(format!(
-                    "{what} of {} keys: the message to server {s} ({} of the keys) would be {size} bytes, more \
+                    "{what} of {} keys: the message to server {s} ({} of the keys) would be {size}, more \
                      than the {} bytes a parameter-server message may have (split the request)",
                     keys.len(),
                     idx.len(),
@@ -1156,11 +1154,9 @@ impl<T: Element> Responder<T> {
 
     fn send_reply(&self, meta: &RequestMeta, keys: &[u64], lens: Vec<usize>, parts: &[&[T]]) -> Result<()> {
         let total = parts.iter().try_fold(0usize, |a, p| a.checked_add(std::mem::size_of_val(*p)));
-        let size = total.and_then(|t| wire::encoded_len(keys.len(), lens.len(), t));
-        if size.is_none_or(|n| n > wire::MAX_MESSAGE) {
-            let size = size.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string());
+        if let Some(size) = wire::oversize(keys.len(), lens.len(), total) {
             let reason = format!(
-                "the answer for {} keys would be {size} bytes, more than the {} bytes a parameter-server message \
+                "the answer for {} keys would be {size}, more than the {} bytes a parameter-server message \
                  may have",
                 keys.len(),
                 wire::MAX_MESSAGE
@@ -1270,7 +1266,8 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
         // request, it waited in synchronous rounds for workers gone before).
         let mut replicas = HashMap::new();
         if self.node.cfg.replication && servers > 1 {
-            replicas.insert((self.node.id + servers - 1) % servers, self.handler.clone());
+            let backed = (0..servers).filter(|&s| s != self.node.id && backup_of(s, servers) == self.node.id);
+            replicas.extend(backed.map(|s| (s, self.handler.clone())));
         }
         let mut serving = Serving {
             links: vec![Link {
@@ -1601,13 +1598,13 @@ pub(crate) fn check_request<T>(r: &Request<T>) -> Result<()> {
         (true, false) => "push",
         _ => "pull",
     };
+    let refused =
+        |why: String| Error::invalid(format!("{what} request {} of worker {}: {why}", r.meta.timestamp, r.meta.worker));
     if !r.meta.push {
         check_keys(what, &r.keys, None)?;
         if !r.lens.is_empty() || !r.values.is_empty() {
-            return Err(Error::invalid(format!(
-                "{what} request {} of worker {}: a pull carries no values, this one has {} values and {} lengths",
-                r.meta.timestamp,
-                r.meta.worker,
+            return Err(refused(format!(
+                "a pull carries no values, this one has {} values and {} lengths",
                 r.values.len(),
                 r.lens.len()
             )));
@@ -1615,13 +1612,7 @@ pub(crate) fn check_request<T>(r: &Request<T>) -> Result<()> {
         return Ok(());
     }
     if r.lens.len() != r.keys.len() {
-        return Err(Error::invalid(format!(
-            "{what} request {} of worker {}: {} lengths for {} keys",
-            r.meta.timestamp,
-            r.meta.worker,
-            r.lens.len(),
-            r.keys.len()
-        )));
+        return Err(refused(format!("{} lengths for {} keys", r.lens.len(), r.keys.len())));
     }
     check_keys(what, &r.keys, Some((r.values.len(), &r.lens))).map(drop)
 }

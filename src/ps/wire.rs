@@ -16,6 +16,16 @@ pub(crate) fn encoded_len(keys: usize, lens: usize, payload: usize) -> Option<us
     words.checked_add(26)?.checked_next_multiple_of(8)?.checked_add(payload)
 }
 
+/// `None` when a message with `keys` keys, `lens` lengths and `payload` bytes of values fits
+/// [`MAX_MESSAGE`]; otherwise its size in words, for an error ("1073741872 bytes").
+pub(crate) fn oversize(keys: usize, lens: usize, payload: Option<usize>) -> Option<String> {
+    match payload.and_then(|p| encoded_len(keys, lens, p)) {
+        Some(n) if n <= MAX_MESSAGE => None,
+        Some(n) => Some(format!("{n} bytes")),
+        None => Some("more than usize::MAX bytes".to_string()),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Push = 1,
@@ -193,6 +203,9 @@ mod tests {
         assert_eq!(encoded_len(2, 2, 4), Some(m.encode().len()));
         assert_eq!(encoded_len(0, 0, 0), Some(Message::control(Kind::Bye).encode().len()));
         assert_eq!(encoded_len(usize::MAX / 8, 1, 0), None);
+        assert_eq!(oversize(1, 1, Some(MAX_MESSAGE - 64)), None);
+        assert_eq!(oversize(1, 1, Some(MAX_MESSAGE)).as_deref(), Some("1073741872 bytes"));
+        assert_eq!(oversize(1, 1, None).as_deref(), Some("more than usize::MAX bytes"));
         assert_eq!(Message::decode(Message::control(Kind::Bye).encode(), 0).ok().map(|m| m.kind), Some(Kind::Bye));
     }
 
