@@ -22,6 +22,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod persistent;
+pub(crate) use persistent::{PersistentRecv, QUIET, SLEEPING, wait_any};
+
 /// Tag namespace of user point-to-point messages.
 const NS_P2P: u64 = 1 << 62;
 /// Tag namespace of collectives: `NS_COLL | tag << 32 | sequence`, a sequenced tag family per
@@ -131,6 +134,12 @@ impl Comm {
     /// The mesh rank of group rank `r`.
     pub(crate) fn world_rank(&self, r: usize) -> Option<usize> {
         self.members.get(r).copied()
+    }
+
+    /// The group rank of mesh rank `m` (what a pair's [`Done::peer`] says is the mesh rank);
+    /// `m` itself for a rank outside the group, which no operation of the group completes.
+    fn group_rank(&self, m: usize) -> usize {
+        if self.group == 0 { m } else { self.members.iter().position(|&x| x == m).unwrap_or(m) }
     }
 
     /// A fresh group id for a sub-group made from this one: the same on every member as long
@@ -271,6 +280,42 @@ pub(crate) fn fnv(words: &[u64]) -> u64 {
     h
 }
 
+/// Posts a receive of `key` into `target` on each of `pairs` (a receive from any of them when
+/// there are several), and returns the pairs it stays posted on.
+///
+/// When a pair refuses the receive (it failed, or the group was aborted), the receive is
+/// withdrawn from the pairs it was posted to before, and the pair's error returned; unless a
+/// message on one of those pairs has claimed it already (it may be arriving right now): then
+/// the receive stays posted on them and gets that message, and the refusing pair's error shows
+/// at the next operation with its peer. Withdrawing a claimed receive would lose its message.
+///
+/// # Safety
+/// The target's buffer must stay valid, and must not be read or written by anyone else, until
+/// `done` is completed or [`Pair::cancel`] for `done` has returned on every pair returned.
+unsafe fn post_recv_any(
+    pairs: &[Arc<dyn Pair>],
+    key: Key,
+    desc: OpDesc,
+    target: RecvTarget,
+    done: &Arc<Completion>,
+) -> Result<Vec<Arc<dyn Pair>>> {
+    for (i, pair) in pairs.iter().enumerate() {
+        // SAFETY: forwarded from this function's contract.
+        if let Err(e) = unsafe { pair.post_recv(key, desc, target, done) } {
+            if done.try_claim() {
+                // Claimed here, so no earlier pair can claim it any more: nothing is lost.
+                for p in &pairs[..i] {
+                    p.cancel(done);
+                }
+                done.complete(Err(e.clone()));
+                return Err(e);
+            }
+            return Ok(pairs[..i].to_vec());
+        }
+    }
+    Ok(pairs.to_vec())
+}
+
 /// One operation started in a scope.
 struct Op {
     pairs: Vec<Arc<dyn Pair>>,
@@ -300,14 +345,31 @@ impl Op {
         self.wait_spinning(deadline, shared, shared.spin)
     }
 
+    /// The mesh ranks of the pairs it is posted to.
+    fn peers(&self) -> Vec<usize> {
+        self.pairs.iter().map(|p| p.peer()).collect()
+    }
+
+    /// Waits until `done` finishes or `deadline` (`None`), driving this operation's pairs and
+    /// those of every other outstanding operation of the mesh; withdraws nothing.
+    fn wait_for(
+        done: &Completion,
+        own: &[usize],
+        deadline: Instant,
+        shared: &Shared,
+        spin: BusyWait,
+    ) -> Option<Result<Done>> {
+        let others: Vec<usize> = (0..shared.pending.len())
+            .filter(|r| shared.pending[*r].load(Ordering::Relaxed) > 0 && !own.contains(r))
+            .collect();
+        shared.mesh.progress.wait(done, own, &others, deadline, spin)
+    }
+
     /// [`wait`](Self::wait) with a busy-wait policy of its own.
     fn wait_spinning(&self, deadline: Instant, shared: &Shared, spin: BusyWait) -> Result<Done> {
         let start = Instant::now();
-        let own: Vec<usize> = self.pairs.iter().map(|p| p.peer()).collect();
-        let others: Vec<usize> = (0..self.pending.len())
-            .filter(|r| self.pending[*r].load(Ordering::Relaxed) > 0 && !own.contains(r))
-            .collect();
-        let finished = shared.mesh.progress.wait(&self.done, &own, &others, deadline, spin);
+        let own = self.peers();
+        let finished = Self::wait_for(&self.done, &own, deadline, shared, spin);
         let outcome = match finished {
             Some(o) => o,
             None => {
@@ -414,6 +476,8 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let op = lock(&self.ops).get_mut(idx).and_then(Option::take);
         let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
         let done = op.wait_spinning(deadline, &self.comm.shared, spin)?;
+        // The pair names its peer by mesh rank; the caller knows ranks of its group.
+        let done = Done { peer: self.comm.group_rank(done.peer), ..done };
         Ok((done, op.done.take_payload()))
     }
 
@@ -435,26 +499,10 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         }
         let pairs = peers.iter().map(|&p| self.comm.pair(p).cloned()).collect::<Result<Vec<_>>>()?;
         let done = Completion::for_pairs(pairs.len());
-        let idx = self.push(Op::new(pairs.clone(), done.clone(), what, &self.comm.shared));
-        for p in &pairs {
-            // SAFETY: forwarded from this function's contract (the scope finishes or cancels the
-            // operation on every pair it was posted to before the scope ends).
-            if let Err(e) = unsafe { p.post_recv(key, desc, target, &done) }.map_err(|e| e.during(what)) {
-                let op = lock(&self.ops).get_mut(idx).and_then(Option::take);
-                if let Some(op) = &op {
-                    op.cancel();
-                }
-                if let Some(Ok(_)) = done.outcome() {
-                    // An earlier pair already delivered the message (a receive from any): keep
-                    // it, the failed pair's error shows on the next operation with that peer.
-                    lock(&self.ops)[idx] = op;
-                    return Ok(idx);
-                }
-                done.complete(Err(e.clone()));
-                return Err(e);
-            }
-        }
-        Ok(idx)
+        // SAFETY: forwarded from this function's contract: the operation is pushed to the
+        // scope, which finishes or cancels it on every pair it is posted to before it ends.
+        let posted = unsafe { post_recv_any(&pairs, key, desc, target, &done) }.map_err(|e| e.during(what))?;
+        Ok(self.push(Op::new(posted, done, what, &self.comm.shared)))
     }
 
     /// Starts sending `buf` to `peer` with `tag`; see [`Context::send`](crate::Context::send).
@@ -596,11 +644,13 @@ impl<'scope, T: Pod> RecvRequest<'scope, '_, T> {
     fn filled(&self, done: Done) -> Result<(usize, &'scope mut [T])> {
         let size = std::mem::size_of::<T>();
         if size > 0 && !done.len.is_multiple_of(size) {
+            // Errors name ranks of the job.
+            let peer = self.scope.comm.world_rank(done.peer).unwrap_or(done.peer);
             return Err(Error::Mismatch {
-                rank: done.peer,
+                rank: peer,
                 detail: format!(
-                    "rank {} sent {} bytes, not a whole number of the receive's {size}-byte elements",
-                    done.peer, done.len
+                    "rank {peer} sent {} bytes, not a whole number of the receive's {size}-byte elements",
+                    done.len
                 ),
             });
         }

@@ -26,7 +26,6 @@ pub mod engine;
 pub mod error;
 pub mod gpu;
 mod groups;
-mod inbox;
 pub mod launch;
 mod mesh;
 pub mod ps;

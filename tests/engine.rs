@@ -814,3 +814,42 @@ fn a_large_state_message_arriving_between_stall_looks_is_not_lost() {
         assert_eq!(sums, vec![3; 5]);
     }
 }
+
+#[test]
+fn an_engine_on_a_sub_group_whose_ranks_differ_from_the_jobs_negotiates_and_reduces() {
+    // Sub-group ranks 0, 1, 2 are the job's ranks 3, 2, 1: messages arrive from pairs that
+    // know their peers by the job's ranks, and the engine must name them by the sub-group's.
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        4,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx: Context| {
+            if ctx.rank() == 0 {
+                return Ok(Vec::new());
+            }
+            let sub = ctx.subgroup(&[3, 2, 1])?;
+            let e = Engine::new(sub, cfg())?;
+            let me = e.rank() as i32;
+            let mut got = Vec::new();
+            for step in 0..20 {
+                let handles = (0..3)
+                    .map(|t| e.allreduce(&format!("t{t}"), vec![me + step + t; 3], Op::Sum))
+                    .collect::<Result<Vec<_>, _>>()?;
+                for h in handles {
+                    got.push(h.wait()?.data[0]);
+                }
+            }
+            got.push(e.broadcast("b", vec![me * 10 + 7], 1)?.wait()?.data[0]);
+            Ok(got)
+        },
+    );
+    let got = all_ok(r);
+    let mut want: Vec<i32> = (0..20).flat_map(|step| (0..3).map(move |t| 3 * (step + t) + 3)).collect();
+    want.push(17);
+    assert!(got[0].is_empty());
+    for (rank, g) in got.iter().enumerate().skip(1) {
+        assert_eq!(g, &want, "rank {rank}");
+    }
+}

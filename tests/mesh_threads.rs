@@ -646,3 +646,37 @@ fn busy_polling_can_be_forced_on_and_off() {
         all_ok(results);
     }
 }
+
+#[test]
+fn a_receive_from_any_in_a_sub_group_reports_the_sender_by_its_rank_in_the_sub_group() {
+    // The sub-group of ranks 3, 2 and 1 (in that order): its ranks 0, 1 and 2 are the job's
+    // ranks 3, 2 and 1, so a sender's rank in the sub-group differs from its rank in the job.
+    let store = HashStore::new();
+    let results = run_ranks(4, &store, |ctx| {
+        if ctx.rank() == 0 {
+            return Ok(());
+        }
+        let sub = ctx.subgroup(&[3, 2, 1])?;
+        let me = sub.rank();
+        if me == 0 {
+            let mut seen = Vec::new();
+            for _ in 0..2 {
+                let mut buf = [0u32; 5];
+                let from = sub.recv_any(&[1, 2], 6, &mut buf)?;
+                assert_eq!(buf.to_vec(), pattern(from, 0, 5), "the message of sub-group rank {from}");
+                seen.push(from);
+            }
+            seen.sort();
+            assert_eq!(seen, vec![1, 2]);
+            let (from, bytes) = sub.scope(|s| s.irecv_bytes(&[2], 7, 64)?.wait())?;
+            assert_eq!((from, bytes), (2, b"two".to_vec()));
+        } else {
+            sub.send(0, 6, &pattern(me, 0, 5))?;
+            if me == 2 {
+                sub.send(0, 7, b"two")?;
+            }
+        }
+        sub.barrier()
+    });
+    all_ok(results);
+}

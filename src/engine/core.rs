@@ -7,8 +7,8 @@ use super::wire::{self, JOINED, REQUESTS, Request, Response, SHUTDOWN, State};
 use super::{CONTROL_TAG, Completion, EngineConfig, Kind, Meta, Output, Payload, Shared, StallReport};
 use super::{Submission, TimelineCommand};
 use crate::Context;
+use crate::comm::{PersistentRecv, SLEEPING};
 use crate::error::{Error, Result};
-use crate::inbox::{Inbox, SLEEPING};
 use crate::sync::lock;
 use std::collections::{BTreeSet, HashMap};
 use std::io::Write as _;
@@ -148,7 +148,7 @@ pub(crate) struct Core {
     timeline: Option<Timeline>,
     /// The idle wait's receive of control messages from any rank: it stays posted from one
     /// idle slice to the next (withdrawn at a slice's end, a half-read message would be lost).
-    inbox: Inbox,
+    inbox: PersistentRecv,
 }
 
 impl Core {
@@ -163,7 +163,7 @@ impl Core {
             timeline.map(|p| Timeline::create(&p, ctx.world_rank(rank).unwrap_or(rank), sh.epoch)).transpose()?;
         Ok(Core {
             cache: Cache::new(cfg.cache_capacity.min(u32::MAX as usize - 1)),
-            inbox: Inbox::new(ctx.clone(), CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
+            inbox: ctx.comm().persistent_recv(CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
             ctx,
             sh,
             cfg,
@@ -305,8 +305,8 @@ impl Core {
                 }
             }
             let timeout = self.idle_timeout();
-            match self.inbox.recv(&all, timeout) {
-                Ok((peer, msg)) if peer == self.rank => {
+            match self.inbox.wait(&all, Instant::now() + timeout) {
+                Some(Ok((peer, msg))) if peer == self.rank => {
                     self.sh.wake_pending.store(false, Ordering::SeqCst);
                     if msg != [wire::WAKE] {
                         return Err(Error::Protocol {
@@ -315,9 +315,10 @@ impl Core {
                         });
                     }
                 }
-                Ok((peer, msg)) => return Ok(Some((peer, State::decode(&msg, self.w(peer))?))),
-                Err(Error::Timeout { .. }) => self.inspect_stalls()?,
-                Err(e) => return Err(e),
+                Some(Ok((peer, msg))) => return Ok(Some((peer, State::decode(&msg, self.w(peer))?))),
+                // A message that began arriving and stopped was dropped; so is a quiet slice.
+                None | Some(Err(Error::Timeout { .. })) => self.inspect_stalls()?,
+                Some(Err(e)) => return Err(e),
             }
         }
     }

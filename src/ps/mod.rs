@@ -65,9 +65,9 @@ pub use env::{EnvRole, config_from_env, role_from_env, run_scheduler};
 pub use handlers::{AsyncSgd, SumStore, SyncSgd};
 
 use crate::Context;
+use crate::comm::{PersistentRecv, QUIET, wait_any};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::inbox::{Inbox, QUIET};
 use crate::rendezvous::Store;
 use crate::sync::lock;
 use crate::types::Element;
@@ -822,7 +822,7 @@ fn run_callback<T>(worker: usize, ts: Timestamp, what: &str, cb: Callback<T>, ou
 /// The worker's receiving thread: replies, heartbeats, closed servers, deadlines.
 fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
     // One receive stays posted from slice to slice: a reply half read is not lost.
-    let mut inbox = Inbox::new(sh.ctx.clone(), PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE);
+    let mut inbox = sh.ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE);
     while !sh.stop.load(Ordering::SeqCst) {
         let live: Vec<usize> = {
             let closed = lock(&sh.closed);
@@ -831,12 +831,12 @@ fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
         let got = if live.is_empty() {
             inbox.withdraw();
             std::thread::sleep(SLICE);
-            Err(Error::Timeout { op: String::new(), ranks: Vec::new(), keys: Vec::new(), waited: SLICE })
+            None
         } else {
-            inbox.recv(&live, SLICE)
+            inbox.wait(&live, Instant::now() + SLICE)
         };
         match got {
-            Ok((server, bytes)) => {
+            Some(Ok((server, bytes))) => {
                 if let Some(h) = lock(&sh.heard).get_mut(server) {
                     *h = Instant::now();
                 }
@@ -845,8 +845,9 @@ fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
                     Err(e) => fail_server(sh, server, e),
                 }
             }
-            Err(Error::Timeout { .. }) => {}
-            Err(e) => {
+            // A quiet slice, or a reply that began arriving and stopped (dropped).
+            None | Some(Err(Error::Timeout { .. })) => {}
+            Some(Err(e)) => {
                 // Which server: the error names it (a closed connection), else every live one
                 // is suspect; the context itself is unusable then.
                 let server = match &e {
@@ -1271,7 +1272,7 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
         }
         let mut serving = Serving {
             links: vec![Link {
-                inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
+                inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
                 ctx,
                 workers: (0..workers).map(|w| (servers + w, w)).collect(),
             }],
@@ -1294,7 +1295,7 @@ struct Link {
     /// Its live workers: rank in `ctx` → worker number.
     workers: HashMap<usize, usize>,
     /// The receive from them, posted from one slice to the next.
-    inbox: Inbox,
+    inbox: PersistentRecv,
 }
 
 /// A server's state while it runs.
@@ -1347,16 +1348,31 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
                 std::thread::sleep(SLICE.min(Duration::from_millis(20)));
                 continue;
             }
+            // Every link with workers at once; the first to answer is served, and the turn
+            // rotates which one comes first when several have a message waiting.
             turn = (turn + 1) % active.len();
-            let li = active[turn];
+            let order: Vec<usize> = active[turn..].iter().chain(&active[..turn]).copied().collect();
             let mut slice = beat.map_or(SLICE, |b| b.min(SLICE));
-            if active.len() > 1 || !self.dead.is_empty() || !self.rejoining.is_empty() {
+            if !self.dead.is_empty() || !self.rejoining.is_empty() {
                 slice = slice.min(Duration::from_millis(2));
             }
-            let link = &mut self.links[li];
-            let ranks: Vec<usize> = link.workers.keys().copied().collect();
-            let got = link.inbox.recv(&ranks, slice);
-            self.take(li, got)?;
+            let ranks: Vec<Vec<usize>> = order
+                .iter()
+                .map(|&li| {
+                    let mut r: Vec<usize> = self.links[li].workers.keys().copied().collect();
+                    r.sort_unstable();
+                    r
+                })
+                .collect();
+            let from: Vec<&[usize]> = ranks.iter().map(Vec::as_slice).collect();
+            let mut inboxes: Vec<Option<&mut PersistentRecv>> =
+                self.links.iter_mut().map(|l| Some(&mut l.inbox)).collect();
+            let mut recvs: Vec<&mut PersistentRecv> = order.iter().filter_map(|&li| inboxes[li].take()).collect();
+            let got = wait_any(&mut recvs, &from, Instant::now() + slice);
+            drop(recvs);
+            if let Some((k, got)) = got {
+                self.take(order[k], got)?;
+            }
             self.settle()?;
         }
         Ok(())
@@ -1529,7 +1545,7 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         self.dead.remove(&w);
         lock(&self.responder.routes).insert(w, (ctx.clone(), rank));
         self.links.push(Link {
-            inbox: Inbox::new(ctx.clone(), PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
+            inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
             ctx,
             workers: HashMap::from([(rank, w)]),
         });

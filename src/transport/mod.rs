@@ -616,6 +616,9 @@ struct CompletionState {
     /// Rung when the operation finishes: a wait that sleeps in `poll(2)` on it rather than on
     /// the condition variable (see [`Completion::ring_on_finish`]).
     bell: Option<Arc<wake::EventFd>>,
+    /// Completed when the operation finishes: a wait for any of several operations waits on it
+    /// (see [`Completion::finish_with`]).
+    listener: Option<Arc<Completion>>,
 }
 
 impl Completion {
@@ -672,6 +675,7 @@ impl Completion {
             s.payload = payload;
             let sleepers = s.sleepers;
             let bell = s.bell.take();
+            let listener = s.listener.take();
             drop(s);
             if sleepers > 0 {
                 self.cond.notify_all();
@@ -679,6 +683,22 @@ impl Completion {
             if let Some(b) = bell {
                 b.signal();
             }
+            if let Some(l) = listener {
+                l.complete(Ok(Done { peer: 0, len: 0 }));
+            }
+        }
+    }
+
+    /// Completes `listener` too when the operation finishes (at once if it has): a wait for
+    /// any of several operations sleeps on one completion that each of them finishes. A later
+    /// call replaces the listener.
+    pub(crate) fn finish_with(&self, listener: &Arc<Completion>) {
+        let mut s = self.lock();
+        if s.outcome.is_some() {
+            drop(s);
+            listener.complete(Ok(Done { peer: 0, len: 0 }));
+        } else {
+            s.listener = Some(listener.clone());
         }
     }
 
