@@ -231,7 +231,11 @@ impl Report {
         if self.rank != 0 || self.rows.is_empty() {
             return;
         }
-        println!("# engine_bench, {} ranks, transport {}", self.size, Transport::from_env().map_or("?", |t| t.name()));
+        println!(
+            "# engine_bench, {} ranks, transport {}",
+            self.size,
+            Transport::from_env().map_or("?".to_string(), |t| t.name())
+        );
         let heads = ["measurement", "mode", "median", "range", "note"];
         let mut widths = heads.map(str::len);
         for row in &self.rows {

@@ -99,7 +99,7 @@ impl ContextBuilder {
             Some(t) => t,
             None => default_timeout()?,
         };
-        let spec = MeshSpec { rank, size, timeout, secret };
+        let spec = MeshSpec { rank, size, timeout, secret, host: device.host().to_string() };
         let (mesh, hosts) = mesh::form(store, device.backend(), &spec)?;
         let spin = busy_wait(busy_poll, &hosts, rank);
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
@@ -168,14 +168,14 @@ impl Context {
     }
 
     /// The hierarchy for the hierarchical allreduce, when this context has one: it is the
-    /// context a mesh was formed for, on a device that shares memory within a host and talks TCP
-    /// or ibverbs across (auto), over two hosts or more, one of which has two ranks or more. Every rank
-    /// decides alike: from the backend (the same on every rank) and the host identities every
-    /// rank published.
+    /// context a mesh was formed for, on a device that shares memory within a host and reaches
+    /// other hosts otherwise ([`Backend::hierarchical`](crate::transport::Backend::hierarchical)),
+    /// over two hosts or more, one of which has two ranks or more. Every rank decides alike:
+    /// from the backend (the same on every rank) and the host identities every rank published.
     pub(crate) fn hierarchy(&self) -> Option<&Hierarchy> {
         self.hier
             .get_or_init(|| {
-                if !self.comm.is_world() || !matches!(self.device.backend().name(), "tcp+shm" | "ibverbs+shm") {
+                if !self.comm.is_world() || !self.device.backend().hierarchical() {
                     return None;
                 }
                 let hosts = &self.comm.shared().hosts;

@@ -16,7 +16,6 @@
 //! publishes its own entry, connects to every lower rank whose entry carries the id, and waits
 //! for the higher ranks to connect to it.
 
-use crate::device::host_id;
 use crate::error::{Error, Result, ranks_text, secs};
 use crate::rendezvous::{Backoff, Store};
 use crate::transport::{Backend, ConnectError, ContextId, Endpoint, EndpointSpec, Mesh, Passive, random16};
@@ -30,6 +29,8 @@ pub(crate) struct MeshSpec {
     pub(crate) size: usize,
     pub(crate) timeout: Duration,
     pub(crate) secret: Option<Vec<u8>>,
+    /// This rank's host identity.
+    pub(crate) host: String,
 }
 
 /// How often a waiting rank says what it waits for.
@@ -101,7 +102,7 @@ pub(crate) fn form<S: Store + ?Sized>(
     backend: &dyn Backend,
     spec: &MeshSpec,
 ) -> Result<(Mesh, Vec<String>)> {
-    let host = backend.host().unwrap_or_else(host_id);
+    let host = spec.host.clone();
     if spec.size == 1 {
         return Ok((
             Mesh { pairs: vec![None], progress: std::sync::Arc::new(Passive), local: None, _guard: Box::new(()) },
@@ -122,7 +123,8 @@ pub(crate) fn form<S: Store + ?Sized>(
     let (rank, size) = (spec.rank, spec.size);
     let mut hosts = vec![String::new(); size];
     hosts[rank] = host.clone();
-    let endpoint = |ctx| backend.endpoint(EndpointSpec { ctx, rank, size, secret: spec.secret.clone() });
+    let endpoint =
+        |ctx| backend.endpoint(EndpointSpec { ctx, rank, size, secret: spec.secret.clone(), host: host.clone() });
     let mine = |ctx, ep: &dyn Endpoint| Entry {
         ctx,
         size,

@@ -329,18 +329,20 @@ enum Dev {
 fn device(dev: Dev) -> ferrogloo::Result<Device> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     match dev {
-        Dev::Tcp => Device::new(&TcpAttr::loopback()),
-        Dev::Shm => Ok(Device::shared_memory()),
+        Dev::Tcp => Device::tcp(&TcpAttr::loopback()),
+        Dev::Shm => Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
         Dev::Mixed => {
             let host = NEXT.fetch_add(1, Ordering::Relaxed) % 2;
-            Device::auto_on_host(&TcpAttr::loopback(), format!("pretend-host-{host}"))
+            Device::auto(&TcpAttr::loopback()).map(|d| d.on_host(format!("pretend-host-{host}")))
         }
         #[cfg(feature = "ibverbs")]
-        Dev::IbverbsSim => Device::ibverbs_with(&ferrogloo::device::IbAttr::simulated()),
+        Dev::IbverbsSim => Device::ibverbs(&ferrogloo::device::IbAttr::simulated()),
         #[cfg(feature = "ibverbs")]
         Dev::IbverbsMixed => {
             let host = NEXT.fetch_add(1, Ordering::Relaxed) % 2;
-            Device::ibverbs_auto(&ferrogloo::device::IbAttr::simulated(), Some(format!("pretend-ib-host-{host}")))
+            let shm = Device::shared_memory(&ferrogloo::device::ShmAttr::default());
+            let rdma = Device::ibverbs(&ferrogloo::device::IbAttr::simulated())?;
+            Ok(Device::combine(&shm, &rdma)?.on_host(format!("pretend-ib-host-{host}")))
         }
     }
 }
@@ -656,7 +658,7 @@ fn hierarchical_allreduce_across_pretend_hosts_agrees_bit_for_bit() {
             &store,
             &|| {
                 let host = next.fetch_add(1, Ordering::Relaxed) % 2;
-                Device::auto_on_host(&TcpAttr::loopback(), format!("pretend-host-{host}"))
+                Device::auto(&TcpAttr::loopback()).map(|d| d.on_host(format!("pretend-host-{host}")))
             },
             |b| b.timeout(TIMEOUT),
             |ctx| {

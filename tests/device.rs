@@ -1,16 +1,16 @@
 //! Choosing where a device listens.
 
 use ferrogloo::Error;
-use ferrogloo::device::{Device, Family, TcpAttr, Transport};
+use ferrogloo::device::{Device, Family, IbAttr, TcpAttr, Transport};
 use std::net::{IpAddr, Ipv4Addr, TcpListener};
 
 #[test]
 fn interface_hostname_and_ip_select_the_address() {
-    let by_iface = Device::new(&TcpAttr::iface("lo")).unwrap();
+    let by_iface = Device::tcp(&TcpAttr::iface("lo")).unwrap();
     assert_eq!(by_iface.local_addr().expect("a TCP device").ip(), IpAddr::V4(Ipv4Addr::LOCALHOST));
-    let by_host = Device::new(&TcpAttr::hostname("localhost")).unwrap();
+    let by_host = Device::tcp(&TcpAttr::hostname("localhost")).unwrap();
     assert!(by_host.local_addr().expect("a TCP device").ip().is_loopback());
-    let by_ip = Device::new(&TcpAttr::ip("127.0.0.2".parse().unwrap())).unwrap();
+    let by_ip = Device::tcp(&TcpAttr::ip("127.0.0.2".parse().unwrap())).unwrap();
     assert_eq!(by_ip.local_addr().expect("a TCP device").ip().to_string(), "127.0.0.2");
     assert_ne!(by_iface.local_addr().expect("a TCP device").port(), 0);
 }
@@ -24,27 +24,27 @@ fn a_port_range_skips_ports_in_use() {
         return;
     }
     let attr = TcpAttr { ports: p..=p.saturating_add(20), ..TcpAttr::loopback() };
-    let dev = Device::new(&attr).unwrap();
+    let dev = Device::tcp(&attr).unwrap();
     assert!(
         dev.local_addr().expect("a TCP device").port() > p && dev.local_addr().expect("a TCP device").port() <= p + 20
     );
     // A range with every port taken is an I/O error naming the address.
     let only = TcpAttr { ports: p..=p, ..TcpAttr::loopback() };
-    assert!(matches!(Device::new(&only), Err(Error::Io { .. })));
+    assert!(matches!(Device::tcp(&only), Err(Error::Io { .. })));
 }
 
 #[test]
 fn bad_device_attributes_are_clear_errors() {
-    let e = Device::new(&TcpAttr::iface("no-such-if0")).unwrap_err();
+    let e = Device::tcp(&TcpAttr::iface("no-such-if0")).unwrap_err();
     assert!(
         matches!(e, Error::InvalidArgument(ref m) if m.contains("no-such-if0") && m.contains("lo (127.0.0.1)")),
         "{e}"
     );
-    let e = Device::new(&TcpAttr::ip("0.0.0.0".parse().unwrap())).unwrap_err();
+    let e = Device::tcp(&TcpAttr::ip("0.0.0.0".parse().unwrap())).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     let v6_on_v4_iface = TcpAttr { family: Family::V6, ..TcpAttr::ip("127.0.0.1".parse().unwrap()) };
     // An explicit IP wins over the family.
-    assert!(Device::new(&v6_on_v4_iface).unwrap().local_addr().expect("a TCP device").is_ipv4());
+    assert!(Device::tcp(&v6_on_v4_iface).unwrap().local_addr().expect("a TCP device").is_ipv4());
 }
 
 #[test]
@@ -56,7 +56,7 @@ fn by_default_a_device_listens_where_other_hosts_can_reach_it() {
     let ip = TcpAttr::default().resolve().unwrap();
     if has_default_route {
         assert!(!ip.is_loopback(), "default address {ip} with a default route present");
-        let dev = Device::new(&TcpAttr::default()).unwrap();
+        let dev = Device::tcp(&TcpAttr::default()).unwrap();
         assert_eq!(dev.local_addr().expect("a TCP device").ip(), ip);
     } else {
         eprintln!("SKIPPED: no default route; the default is {ip}");
@@ -80,7 +80,8 @@ fn the_host_identity_is_stable_and_names_the_host() {
 #[cfg(not(feature = "ibverbs"))]
 #[test]
 fn without_the_feature_ibverbs_is_refused_naming_it() {
-    for made in [Device::ibverbs(None), Device::with_transport(Transport::Ibverbs, &TcpAttr::loopback())] {
+    for made in [Device::ibverbs(&IbAttr::default()), Device::with_transport(Transport::Ibverbs, &TcpAttr::loopback())]
+    {
         match made {
             Err(Error::Unsupported { what, feature }) => {
                 assert!(what.contains("ibverbs"), "{what}");
@@ -103,12 +104,9 @@ fn with_the_feature_and_no_rdma_device_every_entry_point_says_so() {
     }
     let t = std::time::Instant::now();
     let attempts = [
-        ("Device::ibverbs(None)", Device::ibverbs(None)),
-        ("Device::ibverbs(Some(\"mlx5_0\"))", Device::ibverbs(Some("mlx5_0"))),
-        (
-            "Device::ibverbs_with(port 2)",
-            Device::ibverbs_with(&ferrogloo::device::IbAttr { port: 2, ..ferrogloo::device::IbAttr::default() }),
-        ),
+        ("Device::ibverbs(default)", Device::ibverbs(&IbAttr::default())),
+        ("Device::ibverbs(mlx5_0)", Device::ibverbs(&IbAttr { device: Some("mlx5_0".into()), ..IbAttr::default() })),
+        ("Device::ibverbs(port 2)", Device::ibverbs(&IbAttr { port: 2, ..IbAttr::default() })),
         ("Device::with_transport(Ibverbs)", Device::with_transport(Transport::Ibverbs, &TcpAttr::loopback())),
     ];
     for (how, made) in attempts {
@@ -119,5 +117,52 @@ fn with_the_feature_and_no_rdma_device_every_entry_point_says_so() {
     }
     assert!(t.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t.elapsed());
     // The simulated provider needs no device.
-    assert_eq!(Device::ibverbs(Some("sim")).map(|d| d.backend_name()).ok(), Some("ibverbs"));
+    let sim = Device::ibverbs(&IbAttr { device: Some("sim".into()), ..IbAttr::default() });
+    assert_eq!(sim.map(|d| d.backend_name().to_string()).ok().as_deref(), Some("ibverbs"));
+}
+
+#[test]
+fn a_device_made_from_a_transport_has_the_transport_s_name_and_parsing_takes_names_and_aliases() {
+    for t in [Transport::Tcp, Transport::Shm, Transport::Auto] {
+        let d = Device::with_transport(t, &TcpAttr::loopback()).unwrap();
+        assert_eq!(d.backend_name(), t.name());
+        assert_eq!(t.name().parse::<Transport>().unwrap(), t);
+    }
+    for (alias, t) in [("auto", Transport::Auto), ("ibverbs", Transport::Ibverbs), ("RDMA", Transport::Ibverbs)] {
+        assert_eq!(alias.parse::<Transport>().unwrap(), t);
+    }
+    assert_eq!(Transport::Ibverbs.name(), "ibverbs+shm");
+    let e = "carrier-pigeon".parse::<Transport>().unwrap_err().to_string();
+    assert!(e.contains("carrier-pigeon") && e.contains("tcp+shm"), "{e}");
+}
+
+#[test]
+fn devices_combine_a_same_host_half_with_a_remote_half_and_nothing_else() {
+    let shm = || Device::shared_memory(&ferrogloo::device::ShmAttr::default());
+    let tcp = Device::loopback().unwrap();
+    let both = Device::combine(&shm(), &tcp).unwrap();
+    assert_eq!(both.backend_name(), "tcp+shm");
+    assert_eq!(both.local_addr(), tcp.local_addr(), "the remote half's listener");
+    // Threads of one process do not reach the other processes of a host; shared memory does
+    // not reach other hosts; a combined device is no half.
+    for (same, other, why) in [
+        (Device::in_process(), tcp.clone(), "does not connect the processes of one host"),
+        (shm(), shm(), "cannot be the half of a device that reaches other hosts"),
+        (shm(), both.clone(), "cannot be the half of a device that reaches other hosts"),
+    ] {
+        match Device::combine(&same, &other) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains(why), "{m}"),
+            other => panic!("expected a refusal saying {why:?}, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_device_has_this_host_s_identity_until_told_another() {
+    let d = Device::in_process();
+    assert_eq!(d.host(), ferrogloo::device::host_id());
+    let moved = d.clone().on_host("pretend-host-7");
+    assert_eq!(moved.host(), "pretend-host-7");
+    assert_eq!(d.host(), ferrogloo::device::host_id(), "the original keeps its identity");
+    assert_eq!(moved.backend_name(), "memory");
 }

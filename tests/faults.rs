@@ -71,7 +71,9 @@ fn a_shared_memory_rank_that_never_arrives_is_named_with_its_key() {
     // Shared-memory segments count in this process's resident memory, which the memory test
     // samples.
     let _serial = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
-    for (rank, result, took) in partial_job_on(4, &[0, 1, 3], &|| Ok(Device::shared_memory())) {
+    for (rank, result, took) in
+        partial_job_on(4, &[0, 1, 3], &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())))
+    {
         match result {
             Err(Error::Timeout { ranks, keys, .. }) => {
                 assert!(ranks.contains(&2), "rank {rank}: timeout names {ranks:?}, not rank 2");
@@ -96,7 +98,7 @@ fn a_shared_memory_rank_that_stops_coming_to_collectives_is_named_at_the_deadlin
     let results = common::run_ranks_on(
         3,
         &store,
-        &|| Ok(Device::shared_memory()),
+        &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
         |b| b.timeout(SHORT),
         |ctx| {
             if ctx.rank() == 2 {
@@ -420,7 +422,7 @@ fn a_shared_memory_wait_after_one_peer_left_sleeps_and_sees_the_next_one_go() {
     let results = common::run_ranks_on(
         3,
         &store,
-        &|| Ok(Device::shared_memory()),
+        &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
         |b| b.timeout(Duration::from_secs(6)),
         |ctx| {
             ctx.barrier()?;
@@ -464,7 +466,7 @@ fn a_stalled_message_does_not_hide_a_dead_member_from_a_shared_memory_barrier() 
     let results = common::run_ranks_on(
         3,
         &store,
-        &|| Ok(Device::shared_memory()),
+        &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
         |b| b.timeout(Duration::from_secs(6)),
         |ctx| {
             ctx.barrier()?;
@@ -500,7 +502,7 @@ fn a_single_copy_send_aborted_before_its_peer_reads_it_is_never_received_as_good
     let store = HashStore::new();
     let (aborted, wait_abort) = std::sync::mpsc::channel::<()>();
     let wait_abort = std::sync::Mutex::new(wait_abort);
-    let single = || Ok(Device::shared_memory_with(&ferrogloo::device::ShmAttr { single_copy: true }));
+    let single = || Ok(Device::shared_memory(&ferrogloo::device::ShmAttr { single_copy: true }));
     let results = common::run_ranks_on(
         2,
         &store,

@@ -571,7 +571,7 @@ fn bad_arguments_are_clear_errors() {
 #[test]
 fn ipv6_loopback_works_when_available() {
     let attr = TcpAttr::ip(std::net::Ipv6Addr::LOCALHOST.into());
-    if Device::new(&attr).is_err() {
+    if Device::tcp(&attr).is_err() {
         eprintln!("SKIPPED: no IPv6 loopback on this machine");
         return;
     }

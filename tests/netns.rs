@@ -50,7 +50,7 @@ fn netns_rank_worker() {
         // Shared memory between the ranks of one namespace, TCP across.
         Device::auto(&TcpAttr::iface(IFACE)).expect("auto device on the named interface")
     } else {
-        Device::new(&TcpAttr::iface(IFACE)).expect("device on the named interface")
+        Device::tcp(&TcpAttr::iface(IFACE)).expect("device on the named interface")
     };
     let want = std::env::var(EXPECT_IP_ENV).expect("expected address");
     assert_eq!(

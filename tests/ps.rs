@@ -608,7 +608,7 @@ fn a_worker_dying_while_its_round_is_answered_leaves_the_others_served() {
 
 /// A TCP device on the loopback interface.
 fn tcp() -> Result<Device> {
-    Device::new(&TcpAttr::loopback())
+    Device::tcp(&TcpAttr::loopback())
 }
 
 #[test]
@@ -617,7 +617,7 @@ fn a_value_of_160_mib_round_trips_over_tcp_and_shared_memory() {
     // withdrawn while its message was half read lost the message (the push then failed).
     let n = 40 << 20;
     let values: Vec<f32> = (0..n).map(|i| (i % 1_000_003) as f32).collect();
-    let shm = || Ok(Device::shared_memory());
+    let shm = || Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default()));
     let devices: [(&str, &(dyn Fn() -> Result<Device> + Sync)); 2] = [("tcp", &tcp), ("shm", &shm)];
     for (name, device) in devices {
         let mut cfg = PsConfig::new(1, 1);

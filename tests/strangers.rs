@@ -48,7 +48,7 @@ fn strangers(addr: SocketAddr) -> Vec<(&'static str, TcpStream)> {
 fn strangers_are_refused_and_the_mesh_still_forms() {
     let n = 4;
     let attr = TcpAttr { handshake_timeout: Duration::from_millis(1500), ..TcpAttr::loopback() };
-    let devs: Vec<Device> = (0..n).map(|_| Device::new(&attr).unwrap()).collect();
+    let devs: Vec<Device> = (0..n).map(|_| Device::tcp(&attr).unwrap()).collect();
     // Strangers arrive at every listener before and while the ranks meet.
     let early: Vec<_> = devs.iter().map(|d| strangers(d.local_addr().expect("a TCP device"))).collect();
     let store = HashStore::new();
@@ -111,7 +111,7 @@ fn strangers_are_refused_and_the_mesh_still_forms() {
 #[test]
 fn many_silent_connections_do_not_block_the_listener() {
     let attr = TcpAttr { handshake_timeout: Duration::from_secs(30), max_pending: 64, ..TcpAttr::loopback() };
-    let devs: Vec<Device> = (0..2).map(|_| Device::new(&attr).unwrap()).collect();
+    let devs: Vec<Device> = (0..2).map(|_| Device::tcp(&attr).unwrap()).collect();
     // More silent connections than the handshake table holds, on both listeners.
     let _silent: Vec<TcpStream> = devs
         .iter()

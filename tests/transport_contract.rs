@@ -548,8 +548,8 @@ macro_rules! backends {
 backends! {
     memory => || Ok(ferrogloo::device::Device::in_process()),
     tcp => ferrogloo::device::Device::loopback,
-    shm => || Ok(ferrogloo::device::Device::shared_memory()),
-    shm_single_copy => || Ok(ferrogloo::device::Device::shared_memory_with(
+    shm => || Ok(ferrogloo::device::Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
+    shm_single_copy => || Ok(ferrogloo::device::Device::shared_memory(
         &ferrogloo::device::ShmAttr { single_copy: true },
     )),
     auto => || ferrogloo::device::Device::auto(&ferrogloo::device::TcpAttr::loopback()),
@@ -558,7 +558,7 @@ backends! {
 
 #[cfg(feature = "ibverbs")]
 backends! {
-    ibverbs_sim => || ferrogloo::device::Device::ibverbs_with(&ferrogloo::device::IbAttr::simulated()),
+    ibverbs_sim => || ferrogloo::device::Device::ibverbs(&ferrogloo::device::IbAttr::simulated()),
     ibverbs_mixed => super::ibverbs_mixed_hosts,
     #[ignore = "needs an RDMA device: FERROGLOO_TEST_IB_DEVICE=<device> ... -- --ignored"]
     ibverbs_real => super::real_ib_device,
@@ -570,7 +570,9 @@ fn ibverbs_mixed_hosts() -> ferrogloo::Result<ferrogloo::device::Device> {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let attr = ferrogloo::device::IbAttr::simulated();
-    ferrogloo::device::Device::ibverbs_auto(&attr, Some(format!("pretend-ib-host-{}", n % 2)))
+    let shm = ferrogloo::device::Device::shared_memory(&ferrogloo::device::ShmAttr::default());
+    let dev = ferrogloo::device::Device::combine(&shm, &ferrogloo::device::Device::ibverbs(&attr)?)?;
+    Ok(dev.on_host(format!("pretend-ib-host-{}", n % 2)))
 }
 
 /// The RDMA device `FERROGLOO_TEST_IB_DEVICE` names (the real provider), handshakes on
@@ -580,7 +582,7 @@ fn real_ib_device() -> ferrogloo::Result<ferrogloo::device::Device> {
     let name = std::env::var("FERROGLOO_TEST_IB_DEVICE").map_err(|_| {
         ferrogloo::Error::invalid("set FERROGLOO_TEST_IB_DEVICE to the RDMA device to run the suite on")
     })?;
-    ferrogloo::device::Device::ibverbs_with(&ferrogloo::device::IbAttr {
+    ferrogloo::device::Device::ibverbs(&ferrogloo::device::IbAttr {
         device: Some(name),
         tcp: ferrogloo::device::TcpAttr::loopback(),
         ..ferrogloo::device::IbAttr::default()
@@ -592,5 +594,6 @@ fn real_ib_device() -> ferrogloo::Result<ferrogloo::device::Device> {
 fn mixed_hosts() -> ferrogloo::Result<ferrogloo::device::Device> {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    ferrogloo::device::Device::auto_on_host(&ferrogloo::device::TcpAttr::loopback(), format!("pretend-host-{}", n % 2))
+    ferrogloo::device::Device::auto(&ferrogloo::device::TcpAttr::loopback())
+        .map(|d| d.on_host(format!("pretend-host-{}", n % 2)))
 }

@@ -134,7 +134,7 @@ fn json_rows_are_appended_one_per_cell() {
         assert_eq!(rows.len(), 4 * run, "run {run} appends its 4 cells");
         for row in &rows {
             assert_eq!(row["wrong"], 0);
-            assert_eq!(row["transport"], "auto");
+            assert_eq!(row["transport"], "tcp+shm");
             match row["algorithm"].as_str() {
                 // Local ranks talk through shared memory by default, where auto picks the
                 // shared-memory algorithm.

@@ -33,7 +33,7 @@
 //!
 //! # fn main() -> ferrogloo::Result<()> {
 //! let env = RankEnv::from_env()?;
-//! let device = Device::new(&TcpAttr::default())?;
+//! let device = Device::tcp(&TcpAttr::default())?;
 //! let mut step = 0u64; // progress survives generations
 //! elastic::run(&env, &device, Duration::from_secs(30), |ctx, membership| {
 //!     // Newcomers and survivors agree on where to go on from.

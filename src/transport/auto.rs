@@ -1,119 +1,103 @@
-//! Choice by locality: one backend made of a *remote* device (TCP, or ibverbs) and a
-//! shared-memory one. Each pair uses shared memory when both ranks have the same host identity
-//! ([`host_id`](crate::device::host_id): the host, its boot and the network namespace; never IP
-//! addresses or `LOCAL_WORLD_SIZE`), and the remote device otherwise, so one context may mix
-//! both. (Below, "TCP" stands for the remote device; an ibverbs one makes progress on its own
-//! thread, which the same slicing serves.)
+//! Choice by locality: one backend made of two, a *same-host* backend (shared memory) and a
+//! *remote* one (TCP, or ibverbs). Each pair uses the same-host backend when both ranks have the
+//! same host identity ([`host_id`](crate::device::host_id): the host, its boot and the network
+//! namespace; never IP addresses or `LOCAL_WORLD_SIZE`), and the remote one otherwise, so one
+//! context may mix both. Neither half is named here: any backend that
+//! [reaches the same host](Backend::reaches_same_host) can be the first, any other the second.
 //!
-//! The endpoint's address carries the rank's host identity, its TCP address and its
-//! shared-memory address; the connecting (higher) rank compares host identities and connects
+//! The endpoint's address carries the rank's host identity, its remote address and its
+//! same-host address; the connecting (higher) rank compares host identities and connects
 //! with the backend they call for. The lower rank accepts on both.
 //!
-//! Waits: a TCP pair makes progress on the device's event loop or on the waiting thread, a
-//! shared-memory pair only on a thread that drives it. So a wait that involves a
-//! shared-memory pair (its own or others with operations outstanding) is the shared-memory
-//! engine's, which drives every shared-memory pair and leaves the TCP ones to the event loop:
-//! an operation that finishes there rings the shared-memory doorbell the wait sleeps on. A
-//! wait on TCP pairs alone is the TCP engine's, in slices of at most [`TCP_SLICE`], between
-//! which the shared-memory pairs are driven once (a peer's message may be waiting for this
-//! rank to read it).
+//! Waits: a remote pair (TCP) makes progress on its device's event loop or on the waiting
+//! thread, a shared-memory pair only on a thread that drives it. So a wait that involves a
+//! same-host pair (its own or others with operations outstanding) is the same-host engine's,
+//! which drives every same-host pair and leaves the remote ones to their event loop: an
+//! operation that finishes there rings the doorbell the wait sleeps on. A wait on remote pairs
+//! alone is the remote engine's, in slices of at most [`REMOTE_SLICE`], between which the
+//! same-host pairs are driven once (a peer's message may be waiting for this rank to read it).
+//! (An ibverbs remote makes progress on its own thread, which the same slicing serves.)
 
 use crate::error::{Error, Result};
-use crate::transport::shm::ShmDevice;
-use crate::transport::tcp::device::TcpDevice;
 use crate::transport::{Backend, BusyWait, Completion, ConnectError, Done, Endpoint, EndpointSpec, Mesh, Progress};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long each of the two endpoints is waited on in turn while higher ranks connect.
 const SLICE: Duration = Duration::from_millis(2);
-/// How long a TCP wait on a mesh with shared-memory pairs leaves those pairs alone at most.
-const TCP_SLICE: Duration = Duration::from_millis(2);
+/// How long a remote wait on a mesh with same-host pairs leaves those pairs alone at most.
+const REMOTE_SLICE: Duration = Duration::from_millis(2);
 
-/// What reaches the ranks of other hosts.
-pub(crate) enum Remote {
-    Tcp(TcpDevice),
-    /// Another backend (ibverbs).
-    Other(Arc<dyn Backend>),
+/// A same-host backend within a host, a remote one between hosts.
+pub(crate) struct AutoBackend {
+    local: Arc<dyn Backend>,
+    remote: Arc<dyn Backend>,
+    /// `<remote>+<local>`: tcp+shm, ibverbs+shm.
+    name: String,
 }
 
-impl Remote {
-    fn backend(&self) -> &dyn Backend {
-        match self {
-            Remote::Tcp(t) => t,
-            Remote::Other(b) => &**b,
+impl AutoBackend {
+    /// Peers on this host are reached through `local`, the others through `remote`. Fails when
+    /// `local` does not reach exactly the ranks of its host, or `remote` is itself such a one.
+    pub(crate) fn new(local: Arc<dyn Backend>, remote: Arc<dyn Backend>) -> Result<Self> {
+        if !local.reaches_same_host() {
+            return Err(Error::invalid(format!(
+                "the {} transport cannot be the same-host half of a device: it does not connect the \
+                 processes of one host (shared memory does)",
+                local.name()
+            )));
         }
-    }
-}
-
-/// A remote device between hosts, shared memory within one.
-pub(crate) struct AutoDevice {
-    remote: Remote,
-    shm: ShmDevice,
-    host: String,
-}
-
-impl AutoDevice {
-    /// Peers whose host identity is `host` are reached through `shm`, the others through `tcp`.
-    pub(crate) fn new(tcp: TcpDevice, shm: ShmDevice, host: String) -> Self {
-        AutoDevice { remote: Remote::Tcp(tcp), shm, host }
-    }
-
-    /// Peers whose host identity is `host` are reached through `shm`, the others through
-    /// `remote`.
-    pub(crate) fn with_remote(remote: Arc<dyn Backend>, shm: ShmDevice, host: String) -> Self {
-        AutoDevice { remote: Remote::Other(remote), shm, host }
-    }
-
-    /// The TCP half, if the remote device is TCP.
-    pub(crate) fn tcp(&self) -> Option<&TcpDevice> {
-        match &self.remote {
-            Remote::Tcp(t) => Some(t),
-            Remote::Other(_) => None,
+        if remote.reaches_same_host() || remote.hierarchical() {
+            return Err(Error::invalid(format!(
+                "the {} transport cannot be the half of a device that reaches other hosts",
+                remote.name()
+            )));
         }
+        let name = format!("{}+{}", remote.name(), local.name());
+        Ok(AutoBackend { local, remote, name })
     }
 }
 
-impl Backend for AutoDevice {
-    fn name(&self) -> &'static str {
-        match self.remote.backend().name() {
-            "tcp" => "tcp+shm",
-            "ibverbs" => "ibverbs+shm",
-            _ => "remote+shm",
-        }
+impl Backend for AutoBackend {
+    fn name(&self) -> &str {
+        &self.name
     }
 
     fn host_only(&self) -> bool {
-        self.remote.backend().host_only()
+        self.remote.host_only()
     }
 
     fn endpoint(&self, spec: EndpointSpec) -> Result<Box<dyn Endpoint>> {
-        let tcp = self.remote.backend().endpoint(spec.clone())?;
-        let shm = self.shm.endpoint(spec.clone())?;
-        Ok(Box::new(AutoEndpoint { host: self.host.clone(), tcp, shm, size: spec.size }))
+        let remote = self.remote.endpoint(spec.clone())?;
+        let local = self.local.endpoint(spec.clone())?;
+        Ok(Box::new(AutoEndpoint { host: spec.host, remote, local, size: spec.size }))
     }
 
-    fn host(&self) -> Option<String> {
-        Some(self.host.clone())
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.remote.local_addr()
+    }
+
+    fn hierarchical(&self) -> bool {
+        true
     }
 }
 
 struct AutoEndpoint {
     host: String,
-    tcp: Box<dyn Endpoint>,
-    shm: Box<dyn Endpoint>,
+    remote: Box<dyn Endpoint>,
+    local: Box<dyn Endpoint>,
     size: usize,
 }
 
-/// The address blob: `u16` length and host identity, `u32` length and TCP address, then the
-/// shared-memory address.
-fn encode(host: &str, tcp: &[u8], shm: &[u8]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(6 + host.len() + tcp.len() + shm.len());
+/// The address blob: `u16` length and host identity, `u32` length and remote address, then the
+/// same-host address.
+fn encode(host: &str, remote: &[u8], local: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(6 + host.len() + remote.len() + local.len());
     b.extend_from_slice(&(host.len() as u16).to_le_bytes());
     b.extend_from_slice(host.as_bytes());
-    b.extend_from_slice(&(tcp.len() as u32).to_le_bytes());
-    b.extend_from_slice(tcp);
-    b.extend_from_slice(shm);
+    b.extend_from_slice(&(remote.len() as u32).to_le_bytes());
+    b.extend_from_slice(remote);
+    b.extend_from_slice(local);
     b
 }
 
@@ -123,28 +107,28 @@ fn decode(b: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
     let host = b.get(2..2 + hl)?;
     let at = 2 + hl;
     let tl = u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?) as usize;
-    let tcp = b.get(at + 4..at + 4 + tl)?;
-    let shm = b.get(at + 4 + tl..)?;
-    Some((host, tcp, shm))
+    let remote = b.get(at + 4..at + 4 + tl)?;
+    let local = b.get(at + 4 + tl..)?;
+    Some((host, remote, local))
 }
 
 impl Endpoint for AutoEndpoint {
     fn address(&self) -> Vec<u8> {
-        encode(&self.host, &self.tcp.address(), &self.shm.address())
+        encode(&self.host, &self.remote.address(), &self.local.address())
     }
 
     fn connect(&mut self, peer: usize, addr: &[u8], deadline: Instant) -> std::result::Result<(), ConnectError> {
-        let Some((host, tcp, shm)) = decode(addr) else {
+        let Some((host, remote, local)) = decode(addr) else {
             return Err(ConnectError::Refused(Error::Protocol {
                 peer: Some(peer),
                 detail: format!("its address ({} bytes) is not a remote-and-shared-memory address", addr.len()),
             }));
         };
         if host == self.host.as_bytes() {
-            tracing::debug!(peer, "same host: connecting through shared memory");
-            self.shm.connect(peer, shm, deadline)
+            tracing::debug!(peer, "same host: connecting through the same-host transport");
+            self.local.connect(peer, local, deadline)
         } else {
-            self.tcp.connect(peer, tcp, deadline)
+            self.remote.connect(peer, remote, deadline)
         }
     }
 
@@ -152,9 +136,9 @@ impl Endpoint for AutoEndpoint {
         let mut missing = peers.to_vec();
         loop {
             let slice = until.min(Instant::now() + SLICE);
-            missing = self.tcp.wait_connected(&missing, slice);
+            missing = self.remote.wait_connected(&missing, slice);
             let slice = until.min(Instant::now() + SLICE);
-            missing = self.shm.wait_connected(&missing, slice);
+            missing = self.local.wait_connected(&missing, slice);
             if missing.is_empty() || Instant::now() >= until {
                 return missing;
             }
@@ -162,19 +146,20 @@ impl Endpoint for AutoEndpoint {
     }
 
     fn finish(self: Box<Self>) -> Mesh {
-        let (tcp, shm) = (self.tcp.finish(), self.shm.finish());
-        let via_shm: Vec<bool> = shm.pairs.iter().map(Option::is_some).collect();
-        let pairs = (0..self.size).map(|r| shm.pairs[r].clone().or_else(|| tcp.pairs[r].clone())).collect();
-        let progress = Arc::new(AutoProgress { tcp: tcp.progress, shm: shm.progress, via_shm });
-        Mesh { pairs, progress, local: shm.local, _guard: Box::new((tcp._guard, shm._guard)) }
+        let (remote, local) = (self.remote.finish(), self.local.finish());
+        let via_local: Vec<bool> = local.pairs.iter().map(Option::is_some).collect();
+        let pairs = (0..self.size).map(|r| local.pairs[r].clone().or_else(|| remote.pairs[r].clone())).collect();
+        let progress = Arc::new(AutoProgress { remote: remote.progress, local: local.progress, via_local });
+        Mesh { pairs, progress, local: local.local, _guard: Box::new((remote._guard, local._guard)) }
     }
 }
 
 /// Routes each wait to the engine that can finish it (see the module's documentation).
 struct AutoProgress {
-    tcp: Arc<dyn Progress>,
-    shm: Arc<dyn Progress>,
-    via_shm: Vec<bool>,
+    remote: Arc<dyn Progress>,
+    local: Arc<dyn Progress>,
+    /// Per rank: whether its pair is a same-host one.
+    via_local: Vec<bool>,
 }
 
 impl Progress for AutoProgress {
@@ -186,20 +171,20 @@ impl Progress for AutoProgress {
         deadline: Instant,
         busy: BusyWait,
     ) -> Option<Result<Done>> {
-        let shm = |r: &usize| self.via_shm.get(*r).copied().unwrap_or(false);
-        if own.iter().chain(others).any(shm) {
-            return self.shm.wait(done, own, others, deadline, busy);
+        let local = |r: &usize| self.via_local.get(*r).copied().unwrap_or(false);
+        if own.iter().chain(others).any(local) {
+            return self.local.wait(done, own, others, deadline, busy);
         }
-        if !self.via_shm.iter().any(|&s| s) {
-            return self.tcp.wait(done, own, others, deadline, busy);
+        if !self.via_local.iter().any(|&s| s) {
+            return self.remote.wait(done, own, others, deadline, busy);
         }
-        // A TCP wait, on a mesh with shared-memory pairs that nothing else may read: a peer's
+        // A remote wait, on a mesh with same-host pairs that nothing else may read: a peer's
         // large message waits for this rank to copy it, and may hold up what this wait waits
-        // for. The TCP engine waits in slices; between them the shared-memory pairs move.
+        // for. The remote engine waits in slices; between them the same-host pairs move.
         let mut busy = busy;
         loop {
-            let slice = deadline.min(Instant::now() + TCP_SLICE);
-            if let Some(o) = self.tcp.wait(done, own, others, slice, busy) {
+            let slice = deadline.min(Instant::now() + REMOTE_SLICE);
+            if let Some(o) = self.remote.wait(done, own, others, slice, busy) {
                 return Some(o);
             }
             if Instant::now() >= deadline {
@@ -207,8 +192,8 @@ impl Progress for AutoProgress {
             }
             // Busy-waiting was the first slice's; the later ones sleep at once.
             busy.budget = Duration::ZERO;
-            // A wait on nothing that ends now: one round over every shared-memory pair.
-            if let Some(o) = self.shm.wait(done, &[], &[], Instant::now(), busy) {
+            // A wait on nothing that ends now: one round over every same-host pair.
+            if let Some(o) = self.local.wait(done, &[], &[], Instant::now(), busy) {
                 return Some(o);
             }
         }

@@ -456,10 +456,14 @@ impl Progress for Passive {
     }
 }
 
-/// What a backend is: a maker of endpoints, one per context.
+/// What a backend is: a maker of endpoints, one per context, and what the layers above need to
+/// know of it. Callers never match on a backend's name: what they need is a method here.
 pub(crate) trait Backend: Send + Sync {
-    /// The backend's name, as published in the store entry ("tcp", "memory").
-    fn name(&self) -> &'static str;
+    /// The backend's name (`tcp`, `shm`, `memory`, `ibverbs`, and `tcp+shm` or
+    /// `ibverbs+shm` for a device that reaches its own host through shared memory and other
+    /// hosts through TCP or RDMA): for logs, errors and the store entry, where every rank checks
+    /// that the others use the same.
+    fn name(&self) -> &str;
 
     /// Whether only this host can reach its endpoints (a loopback address, this process).
     fn host_only(&self) -> bool;
@@ -467,10 +471,24 @@ pub(crate) trait Backend: Send + Sync {
     /// A fresh endpoint for one context.
     fn endpoint(&self, spec: EndpointSpec) -> Result<Box<dyn Endpoint>>;
 
-    /// The host identity this rank publishes, when the device was told one; otherwise
-    /// [`host_id`](crate::device::host_id).
-    fn host(&self) -> Option<String> {
+    /// The TCP address peers connect to, for a backend that listens on one (a launcher
+    /// publishes it).
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
         None
+    }
+
+    /// Whether its endpoints connect exactly the ranks that share this rank's host identity
+    /// (shared memory between the processes of one host): such a backend can be the same-host
+    /// half of a device that reaches other hosts through a second backend ([`auto`]).
+    fn reaches_same_host(&self) -> bool {
+        false
+    }
+
+    /// Whether its meshes may span hosts while the ranks of each host share a collective area
+    /// ([`Mesh::local`]): the hierarchical allreduce (within hosts, across their leaders, within
+    /// hosts again) is then the one to run. The same on every rank of a job.
+    fn hierarchical(&self) -> bool {
+        false
     }
 }
 
@@ -482,6 +500,9 @@ pub(crate) struct EndpointSpec {
     pub(crate) size: usize,
     /// A secret both ends must prove (HMAC over the handshake), for backends that can.
     pub(crate) secret: Option<Vec<u8>>,
+    /// This rank's host identity ([`host_id`](crate::device::host_id), or what its device was
+    /// told): ranks with equal identities are on one host.
+    pub(crate) host: String,
 }
 
 /// Why a connect failed.

@@ -25,7 +25,7 @@ pub fn run_ranks_with<T: Send>(
     build: impl Fn(ferrogloo::ContextBuilder) -> ferrogloo::ContextBuilder + Sync,
     f: impl Fn(Context) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
-    run_ranks_on(n, store, &|| Device::new(attr), build, f)
+    run_ranks_on(n, store, &|| Device::tcp(attr), build, f)
 }
 
 /// Runs `f` on `n` ranks that are threads, each with its own device from `device`, meeting

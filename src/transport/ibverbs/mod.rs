@@ -122,7 +122,7 @@ mod backend {
     }
 
     impl Backend for IbDevice {
-        fn name(&self) -> &'static str {
+        fn name(&self) -> &str {
             "ibverbs"
         }
 

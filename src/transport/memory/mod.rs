@@ -47,7 +47,7 @@ fn address() -> Vec<u8> {
 }
 
 impl Backend for MemoryDevice {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "memory"
     }
 
@@ -412,7 +412,7 @@ mod tests {
     /// `b1`.
     fn meshes(b0: usize, b1: usize) -> (Mesh, Mesh) {
         let ctx = random16();
-        let spec = |rank| EndpointSpec { ctx, rank, size: 2, secret: None };
+        let spec = |rank| EndpointSpec { ctx, rank, size: 2, secret: None, host: String::new() };
         let e0 = MemoryDevice::new(b0).endpoint(spec(0)).unwrap();
         let mut e1 = MemoryDevice::new(b1).endpoint(spec(1)).unwrap();
         e1.connect(0, &address(), Instant::now() + Duration::from_secs(1)).unwrap();

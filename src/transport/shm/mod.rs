@@ -82,11 +82,15 @@ const ACK_LEN: usize = 96;
 const FINAL_LEN: usize = 40;
 
 impl Backend for ShmDevice {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "shm"
     }
 
     fn host_only(&self) -> bool {
+        true
+    }
+
+    fn reaches_same_host(&self) -> bool {
         true
     }
 

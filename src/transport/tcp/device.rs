@@ -182,11 +182,6 @@ impl TcpDevice {
             .map_err(|e| Error::io("spawning the event-loop thread", e))?;
         Ok(TcpDevice { shared, thread: Some(thread) })
     }
-
-    /// The address peers connect to.
-    pub(crate) fn local_addr(&self) -> SocketAddr {
-        self.shared.addr
-    }
 }
 
 impl Drop for TcpDevice {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 impl Backend for TcpDevice {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "tcp"
     }
 
@@ -24,9 +24,13 @@ impl Backend for TcpDevice {
         self.shared.addr.ip().is_loopback()
     }
 
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        Some(self.shared.addr)
+    }
+
     fn endpoint(&self, spec: EndpointSpec) -> Result<Box<dyn Endpoint>> {
         let shared = &self.shared;
-        let EndpointSpec { ctx, rank, size, secret } = spec;
+        let EndpointSpec { ctx, rank, size, secret, .. } = spec;
         let pairs = (0..size)
             .map(|p| {
                 (p != rank)

@@ -1,0 +1,441 @@
+//! What devices are built from: the TCP listener's address and socket settings ([`TcpAttr`]),
+//! shared memory's and RDMA's settings ([`ShmAttr`], [`IbAttr`]), the choice of transport
+//! ([`Transport`]), and this host's identity ([`host_id`]). `default()` never reads the
+//! environment; `from_env()` does.
+
+use crate::error::{Error, Result};
+use crate::transport::shm::ShmOptions;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
+use std::time::Duration;
+
+/// The environment variable that names the network interface to listen on.
+pub const IFACE_ENV: &str = "FERROGLOO_IFACE";
+/// The environment variable that names a host name whose address to listen on.
+pub const HOSTNAME_ENV: &str = "FERROGLOO_HOSTNAME";
+/// The environment variable that gives the IP address to listen on.
+pub const ADDR_ENV: &str = "FERROGLOO_ADDR";
+/// The environment variable that overrides this host's identity (see [`host_id`]).
+pub const HOST_ID_ENV: &str = "FERROGLOO_HOST_ID";
+
+/// The environment variable that chooses the transport of [`Device::from_env`](super::Device::from_env)
+/// ([`Transport::from_env`]).
+pub const TRANSPORT_ENV: &str = "FERROGLOO_TRANSPORT";
+
+/// This host's identity, which decides which ranks share memory (never IP addresses or
+/// `LOCAL_WORLD_SIZE`): `FERROGLOO_HOST_ID` when set, else the host name, the kernel's boot id
+/// (`/proc/sys/kernel/random/boot_id`; `/etc/machine-id` where there is none) and the network
+/// namespace (`/proc/self/ns/net`: ranks in two namespaces of one host cannot reach each other's
+/// abstract Unix sockets, so they talk TCP). Two processes with the same identity can share
+/// memory.
+pub fn host_id() -> String {
+    if let Ok(id) = std::env::var(HOST_ID_ENV)
+        && !id.is_empty()
+    {
+        return id;
+    }
+    let name = hostname().unwrap_or_else(|| "localhost".to_string());
+    let boot = ["/proc/sys/kernel/random/boot_id", "/etc/machine-id"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()));
+    let mut id = match boot {
+        Some(b) => format!("{name}/{b}"),
+        None => name,
+    };
+    if let Ok(ns) = std::fs::read_link("/proc/self/ns/net") {
+        id.push('/');
+        id.push_str(&ns.to_string_lossy());
+    }
+    id
+}
+
+/// The environment variable that turns on single-copy transfers between processes on one
+/// host ([`ShmAttr::single_copy`]): `1`.
+pub const SINGLE_COPY_ENV: &str = "FERROGLOO_SHM_SINGLE_COPY";
+
+/// Settings of the shared-memory transport ([`Device::shared_memory`](super::Device::shared_memory); [`ShmAttr::from_env`]
+/// for the devices of [`Device::from_env`](super::Device::from_env)).
+#[derive(Debug, Clone)]
+pub struct ShmAttr {
+    /// Whether a rank reads a peer's large message (64 KiB or more) straight from the peer's
+    /// memory (`process_vm_readv`, one copy) where the kernel allows it (a probe decides when a
+    /// pair forms); otherwise large messages go through the rings in fragments (two copies,
+    /// the sender's and the receiver's, overlapped). Default: off, unless
+    /// `FERROGLOO_SHM_SINGLE_COPY=1`: on the 2-core machine this was measured on, the fragments
+    /// were 3 to 4 times faster at every size from 64 KiB to 16 MiB (a 2-rank ping-pong of
+    /// 1 MiB took 26 µs one way against 79; the kernel pins every page it copies).
+    /// ([`ShmAttr::from_env`] reads the variable; `default()` does not.)
+    pub single_copy: bool,
+}
+
+impl Default for ShmAttr {
+    /// Single copy off.
+    fn default() -> Self {
+        ShmAttr { single_copy: false }
+    }
+}
+
+impl ShmAttr {
+    /// The defaults, with [`single_copy`](ShmAttr::single_copy) on when
+    /// `FERROGLOO_SHM_SINGLE_COPY=1`.
+    pub fn from_env() -> Self {
+        ShmAttr { single_copy: std::env::var(SINGLE_COPY_ENV).is_ok_and(|v| v.trim() == "1") }
+    }
+
+    pub(crate) fn options(&self) -> ShmOptions {
+        ShmOptions { single_copy: self.single_copy, ..ShmOptions::default() }
+    }
+}
+
+/// Which transport a device uses between ranks (see [`Device::with_transport`](super::Device::with_transport)). Each has one
+/// name, which is also the name of the device it makes ([`Device::backend_name`](super::Device::backend_name)); `auto`,
+/// `ibverbs`, `rdma` and `shared-memory` are accepted for them when parsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// `tcp`: TCP to every peer.
+    Tcp,
+    /// `shm`: shared memory to every peer: every rank must be on this host.
+    Shm,
+    /// `tcp+shm` (also `auto`): shared memory to peers on this host, TCP to the others.
+    Auto,
+    /// `ibverbs+shm` (also `ibverbs`, `rdma`): RDMA through ibverbs to the peers on other hosts,
+    /// shared memory to those on this one; needs the cargo feature `ibverbs`.
+    Ibverbs,
+}
+
+impl Transport {
+    /// `FERROGLOO_TRANSPORT` (`tcp`, `shm`, `tcp+shm` or `ibverbs+shm`, or an alias: `auto`,
+    /// `ibverbs`); [`Transport::Auto`] when unset or empty. Another value is an error.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(TRANSPORT_ENV) {
+            Ok(v) if !v.trim().is_empty() => {
+                v.parse().map_err(|e: Error| Error::invalid(format!("{TRANSPORT_ENV}: {e}")))
+            }
+            _ => Ok(Transport::Auto),
+        }
+    }
+
+    /// The name of the device it makes: `tcp`, `shm`, and for a transport of two parts the
+    /// name of the part that reaches other hosts and that of the same-host part, joined by `+`,
+    /// as a combined device names itself (`tcp+shm`, `ibverbs+shm`).
+    pub fn name(self) -> String {
+        match self.parts() {
+            (remote, Some(local)) => format!("{remote}+{local}"),
+            (only, None) => only.to_string(),
+        }
+    }
+
+    /// The transport's parts: the one that reaches other hosts (or the only one), and the
+    /// same-host one, if any.
+    fn parts(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Transport::Tcp => (TCP, None),
+            Transport::Shm => (SHM, None),
+            Transport::Auto => (TCP, Some(SHM)),
+            Transport::Ibverbs => (IBVERBS, Some(SHM)),
+        }
+    }
+}
+
+/// The parts' names, as their devices name themselves.
+const TCP: &str = "tcp";
+const SHM: &str = "shm";
+const IBVERBS: &str = "ibverbs";
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = Error;
+
+    /// A transport's [name](Transport::name), or an alias: `auto` (`tcp+shm`), `ibverbs` and
+    /// `rdma` (`ibverbs+shm`), `shared-memory` (`shm`). Case does not matter.
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim().to_ascii_lowercase();
+        let named =
+            [Transport::Tcp, Transport::Shm, Transport::Auto, Transport::Ibverbs].into_iter().find(|t| t.name() == s);
+        let alias = || match s.as_str() {
+            "auto" => Some(Transport::Auto),
+            "ibverbs" | "rdma" => Some(Transport::Ibverbs),
+            "shared-memory" => Some(Transport::Shm),
+            _ => None,
+        };
+        named.or_else(alias).ok_or_else(|| {
+            Error::invalid(format!(
+                "unknown transport {s:?} (expected {}, {}, {} (or auto) or {} (or ibverbs))",
+                Transport::Tcp,
+                Transport::Shm,
+                Transport::Auto,
+                Transport::Ibverbs
+            ))
+        })
+    }
+}
+
+/// The environment variable that names the RDMA device ([`IbAttr::from_env`]): `mlx5_0`,
+/// or `sim` for the simulated provider.
+pub const IB_DEVICE_ENV: &str = "FERROGLOO_IB_DEVICE";
+/// The environment variable that gives the RDMA port number (default 1).
+pub const IB_PORT_ENV: &str = "FERROGLOO_IB_PORT";
+/// The environment variable that gives the GID table index (RoCE v2 address choice).
+pub const IB_GID_INDEX_ENV: &str = "FERROGLOO_IB_GID_INDEX";
+
+/// How to build an ibverbs (RDMA) [`Device`](super::Device) ([`Device::ibverbs`](super::Device::ibverbs)).
+///
+/// Pairs are reliable-connected queue pairs; their addresses (LID, GID, queue pair number,
+/// packet sequence number, MTU) go in the store entry, and a TCP handshake on `tcp`'s address
+/// brings each pair up and stays open as the pair's lifeline (it carries aborts and tells when
+/// a peer is gone). Needs the cargo feature `ibverbs`.
+///
+/// `device: Some("sim")` chooses the *simulated* provider: RDMA modelled in this process (for
+/// tests of ranks that are threads; nothing leaves the process).
+///
+/// ```
+/// use ferrogloo::device::IbAttr;
+/// let attr = IbAttr { device: Some("mlx5_0".into()), gid_index: Some(3), ..IbAttr::default() };
+/// assert_eq!(attr.port, 1);
+/// assert_eq!(IbAttr::simulated().device.as_deref(), Some("sim"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct IbAttr {
+    /// The RDMA device (`mlx5_0`); `None`: the first with an active port; `"sim"`: the
+    /// simulated provider.
+    pub device: Option<String>,
+    /// The port on the device (default 1).
+    pub port: u8,
+    /// The GID table index; `None`: for RoCE the first RoCE v2 entry with an IPv4 address,
+    /// else 0.
+    pub gid_index: Option<u8>,
+    /// Where the handshake listens (default: as [`TcpAttr::default`]).
+    pub tcp: TcpAttr,
+    /// Bytes per pair that may arrive before their receive is posted (default 8 MiB).
+    pub early_budget: usize,
+}
+
+impl Default for IbAttr {
+    fn default() -> Self {
+        IbAttr { device: None, port: 1, gid_index: None, tcp: TcpAttr::default(), early_budget: 8 << 20 }
+    }
+}
+
+impl IbAttr {
+    /// The simulated provider, handshakes on loopback.
+    pub fn simulated() -> Self {
+        IbAttr { device: Some("sim".into()), tcp: TcpAttr::loopback(), ..IbAttr::default() }
+    }
+
+    /// `FERROGLOO_IB_DEVICE`, `FERROGLOO_IB_PORT`, `FERROGLOO_IB_GID_INDEX` and the handshake
+    /// address of [`TcpAttr::from_env`]; unset ones keep their defaults. A value that does not
+    /// parse is an error.
+    pub fn from_env() -> Result<Self> {
+        let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let num = |name: &str| -> Result<Option<u8>> {
+            var(name)
+                .map(|v| v.parse::<u8>().map_err(|e| Error::invalid(format!("{name}={v:?}: {e} (expected 0 to 255)"))))
+                .transpose()
+        };
+        Ok(IbAttr {
+            device: var(IB_DEVICE_ENV),
+            port: num(IB_PORT_ENV)?.unwrap_or(1),
+            gid_index: num(IB_GID_INDEX_ENV)?,
+            tcp: TcpAttr::from_env()?,
+            ..IbAttr::default()
+        })
+    }
+}
+
+/// This host's name (`gethostname`).
+fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is a live, writable buffer and we pass its exact length; gethostname
+    // writes at most that many bytes.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    std::str::from_utf8(&buf[..end]).ok().map(str::to_string).filter(|s| !s.is_empty())
+}
+
+/// IPv4 or IPv6.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// IPv4.
+    V4,
+    /// IPv6.
+    V6,
+}
+
+/// How to build a TCP [`Device`](super::Device): which address to listen on and socket tunables.
+///
+/// The address comes from the first of these that is set: `ip`, `iface` (the interface's
+/// first address of `family`), `hostname` (resolved). With none of them (the default) the
+/// device listens where other hosts can reach it, as Gloo does: on the address this host's name
+/// resolves to unless that is a loopback address, else on the address of the interface of the
+/// default route, else (a host without a network) on loopback. [`TcpAttr::loopback`] is the
+/// choice for ranks that all run on one host. [`TcpAttr::from_env`] fills `ip`, `iface` and
+/// `hostname` from `FERROGLOO_ADDR`, `FERROGLOO_IFACE` and `FERROGLOO_HOSTNAME`.
+#[derive(Debug, Clone)]
+pub struct TcpAttr {
+    /// Listen on this address.
+    pub ip: Option<IpAddr>,
+    /// Listen on this network interface (for example `eth0`).
+    pub iface: Option<String>,
+    /// Listen on the address this host name resolves to.
+    pub hostname: Option<String>,
+    /// Address family when choosing by interface, hostname or default (default IPv4).
+    pub family: Family,
+    /// Ports to try, in order; `0..=0` (the default) lets the OS choose.
+    pub ports: std::ops::RangeInclusive<u16>,
+    /// `SO_SNDBUF` for every connection. Default: 512 KiB for connections between ranks
+    /// on one host (same address at both ends): on a 2-core machine it made 16 and 64 MiB
+    /// allreduce and allgather 1.25 to 1.75 times faster than the kernel's autotuning, and
+    /// smaller sizes no slower. Connections to other hosts keep the autotuning.
+    pub send_buffer: Option<usize>,
+    /// `SO_RCVBUF` for every connection (default: the kernel's autotuning).
+    pub recv_buffer: Option<usize>,
+    /// Bytes per pair that may arrive before their receive is posted (default 8 MiB). Beyond
+    /// it, the pair stops reading until a matching receive is posted.
+    pub early_budget: usize,
+    /// Time a new connection has to complete its handshake (default 10 s); a silent
+    /// connection is closed after it and never blocks the listener meanwhile.
+    pub handshake_timeout: Duration,
+    /// Most handshakes in progress at once (default 1024); a new connection beyond it evicts
+    /// the oldest one still in its handshake.
+    pub max_pending: usize,
+}
+
+impl Default for TcpAttr {
+    fn default() -> Self {
+        TcpAttr {
+            ip: None,
+            iface: None,
+            hostname: None,
+            family: Family::V4,
+            ports: 0..=0,
+            send_buffer: None,
+            recv_buffer: None,
+            early_budget: 8 << 20,
+            handshake_timeout: Duration::from_secs(10),
+            max_pending: 1024,
+        }
+    }
+}
+
+impl TcpAttr {
+    /// Loopback (127.0.0.1), any port: every rank on this host.
+    pub fn loopback() -> Self {
+        Self::ip(IpAddr::V4(Ipv4Addr::LOCALHOST))
+    }
+
+    /// Listen on `ip`.
+    pub fn ip(ip: IpAddr) -> Self {
+        TcpAttr { ip: Some(ip), ..Self::default() }
+    }
+
+    /// Listen on network interface `name`.
+    pub fn iface(name: impl Into<String>) -> Self {
+        TcpAttr { iface: Some(name.into()), ..Self::default() }
+    }
+
+    /// Listen on the address `name` resolves to.
+    pub fn hostname(name: impl Into<String>) -> Self {
+        TcpAttr { hostname: Some(name.into()), ..Self::default() }
+    }
+
+    /// Defaults, with `ip` from `FERROGLOO_ADDR`, `iface` from `FERROGLOO_IFACE` and
+    /// `hostname` from `FERROGLOO_HOSTNAME` when set. An address that does not parse is an
+    /// error.
+    pub fn from_env() -> Result<Self> {
+        let var = |name| std::env::var(name).ok().filter(|s: &String| !s.is_empty());
+        let ip = match var(ADDR_ENV) {
+            Some(a) => Some(a.parse().map_err(|_| Error::invalid(format!("{ADDR_ENV}={a:?} is not an IP address")))?),
+            None => None,
+        };
+        Ok(TcpAttr { ip, iface: var(IFACE_ENV), hostname: var(HOSTNAME_ENV), ..Self::default() })
+    }
+
+    fn wants(&self, ip: &IpAddr) -> bool {
+        matches!((self.family, ip), (Family::V4, IpAddr::V4(_)) | (Family::V6, IpAddr::V6(_)))
+    }
+
+    fn loopback_of(&self) -> IpAddr {
+        match self.family {
+            Family::V4 => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            Family::V6 => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        }
+    }
+
+    /// The IP address to listen on.
+    pub fn resolve(&self) -> Result<IpAddr> {
+        if let Some(ip) = self.ip {
+            return Ok(ip);
+        }
+        if let Some(name) = &self.iface {
+            let ifs = if_addrs::get_if_addrs().map_err(|e| Error::io("listing network interfaces", e))?;
+            let listed = || {
+                let mut all: Vec<String> = ifs.iter().map(|i| format!("{} ({})", i.name, i.ip())).collect();
+                all.sort();
+                all.join(", ")
+            };
+            if !ifs.iter().any(|i| &i.name == name) {
+                return Err(Error::invalid(format!(
+                    "network interface {name:?} does not exist; this host has: {}",
+                    listed()
+                )));
+            }
+            return ifs.iter().filter(|i| &i.name == name).map(|i| i.ip()).find(|ip| self.wants(ip)).ok_or_else(|| {
+                Error::invalid(format!(
+                    "network interface {name:?} has no {:?} address; this host has: {}",
+                    self.family,
+                    listed()
+                ))
+            });
+        }
+        if let Some(host) = &self.hostname {
+            let addrs = (host.as_str(), 0)
+                .to_socket_addrs()
+                .map_err(|e| Error::io(format!("resolving host name {host:?}"), e))?;
+            return addrs
+                .map(|a| a.ip())
+                .find(|ip| self.wants(ip))
+                .ok_or_else(|| Error::invalid(format!("host name {host:?} has no {:?} address", self.family)));
+        }
+        Ok(self.default_address())
+    }
+
+    /// Gloo's choice: this host name's address unless it is loopback, else the default route's
+    /// interface, else loopback.
+    fn default_address(&self) -> IpAddr {
+        let by_name = hostname()
+            .and_then(|h| (h.as_str(), 0).to_socket_addrs().ok())
+            .and_then(|addrs| addrs.map(|a| a.ip()).find(|ip| self.wants(ip) && !ip.is_loopback()));
+        if let Some(ip) = by_name {
+            return ip;
+        }
+        let by_route = default_route_iface().and_then(|name| {
+            if_addrs::get_if_addrs()
+                .ok()?
+                .into_iter()
+                .filter(|i| i.name == name)
+                .map(|i| i.ip())
+                .find(|ip| self.wants(ip) && !ip.is_loopback())
+        });
+        by_route.unwrap_or_else(|| {
+            tracing::debug!("no host name address and no default route: listening on loopback");
+            self.loopback_of()
+        })
+    }
+}
+
+/// The interface of the IPv4 default route (`/proc/net/route`), if any.
+fn default_route_iface() -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/route").ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let mut f = line.split_whitespace();
+        let (iface, dest) = (f.next()?, f.next()?);
+        (dest == "00000000").then(|| iface.to_string())
+    })
+}
