@@ -3,7 +3,7 @@
 
 use super::wire::{Decoded, MAGIC, Request, Response, ResponseDecoder, Shape, WireError};
 use crate::error::{Error, Result};
-use crate::rendezvous::{Backoff, Store, missing_keys};
+use crate::rendezvous::{Backoff, Store, missing_keys, parse_counter};
 use crate::sync::lock;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -335,11 +335,16 @@ impl TcpStore {
         if ready {
             return Ok(());
         }
-        Err(missing_keys(
-            &format!("store wait in the TCPStore at {}", self.addr),
-            keys.iter().map(|k| k.to_string()).collect(),
-            timeout,
-        ))
+        // The error names the keys still missing (a CHECK each: WAIT does not say which), or all
+        // of them when none is, or when the CHECKs fail.
+        let mut missing: Vec<String> = Vec::new();
+        if keys.len() > 1 {
+            missing = keys.iter().filter(|k| !matches!(self.exists(k), Ok(true))).map(|k| k.to_string()).collect();
+        }
+        if missing.is_empty() {
+            missing = keys.iter().map(|k| k.to_string()).collect();
+        }
+        Err(missing_keys(&format!("store wait in the TCPStore at {}", self.addr), missing, timeout))
     }
 
     /// CHECK of one key: whether it exists now.
@@ -379,7 +384,15 @@ impl Store for TcpStore {
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let wire = self.wire(key);
-        self.ask(&format!("ADD of {delta} to key {key:?}"), &[Request::Add { key: &wire, delta }], false, Self::int)
+        let what = format!("ADD of {delta} to key {key:?}");
+        self.ask(&what, &[Request::Add { key: &wire, delta }], false, Self::int).map_err(|e| {
+            // A server closes the connection of an ADD to a value that is not a number: say so,
+            // as the other stores do, when that is what the key holds.
+            match (&e, self.try_get(key)) {
+                (Error::Io { .. }, Ok(Some(v))) => parse_counter(key, &v).err().unwrap_or(e),
+                _ => e,
+            }
+        })
     }
 
     fn delete(&self, key: &str) -> Result<bool> {
@@ -475,7 +488,10 @@ mod tests {
         let store = TcpStore::connect(&fake.addr.to_string(), "", Duration::from_secs(5)).unwrap();
         let e = store.add("n", 1).unwrap_err();
         assert!(matches!(e, Error::Io { .. }) && e.to_string().contains("ADD of 1 to key \"n\""), "{e}");
-        assert_eq!(fake.ops(), [ADD], "the ADD was sent once");
+        // The ADD was sent once; then CHECKs looked at what the key holds (nothing: the fake
+        // closes every connection), so the error stays the lost reply.
+        assert_eq!(fake.ops()[0], ADD);
+        assert!(fake.ops()[1..].iter().all(|op| *op == CHECK), "the ADD was sent once: {:?}", fake.ops());
     }
 
     #[test]
