@@ -2,7 +2,9 @@
 //! server).
 
 use ferrogloo::Error;
-use ferrogloo::rendezvous::{FileStore, HashStore, HttpStore, HttpStoreServer, PrefixStore, Store};
+use ferrogloo::rendezvous::{
+    FileStore, HashStore, HttpStore, HttpStoreServer, PrefixStore, Store, TcpStore, TcpStoreServer,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -122,6 +124,13 @@ fn http_store_against_embedded_server() {
     contract(&store, true);
     let arc: Arc<dyn Store> = Arc::new(PrefixStore::new("p", store));
     contract(&*arc, true);
+}
+
+#[test]
+fn tcpstore_against_embedded_server() {
+    let server = TcpStoreServer::start("127.0.0.1:0").unwrap();
+    let store = TcpStore::connect(&server.local_addr().to_string(), "job", Duration::from_secs(10)).unwrap();
+    contract(&store, true);
 }
 
 /// The Horovod-protocol server from tests/support, run with python3.

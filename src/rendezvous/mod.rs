@@ -5,11 +5,19 @@
 //!
 //! - [`FileStore`]: a directory on a shared filesystem (NFS); the usual choice.
 //! - [`HttpStore`]: a client of Horovod's HTTP rendezvous server, or of our [`HttpStoreServer`].
+//! - [`TcpStore`]: a client of PyTorch's TCPStore (what `torchrun` serves at
+//!   `MASTER_ADDR:MASTER_PORT`), or of our [`TcpStoreServer`], which serves PyTorch's clients too.
 //! - [`HashStore`]: in-process, for ranks that are threads.
 //! - [`PrefixStore`]: scopes the keys of another store, so several contexts can share it.
 //!
-//! [`open`] turns a store URL (`file:DIR` or `http://HOST:PORT/SCOPE`) into a store; the
-//! environment variable `FERROGLOO_STORE` holds the default URL.
+//! [`open`] turns a store URL into a store, each of its requests bounded by the default timeout
+//! (`FERROGLOO_TIMEOUT`, else 30 s; see [`default_timeout`](crate::context::default_timeout)):
+//!
+//! - `file:DIR` (also `file://DIR`): a [`FileStore`];
+//! - `http://HOST:PORT/SCOPE`: an [`HttpStore`], its keys in `SCOPE`;
+//! - `tcpstore://HOST:PORT[/PREFIX]`: a [`TcpStore`], its keys under `PREFIX` when given.
+//!
+//! The environment variable `FERROGLOO_STORE` holds the default URL ([`open_from_env`]).
 
 mod file;
 mod hash;

@@ -1,6 +1,7 @@
 //! Store URLs: one syntax for naming a store everywhere.
 
 use super::{FileStore, HttpStore, Store, TcpStore};
+use crate::context::default_timeout;
 use crate::error::{Error, Result};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -36,7 +37,8 @@ pub enum StoreUrl {
 }
 
 impl StoreUrl {
-    /// Parses `file:DIR` or `http://HOST:PORT/SCOPE`.
+    /// Parses `file:DIR` (or `file://DIR`), `http://HOST:PORT/SCOPE` or
+    /// `tcpstore://HOST:PORT[/PREFIX]`.
     pub fn parse(url: &str) -> Result<Self> {
         if let Some(rest) = url.strip_prefix("file:") {
             let path = rest.strip_prefix("//").unwrap_or(rest);
@@ -64,9 +66,7 @@ impl StoreUrl {
             check_authority(url, host)?;
             return Ok(StoreUrl::TcpStore { addr: host.to_string(), prefix: prefix.trim_matches('/').to_string() });
         }
-        Err(Error::invalid(format!(
-            "unknown store URL {url:?}: expected file:DIR, http://HOST:PORT/SCOPE or tcpstore://HOST:PORT[/PREFIX]"
-        )))
+        Err(Error::invalid(format!("unknown store URL {url:?}: expected {FORMS}")))
     }
 
     /// Opens the store. `timeout` bounds each single store request (HTTP retries included).
@@ -90,8 +90,8 @@ impl std::fmt::Display for StoreUrl {
     }
 }
 
-/// Checks the `HOST[:PORT]` part of an HTTP store URL: a port, when given, is a number from 1
-/// to 65535; an IPv6 host is bracketed.
+/// Checks the `HOST[:PORT]` part of an HTTP or TCPStore URL: a port, when given, is a number
+/// from 1 to 65535; an IPv6 host is bracketed.
 fn check_authority(url: &str, authority: &str) -> Result<()> {
     let bad = |why: &str| Err(Error::invalid(format!("store URL {url:?}: {why}")));
     let port = if let Some(v6) = authority.strip_prefix('[') {
@@ -119,15 +119,20 @@ fn check_authority(url: &str, authority: &str) -> Result<()> {
     }
 }
 
-/// Opens the store named by `url` (see [`StoreUrl`]), with a 30 s bound per request.
+/// The store URLs [`StoreUrl::parse`] takes, in words for messages.
+const FORMS: &str = "file:DIR, http://HOST:PORT/SCOPE or tcpstore://HOST:PORT[/PREFIX]";
+
+/// Opens the store named by `url` (see [`StoreUrl`]), each request bounded by the default
+/// timeout of contexts: [`TIMEOUT_ENV`](crate::context::TIMEOUT_ENV) when set (an error when it
+/// is not a positive number of seconds), else 30 s ([`default_timeout`]).
 pub fn open(url: &str) -> Result<Box<dyn Store>> {
-    StoreUrl::parse(url)?.open(Duration::from_secs(30))
+    StoreUrl::parse(url)?.open(default_timeout()?)
 }
 
-/// Opens the store named by `$FERROGLOO_STORE`.
+/// Opens the store named by `$FERROGLOO_STORE`, as [`open`] does.
 pub fn open_from_env() -> Result<Box<dyn Store>> {
-    let url = std::env::var(STORE_ENV)
-        .map_err(|_| Error::invalid(format!("{STORE_ENV} is not set (expected file:DIR or http://HOST:PORT/SCOPE)")))?;
+    let url =
+        std::env::var(STORE_ENV).map_err(|_| Error::invalid(format!("{STORE_ENV} is not set (expected {FORMS})")))?;
     open(&url)
 }
 
@@ -168,5 +173,70 @@ mod tests {
         }
         let e = StoreUrl::parse("http://host:99999/j").unwrap_err().to_string();
         assert!(e.contains("port") && e.contains("99999"), "{e}");
+    }
+
+    #[test]
+    fn parses_tcpstore_urls_and_names_every_form_when_refusing() {
+        let url = StoreUrl::parse("tcpstore://node1:29500/worker/attempt_2/").unwrap();
+        assert_eq!(url, StoreUrl::TcpStore { addr: "node1:29500".into(), prefix: "worker/attempt_2".into() });
+        assert_eq!(url.to_string(), "tcpstore://node1:29500/worker/attempt_2");
+        let url = StoreUrl::parse("tcpstore://[::1]:29500").unwrap();
+        assert_eq!(url, StoreUrl::TcpStore { addr: "[::1]:29500".into(), prefix: String::new() });
+        assert_eq!(url.to_string(), "tcpstore://[::1]:29500");
+        for bad in ["tcpstore://", "tcpstore://node1", "tcpstore://:29500", "tcpstore://node1:0", "tcpstore://h:x/p"] {
+            let e = StoreUrl::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
+        }
+        let e = StoreUrl::parse("redis://x").unwrap_err().to_string();
+        for form in ["file:DIR", "http://HOST:PORT/SCOPE", "tcpstore://HOST:PORT[/PREFIX]"] {
+            assert!(e.contains(form), "{e}");
+        }
+    }
+
+    /// The variable that makes [`open_under_the_environment`] run.
+    const CHILD_ENV: &str = "FERROGLOO_TEST_OPEN";
+
+    /// Runs [`open_under_the_environment`] in a process of its own (this test binary again) with
+    /// `FERROGLOO_TIMEOUT` set to `timeout`; returns what it printed after `RESULT `.
+    fn open_in_a_child(timeout: &str) -> String {
+        let exe = std::env::current_exe().unwrap();
+        let test = "rendezvous::url::tests::open_under_the_environment";
+        let out = std::process::Command::new(exe)
+            .args(["--ignored", "--exact", test, "--nocapture", "--test-threads=1"])
+            .env(crate::context::TIMEOUT_ENV, timeout)
+            .env(CHILD_ENV, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout.lines().find_map(|l| l.split_once("RESULT ").map(|(_, r)| r));
+        line.unwrap_or_else(|| panic!("the child printed no result: {stdout}")).to_string()
+    }
+
+    #[test]
+    #[ignore = "run as a child process by open_bounds_each_request_by_ferrogloo_timeout"]
+    fn open_under_the_environment() {
+        if std::env::var_os(CHILD_ENV).is_none() {
+            return;
+        }
+        // A listener that never answers: the TCPStore client's handshake waits for its deadline.
+        let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let t = std::time::Instant::now();
+        let outcome = open(&format!("tcpstore://{}", mute.local_addr().unwrap()));
+        let ms = t.elapsed().as_millis();
+        match outcome {
+            Ok(_) => println!("RESULT {ms} opened"),
+            Err(e) => println!("RESULT {ms} {} {e}", if e.is_timeout() { "timeout" } else { "error" }),
+        }
+    }
+
+    #[test]
+    fn open_bounds_each_request_by_ferrogloo_timeout() {
+        let result = open_in_a_child("0.4");
+        let (ms, rest) = result.split_once(' ').unwrap();
+        let ms: u64 = ms.parse().unwrap();
+        assert!(rest.starts_with("timeout"), "{result}");
+        assert!((400..5000).contains(&ms), "FERROGLOO_TIMEOUT=0.4 bounded the handshake after {ms} ms: {result}");
+        let result = open_in_a_child("soon");
+        assert!(result.contains("error") && result.contains("FERROGLOO_TIMEOUT=\"soon\""), "{result}");
     }
 }
