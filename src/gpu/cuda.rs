@@ -98,6 +98,13 @@ pub struct Cuda<'c> {
 }
 
 impl<'c> Cuda<'c> {
+    /// Collectives of `ctx` on buffers used on the default stream of GPU `ordinal`
+    /// ([`default_stream`]). Builds with or without the cargo feature `cuda`: without it, this
+    /// is [`Error::Unsupported`] naming the feature.
+    pub fn on_gpu(ctx: &'c Context, ordinal: usize) -> Result<Self> {
+        Self::new(ctx, default_stream(ordinal)?)
+    }
+
     /// Collectives of `ctx` on buffers used on `stream`.
     pub fn new(ctx: &'c Context, stream: Arc<CudaStream>) -> Result<Self> {
         Self::with_chunk_bytes(ctx, stream, DEFAULT_CHUNK_BYTES)
