@@ -116,7 +116,8 @@ impl RankEnv {
 }
 
 /// Starts, once per process, the HTTP store server a job without one needs, on every address
-/// at the port of `url` (`http://HOST:PORT/SCOPE`); it serves until the process ends.
+/// at the port of `url` (`http://HOST:PORT/SCOPE`); it serves until the process ends, to
+/// clients with the job's store token when the environment gives one.
 fn serve_store(url: &str) -> Result<()> {
     static SERVER: std::sync::OnceLock<crate::rendezvous::HttpStoreServer> = std::sync::OnceLock::new();
     if SERVER.get().is_some() {
@@ -128,7 +129,14 @@ fn serve_store(url: &str) -> Result<()> {
         .and_then(|hp| hp.rsplit_once(':'))
         .and_then(|(_, p)| p.parse::<u16>().ok())
         .ok_or_else(|| Error::invalid(format!("cannot serve the store {url:?}: not http://HOST:PORT/SCOPE")))?;
-    let server = crate::rendezvous::HttpStoreServer::start(format!("0.0.0.0:{port}"))?;
+    // The job's store token, when its ranks were given one, keeps strangers out of it.
+    let token = crate::credentials::Credentials::from_env()?.store_token;
+    let server = crate::rendezvous::HttpStoreServer::start_authenticated(
+        format!("0.0.0.0:{port}"),
+        crate::rendezvous::ServerLimits::default(),
+        None,
+        token.as_deref(),
+    )?;
     tracing::info!("rank 0 serves the job's store at {url}");
     let _ = SERVER.set(server);
     Ok(())
