@@ -21,7 +21,6 @@
 use clap::Parser;
 use ferrogloo::launch::{JobEnd, Supervision, elastic, spawn_tied, supervise, supervise_with};
 use ferrogloo::rendezvous::HttpStoreServer;
-use ferrogloo::rendezvous::Store;
 use ferrogloo::{Error, Result};
 use ferrogloo_cli::run::{Host, is_local, machine_of, merge_same, parse_hostfile, parse_hosts, place};
 use std::collections::{HashMap, VecDeque};
@@ -528,8 +527,8 @@ const ELASTIC_SETTLE: Duration = Duration::from_millis(500);
 /// The launcher's side of an elastic job: which workers each generation has, where ranks may
 /// be added, and the hosts that recently lost one.
 struct Elastic<'a> {
-    store: Box<dyn Store>,
-    generation: u64,
+    /// The store's side of the protocol: the generations published, what workers report.
+    coordinator: elastic::Coordinator,
     min: usize,
     max: usize,
     resets_left: usize,
@@ -542,8 +541,6 @@ struct Elastic<'a> {
     cooldown: Duration,
     /// Set once the first ranks are started: starts the ranks that join.
     starter: Option<Starter<'a>>,
-    /// The current generation's workers.
-    members: Vec<usize>,
     /// When the store was last asked whether all of them have joined.
     ready_asked: Instant,
     /// Since when the current generation's workers have asked to regroup.
@@ -577,9 +574,9 @@ impl<'a> Elastic<'a> {
                 answer: None,
             })
         });
-        let mut e = Elastic {
-            store: ferrogloo::rendezvous::open(url)?,
-            generation: 0,
+        let store = ferrogloo::rendezvous::open(url)?;
+        Ok(Elastic {
+            coordinator: elastic::Coordinator::start(store, &(0..args.np).collect::<Vec<_>>())?,
             min,
             max: args.max_np.unwrap_or(args.np),
             resets_left: args.reset_limit,
@@ -588,23 +585,18 @@ impl<'a> Elastic<'a> {
             blacklist: HashMap::new(),
             cooldown: seconds(args.blacklist_cooldown, "blacklist-cooldown")?,
             starter: None,
-            members: Vec::new(),
             ready_asked: Instant::now(),
             regroup_since: None,
             regroup_refused: None,
             regroup_asked: Instant::now(),
-        };
-        e.publish(&(0..args.np).collect::<Vec<_>>())?;
-        Ok(e)
+        })
     }
 
-    fn publish(&mut self, members: &[usize]) -> Result<()> {
-        let list = members.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
-        self.store.set(&elastic::members_key(self.generation), list.as_bytes())?;
-        self.store.set(elastic::GENERATION_KEY, self.generation.to_string().as_bytes())?;
-        self.members = members.to_vec();
+    /// Publishes the next generation, of `members`: its number.
+    fn publish(&mut self, members: &[usize]) -> Result<u64> {
+        let g = self.coordinator.publish_next(members)?;
         self.regroup_since = None;
-        Ok(())
+        Ok(g)
     }
 
     /// Publishes the same workers again when the current generation's workers asked to
@@ -618,27 +610,22 @@ impl<'a> Elastic<'a> {
                         "ferrogloo-run: ranks asked to regroup, but no resets are left: they end after --elastic-timeout"
                     );
                     self.regroup_since = None;
-                    self.regroup_refused = Some(self.generation);
+                    self.regroup_refused = Some(self.coordinator.generation());
                     return;
                 }
                 self.resets_left -= 1;
-                self.generation += 1;
                 match self.publish(alive) {
-                    Ok(()) => eprintln!(
-                        "ferrogloo-run: ranks asked to regroup (a peer stalled); generation {} goes on with {} ranks (workers {alive:?})",
-                        self.generation,
+                    Ok(g) => eprintln!(
+                        "ferrogloo-run: ranks asked to regroup (a peer stalled); generation {g} goes on with {} ranks (workers {alive:?})",
                         alive.len()
                     ),
                     Err(e) => eprintln!("ferrogloo-run: could not publish the next generation: {e}"),
                 }
             }
             Some(_) => {}
-            None if self.regroup_refused == Some(self.generation) => {}
+            None if self.regroup_refused == Some(self.coordinator.generation()) => {}
             None => {
-                let asked = self.store.try_get(&elastic::regroup_key(self.generation));
-                if let Ok(Some(v)) = asked
-                    && String::from_utf8_lossy(&v).trim().parse::<u64>().is_ok_and(|n| n > 0)
-                {
+                if self.coordinator.regroup_count().is_ok_and(|n| n > 0) {
                     self.regroup_since = Some(Instant::now());
                 }
             }
@@ -652,9 +639,8 @@ impl<'a> Elastic<'a> {
             return false;
         }
         self.ready_asked = Instant::now();
-        match self.store.try_get(&elastic::ready_key(self.generation)) {
-            Ok(Some(v)) => String::from_utf8_lossy(&v).trim().parse::<usize>().is_ok_and(|n| n >= self.members.len()),
-            Ok(None) => false,
+        match self.coordinator.all_joined() {
+            Ok(joined) => joined,
             Err(e) => {
                 eprintln!("ferrogloo-run: the elastic job's store: {e}");
                 false
@@ -713,9 +699,9 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
             [one] => format!("rank {one}"),
             many => format!("ranks {many:?}"),
         };
-        match self.store.try_get(elastic::FATAL_KEY) {
+        match self.coordinator.fatal() {
             Ok(Some(why)) => {
-                eprintln!("ferrogloo-run: {r} failed, and the elastic job ends: {}", String::from_utf8_lossy(&why));
+                eprintln!("ferrogloo-run: {r} failed, and the elastic job ends: {why}");
                 return false;
             }
             Ok(None) => {}
@@ -742,12 +728,10 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
             self.blacklist.insert(machine, until);
         }
         self.resets_left -= 1;
-        self.generation += 1;
         match self.publish(&alive) {
-            Ok(()) => {
+            Ok(g) => {
                 eprintln!(
-                    "ferrogloo-run: {r} failed; generation {} goes on with {} ranks (workers {alive:?})",
-                    self.generation,
+                    "ferrogloo-run: {r} failed; generation {g} goes on with {} ranks (workers {alive:?})",
                     alive.len()
                 );
                 true
@@ -846,11 +830,9 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
         if started.is_empty() {
             return;
         }
-        self.generation += 1;
         match self.publish(&members) {
-            Ok(()) => eprintln!(
-                "ferrogloo-run: generation {} grows to {} ranks (workers {members:?}; started {})",
-                self.generation,
+            Ok(g) => eprintln!(
+                "ferrogloo-run: generation {g} grows to {} ranks (workers {members:?}; started {})",
                 members.len(),
                 started.join(", ")
             ),
