@@ -7,6 +7,7 @@ use super::hosts::{Host, is_local, machine_of, merge_same, parse_hosts};
 use super::ssh::run_bounded;
 use super::start::{Rank, Slot, Starter};
 use ferrogloo::launch::elastic;
+use ferrogloo::rendezvous::Store;
 use ferrogloo::{Error, Result};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -58,7 +59,7 @@ struct Discovery {
 
 impl<'a> Elastic<'a> {
     /// Publishes generation 0: workers `0..np`.
-    pub(super) fn start(args: &Args, url: &str, min: usize, hosts: &[Host]) -> Result<Self> {
+    pub(super) fn start(args: &Args, store: Box<dyn Store>, min: usize, hosts: &[Host]) -> Result<Self> {
         let discovery = args.host_discovery_script.as_ref().map(|script| {
             Ok::<_, Error>(Discovery {
                 script: script.clone(),
@@ -67,7 +68,6 @@ impl<'a> Elastic<'a> {
                 answer: None,
             })
         });
-        let store = ferrogloo::rendezvous::open(url)?;
         Ok(Elastic {
             coordinator: elastic::Coordinator::start(store, &(0..args.np).collect::<Vec<_>>())?,
             min,

@@ -11,12 +11,23 @@
 //! `HOROVOD_*` equivalents, so Horovod-style programs run under it too. No rank outlives the
 //! launcher: local ranks run in process groups of their own with a parent-death signal and a
 //! lifeline pipe; a remote one runs under a small shell wrapper in a session of its own, and
-//! the wrapper watches its ssh channel (the launcher holds the channel's input open and never
-//! writes to it): when the channel ends, however the launcher ended, the wrapper stops the
+//! the wrapper watches its ssh channel (the launcher holds the channel's input open and, past
+//! the job's secret, never writes to it): when the channel ends, however the launcher ended, the wrapper stops the
 //! rank's session (SIGTERM, the grace period, SIGKILL). SIGINT and SIGTERM are forwarded,
 //! and ranks still running after the grace period are killed. The first rank to fail is the
 //! headline: its rank, host, exit code or signal and the last lines of its stderr; the
 //! launcher exits with its code (128 + the signal when a signal ended it).
+//!
+//! Every job is authenticated. The launcher makes a fresh random secret and store token for
+//! it (or takes those of its own environment: a `FERROGLOO_SECRET_FILE` or
+//! `FERROGLOO_STORE_TOKEN_FILE` given is handed to local ranks unchanged), and its store
+//! answers only requests with the token. A local rank gets both as files readable by their
+//! owner only, in a private temporary directory removed when the job ends, named by
+//! `FERROGLOO_SECRET_FILE` and `FERROGLOO_STORE_TOKEN_FILE`; a remote rank reads them from
+//! its ssh channel's input into a directory of its own there (removed when it ends). Neither
+//! value is ever in a command line or an environment, where `ps` would show it. Every rank's
+//! context proves the secret in its handshakes (see `ferrogloo::credentials`), so a process
+//! that reads the store but lacks the secret cannot take a rank's place.
 //!
 //! The binary `ferrogloo-run` is [`main`]. Its parts: [`hosts`] (the hosts and which rank goes
 //! where), `args` (the command line), `start` (starting a rank), `ssh` (remote hosts),
@@ -34,8 +45,9 @@ pub use hosts::{Host, Placement, is_local, machine_of, merge_same, parse_hostfil
 use args::{Args, launcher_argv, pass_env, reachable_address, seconds};
 use clap::Parser;
 use elastic::Elastic;
+use ferrogloo::credentials::JobCredentials;
 use ferrogloo::launch::{Supervision, supervise, supervise_with};
-use ferrogloo::rendezvous::HttpStoreServer;
+use ferrogloo::rendezvous::{HttpStore, HttpStoreServer, ServerLimits};
 use ferrogloo::{Error, Result};
 use output::{Output, report};
 use ssh::Ssh;
@@ -94,9 +106,17 @@ fn run(args: &Args) -> Result<i32> {
         ssh.check(&remote, seconds(args.start_timeout, "start-timeout")?)?;
     }
 
-    // The job's store: on loopback when every rank is here, else where the hosts reach us.
+    // The job's secret and store token (removed, with their files, when the job ends).
+    let credentials = JobCredentials::for_job()?;
+    // The job's store: on loopback when every rank is here, else where the hosts reach us;
+    // only for clients with the job's token.
     let bind_ip = if all_local { "127.0.0.1".to_string() } else { reachable_address(args)? };
-    let server = HttpStoreServer::start(format!("{bind_ip}:0"))?;
+    let server = HttpStoreServer::start_authenticated(
+        format!("{bind_ip}:0"),
+        ServerLimits::default(),
+        None,
+        Some(credentials.store_token()),
+    )?;
     let scope = format!("job-{}", std::process::id());
     let store = server.store_url(&scope);
 
@@ -113,6 +133,7 @@ fn run(args: &Args) -> Result<i32> {
     };
     let mut starter = Starter {
         args,
+        credentials: &credentials,
         ssh,
         store: store.clone(),
         out,
@@ -131,7 +152,11 @@ fn run(args: &Args) -> Result<i32> {
         Some(_) if args.max_np.is_some_and(|x| x < args.np) => {
             return Err(Error::invalid(format!("--max-np must be at least -np {}", args.np)));
         }
-        Some(m) => Some(Elastic::start(args, &store, m, &hosts)?),
+        Some(m) => {
+            let own = HttpStore::new(&server.base_url(), &scope, Duration::from_secs(30))?
+                .with_token(credentials.store_token())?;
+            Some(Elastic::start(args, Box::new(own), m, &hosts)?)
+        }
         None if args.max_np.is_some() || args.host_discovery_script.is_some() => {
             return Err(Error::invalid("--max-np and --host-discovery-script are for elastic jobs: give --min-np"));
         }

@@ -1,19 +1,33 @@
 //! Reaching remote hosts: the ssh command of a rank, the shell wrapper that runs it there
-//! (and stops it when the launcher's channel ends), the check that hosts answer.
+//! (receives the job's secret over the channel, stops the rank when the channel ends), the
+//! check that hosts answer.
 
+use ferrogloo::credentials::JobCredentials;
 use ferrogloo::{Error, Result};
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// What runs a remote rank (`sh -c WRAPPER ferrogloo-rank PROGRAM ARGS...`): the program in a
-/// session of its own (`setsid`, where there is one), its input from /dev/null, and beside it a
-/// watcher reading the ssh channel's input, which the launcher never writes to. When the
-/// channel ends (the launcher ended, or its ssh was killed), the watcher sends SIGTERM to the
-/// rank's session, waits up to the grace period and sends SIGKILL. The wrapper exits with the
-/// program's status (128 + the signal when one ended it). Without a pseudo-terminal, the
-/// rank's stdout and stderr stay apart.
-const REMOTE_WRAPPER: &str = r#"exec 3<&0 </dev/null
+/// What runs a remote rank (`sh -c WRAPPER ferrogloo-rank PROGRAM ARGS...`). It first reads
+/// two lines from the ssh channel's input, the job's secret and store token ([`handover`]),
+/// into files readable by their owner only in a private temporary directory (removed when the
+/// wrapper ends), named by `FERROGLOO_SECRET_FILE` and `FERROGLOO_STORE_TOKEN_FILE`: so
+/// neither value is ever in a command line or an environment. Then it runs the program in a
+/// session of its own (`setsid`, where there is one, with the umask it was given), its input
+/// from /dev/null, and beside it a watcher reading the rest of the channel's input, which the
+/// launcher never writes to. When the channel ends (the launcher ended, or its ssh was
+/// killed), the watcher sends SIGTERM to the rank's session, waits up to the grace period and
+/// sends SIGKILL. The wrapper exits with the program's status (128 + the signal when one ended
+/// it; 125 when it got no secret). Without a pseudo-terminal, the rank's stdout and stderr
+/// stay apart.
+const REMOTE_WRAPPER: &str = r#"m=$(umask); umask 077
+d=$(mktemp -d "${TMPDIR:-/tmp}/ferrogloo-rank.XXXXXX") || exit 125
+trap 'rm -rf "$d"' EXIT
+if IFS= read -r s && IFS= read -r t; then :; else echo "ferrogloo-rank: the launcher sent no job secret" >&2; exit 125; fi
+printf '%s\n' "$s" >"$d/secret" && printf '%s\n' "$t" >"$d/store-token" || exit 125
+s=; t=; umask "$m"
+export FERROGLOO_SECRET_FILE="$d/secret" FERROGLOO_STORE_TOKEN_FILE="$d/store-token"
+exec 3<&0 </dev/null
 if command -v setsid >/dev/null 2>&1; then setsid "$@" 3<&- & else "$@" 3<&- & fi
 p=$!
 { while read -r _; do :; done
@@ -26,6 +40,26 @@ exec 3<&-
 wait "$p"; rc=$?
 kill "$w" 2>/dev/null
 exit "$rc""#;
+
+/// What the launcher writes into a remote rank's channel for [`REMOTE_WRAPPER`]: the job's
+/// secret and store token, a line each. A secret that is not one line (a line break or a NUL
+/// in it) cannot go this way: an error says so.
+pub(super) fn handover(credentials: &JobCredentials) -> Result<Vec<u8>> {
+    let secret = credentials.secret();
+    if secret.iter().any(|b| matches!(b, b'\n' | b'\r' | 0)) {
+        return Err(Error::invalid(format!(
+            "the job's secret ({}) holds a line break or a NUL byte, so it cannot be handed to the ranks \
+             of other hosts: use a secret of one line",
+            credentials.secret_file().display()
+        )));
+    }
+    let mut lines = Vec::with_capacity(secret.len() + credentials.store_token().len() + 2);
+    lines.extend_from_slice(secret);
+    lines.push(b'\n');
+    lines.extend_from_slice(credentials.store_token().as_bytes());
+    lines.push(b'\n');
+    Ok(lines)
+}
 
 /// How to reach remote hosts.
 pub(super) struct Ssh {

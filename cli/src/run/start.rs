@@ -4,10 +4,12 @@
 use super::args::Args;
 use super::hosts::machine_of;
 use super::output::{Output, TAIL, relay};
-use super::ssh::Ssh;
+use super::ssh::{Ssh, handover};
+use ferrogloo::credentials::{JobCredentials, SECRET_ENV, STORE_TOKEN_ENV};
 use ferrogloo::launch::{elastic, spawn_tied};
 use ferrogloo::{Error, Result};
 use std::collections::VecDeque;
+use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,6 +39,9 @@ pub(super) struct Slot {
 /// their output relays and their lifelines belong to the `i`-th process started.
 pub(super) struct Starter<'a> {
     pub(super) args: &'a Args,
+    /// The job's secret and store token, handed to every rank (never in its command line or
+    /// environment).
+    pub(super) credentials: &'a JobCredentials,
     pub(super) ssh: Ssh,
     pub(super) store: String,
     pub(super) out: Arc<Output>,
@@ -80,18 +85,29 @@ impl Starter<'_> {
         }
         vars.extend(self.extra.iter().cloned());
         let host = &slot.host;
-        let mut cmd = if slot.local {
+        // The job's secret and token: a local rank gets the paths of the launcher's private
+        // files (the values stay out of its environment); a remote one reads them from its
+        // channel's input, written below.
+        let (mut cmd, handed) = if slot.local {
             let mut c = Command::new(&args.command[0]);
             c.args(&args.command[1..]).envs(vars.iter().map(|(k, v)| (k, v)));
-            c
+            c.envs(self.credentials.rank_vars()).env_remove(SECRET_ENV).env_remove(STORE_TOKEN_ENV);
+            (c, None)
         } else {
-            self.ssh.command(host, &vars, &args.command, self.grace)
+            (self.ssh.command(host, &vars, &args.command, self.grace), Some(handover(self.credentials)?))
         };
-        // A remote rank's channel input is its lifeline: held open here, never written.
+        // A remote rank's channel input carries the job's secret and token, then is its
+        // lifeline: held open here, never written again.
         let stdin = if slot.local { Stdio::null() } else { Stdio::piped() };
         cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = spawn_tied(&mut cmd)
             .map_err(|e| Error::io(format!("starting rank {} ({}) on {host}", slot.rank, args.command[0]), e))?;
+        if let (Some(lines), Some(input)) = (handed, child.stdin.as_mut()) {
+            // Two short lines into an empty pipe: the write does not block. When it fails, ssh
+            // has already ended, and its exit (with its stderr) is reported as the rank's
+            // failure.
+            let _ = input.write_all(&lines);
+        }
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL)));
         let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         let relayed = || -> Result<()> {
