@@ -169,12 +169,16 @@ fn fresh_hex(n: usize) -> Result<String> {
 
 /// What a launcher hands the ranks of one job: the job's secret and its store token, each in a
 /// file readable by its owner only, in a private temporary directory (mode 0700) that is
-/// removed when this value is dropped (when the job ends).
+/// removed when this value is dropped (when the job ends). Should this process die without
+/// dropping it (killed by SIGKILL), a small watcher it started (`sh`, in a process group of
+/// its own, reading a pipe only this process writes to) removes the directory instead.
 ///
 /// A rank finds them through [`SECRET_FILE_ENV`] and [`STORE_TOKEN_FILE_ENV`] set to
 /// [`JobCredentials::rank_vars`]: paths only, so neither value ever appears in a command line
 /// or an environment that `ps` shows.
 pub struct JobCredentials {
+    /// Removes `dir` when this process dies first (see [`reaper`]).
+    reaper: Option<(std::process::Child, std::process::ChildStdin)>,
     dir: tempfile::TempDir,
     secret: Vec<u8>,
     secret_file: PathBuf,
@@ -233,7 +237,8 @@ impl JobCredentials {
                 (t, path)
             }
         };
-        Ok(JobCredentials { dir, secret, secret_file, store_token, store_token_file })
+        let reaper = reaper(dir.path());
+        Ok(JobCredentials { reaper, dir, secret, secret_file, store_token, store_token_file })
     }
 
     /// The job's secret.
@@ -265,6 +270,48 @@ impl JobCredentials {
     /// [`STORE_TOKEN_FILE_ENV`], with the files' paths.
     pub fn rank_vars(&self) -> [(&'static str, &Path); 2] {
         [(SECRET_FILE_ENV, &self.secret_file), (STORE_TOKEN_FILE_ENV, &self.store_token_file)]
+    }
+}
+
+impl Drop for JobCredentials {
+    fn drop(&mut self) {
+        // The watcher wakes when its pipe closes, finds the directory (or not: the TempDir's
+        // own drop may come first) and ends; it is reaped here, so it never lingers.
+        if let Some((mut child, input)) = self.reaper.take() {
+            drop(input);
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Starts the process that removes `dir` when this one ends without doing it itself: `sh`
+/// reading its input, a pipe whose write end only this process holds, in a process group of
+/// its own (a terminal's Ctrl-C to the launcher does not reach it). `None` (logged) when it
+/// cannot start: the directory is then removed only by this process.
+fn reaper(dir: &Path) -> Option<(std::process::Child, std::process::ChildStdin)> {
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let started = Command::new("sh")
+        .args(["-c", r#"read _; rm -rf -- "$1""#, "ferrogloo-reaper"])
+        .arg(dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn();
+    match started {
+        Ok(mut child) => match child.stdin.take() {
+            Some(input) => Some((child, input)),
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                None
+            }
+        },
+        Err(e) => {
+            tracing::debug!(error = %e, dir = %dir.display(), "no watcher for the job's private directory");
+            None
+        }
     }
 }
 
@@ -394,6 +441,18 @@ mod tests {
         let dir = a.dir().to_path_buf();
         drop(a);
         assert!(!dir.exists(), "the job's directory outlived it");
+    }
+
+    #[test]
+    fn the_job_s_directory_goes_when_its_launcher_dies_without_removing_it() {
+        let job = JobCredentials::for_job_with(&|_| None).unwrap();
+        let dir = job.dir().to_path_buf();
+        // As if this process were killed: its drop never runs, the watcher's pipe closes.
+        let mut job = std::mem::ManuallyDrop::new(job);
+        let (mut child, input) = job.reaper.take().expect("a watcher");
+        drop(input);
+        assert!(child.wait().unwrap().success());
+        assert!(!dir.exists(), "{} outlived its launcher", dir.display());
     }
 
     #[test]

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 /// What runs a remote rank (`sh -c WRAPPER ferrogloo-rank PROGRAM ARGS...`). It first reads
 /// two lines from the ssh channel's input, the job's secret and store token ([`handover`]),
 /// into files readable by their owner only in a private temporary directory (removed when the
-/// wrapper ends), named by `FERROGLOO_SECRET_FILE` and `FERROGLOO_STORE_TOKEN_FILE`: so
+/// wrapper ends, also when a signal ends it: its channel gone, writing to it raises SIGPIPE),
+/// named by `FERROGLOO_SECRET_FILE` and `FERROGLOO_STORE_TOKEN_FILE`: so
 /// neither value is ever in a command line or an environment. Then it runs the program in a
 /// session of its own (`setsid`, where there is one, with the umask it was given), its input
 /// from /dev/null, and beside it a watcher reading the rest of the channel's input, which the
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 const REMOTE_WRAPPER: &str = r#"m=$(umask); umask 077
 d=$(mktemp -d "${TMPDIR:-/tmp}/ferrogloo-rank.XXXXXX") || exit 125
 trap 'rm -rf "$d"' EXIT
+trap 'exit 129' HUP; trap 'exit 130' INT; trap 'exit 141' PIPE; trap 'exit 143' TERM
 if IFS= read -r s && IFS= read -r t; then :; else echo "ferrogloo-rank: the launcher sent no job secret" >&2; exit 125; fi
 printf '%s\n' "$s" >"$d/secret" && printf '%s\n' "$t" >"$d/store-token" || exit 125
 s=; t=; umask "$m"
