@@ -64,7 +64,9 @@ impl ContextBuilder {
     }
 
     /// A secret every rank shares: connection handshakes are then authenticated (HMAC-SHA256
-    /// over fresh nonces on TCP) and a peer without the secret is refused.
+    /// over fresh nonces on TCP) and a peer without the secret is refused. Default: the job's
+    /// secret from the environment (`FERROGLOO_SECRET_FILE`, which launchers set, or
+    /// `FERROGLOO_SECRET`; see [`credentials`](crate::credentials)), else none.
     pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
         self.secret = Some(secret.into());
         self
@@ -81,7 +83,8 @@ impl ContextBuilder {
     /// lower. While it waits, a rank logs (through `tracing`, every few seconds) which ranks it
     /// still waits for and in which store.
     ///
-    /// Errors: [`Error::InvalidArgument`] for `rank >= size` or `size == 0`;
+    /// Errors: [`Error::InvalidArgument`] for `rank >= size` or `size == 0`, or a job secret
+    /// in the environment that cannot be used (a file others can read, an empty one);
     /// [`Error::Timeout`] naming the missing ranks and keys when the mesh is not complete in
     /// time.
     pub fn connect<S: Store + ?Sized>(self, store: &S, device: &Device) -> Result<Context> {
@@ -98,6 +101,11 @@ impl ContextBuilder {
         let timeout = match timeout {
             Some(t) => t,
             None => default_timeout()?,
+        };
+        // A launched rank proves the job's secret without being told (see `credentials`).
+        let secret = match secret {
+            Some(s) => Some(s),
+            None => crate::credentials::Credentials::from_env()?.secret,
         };
         let spec = MeshSpec { rank, size, timeout, secret, host: device.host().to_string() };
         let (mesh, hosts) = mesh::form(store, device.backend(), &spec)?;

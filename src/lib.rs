@@ -13,6 +13,7 @@
 //!   the backends: TCP (a mio event loop per [`Device`]) and in-process.
 //! - [`device`]: which backend, where it listens, which host it is on.
 //! - [`rendezvous`]: the key-value stores ranks meet through.
+//! - [`credentials`]: the job's secret and store token, from the environment.
 //! - [`types`], [`error`]: element types, reductions, one error enum.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -21,6 +22,7 @@ pub mod algorithms;
 mod collectives;
 mod comm;
 pub mod context;
+pub mod credentials;
 pub mod device;
 pub mod engine;
 pub mod error;

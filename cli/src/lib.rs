@@ -1,5 +1,6 @@
 //! What the command-line tools of ferrogloo share.
 
+pub mod bench;
 pub mod run;
 
 /// Sends library logs (a rank waiting for others, a server listening) to stderr: at `info`

@@ -1,5 +1,5 @@
-//! The command-line tools as a new user runs them: the store server's printed URL, a rank that
-//! waits for one that never comes, a bad interface name, the benchmark's JSON rows, and the
+//! The command-line tools as a new user runs them: the store server's printed URL, its token,
+//! a rank that waits for one that never comes, a bad interface name, the benchmark's JSON rows, and the
 //! warning for a loopback address published where other hosts read.
 
 use std::io::{BufRead, BufReader};
@@ -68,6 +68,53 @@ fn the_store_server_url_works_exactly_as_printed() {
         let out = child.wait_with_output().expect("a rank");
         assert!(out.status.success(), "rank {r} with the printed URL {url}: {}", text(&out));
     }
+}
+
+/// A file holding `content` with permissions `mode`.
+fn private_file(dir: &std::path::Path, name: &str, content: &str, mode: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, content).expect("write a file");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    p
+}
+
+#[test]
+fn a_store_server_with_a_token_serves_only_ranks_that_have_it() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let token = private_file(dir.path(), "token", "t0k3n-of-the-job\n", 0o600);
+    let (_server, url) = server(&["--scope", "job2", "--token-file", &token.display().to_string()]);
+    let rank = |r: usize, token_file: Option<&std::path::Path>| {
+        let mut c = Command::new(BENCH);
+        c.args(["--rank", &r.to_string(), "--size", "2", "--store", &url])
+            .args(["--op", "allreduce", "--sizes", "4096", "-n", "3"])
+            .env("FERROGLOO_TIMEOUT", "20")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(t) = token_file {
+            c.env("FERROGLOO_STORE_TOKEN_FILE", t);
+        }
+        c.spawn().expect("start a rank")
+    };
+    let ranks = [rank(0, Some(&token)), rank(1, Some(&token))];
+    for (r, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().expect("a rank");
+        assert!(out.status.success(), "rank {r} with the token: {}", text(&out));
+    }
+    // Without the token, or with another, a rank is refused at its first request, saying why.
+    let other = private_file(dir.path(), "other", "another-token", 0o600);
+    for (token_file, words) in [(None, "HTTP 401"), (Some(other.as_path()), "does not accept this client's token")] {
+        let t = Instant::now();
+        let out = rank(0, token_file).wait_with_output().expect("a rank");
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(text(&out).contains(words), "{}", text(&out));
+        assert!(t.elapsed() < Duration::from_secs(10), "refused only after {:?}", t.elapsed());
+    }
+    // A token file others can read is refused, naming it and its mode.
+    let open = private_file(dir.path(), "open", "t", 0o644);
+    let out = Command::new(SERVER).args(["--token-file", &open.display().to_string()]).output().expect("run");
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains(&open.display().to_string()) && text(&out).contains("0644"), "{}", text(&out));
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! `ferrogloo-run` across hosts: two network namespaces, each running a real `sshd` (Debian's
 //! openssh-server) with keys made by the test, joined to this namespace by a bridge. The
 //! launcher starts ranks in both over ssh; an unreachable host is named within the start
-//! timeout; SIGKILL of the launcher ends the remote ranks too.
+//! timeout; SIGKILL of the launcher ends the remote ranks too; remote ranks get the job's
+//! secret over their channel, never in a command line or environment, and lose it with the job.
 //!
 //! Needs root, iproute2 and openssh-server; where they are missing the tests print why and
 //! pass (CI installs them).
@@ -266,4 +267,90 @@ fn a_remote_rank_s_failure_is_the_headline_with_its_own_stderr() {
     assert!(stderr.contains("    bad input on rank 1"), "the headline quotes its stderr:\n{stderr}");
     assert!(stdout.contains("[1]<stdout>:to stdout") && !stdout.contains("bad input"), "{stdout}");
     assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+}
+
+/// The variables of process `pid`.
+fn environ(pid: u32) -> std::collections::HashMap<String, String> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    raw.split(|&b| b == 0)
+        .filter_map(|kv| std::str::from_utf8(kv).ok()?.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .collect()
+}
+
+/// Every process of this machine (namespaces share its process table) whose command line or
+/// environment holds `needle`.
+fn processes_showing(needle: &[u8]) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        for what in ["cmdline", "environ"] {
+            let bytes = std::fs::read(format!("/proc/{pid}/{what}")).unwrap_or_default();
+            if bytes.windows(needle.len()).any(|w| w == needle) {
+                found.push(format!("{pid} ({what})"));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn remote_ranks_get_the_secret_over_their_channel_and_no_process_shows_it() {
+    let Some((_serial, net)) = network() else { return };
+    let mut child = net
+        .launcher()
+        .args(["-np", "2", "-H", &net.hosts(1), "--start-timeout", "20", "--grace", "2"])
+        .args(["sh", "-c", "echo PID $$; exec sleep 120"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start ferrogloo-run");
+    let out = child.stdout.take().expect("stdout");
+    let mut pids: Vec<u32> = Vec::new();
+    for line in BufReader::new(out).lines().map_while(Result::ok) {
+        if let Some(p) = line.split("PID ").nth(1).and_then(|p| p.trim().parse().ok()) {
+            pids.push(p);
+            if pids.len() == 2 {
+                break;
+            }
+        }
+    }
+    assert_eq!(pids.len(), 2, "both remote ranks printed their pids");
+    // Each remote rank has the job's secret and token in files of its own, readable by their
+    // owner only; the same values on both hosts; in no process's command line or environment
+    // (the ssh commands' included).
+    let mut files = Vec::new();
+    let mut values = Vec::new();
+    for &p in &pids {
+        use std::os::unix::fs::PermissionsExt;
+        let env = environ(p);
+        assert!(!env.contains_key("FERROGLOO_SECRET") && !env.contains_key("FERROGLOO_STORE_TOKEN"));
+        let pair: Vec<PathBuf> = ["FERROGLOO_SECRET_FILE", "FERROGLOO_STORE_TOKEN_FILE"]
+            .iter()
+            .map(|v| PathBuf::from(env.get(*v).unwrap_or_else(|| panic!("rank {p} has {v}"))))
+            .collect();
+        for f in &pair {
+            let mode = std::fs::metadata(f).expect("the file, while the rank runs").permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{}", f.display());
+        }
+        values.push(pair.iter().map(|f| std::fs::read(f).expect("read")).collect::<Vec<_>>());
+        files.extend(pair);
+    }
+    assert_ne!(files[0], files[2], "each remote rank has a directory of its own");
+    assert_eq!(values[0], values[1], "one secret and token per job, on every host");
+    for v in &values[0] {
+        let v = v.strip_suffix(b"\n").unwrap_or(v);
+        assert!(v.len() >= 32, "a fresh value");
+        assert_eq!(processes_showing(v), Vec::<String>::new(), "processes showing the job's secret or token");
+    }
+    // When the job ends (here: interrupted), the remote files go with it.
+    // SAFETY: kill takes plain integers; the launcher is our child, still running.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let _ = child.wait();
+    let t = Instant::now();
+    while files.iter().any(|f| f.exists()) && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<&PathBuf> = files.iter().filter(|f| f.exists() || f.parent().is_some_and(|d| d.exists())).collect();
+    assert!(left.is_empty(), "the remote ranks' secret files outlived the job: {left:?}");
 }

@@ -13,7 +13,9 @@
 //! broadcast from rank 0). Call [`Membership::check`] at points where the job may change size
 //! (every few steps: it reads one store key): without it a job still shrinks, but never grows.
 //!
-//! The launcher and the workers meet through these store keys:
+//! Both halves of the protocol live here: the launcher's ([`Coordinator`], which
+//! `ferrogloo-run` drives) and the workers' ([`run`], [`Membership`]). They meet through these
+//! store keys, which nothing else reads or writes:
 //!
 //! | key | value |
 //! |---|---|
@@ -70,30 +72,121 @@ pub const WORKER_ENV: &str = "FERROGLOO_WORKER";
 pub const ELASTIC_TIMEOUT_ENV: &str = "FERROGLOO_ELASTIC_TIMEOUT";
 
 /// The key holding the latest generation.
-pub const GENERATION_KEY: &str = "elastic.generation";
+const GENERATION_KEY: &str = "elastic.generation";
 
 /// The key a worker sets (to its id and error) when its work failed for a reason a new
 /// generation would not mend: the launcher then ends the job instead of going on without it.
-pub const FATAL_KEY: &str = "elastic.fatal";
+const FATAL_KEY: &str = "elastic.fatal";
 
 /// The key holding generation `g`'s workers.
-pub fn members_key(g: u64) -> String {
+fn members_key(g: u64) -> String {
     format!("elastic.g{g}.members")
 }
 
 /// The key counting generation `g`'s workers that have built their context.
-pub fn ready_key(g: u64) -> String {
+fn ready_key(g: u64) -> String {
     format!("elastic.g{g}.ready")
 }
 
 /// The key counting generation `g`'s workers that failed in it with a membership error.
-pub fn regroup_key(g: u64) -> String {
+fn regroup_key(g: u64) -> String {
     format!("elastic.g{g}.regroup")
 }
 
 /// The store prefix generation `g`'s context forms under.
-pub fn generation_prefix(g: u64) -> String {
+fn generation_prefix(g: u64) -> String {
     format!("elastic.g{g}")
+}
+
+/// The launcher's side of an elastic job: it publishes each generation (which workers are in
+/// it, in rank order) and reads what the workers report back: how many of the current
+/// generation have built their context, how many asked to regroup, and a failure that ends
+/// the job. `ferrogloo-run --min-np` decides, with these, when to publish (ranks died, ranks
+/// were added, a peer stalled); the workers' side is [`run`].
+pub struct Coordinator {
+    store: Box<dyn Store>,
+    generation: u64,
+    members: Vec<usize>,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator")
+            .field("store", &self.store.describe())
+            .field("generation", &self.generation)
+            .field("members", &self.members)
+            .finish()
+    }
+}
+
+impl Coordinator {
+    /// Publishes generation 0 of the job in `store`: the workers `members` (their ids, as
+    /// `FERROGLOO_WORKER` gives them), in rank order.
+    pub fn start(store: Box<dyn Store>, members: &[usize]) -> Result<Self> {
+        let mut c = Coordinator { store, generation: 0, members: Vec::new() };
+        c.publish(0, members)?;
+        Ok(c)
+    }
+
+    /// The latest generation published.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Its workers, in rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// Publishes the next generation, of `members` (in rank order): every worker of the
+    /// current one leaves its work at its next [`Membership::check`] or failure and joins it;
+    /// a worker not in it waits for one that has it. Returns the new generation's number. When
+    /// the store fails, nothing is published (the next call tries the same number again).
+    pub fn publish_next(&mut self, members: &[usize]) -> Result<u64> {
+        self.publish(self.generation + 1, members)?;
+        Ok(self.generation)
+    }
+
+    /// Publishes generation `g`: its members first, so that a worker that sees the generation
+    /// finds them.
+    fn publish(&mut self, g: u64, members: &[usize]) -> Result<()> {
+        let list = members.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        self.store.set(&members_key(g), list.as_bytes())?;
+        self.store.set(GENERATION_KEY, g.to_string().as_bytes())?;
+        self.generation = g;
+        self.members = members.to_vec();
+        Ok(())
+    }
+
+    /// How many workers of the current generation have built its context.
+    pub fn ready_count(&self) -> Result<u64> {
+        self.counter(&ready_key(self.generation))
+    }
+
+    /// Whether every worker of the current generation has built its context (ranks are added
+    /// only then: a worker still forming an older generation would wait out its deadline there
+    /// for workers that moved on).
+    pub fn all_joined(&self) -> Result<bool> {
+        Ok(self.ready_count()? >= self.members.len() as u64)
+    }
+
+    /// How many workers of the current generation failed in it with a membership error while
+    /// no process ended (a peer stalled past their deadline): when this is not zero and no
+    /// death explains it, the launcher publishes the same workers again.
+    pub fn regroup_count(&self) -> Result<u64> {
+        self.counter(&regroup_key(self.generation))
+    }
+
+    /// The failure a worker recorded because its work failed for another reason than
+    /// membership (its id, rank, generation and error, in words): the job ends.
+    pub fn fatal(&self) -> Result<Option<String>> {
+        Ok(self.store.try_get(FATAL_KEY)?.map(|why| String::from_utf8_lossy(&why).into_owned()))
+    }
+
+    /// A counter the workers add to (0 while missing; a value that is not a count reads 0).
+    fn counter(&self, key: &str) -> Result<u64> {
+        Ok(self.store.try_get(key)?.and_then(|v| String::from_utf8_lossy(&v).trim().parse().ok()).unwrap_or(0))
+    }
 }
 
 /// Whether `e` says the job's membership changed (a peer died, left, stalled or was aborted by
@@ -143,16 +236,16 @@ impl Membership<'_> {
 /// Runs `work` on the context of each generation of an elastic job until it succeeds: when it
 /// fails with a [membership error](is_membership_error), waits for the launcher's next
 /// generation (at most `FERROGLOO_ELASTIC_TIMEOUT`), rebuilds the context with this worker's
-/// new rank and size, and calls `work` again. Any other error ends it, and is recorded under
-/// [`FATAL_KEY`] so that the launcher ends the whole job rather than going on without this
-/// worker; so does no generation with this worker in it in time (a worker the launcher
-/// started to join the job waits for the generation that includes it). `timeout` is each
-/// context's deadline.
+/// new rank and size, and calls `work` again. Any other error ends it, and is recorded in the
+/// store (`elastic.fatal`, [`Coordinator::fatal`]) so that the launcher ends the whole job
+/// rather than going on without this worker; so does no generation with this worker in it in
+/// time (a worker the launcher started to join the job waits for the generation that
+/// includes it). `timeout` is each context's deadline.
 ///
-/// A membership error with no rank gone (a peer only slower than `timeout`) is counted under
-/// [`regroup_key`]: the launcher then publishes a new generation of the same workers (one of
-/// its resets), and the stalled worker joins it when it wakes. Choose `timeout` well above a
-/// step's longest time.
+/// A membership error with no rank gone (a peer only slower than `timeout`) is counted in the
+/// store ([`Coordinator::regroup_count`]): the launcher then publishes a new generation of the
+/// same workers (one of its resets), and the stalled worker joins it when it wakes. Choose
+/// `timeout` well above a step's longest time.
 ///
 /// Outside an elastic job (no `FERROGLOO_ELASTIC`), it is one call of `work` on the job's
 /// context (and [`Membership::check`] never reports a change).
@@ -184,58 +277,80 @@ pub fn run<R>(
             })?,
         Err(_) => Duration::from_secs(60),
     };
-    let mut seen: Option<u64> = None;
-    // Since when this worker has waited for a generation with it in it.
-    let mut outside_since: Option<Instant> = None;
-    loop {
-        let g = next_generation(&*store, seen, wait_for)?;
-        seen = Some(g);
-        let raw = store.get(&members_key(g), wait_for)?;
-        let members: Vec<u64> =
-            String::from_utf8_lossy(&raw).split(',').filter_map(|m| m.trim().parse().ok()).collect();
-        let Some(rank) = members.iter().position(|&m| m == me) else {
-            let since = *outside_since.get_or_insert_with(Instant::now);
-            if since.elapsed() >= wait_for {
-                return Err(Error::invalid(format!(
-                    "worker {me} is not in generation {g} of the elastic job (its members: {members:?}), nor in \
-                     any generation for {}",
-                    crate::error::secs(&wait_for)
-                )));
-            }
-            tracing::debug!(generation = g, "elastic job: this worker is not in the latest generation; waiting");
-            continue;
-        };
-        outside_since = None;
-        tracing::info!(generation = g, rank, size = members.len(), "elastic job: joining a generation");
-        let scoped = PrefixStore::new(generation_prefix(g), &*store);
-        let membership = Membership { store: &*store, generation: g, worker: me };
-        let result = Context::builder(rank, members.len()).timeout(timeout).connect(&scoped, device).and_then(|ctx| {
-            // Counted so that the launcher adds ranks only once every member is here: a worker
-            // still forming an older generation would wait out its deadline for one that left.
-            if let Err(e) = store.add(&ready_key(g), 1) {
-                tracing::warn!(error = %e, "elastic job: could not count this worker in the store");
-            }
-            work(&ctx, &membership)
-        });
-        match result {
-            Ok(r) => return Ok(r),
-            Err(e) if is_membership_error(&e) => {
-                tracing::warn!(generation = g, error = %e, "elastic job: membership changed; waiting for the next generation");
-                // When no process ended (a peer only stalled past the deadline), the launcher
-                // has nothing to notice: this asks it for a new generation of the same workers.
-                if !matches!(e, Error::MembershipChanged { .. })
-                    && let Err(se) = store.add(&regroup_key(g), 1)
-                {
-                    tracing::warn!(error = %se, "elastic job: could not ask for a new generation");
+    let worker = Worker { store: &*store, device, timeout, me, wait_for };
+    worker.run(work)
+}
+
+/// One worker of an elastic job, as [`run`] found it in its environment.
+struct Worker<'a> {
+    store: &'a dyn Store,
+    device: &'a Device,
+    /// Each context's deadline.
+    timeout: Duration,
+    /// This worker's id.
+    me: u64,
+    /// How long it waits for a generation with it in it.
+    wait_for: Duration,
+}
+
+impl Worker<'_> {
+    /// [`run`]'s loop over generations.
+    fn run<R>(&self, mut work: impl FnMut(&Context, &Membership<'_>) -> Result<R>) -> Result<R> {
+        let Worker { store, device, timeout, me, wait_for } = *self;
+        let mut seen: Option<u64> = None;
+        // Since when this worker has waited for a generation with it in it.
+        let mut outside_since: Option<Instant> = None;
+        loop {
+            let g = next_generation(store, seen, wait_for)?;
+            seen = Some(g);
+            let raw = store.get(&members_key(g), wait_for)?;
+            let members: Vec<u64> =
+                String::from_utf8_lossy(&raw).split(',').filter_map(|m| m.trim().parse().ok()).collect();
+            let Some(rank) = members.iter().position(|&m| m == me) else {
+                let since = *outside_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= wait_for {
+                    return Err(Error::invalid(format!(
+                        "worker {me} is not in generation {g} of the elastic job (its members: {members:?}), nor in \
+                         any generation for {}",
+                        crate::error::secs(&wait_for)
+                    )));
                 }
-            }
-            Err(e) => {
-                // Tell the launcher before this worker exits: this failure ends the job.
-                let why = format!("worker {me} (rank {rank} of generation {g}): {e}");
-                if let Err(se) = store.set(FATAL_KEY, why.as_bytes()) {
-                    tracing::warn!(error = %se, "elastic job: could not record this worker's failure in the store");
+                tracing::debug!(generation = g, "elastic job: this worker is not in the latest generation; waiting");
+                continue;
+            };
+            outside_since = None;
+            tracing::info!(generation = g, rank, size = members.len(), "elastic job: joining a generation");
+            let scoped = PrefixStore::new(generation_prefix(g), store);
+            let membership = Membership { store, generation: g, worker: me };
+            let result =
+                Context::builder(rank, members.len()).timeout(timeout).connect(&scoped, device).and_then(|ctx| {
+                    // Counted so that the launcher adds ranks only once every member is here: a worker
+                    // still forming an older generation would wait out its deadline for one that left.
+                    if let Err(e) = store.add(&ready_key(g), 1) {
+                        tracing::warn!(error = %e, "elastic job: could not count this worker in the store");
+                    }
+                    work(&ctx, &membership)
+                });
+            match result {
+                Ok(r) => return Ok(r),
+                Err(e) if is_membership_error(&e) => {
+                    tracing::warn!(generation = g, error = %e, "elastic job: membership changed; waiting for the next generation");
+                    // When no process ended (a peer only stalled past the deadline), the launcher
+                    // has nothing to notice: this asks it for a new generation of the same workers.
+                    if !matches!(e, Error::MembershipChanged { .. })
+                        && let Err(se) = store.add(&regroup_key(g), 1)
+                    {
+                        tracing::warn!(error = %se, "elastic job: could not ask for a new generation");
+                    }
                 }
-                return Err(e);
+                Err(e) => {
+                    // Tell the launcher before this worker exits: this failure ends the job.
+                    let why = format!("worker {me} (rank {rank} of generation {g}): {e}");
+                    if let Err(se) = store.set(FATAL_KEY, why.as_bytes()) {
+                        tracing::warn!(error = %se, "elastic job: could not record this worker's failure in the store");
+                    }
+                    return Err(e);
+                }
             }
         }
     }
@@ -272,5 +387,125 @@ fn next_generation(store: &dyn Store, seen: Option<u64>, limit: Duration) -> Res
                 waited: limit,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ReduceOp;
+    use crate::rendezvous::HashStore;
+    use std::sync::Arc;
+
+    /// Waits (at most 20 s) until `ready` holds, asking every few milliseconds.
+    fn until(what: &str, mut ready: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready() {
+            assert!(Instant::now() < deadline, "waited 20 s for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Worker `me` of the job in `store`, on its own thread, running `work`.
+    fn worker<R: Send + 'static>(
+        store: &Arc<HashStore>,
+        me: u64,
+        work: impl FnMut(&Context, &Membership<'_>) -> Result<R> + Send + 'static,
+    ) -> std::thread::JoinHandle<Result<R>> {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            let device = Device::in_process();
+            let w = Worker {
+                store: &*store,
+                device: &device,
+                timeout: Duration::from_secs(2),
+                me,
+                wait_for: Duration::from_secs(20),
+            };
+            w.run(work)
+        })
+    }
+
+    /// Sums 1 over the context: its size, if every member took part.
+    fn size_by_allreduce(ctx: &Context) -> Result<usize> {
+        let mut one = [1u64];
+        ctx.allreduce(&mut one, ReduceOp::Sum)?;
+        Ok(one[0] as usize)
+    }
+
+    #[test]
+    fn workers_rebuild_in_each_generation_the_coordinator_publishes() {
+        let store = Arc::new(HashStore::new());
+        let mut c = Coordinator::start(Box::new(store.clone()), &[0, 1, 2]).unwrap();
+        assert_eq!((c.generation(), c.members()), (0, &[0, 1, 2][..]));
+        // Generation 0 works until the job grows; generation 1 is the job at its new size.
+        let work = |ctx: &Context, m: &Membership<'_>| -> Result<(u64, usize, usize)> {
+            assert_eq!(size_by_allreduce(ctx)?, ctx.size(), "generation {}", m.generation());
+            if m.generation() == 0 {
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while Instant::now() < deadline {
+                    m.check()?;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                return Err(Error::invalid("generation 1 never came"));
+            }
+            Ok((m.generation(), ctx.rank(), ctx.size()))
+        };
+        let mut workers: Vec<_> = (0..3).map(|w| worker(&store, w, work)).collect();
+        until("generation 0 to be joined", || c.all_joined().unwrap());
+        assert_eq!(c.ready_count().unwrap(), 3);
+        assert_eq!(c.regroup_count().unwrap(), 0);
+        // A worker joins: it waits for the generation that has it; the others leave theirs.
+        workers.push(worker(&store, 3, work));
+        assert_eq!(c.publish_next(&[2, 0, 1, 3]).unwrap(), 1);
+        let got: Vec<(u64, usize, usize)> = workers.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        // Ranks follow the published order: worker 2 is rank 0 of generation 1.
+        assert_eq!(got, [(1, 1, 4), (1, 2, 4), (1, 0, 4), (1, 3, 4)]);
+        until("generation 1 to be joined", || c.all_joined().unwrap());
+        assert_eq!((c.ready_count().unwrap(), c.regroup_count().unwrap(), c.fatal().unwrap()), (4, 0, None));
+    }
+
+    #[test]
+    fn a_failure_of_a_worker_s_own_is_fatal_and_the_stranded_ask_to_regroup() {
+        let store = Arc::new(HashStore::new());
+        let mut c = Coordinator::start(Box::new(store.clone()), &[0, 1, 2]).unwrap();
+        // Worker 2 fails on its own in generation 0; the others lose it in their allreduce.
+        let work = |ctx: &Context, m: &Membership<'_>| -> Result<(u64, usize)> {
+            if m.worker() == 2 {
+                return Err(Error::invalid("bad input on worker 2"));
+            }
+            Ok((m.generation(), size_by_allreduce(ctx)?))
+        };
+        let survivors: Vec<_> = (0..2).map(|w| worker(&store, w, work)).collect();
+        let failed = worker(&store, 2, work).join().unwrap().unwrap_err();
+        assert!(failed.to_string().contains("bad input on worker 2"), "{failed}");
+        let fatal = c.fatal().unwrap().expect("the failure is recorded for the launcher");
+        assert!(fatal.contains("worker 2 (rank 2 of generation 0)") && fatal.contains("bad input"), "{fatal}");
+        // Nobody ended that the launcher could see die: both ask for a new generation...
+        until("both survivors to ask to regroup", || c.regroup_count().unwrap() == 2);
+        assert_eq!(c.ready_count().unwrap(), 3);
+        // ... and finish in the one published for them.
+        assert_eq!(c.publish_next(&[0, 1]).unwrap(), 1);
+        let got: Vec<(u64, usize)> = survivors.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        assert_eq!(got, [(1, 2), (1, 2)]);
+        assert_eq!((c.generation(), c.members(), c.regroup_count().unwrap()), (1, &[0, 1][..], 0));
+    }
+
+    #[test]
+    fn a_worker_left_out_of_the_job_gives_up_at_its_deadline() {
+        let store = Arc::new(HashStore::new());
+        let _c = Coordinator::start(Box::new(store.clone()), &[0]).unwrap();
+        let device = Device::in_process();
+        let w = Worker {
+            store: &*store,
+            device: &device,
+            timeout: Duration::from_secs(2),
+            me: 7,
+            wait_for: Duration::from_millis(300),
+        };
+        let t = Instant::now();
+        let e = w.run(|_, _| Ok(())).unwrap_err();
+        assert!(e.is_timeout() && e.to_string().contains("next generation of the elastic job (after 0)"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5), "gave up after {:?}", t.elapsed());
     }
 }

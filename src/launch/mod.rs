@@ -7,6 +7,12 @@
 //! [`RankEnv::from_env`]. The same variables let any launcher (mpirun-like scripts, a cluster
 //! scheduler) start ferrogloo programs.
 //!
+//! Every job is authenticated: [`spawn_local`] hands its ranks the job's secret (fresh for
+//! each job, unless this process was given one) in a file readable by its owner only, named by
+//! `FERROGLOO_SECRET_FILE` and removed when the job ends; never in a command line or the
+//! environment. Each rank's context proves it in its handshakes (see
+//! [`credentials`](crate::credentials)).
+//!
 //! No rank outlives its launcher: every rank process is started with [`spawn_tied`], in a
 //! process group of its own and with a parent-death signal, so killing the launcher (even with
 //! SIGKILL) kills its ranks, and SIGINT or SIGTERM to the launcher reach them through it.
@@ -116,7 +122,8 @@ impl RankEnv {
 }
 
 /// Starts, once per process, the HTTP store server a job without one needs, on every address
-/// at the port of `url` (`http://HOST:PORT/SCOPE`); it serves until the process ends.
+/// at the port of `url` (`http://HOST:PORT/SCOPE`); it serves until the process ends, to
+/// clients with the job's store token when the environment gives one.
 fn serve_store(url: &str) -> Result<()> {
     static SERVER: std::sync::OnceLock<crate::rendezvous::HttpStoreServer> = std::sync::OnceLock::new();
     if SERVER.get().is_some() {
@@ -128,7 +135,14 @@ fn serve_store(url: &str) -> Result<()> {
         .and_then(|hp| hp.rsplit_once(':'))
         .and_then(|(_, p)| p.parse::<u16>().ok())
         .ok_or_else(|| Error::invalid(format!("cannot serve the store {url:?}: not http://HOST:PORT/SCOPE")))?;
-    let server = crate::rendezvous::HttpStoreServer::start(format!("0.0.0.0:{port}"))?;
+    // The job's store token, when its ranks were given one, keeps strangers out of it.
+    let token = crate::credentials::Credentials::from_env()?.store_token;
+    let server = crate::rendezvous::HttpStoreServer::start_authenticated(
+        format!("0.0.0.0:{port}"),
+        crate::rendezvous::ServerLimits::default(),
+        None,
+        token.as_deref(),
+    )?;
     tracing::info!("rank 0 serves the job's store at {url}");
     let _ = SERVER.set(server);
     Ok(())
@@ -160,6 +174,10 @@ pub fn spawn_local(n: usize, args: &[String], timeout: Duration) -> Result<()> {
 /// meets through a fresh temporary [`FileStore`](crate::rendezvous::FileStore) (removed
 /// afterwards), and waits for them.
 ///
+/// - The ranks share a secret: this process's own (`FERROGLOO_SECRET_FILE`, handed on
+///   unchanged, or `FERROGLOO_SECRET`), else a fresh random one, in a private file named by
+///   `FERROGLOO_SECRET_FILE` and removed afterwards ([`JobCredentials`](crate::credentials::JobCredentials)).
+///
 /// - When a rank fails, the others get `job.grace` to report their own errors, then are
 ///   killed; so are all ranks still running at `job.timeout`.
 /// - SIGINT and SIGTERM to this process are forwarded to every rank (each runs in a process
@@ -181,6 +199,8 @@ pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
         .tempdir()
         .map_err(|e| Error::io("creating a temporary store directory", e))?;
     let url = format!("file:{}", dir.path().display());
+    // Kept until every rank has ended: its files go with it.
+    let credentials = crate::credentials::JobCredentials::for_job()?;
     // Every rank runs on this host: loopback, unless the caller chose where to listen.
     let chosen = [ADDR_ENV, IFACE_ENV, HOSTNAME_ENV].iter().any(|v| std::env::var_os(v).is_some());
     let interrupts = Interrupts::install();
@@ -192,7 +212,8 @@ pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
             .env(SIZE_ENV, n.to_string())
             .env(env::LOCAL_RANK_ENV, rank.to_string())
             .env(env::LOCAL_SIZE_ENV, n.to_string())
-            .env(STORE_ENV, &url);
+            .env(STORE_ENV, &url)
+            .env(crate::credentials::SECRET_FILE_ENV, credentials.secret_file());
         if !chosen {
             cmd.env(ADDR_ENV, "127.0.0.1");
         }

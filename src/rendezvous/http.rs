@@ -36,8 +36,12 @@ const STATUS_RETRIES: u32 = 4;
 /// `global`, `local_<host>` and `cross_<n>` counts finished workers instead of deleting; use
 /// another scope name for ferrogloo.
 ///
+/// **Tokens**: a store made [`with_token`](HttpStore::with_token) sends
+/// `Authorization: Bearer <token>` with every request, which an [`HttpStoreServer`] started
+/// with that token wants (Horovod's server ignores it). An answer `401` (a server that wants
+/// a token this client does not have) fails the call at once, saying so.
+///
 /// [`HttpStoreServer`]: super::HttpStoreServer
-#[derive(Debug)]
 pub struct HttpStore {
     agent: ureq::Agent,
     base: String,
@@ -45,6 +49,20 @@ pub struct HttpStore {
     timeout: Duration,
     /// 0 = unknown, 1 = server has atomic POST add, 2 = emulate.
     atomic_add: AtomicU8,
+    /// `Bearer <token>`, when the store has a token.
+    authorization: Option<String>,
+}
+
+impl std::fmt::Debug for HttpStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token: debug output ends up in logs.
+        f.debug_struct("HttpStore")
+            .field("base", &self.base)
+            .field("scope", &self.scope)
+            .field("timeout", &self.timeout)
+            .field("token", &self.authorization.is_some())
+            .finish()
+    }
 }
 
 /// Outcome of one HTTP exchange that reached the server.
@@ -75,7 +93,17 @@ impl HttpStore {
             scope: utf8_percent_encode(scope, ESCAPE).to_string(),
             timeout,
             atomic_add: AtomicU8::new(0),
+            authorization: None,
         })
+    }
+
+    /// This store, sending `token` as `Authorization: Bearer <token>` with every request (see
+    /// [`HttpStoreServer::start_authenticated`](super::HttpStoreServer::start_authenticated)).
+    /// An error when `token` cannot be a bearer token (printable ASCII without spaces).
+    pub fn with_token(mut self, token: &str) -> Result<Self> {
+        let token = crate::credentials::check_token(token, "the store token")?;
+        self.authorization = Some(format!("Bearer {token}"));
+        Ok(self)
     }
 
     /// The escaped scope as it appears in request paths.
@@ -93,11 +121,18 @@ impl HttpStore {
         let mut backoff = Backoff::new();
         loop {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let auth = self.authorization.as_deref();
             let res = match (method, body) {
-                ("PUT", Some(b)) => self.agent.put(&url).config().timeout_global(Some(left)).build().send(b),
-                ("POST", Some(b)) => self.agent.post(&url).config().timeout_global(Some(left)).build().send(b),
-                ("DELETE", _) => self.agent.delete(&url).config().timeout_global(Some(left)).build().call(),
-                _ => self.agent.get(&url).config().timeout_global(Some(left)).build().call(),
+                ("PUT", Some(b)) => {
+                    with_auth(self.agent.put(&url), auth).config().timeout_global(Some(left)).build().send(b)
+                }
+                ("POST", Some(b)) => {
+                    with_auth(self.agent.post(&url), auth).config().timeout_global(Some(left)).build().send(b)
+                }
+                ("DELETE", _) => {
+                    with_auth(self.agent.delete(&url), auth).config().timeout_global(Some(left)).build().call()
+                }
+                _ => with_auth(self.agent.get(&url), auth).config().timeout_global(Some(left)).build().call(),
             };
             let err = match res {
                 Ok(mut resp) => {
@@ -116,6 +151,19 @@ impl HttpStore {
         }
     }
 
+    /// The error of a request the server refused for want of the right token (never retried:
+    /// the token will not change).
+    fn unauthorized(&self, method: &str, key: &str) -> Error {
+        let why = match self.authorization {
+            Some(_) => "it does not accept this client's token",
+            None => {
+                "it wants a bearer token, and this client has none (the job's token goes in \
+                 FERROGLOO_STORE_TOKEN_FILE)"
+            }
+        };
+        Error::store(key, format!("{method} {} answered HTTP 401 Unauthorized: {why}", self.url(key)))
+    }
+
     /// A request whose only good answers are `ok` statuses; others are retried a few times.
     fn expect(&self, method: &str, key: &str, body: Option<&[u8]>, ok: &[u16]) -> Result<Reply> {
         let deadline = Instant::now() + self.timeout;
@@ -124,6 +172,9 @@ impl HttpStore {
             let reply = self.request(method, key, body, deadline)?;
             if ok.contains(&reply.status) {
                 return Ok(reply);
+            }
+            if reply.status == 401 {
+                return Err(self.unauthorized(method, key));
             }
             last = reply.status;
             if !Backoff::new().sleep_until(deadline) {
@@ -202,6 +253,7 @@ impl Store for HttpStore {
             let reply = self.request("GET", key, None, deadline);
             match reply {
                 Ok(r) if r.status == 200 => return Ok(r.body),
+                Ok(r) if r.status == 401 => return Err(self.unauthorized("GET", key)),
                 Ok(_) | Err(Error::Store { .. }) => {}
                 Err(e) => return Err(e),
             }
@@ -209,5 +261,13 @@ impl Store for HttpStore {
                 return Err(missing_keys("store get", vec![key.to_string()], timeout));
             }
         }
+    }
+}
+
+/// `req` with the `Authorization` header `auth`, when there is one.
+fn with_auth<B>(req: ureq::RequestBuilder<B>, auth: Option<&str>) -> ureq::RequestBuilder<B> {
+    match auth {
+        Some(a) => req.header("Authorization", a),
+        None => req,
     }
 }

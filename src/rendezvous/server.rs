@@ -100,13 +100,14 @@ struct State {
 /// ```
 pub struct HttpStoreServer {
     addr: SocketAddr,
+    authenticated: bool,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for HttpStoreServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HttpStoreServer").field("addr", &self.addr).finish()
+        f.debug_struct("HttpStoreServer").field("addr", &self.addr).field("authenticated", &self.authenticated).finish()
     }
 }
 
@@ -130,6 +131,36 @@ impl HttpStoreServer {
     /// The server on `addr` with `limits`, and a journal at `journal` when given (see
     /// [`start_with_journal`](Self::start_with_journal)).
     pub fn start_with(addr: impl ToSocketAddrs, limits: ServerLimits, journal: Option<&Path>) -> Result<Self> {
+        Self::start_authenticated(addr, limits, journal, None)
+    }
+
+    /// [`start_with`](Self::start_with), and with a `token` every request must carry as
+    /// `Authorization: Bearer <token>`: one without it, or with another token, is answered
+    /// `401 Unauthorized` (its body unread, its connection closed) and nothing else. Tokens are
+    /// compared in constant time. Give clients the token with
+    /// [`HttpStore::with_token`](super::HttpStore::with_token) (or `FERROGLOO_STORE_TOKEN_FILE`,
+    /// see [`credentials`](crate::credentials)). `None` serves anyone, as Horovod's server does.
+    ///
+    /// ```
+    /// use ferrogloo::rendezvous::{HttpStore, HttpStoreServer, ServerLimits, Store};
+    /// use std::time::Duration;
+    /// let server = HttpStoreServer::start_authenticated("127.0.0.1:0", ServerLimits::default(), None, Some("t0k3n"))?;
+    /// let base = server.base_url();
+    /// let store = HttpStore::new(&base, "job", Duration::from_secs(5))?.with_token("t0k3n")?;
+    /// store.set("k", b"v")?;
+    /// let stranger = HttpStore::new(&base, "job", Duration::from_secs(5))?;
+    /// assert!(stranger.try_get("k").is_err());
+    /// # Ok::<(), ferrogloo::Error>(())
+    /// ```
+    pub fn start_authenticated(
+        addr: impl ToSocketAddrs,
+        limits: ServerLimits,
+        journal: Option<&Path>,
+        token: Option<&str>,
+    ) -> Result<Self> {
+        let token = token
+            .map(|t| crate::credentials::check_token(t, "the store server's token").map(|t| digest(t.as_bytes())))
+            .transpose()?;
         let mut state = State::default();
         if let Some(path) = journal {
             let (journal, map) = Journal::open(path)?;
@@ -156,12 +187,14 @@ impl HttpStoreServer {
             .map_err(|e| Error::io("starting the store server's runtime", e))?;
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let data = Arc::new(Mutex::new(state));
+        let authenticated = token.is_some();
+        let rules = Arc::new(Rules { limits, token });
         let thread = std::thread::Builder::new()
             .name("ferrogloo-store".into())
-            .spawn(move || runtime.block_on(serve(listener, data, Arc::new(limits), stopped)))
+            .spawn(move || runtime.block_on(serve(listener, data, rules, stopped)))
             .map_err(|e| Error::io("spawning the store server thread", e))?;
-        tracing::info!(%addr, "ferrogloo store server listening");
-        Ok(HttpStoreServer { addr, stop: Some(stop), thread: Some(thread) })
+        tracing::info!(%addr, authenticated, "ferrogloo store server listening");
+        Ok(HttpStoreServer { addr, authenticated, stop: Some(stop), thread: Some(thread) })
     }
 
     /// The address the server listens on.
@@ -191,13 +224,42 @@ impl Drop for HttpStoreServer {
     }
 }
 
+/// What every request is held to: the limits, and the token it must carry (its digest).
+struct Rules {
+    limits: ServerLimits,
+    token: Option<[u8; 32]>,
+}
+
+/// SHA-256 of `bytes`: tokens are compared as digests, so the comparison takes the same time
+/// whatever the token sent, its length included.
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
+/// Whether `req` carries the token whose digest is `want` (`Authorization: Bearer <token>`, the
+/// scheme's name in any case), compared in constant time.
+fn authorized(req: &Request<Incoming>, want: &[u8; 32]) -> bool {
+    let sent = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
+    let got = digest(sent.unwrap_or("").as_bytes());
+    let same = got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+    sent.is_some() && same
+}
+
 /// Accepts connections until `stopped`, each served on its own task within the limits.
 async fn serve(
     listener: std::net::TcpListener,
     data: Arc<Data>,
-    limits: Arc<ServerLimits>,
+    rules: Arc<Rules>,
     mut stopped: tokio::sync::oneshot::Receiver<()>,
 ) {
+    let limits = &rules.limits;
     let listener = match tokio::net::TcpListener::from_std(listener) {
         Ok(l) => l,
         Err(e) => {
@@ -233,11 +295,11 @@ async fn serve(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let (data, limits, http) = (data.clone(), limits.clone(), http.clone());
+        let (data, rules, http) = (data.clone(), rules.clone(), http.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let (data, limits) = (data.clone(), limits.clone());
-                async move { Ok::<_, std::convert::Infallible>(handle(req, &data, &limits).await) }
+                let (data, rules) = (data.clone(), rules.clone());
+                async move { Ok::<_, std::convert::Infallible>(handle(req, &data, &rules).await) }
             });
             if let Err(e) = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await {
                 tracing::debug!(%from, error = %e, "store server connection ended");
@@ -258,7 +320,16 @@ fn reply(status: u16, body: impl Into<Bytes>, close: bool) -> Response<Full<Byte
     r
 }
 
-async fn handle(req: Request<Incoming>, data: &Data, limits: &ServerLimits) -> Response<Full<Bytes>> {
+async fn handle(req: Request<Incoming>, data: &Data, rules: &Rules) -> Response<Full<Bytes>> {
+    let limits = &rules.limits;
+    if let Some(want) = &rules.token
+        && !authorized(&req, want)
+    {
+        // Nothing about the store, and the body (if any) unread.
+        let mut r = reply(401, "this store wants the job's bearer token", true);
+        r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+        return r;
+    }
     let path = req.uri().path().to_string();
     let parts: Vec<&str> = path.split('/').collect();
     let [_, scope, key] = parts[..] else {
@@ -550,6 +621,78 @@ mod tests {
         // Without a journal nothing outlives the server.
         let plain = HttpStoreServer::start("127.0.0.1:0").unwrap();
         assert_eq!(client(&plain).try_get("a").unwrap(), None);
+    }
+
+    /// The status line of the answer to `request`, sent raw to `server`.
+    fn status_of(server: &HttpStoreServer, request: &str) -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer.lines().next().unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn a_server_with_a_token_answers_401_without_it_and_200_with_it() {
+        let server =
+            HttpStoreServer::start_authenticated("127.0.0.1:0", ServerLimits::default(), None, Some("s3cr3t-t0k3n"))
+                .unwrap();
+        let get = |auth: &str| format!("GET /job/k HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n");
+        let put = |auth: &str| {
+            format!("PUT /job/k HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 1\r\nConnection: close\r\n\r\nv")
+        };
+        for auth in [
+            "",
+            "Authorization: Bearer wrong\r\n",
+            "Authorization: Bearer s3cr3t-t0k3\r\n",
+            "Authorization: Bearer s3cr3t-t0k3n0\r\n",
+            "Authorization: Basic s3cr3t-t0k3n\r\n",
+            "Authorization: s3cr3t-t0k3n\r\n",
+            "Authorization: Bearer\r\n",
+        ] {
+            assert_eq!(status_of(&server, &get(auth)), "HTTP/1.1 401 Unauthorized", "{auth:?}");
+            assert_eq!(status_of(&server, &put(auth)), "HTTP/1.1 401 Unauthorized", "{auth:?}");
+        }
+        // Nothing a refused request asked for happened.
+        let ok = "Authorization: Bearer s3cr3t-t0k3n\r\n";
+        assert_eq!(status_of(&server, &get(ok)), "HTTP/1.1 404 Not Found");
+        assert_eq!(status_of(&server, &put(ok)), "HTTP/1.1 200 OK");
+        assert_eq!(status_of(&server, &get("authorization: bearer s3cr3t-t0k3n\r\n")), "HTTP/1.1 200 OK");
+        // The client: with the token it works; without it, or with another, every call fails at
+        // once (no retries until a deadline), saying why.
+        let with = client(&server).with_token("s3cr3t-t0k3n").unwrap();
+        assert_eq!(with.try_get("k").unwrap().as_deref(), Some(&b"v"[..]));
+        assert_eq!(with.add("n", 3).unwrap(), 3);
+        let t = std::time::Instant::now();
+        for (stranger, words) in [
+            (client(&server), "this client has none"),
+            (client(&server).with_token("wrong").unwrap(), "does not accept this client's token"),
+        ] {
+            for e in [
+                stranger.try_get("k").unwrap_err(),
+                stranger.set("k", b"x").unwrap_err(),
+                stranger.add("n", 1).unwrap_err(),
+                stranger.get("k", Duration::from_secs(30)).unwrap_err(),
+            ] {
+                let text = e.to_string();
+                assert!(text.contains("401") && text.contains(words), "{text}");
+            }
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "refusals took {:?}", t.elapsed());
+        assert_eq!(with.try_get("k").unwrap().as_deref(), Some(&b"v"[..]), "a refused set changed the value");
+        assert_eq!(with.add("n", 0).unwrap(), 3, "a refused add changed the value");
+        // A server without a token serves a client that sends one (as Horovod's does).
+        let open = HttpStoreServer::start("127.0.0.1:0").unwrap();
+        let s = client(&open).with_token("anything").unwrap();
+        s.set("a", b"1").unwrap();
+        assert_eq!(client(&open).try_get("a").unwrap().as_deref(), Some(&b"1"[..]));
+        assert!(
+            HttpStoreServer::start_authenticated("127.0.0.1:0", ServerLimits::default(), None, Some("a b")).is_err()
+        );
+        // The token never shows in debug output.
+        assert!(!format!("{with:?}").contains("s3cr3t"));
     }
 
     #[test]

@@ -70,10 +70,19 @@ impl StoreUrl {
     }
 
     /// Opens the store. `timeout` bounds each single store request (HTTP retries included).
+    /// An HTTP store sends the job's store token, when the environment gives one
+    /// (`FERROGLOO_STORE_TOKEN_FILE` or `FERROGLOO_STORE_TOKEN`, see
+    /// [`credentials`](crate::credentials)).
     pub fn open(&self, timeout: Duration) -> Result<Box<dyn Store>> {
         Ok(match self {
             StoreUrl::File(dir) => Box::new(FileStore::new(dir)?),
-            StoreUrl::Http { base, scope } => Box::new(HttpStore::new(base, scope, timeout)?),
+            StoreUrl::Http { base, scope } => {
+                let store = HttpStore::new(base, scope, timeout)?;
+                match crate::credentials::Credentials::from_env()?.store_token {
+                    Some(token) => Box::new(store.with_token(&token)?),
+                    None => Box::new(store),
+                }
+            }
             StoreUrl::TcpStore { addr, prefix } => Box::new(TcpStore::connect(addr, prefix, timeout)?),
         })
     }

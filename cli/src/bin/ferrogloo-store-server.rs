@@ -3,6 +3,10 @@
 //! Speaks Horovod's rendezvous protocol (plus atomic add). Its first line of output is the
 //! store URL to give every rank, exactly as printed: `FERROGLOO_STORE=http://HOST:PORT/SCOPE`
 //! (or `--store` of the examples and the benchmark). Serves until killed (or for `--seconds`).
+//!
+//! With `--token-file FILE` (or `FERROGLOO_STORE_TOKEN_FILE` / `FERROGLOO_STORE_TOKEN` in its
+//! environment) it answers only requests carrying that bearer token, and `401` to others: give
+//! the ranks the same file as `FERROGLOO_STORE_TOKEN_FILE`.
 
 use clap::Parser;
 use ferrogloo::device::TcpAttr;
@@ -24,6 +28,11 @@ struct Args {
     /// (and address) carries on a rendezvous where the old one stopped.
     #[arg(long)]
     journal: Option<std::path::PathBuf>,
+    /// Answer only requests with `Authorization: Bearer <the token in FILE>` (a file readable
+    /// by its owner only), others with 401. Default: the token of FERROGLOO_STORE_TOKEN_FILE or
+    /// FERROGLOO_STORE_TOKEN when set, else none (anyone may use the store).
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<std::path::PathBuf>,
     /// Stop after this many seconds (default: serve until killed).
     #[arg(long)]
     seconds: Option<u64>,
@@ -77,6 +86,19 @@ impl Args {
     }
 }
 
+/// The token requests must carry: `--token-file`'s, else the environment's, else none.
+fn token(args: &Args) -> ferrogloo::Result<Option<String>> {
+    use ferrogloo::credentials::{Credentials, check_token, read_private_file};
+    match &args.token_file {
+        Some(path) => {
+            let raw = read_private_file(path, "--token-file")?;
+            let shown = format!("--token-file={}", path.display());
+            check_token(&String::from_utf8_lossy(&raw), &shown).map(Some)
+        }
+        None => Ok(Credentials::from_env()?.store_token),
+    }
+}
+
 fn main() {
     ferrogloo_cli::init_logging();
     let args = Args::parse();
@@ -87,7 +109,15 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let started = HttpStoreServer::start_with(args.bind.as_str(), limits, args.journal.as_deref());
+    let token = match token(&args) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("ferrogloo-store-server: {e}");
+            std::process::exit(2);
+        }
+    };
+    let started =
+        HttpStoreServer::start_authenticated(args.bind.as_str(), limits, args.journal.as_deref(), token.as_deref());
     let server = match started {
         Ok(s) => s,
         Err(e) => {

@@ -1,0 +1,362 @@
+//! Measuring one cell (a collective, an algorithm, a size) on host buffers: the buffers, the
+//! timing rule, and the check of every result.
+
+use super::Cell;
+use super::args::Args;
+use super::gpu::Gpu;
+#[cfg(feature = "cuda")]
+use super::gpu::measure_gpu;
+use ferrogloo::{Algorithm, CollectiveOptions, Context, DType, Error, Reduction, Result, bf16, f16};
+use std::time::Instant;
+
+/// Round trips per timed `pingpong` iteration (the time reported is one way: the iteration's
+/// time over twice this).
+const PINGPONG_ROUNDS: usize = 100;
+
+/// One element of `dtype` holding the small integer `v` (exact in every reduction order).
+pub(super) fn element(dtype: DType, v: u32) -> Vec<u8> {
+    match dtype {
+        DType::F32 => (v as f32).to_ne_bytes().to_vec(),
+        DType::F64 => f64::from(v).to_ne_bytes().to_vec(),
+        DType::F16 => f16::from_f32(v as f32).to_ne_bytes().to_vec(),
+        DType::BF16 => bf16::from_f32(v as f32).to_ne_bytes().to_vec(),
+        DType::I8 | DType::U8 => vec![v as u8],
+        DType::I16 | DType::U16 => (v as u16).to_ne_bytes().to_vec(),
+        DType::I32 | DType::U32 => v.to_ne_bytes().to_vec(),
+        _ => u64::from(v).to_ne_bytes().to_vec(),
+    }
+}
+
+/// A buffer of `bytes` bytes aligned for every element type (backed by `u64`s).
+pub(super) struct Buf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Buf {
+    pub(super) fn new(len: usize) -> Self {
+        Buf { words: vec![0; len.div_ceil(8)], len }
+    }
+
+    pub(super) fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// Fills with the element `e` repeated.
+    pub(super) fn fill(&mut self, e: &[u8]) {
+        repeat(self.bytes_mut(), e);
+    }
+
+    /// Fills block `i` of `per` bytes with `e(i)` repeated, for every block.
+    pub(super) fn fill_blocks(&mut self, per: usize, e: impl Fn(usize) -> Vec<u8>) {
+        if per == 0 {
+            return;
+        }
+        for (i, block) in self.bytes_mut().chunks_exact_mut(per).enumerate() {
+            repeat(block, &e(i));
+        }
+    }
+
+    /// Whether every element equals `e`.
+    pub(super) fn all(&self, e: &[u8]) -> bool {
+        self.bytes().chunks_exact(e.len()).all(|c| c == e)
+    }
+}
+
+/// Fills `buf` with `e` repeated (whole copies; a remainder shorter than `e` is left), in
+/// doubling memcpys: as fast as `Vec::fill`, for an element of any size.
+pub(super) fn repeat(buf: &mut [u8], e: &[u8]) {
+    let whole = buf.len() / e.len().max(1) * e.len();
+    let buf = &mut buf[..whole];
+    if buf.is_empty() {
+        return;
+    }
+    buf[..e.len()].copy_from_slice(e);
+    let mut done = e.len();
+    while done < buf.len() {
+        let n = done.min(buf.len() - done);
+        buf.copy_within(..n, done);
+        done += n;
+    }
+}
+
+/// Times `iters` calls of `call` (each after a barrier, `reset` and a barrier); returns every
+/// iteration's time at the slowest rank, in microseconds.
+pub(super) fn timed<S>(
+    ctx: &Context,
+    args: &Args,
+    state: &mut S,
+    mut reset: impl FnMut(&mut S),
+    mut call: impl FnMut(&mut S) -> Result<()>,
+) -> Result<Vec<f64>> {
+    for _ in 0..args.warmup {
+        reset(state);
+        call(state)?;
+    }
+    let iters = match args.seconds {
+        Some(secs) => {
+            let t = Instant::now();
+            for _ in 0..3 {
+                reset(state);
+                call(state)?;
+            }
+            let mut per = [t.elapsed().as_secs_f64() / 3.0];
+            ctx.allreduce(&mut per, ferrogloo::ReduceOp::Max)?;
+            ((secs / per[0].max(1e-9)) as usize).clamp(5, 2000)
+        }
+        None => args.iters.max(1),
+    };
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        // Every rank resets only once all have finished the previous call: a rank refilling
+        // a large buffer while a slower one is still inside its timed call would take CPU
+        // from it, and the harness would be timed along with the collective (Open MPI's
+        // harness has no reset at all; its calls are out of place).
+        ctx.barrier()?;
+        reset(state);
+        ctx.barrier()?;
+        let t = Instant::now();
+        call(state)?;
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    ctx.allreduce(&mut times, ferrogloo::ReduceOp::Max)?;
+    Ok(times)
+}
+
+/// What a run measures: element type, reduction, options.
+pub(super) struct Setup<'a> {
+    pub(super) args: &'a Args,
+    pub(super) dtype: DType,
+    pub(super) red: Reduction,
+    pub(super) seg: Option<usize>,
+}
+
+impl Setup<'_> {
+    pub(super) fn opts(&self, algo: Algorithm) -> CollectiveOptions {
+        let mut o = CollectiveOptions::new().algorithm(algo);
+        if let Some(seg) = self.seg {
+            o = o.segment_bytes(seg);
+        }
+        o
+    }
+
+    /// The reduction of `v(p)` over every rank p, as one element.
+    pub(super) fn reduced(&self, n: usize, v: impl Fn(usize) -> u32) -> Result<Vec<u8>> {
+        let mut acc = element(self.dtype, v(0));
+        for p in 1..n {
+            self.red.apply_bytes(self.dtype, &mut acc, &element(self.dtype, v(p)))?;
+        }
+        Ok(acc)
+    }
+}
+
+/// Measures one (op, algorithm, size) cell.
+pub(super) fn measure(
+    ctx: &Context,
+    s: &Setup<'_>,
+    gpu: &mut Option<Gpu<'_>>,
+    op: &str,
+    algo: Algorithm,
+    bytes: usize,
+) -> Result<Cell> {
+    #[cfg(feature = "cuda")]
+    if let Some(g) = gpu {
+        return measure_gpu(ctx, s, g, op, algo, bytes);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = gpu;
+    let (args, dtype) = (s.args, s.dtype);
+    let (r, n) = (ctx.rank(), ctx.size());
+    let ts = dtype.size();
+    let opts = s.opts(algo);
+    let root = args.root % n;
+    let own = element(dtype, r as u32 + 1);
+    let mut picked = None;
+    let mut wrong = false;
+    let (count, moved, factor, times) = match op {
+        "allreduce" => {
+            let count = bytes / ts;
+            let mut buf = Buf::new(count * ts);
+            picked = Some(ctx.allreduce_algorithm(count * ts, algo)?);
+            let times = timed(
+                ctx,
+                args,
+                &mut buf,
+                |b| b.fill(&own),
+                |b| ctx.allreduce_bytes(b.bytes_mut(), dtype, s.red, &opts),
+            )?;
+            wrong = !buf.all(&s.reduced(n, |p| p as u32 + 1)?);
+            (count, count * ts, 2.0 * (n - 1) as f64 / n as f64, times)
+        }
+        "allgather" => {
+            let per = bytes / ts / n;
+            let mut mine = Buf::new(per * ts);
+            mine.fill(&own);
+            let mut out = Buf::new(per * n * ts);
+            picked = Some(ctx.allgather_algorithm(per * n * ts, algo)?);
+            let times =
+                timed(ctx, args, &mut out, |_| {}, |o| ctx.allgather_bytes(mine.bytes(), o.bytes_mut(), dtype, &opts))?;
+            wrong = per > 0
+                && out.bytes().chunks_exact(per * ts).enumerate().any(|(p, b)| {
+                    let e = element(dtype, p as u32 + 1);
+                    b.chunks_exact(ts).any(|c| c != e)
+                });
+            (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
+        }
+        "reduce_scatter" => {
+            let per = bytes / ts / n;
+            let mut input = Buf::new(per * n * ts);
+            input.fill(&own);
+            let mut out = Buf::new(per * ts);
+            let times = timed(
+                ctx,
+                args,
+                &mut out,
+                |_| {},
+                |o| ctx.reduce_scatter_bytes(input.bytes(), o.bytes_mut(), dtype, s.red, &opts),
+            )?;
+            wrong = !out.all(&s.reduced(n, |p| p as u32 + 1)?);
+            (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
+        }
+        "broadcast" => {
+            let count = bytes / ts;
+            let fresh = if r == root { own.clone() } else { element(dtype, 0) };
+            let mut buf = Buf::new(count * ts);
+            picked = Some(ctx.broadcast_algorithm(count * ts, algo)?);
+            let times = timed(
+                ctx,
+                args,
+                &mut buf,
+                |b| b.fill(&fresh),
+                |b| ctx.broadcast_bytes(b.bytes_mut(), dtype, root, &opts),
+            )?;
+            wrong = !buf.all(&element(dtype, root as u32 + 1));
+            (count, count * ts, 1.0, times)
+        }
+        "reduce" => {
+            let count = bytes / ts;
+            let mut buf = Buf::new(count * ts);
+            let times = timed(
+                ctx,
+                args,
+                &mut buf,
+                |b| b.fill(&own),
+                |b| ctx.reduce_bytes(b.bytes_mut(), dtype, root, s.red, &opts),
+            )?;
+            let want = if r == root { s.reduced(n, |p| p as u32 + 1)? } else { own.clone() };
+            wrong = !buf.all(&want);
+            (count, count * ts, 1.0, times)
+        }
+        "alltoall" => {
+            let per = bytes / ts / n;
+            let mut input = Buf::new(per * n * ts);
+            input.fill_blocks(per * ts, |p| element(dtype, ((r * n + p) % 100) as u32));
+            let mut out = Buf::new(per * n * ts);
+            let times =
+                timed(ctx, args, &mut out, |_| {}, |o| ctx.alltoall_bytes(input.bytes(), o.bytes_mut(), dtype, &opts))?;
+            let mut want = Buf::new(per * n * ts);
+            want.fill_blocks(per * ts, |p| element(dtype, ((p * n + r) % 100) as u32));
+            wrong = out.bytes() != want.bytes();
+            (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
+        }
+        "sendrecv" => {
+            let count = bytes / ts;
+            let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+            let mut out = Buf::new(count * ts);
+            out.fill(&own);
+            let mut inbox = Buf::new(count * ts);
+            let times = timed(
+                ctx,
+                args,
+                &mut inbox,
+                |_| {},
+                |inbox| {
+                    if n == 1 {
+                        return Ok(());
+                    }
+                    ctx.scope(|sc| {
+                        let sent = sc.isend(right, 1, out.bytes())?;
+                        let got = sc.irecv(left, 1, inbox.bytes_mut())?;
+                        sent.wait()?;
+                        got.wait().map(drop)
+                    })
+                },
+            )?;
+            wrong = n > 1 && !inbox.all(&element(dtype, left as u32 + 1));
+            (count, count * ts, 1.0, times)
+        }
+        "pingpong" => {
+            // Ranks 0 and 1 bounce one message PINGPONG_ROUNDS times; the time is half a round
+            // trip (the one-way latency), the bandwidth that of one direction.
+            let count = bytes / ts;
+            let mut out = Buf::new(count * ts);
+            out.fill(&own);
+            let mut inbox = Buf::new(count * ts);
+            let times = timed(
+                ctx,
+                args,
+                &mut inbox,
+                |_| {},
+                |inbox| {
+                    for _ in 0..PINGPONG_ROUNDS {
+                        match r {
+                            0 if n > 1 => {
+                                ctx.send(1, 3, out.bytes())?;
+                                ctx.recv(1, 3, inbox.bytes_mut())?;
+                            }
+                            1 => {
+                                ctx.recv(0, 3, inbox.bytes_mut())?;
+                                ctx.send(0, 3, out.bytes())?;
+                            }
+                            _ => {}
+                        }
+                    }
+                    Ok(())
+                },
+            )?;
+            let from = if r == 0 { 2 } else { 1 };
+            wrong = r < 2 && n > 1 && !inbox.all(&element(dtype, from));
+            let one_way: Vec<f64> = times.iter().map(|t| t / (2 * PINGPONG_ROUNDS) as f64).collect();
+            (count, count * ts, 1.0, one_way)
+        }
+        "barrier" => {
+            let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.barrier())?;
+            (0, 0, 0.0, times)
+        }
+        other => return Err(Error::invalid(format!("unknown collective {other:?}"))),
+    };
+    let mut bad = [u32::from(wrong && !args.no_check)];
+    ctx.allreduce(&mut bad, ferrogloo::ReduceOp::Max)?;
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let p50 = sorted[sorted.len() / 2];
+    let algbw = if p50 > 0.0 { moved as f64 / p50 / 1e3 } else { 0.0 };
+    Ok(Cell {
+        op: op.to_string(),
+        algorithm: algo,
+        picked,
+        bytes: moved,
+        count,
+        iters: sorted.len(),
+        p50,
+        min: sorted[0],
+        p99: sorted[((sorted.len() - 1) as f64 * 0.99) as usize],
+        algbw,
+        busbw: algbw * factor,
+        wrong: bad[0],
+    })
+}
+
+/// The bytes a cell of `op` really moves when asked for `bytes`: whole elements, and for the
+/// collectives whose size is split over the ranks, whole blocks per rank.
+pub(super) fn effective(op: &str, bytes: usize, ts: usize, n: usize) -> usize {
+    match op {
+        "allgather" | "reduce_scatter" | "alltoall" => bytes / ts / n * n * ts,
+        "barrier" => 0,
+        _ => bytes / ts * ts,
+    }
+}
