@@ -14,7 +14,7 @@
 
 use crate::algorithms::{
     self, Algorithm, CollectiveOptions, Seg, allgather, allreduce, barrier, blocks_of, broadcast, check_counts,
-    counts_hash, local, partition, personalized, reduce,
+    counts_hash, local, partition, personalized, reduce, steps,
 };
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -251,9 +251,9 @@ impl Context {
         let timeout = opts.timeout.unwrap_or(comm.timeout());
         let deadline = std::time::Instant::now() + timeout;
         let area = comm.local_area();
-        let local = area.map(|a| local::Local::new(comm, &**a, "allreduce", desc, deadline, timeout));
+        let mut local = area.map(|a| steps::Local::new(comm, &**a, "allreduce", desc, deadline, timeout));
         let result = (|| {
-            if let Some(l) = &local {
+            if let Some(l) = &mut local {
                 local::allreduce(l, buf, op)?;
             }
             if let Some(lc) = leaders {
@@ -273,7 +273,7 @@ impl Context {
                     _ => allreduce::halving_doubling(c, b, op),
                 })?;
             }
-            if let Some(l) = &local {
+            if let Some(l) = &mut local {
                 local::broadcast(l, buf, 0)?;
             }
             Ok(())

@@ -10,6 +10,7 @@ pub(crate) mod broadcast;
 pub(crate) mod local;
 pub(crate) mod personalized;
 pub(crate) mod reduce;
+pub(crate) mod steps;
 
 pub use crate::types::Algorithm;
 
