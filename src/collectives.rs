@@ -13,8 +13,8 @@
 //! time per byte.
 
 use crate::algorithms::{
-    self, Algorithm, CollectiveOptions, Seg, allgather, allreduce, barrier, blocks_of, broadcast, check_counts,
-    counts_hash, local, partition, personalized, reduce,
+    self, Algorithm, CollectiveOptions, allgather, allreduce, barrier, blocks_of, broadcast, check_counts, counts_hash,
+    local, partition, personalized, reduce, steps,
 };
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -225,7 +225,6 @@ impl Context {
             return self.hierarchical_allreduce(h.leaders.as_ref(), buf, op, desc, opts);
         }
         let seg = opts.segment_elems::<T>();
-        let buf = Seg::new(buf);
         algorithms::run(self.comm(), "allreduce", desc, opts, |c| match algo {
             Algorithm::Ring => allreduce::ring(c, buf, op, seg),
             Algorithm::RecursiveDoubling => allreduce::recursive_doubling(c, buf, op),
@@ -251,9 +250,9 @@ impl Context {
         let timeout = opts.timeout.unwrap_or(comm.timeout());
         let deadline = std::time::Instant::now() + timeout;
         let area = comm.local_area();
-        let local = area.map(|a| local::Local::new(comm, &**a, "allreduce", desc, deadline, timeout));
+        let mut local = area.map(|a| steps::Local::new(comm, &**a, "allreduce", desc, deadline, timeout));
         let result = (|| {
-            if let Some(l) = &local {
+            if let Some(l) = &mut local {
                 local::allreduce(l, buf, op)?;
             }
             if let Some(lc) = leaders {
@@ -266,14 +265,14 @@ impl Context {
                     ..opts.clone()
                 };
                 let seg = o.segment_elems::<T>();
-                let b = Seg::new(&mut *buf);
+                let b = &mut *buf;
                 algorithms::run(lc, "allreduce across hosts", cross, &o, |c| match algo {
                     Algorithm::Ring => allreduce::ring(c, b, op, seg),
                     Algorithm::RecursiveDoubling => allreduce::recursive_doubling(c, b, op),
                     _ => allreduce::halving_doubling(c, b, op),
                 })?;
             }
-            if let Some(l) = &local {
+            if let Some(l) = &mut local {
                 local::broadcast(l, buf, 0)?;
             }
             Ok(())
@@ -375,12 +374,9 @@ impl Context {
             // `input` is only read: each received segment is reduced into a copy of this
             // rank's part made just before (in the context's scratch pool, reused from call
             // to call), and this rank's own block straight into `output`.
-            let bufs = allreduce::RingBufs {
-                input: Seg::of(input),
-                // (With two ranks the only block received is this rank's own.)
-                work: c.scratch::<T>(if n > 2 { total } else { 0 }),
-                last: Some(Seg::new(output)),
-            };
+            // (With two ranks the only block received is this rank's own.)
+            let mut work = c.scratch::<T>(if n > 2 { total } else { 0 });
+            let bufs = allreduce::RingBufs::Apart { input, work: &mut work, last: output };
             allreduce::ring_reduce_scatter(c, bufs, &blocks, op, n - 1, seg)
         })
     }
@@ -438,7 +434,7 @@ impl Context {
             Some(a) => a,
             None => allgather_algorithm(n, bytes_of::<T>(total), opts.algorithm)?,
         };
-        // This rank's own block, while `output` is still a plain slice.
+        // This rank's own block (the algorithms only send it).
         output[blocks[self.rank()].clone()].copy_from_slice(input);
         if n == 1 {
             return Ok(());
@@ -447,12 +443,11 @@ impl Context {
         if let (Some(_), Some(area)) = (shm, area) {
             return local::run(self.comm(), &**area, "allgather", desc, opts, |l| local::allgather(l, input, output));
         }
-        let out = Seg::new(output);
         algorithms::run(self.comm(), "allgather", desc, opts, |c| {
             if algo == Algorithm::RecursiveDoubling {
-                allgather::recursive_doubling(c, out, &blocks)
+                allgather::recursive_doubling(c, output, &blocks)
             } else {
-                allgather::ring(c, out, &blocks, seg)
+                allgather::ring(c, output, &blocks, seg)
             }
         })
     }
@@ -483,10 +478,9 @@ impl Context {
             return local::run(self.comm(), &**area, "broadcast", desc, opts, |l| local::broadcast(l, buf, root));
         }
         let seg = opts.segment_elems::<T>();
-        let b = Seg::new(buf);
         algorithms::run(self.comm(), "broadcast", desc, opts, |c| match algo {
-            Algorithm::Pipeline => broadcast::pipeline(c, b, root, seg),
-            _ => broadcast::tree(c, b, root),
+            Algorithm::Pipeline => broadcast::pipeline(c, buf, root, seg),
+            _ => broadcast::tree(c, buf, root),
         })
     }
 
@@ -508,8 +502,7 @@ impl Context {
             return Ok(());
         }
         let desc = OpDesc::new(Call::Reduce).dtype(T::DTYPE).count(buf.len()).root(root).reduce(op.code());
-        let b = Seg::new(buf);
-        algorithms::run(self.comm(), "reduce", desc, opts, |c| reduce::tree(c, b, root, op))
+        algorithms::run(self.comm(), "reduce", desc, opts, |c| reduce::tree(c, buf, root, op))
     }
 
     /// Rank `root` receives every rank's `input`, concatenated in rank order, in `output`
@@ -549,15 +542,14 @@ impl Context {
         }
         let blocks = blocks_of(counts);
         if self.rank() == root {
-            // The root's own block, while `output` is still a plain slice.
+            // The root's own block (the algorithm only receives the others).
             output[blocks[root].clone()].copy_from_slice(input);
         }
         if n == 1 {
             return Ok(());
         }
         let desc = OpDesc::new(Call::Gather).dtype(T::DTYPE).count(total).root(root).extra(counts_hash(counts));
-        let out = Seg::new(output);
-        algorithms::run(self.comm(), "gather", desc, opts, |c| personalized::gather(c, input, out, &blocks, root))
+        algorithms::run(self.comm(), "gather", desc, opts, |c| personalized::gather(c, input, output, &blocks, root))
     }
 
     /// Rank `root` sends block i of its `input` (`n * output.len()` elements) to rank i, which
@@ -634,14 +626,13 @@ impl Context {
             return Err(Error::invalid("alltoall: this rank's send and receive counts for itself differ"));
         }
         let (sb, rb) = (blocks_of(send_counts), blocks_of(recv_counts));
-        // This rank's own block, while `output` is still a plain slice.
+        // This rank's own block (the algorithm moves only the others).
         output[rb[r].clone()].copy_from_slice(&input[sb[r].clone()]);
         if n == 1 {
             return Ok(());
         }
         let desc = OpDesc::new(Call::Alltoall).dtype(T::DTYPE);
-        let (inp, out) = (Seg::of(input), Seg::new(output));
-        algorithms::run(self.comm(), "alltoall", desc, opts, |c| personalized::alltoall(c, inp, &sb, out, &rb))
+        algorithms::run(self.comm(), "alltoall", desc, opts, |c| personalized::alltoall(c, input, &sb, output, &rb))
     }
 }
 

@@ -11,7 +11,8 @@
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::{
-    AbortCause, BusyWait, Completion, Done, Key, LocalArea, Mesh, Pair, RecvBuf, RecvTarget, SEQUENCED, SendBuf,
+    AbortCause, BusyWait, Completion, Done, Key, LocalArea, MemKind, Mesh, Pair, RecvBuf, RecvTarget, SEQUENCED,
+    SendBuf,
 };
 use crate::types::OpDesc;
 use bytemuck::Pod;
@@ -80,7 +81,7 @@ pub(crate) struct Comm {
     collective_seq: Mutex<HashMap<u32, u32>>,
     /// Set once the communicator is aborted (by `abort` or a failed collective).
     aborted: Mutex<Option<Error>>,
-    /// Scratch buffers reused by collectives (see `algorithms::Arena`).
+    /// Scratch buffers reused by collectives (see `algorithms::Scratch`).
     scratch: Mutex<Vec<Vec<u64>>>,
     /// How many sub-groups of each kind were made from this one (see `subgroup_id`).
     made: Mutex<HashMap<u64, u64>>,
@@ -413,11 +414,6 @@ pub struct Scope<'scope, 'env: 'scope> {
 }
 
 impl<'scope, 'env> Scope<'scope, 'env> {
-    /// The communicator this scope belongs to.
-    pub(crate) fn comm(&self) -> &'env Comm {
-        self.comm
-    }
-
     /// This rank in the scope's context.
     pub fn rank(&self) -> usize {
         self.comm.rank
@@ -581,6 +577,75 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         // SAFETY: an owned receive lends no memory of the caller's.
         let idx = unsafe { self.irecv_raw(peers, key, OpDesc::P2P, RecvTarget::Owned { max: max_bytes }, "recv")? };
         Ok(BytesRequest { scope: self, idx })
+    }
+}
+
+/// The scope's operations for the collective algorithms: a collective's key and descriptor,
+/// buffers borrowed for the scope as [`isend`](Scope::isend) and [`irecv`](Scope::irecv) borrow
+/// them, waits until the collective's deadline.
+impl<'scope, 'env> Scope<'scope, 'env> {
+    /// Starts sending `buf` to `peer` with `key` and `desc`; returns the operation's index for
+    /// [`wait_deadline`](Scope::wait_deadline). `buf` stays borrowed (readable, not writable)
+    /// until the scope ends.
+    pub(crate) fn send_borrowed<T: Pod>(
+        &'scope self,
+        peer: usize,
+        key: Key,
+        desc: OpDesc,
+        buf: &'scope [T],
+        what: &'static str,
+    ) -> Result<usize> {
+        // SAFETY: `buf` is borrowed for 'scope, and the scope finishes or cancels the operation
+        // before 'scope ends (Comm::scope), so it stays valid and unwritten as required.
+        unsafe { self.isend_raw(peer, key, desc, SendBuf::from_slice(as_bytes(buf)), what) }
+    }
+
+    /// Starts receiving a message of exactly `len` elements from `peer` with `key` and `desc`
+    /// into the front of `buf` (`len <= buf.len()`, else an error). Waiting for the returned
+    /// [`Lent`] gives the whole of `buf` back, so that a buffer reused for messages of several
+    /// lengths can be lent again.
+    pub(crate) fn recv_borrowed<T: Pod>(
+        &'scope self,
+        peer: usize,
+        key: Key,
+        desc: OpDesc,
+        buf: &'scope mut [T],
+        len: usize,
+        what: &'static str,
+    ) -> Result<Lent<'scope, 'env, T>> {
+        if len > buf.len() {
+            return Err(Error::invalid(format!("{what}: a receive of {len} elements into a buffer of {}", buf.len())));
+        }
+        let ptr: *mut [T] = buf;
+        // The transport's view and the slice handed back by `Lent::wait_until` both come from
+        // `ptr`, and are never used at once.
+        let front = RecvBuf { ptr: ptr.cast::<u8>(), len: len * std::mem::size_of::<T>(), mem: MemKind::Host };
+        // SAFETY: the memory is exclusively borrowed for 'scope (through `ptr`, which nothing
+        // else uses until the operation finished), and the scope finishes or cancels the
+        // operation (on every pair it was posted to) before 'scope ends.
+        let idx = unsafe { self.irecv_raw(&[peer], key, desc, RecvTarget::Exact(front), what)? };
+        Ok(Lent { scope: self, idx, buf: ptr, _t: PhantomData })
+    }
+}
+
+/// A buffer lent to a receive of a [`Scope`] ([`Scope::recv_borrowed`]); waiting gives it back.
+#[must_use = "a lent buffer comes back only when the receive is waited for"]
+pub(crate) struct Lent<'scope, 'env, T> {
+    scope: &'scope Scope<'scope, 'env>,
+    idx: usize,
+    buf: *mut [T],
+    _t: PhantomData<&'scope mut [T]>,
+}
+
+impl<'scope, T> Lent<'scope, '_, T> {
+    /// Waits for the message until `deadline` (on timeout the receive is withdrawn) and gives
+    /// the buffer back, its front filled.
+    pub(crate) fn wait_until(self, deadline: Instant) -> Result<&'scope mut [T]> {
+        self.scope.wait_deadline(self.idx, deadline)?;
+        // SAFETY: the operation has finished (an exact receive fills the whole front it was
+        // given), so the transport no longer touches the buffer, and this value held the
+        // 'scope-long exclusive borrow the pointer came from.
+        Ok(unsafe { &mut *self.buf })
     }
 }
 

@@ -1,61 +1,70 @@
 //! Broadcast: binomial tree for small messages, a pipelined chain for large ones.
 
-use super::{Coll, Seg, segments};
+use super::{Coll, carve, segments};
 use crate::error::Result;
+use bytemuck::Pod;
+use std::ops::Range;
 
 /// Binomial tree from `root`: ⌈log₂ n⌉ steps; the root sends the whole buffer ⌈log₂ n⌉ times.
-pub(crate) fn tree<T>(c: &Coll<'_, '_>, buf: Seg<T>, root: usize) -> Result<()> {
+pub(crate) fn tree<T: Pod>(c: &Coll<'_>, buf: &mut [T], root: usize) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let vr = (r + n - root) % n;
     let real = |v: usize| (v + root) % n;
+    // The parent: the rank below at this rank's lowest set bit (none for the root).
     let mut mask = 1;
-    while mask < n {
-        if vr & mask != 0 {
-            // SAFETY: nothing else touches `buf` until this receive completes.
-            let got = unsafe { c.recv(real(vr - mask), buf)? };
-            c.wait(got)?;
-            break;
-        }
+    while mask < n && vr & mask == 0 {
         mask <<= 1;
     }
-    let mut sends = Vec::new();
-    mask >>= 1;
-    while mask > 0 {
-        if vr + mask < n {
-            // SAFETY: `buf` is complete and only read from here on.
-            sends.push(unsafe { c.send(real(vr + mask), buf)? });
+    let parent = (mask < n).then(|| real(vr - mask));
+    c.phase(|p| {
+        // Nothing else touches `buf` until the receive completes; it is only read after.
+        let buf: &[T] = match parent {
+            Some(parent) => {
+                let got = p.recv(parent, buf)?;
+                p.filled(got)?
+            }
+            None => buf,
+        };
+        let mut sends = Vec::new();
+        let mut mask = mask >> 1;
+        while mask > 0 {
+            if vr + mask < n {
+                sends.push(p.send(real(vr + mask), buf)?);
+            }
+            mask >>= 1;
         }
-        mask >>= 1;
-    }
-    c.wait_all(sends)
+        p.wait_all(sends)
+    })
 }
 
 /// A chain root → root+1 → … pipelined in segments: n-1+S-1 segment steps for S segments; every
 /// rank but the last sends the buffer once.
-pub(crate) fn pipeline<T>(c: &Coll<'_, '_>, buf: Seg<T>, root: usize, seg: usize) -> Result<()> {
+pub(crate) fn pipeline<T: Pod>(c: &Coll<'_>, buf: &mut [T], root: usize, seg: usize) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let vr = (r + n - root) % n;
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let whole = 0..buf.len();
-    let mut sends = Vec::new();
-    if vr == 0 {
-        for s in segments(&whole, seg) {
-            // SAFETY: the root's buffer is only read.
-            sends.push(unsafe { c.send(next, buf.sub(s))? });
+    let segs: Vec<Range<usize>> = segments(&(0..buf.len()), seg).collect();
+    c.phase(|p| {
+        let mut sends = Vec::new();
+        if vr == 0 {
+            // The root's buffer is only read.
+            let buf: &[T] = buf;
+            for s in &segs {
+                sends.push(p.send(next, &buf[s.clone()])?);
+            }
+            return p.wait_all(sends);
         }
-        return c.wait_all(sends);
-    }
-    let mut recvs = Vec::new();
-    for s in segments(&whole, seg) {
-        // SAFETY: segments are disjoint; each is sent on only after its receive completed.
-        recvs.push((unsafe { c.recv(prev, buf.sub(s.clone()))? }, s));
-    }
-    for (got, s) in recvs {
-        c.wait(got)?;
-        if vr + 1 < n {
-            // SAFETY: the segment is complete and not written again.
-            sends.push(unsafe { c.send(next, buf.sub(s))? });
+        let mut recvs = Vec::new();
+        for s in carve(buf, &segs) {
+            recvs.push(p.recv(prev, s)?);
         }
-    }
-    c.wait_all(sends)
+        for got in recvs {
+            let s = p.filled(got)?;
+            // The segment is complete and not written again.
+            if vr + 1 < n {
+                sends.push(p.send(next, &*s)?);
+            }
+        }
+        p.wait_all(sends)
+    })
 }

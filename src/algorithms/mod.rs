@@ -10,15 +10,17 @@ pub(crate) mod broadcast;
 pub(crate) mod local;
 pub(crate) mod personalized;
 pub(crate) mod reduce;
+pub(crate) mod steps;
 
 pub use crate::types::Algorithm;
 
-use crate::comm::{Comm, Scope, fnv};
+use crate::comm::{Comm, Lent, Scope, fnv};
 use crate::error::{Error, Result};
-use crate::transport::{Key, MemKind, RecvBuf, RecvTarget, SendBuf};
+use crate::transport::Key;
 use crate::types::{Element, OpDesc};
-use std::cell::RefCell;
-use std::ops::Range;
+use bytemuck::Pod;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut, Range};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -77,40 +79,137 @@ impl CollectiveOptions {
 /// slower than both.
 pub(crate) const DEFAULT_SEGMENT: usize = 1 << 20;
 
-/// One collective call in progress: its scope, key, descriptor, deadline and scratch.
-pub(crate) struct Coll<'scope, 'env> {
-    pub(crate) s: &'scope Scope<'scope, 'env>,
+/// One collective call in progress: its communicator, key, descriptor and deadline. Its
+/// messages go in [`phase`](Coll::phase)s.
+pub(crate) struct Coll<'a> {
+    comm: &'a Comm,
     key: Key,
     desc: OpDesc,
     deadline: Instant,
     what: &'static str,
-    arena: &'scope Arena<'env>,
+}
+
+/// Runs `body` as one collective `desc` on `comm`: takes the next sequence number of
+/// `opts.tag` and one deadline for the whole call. A failure aborts the communicator (the
+/// ranks' collective state no longer agrees) and tells every peer its cause; the phase that
+/// failed has withdrawn every operation it left.
+pub(crate) fn run<R>(
+    comm: &Comm,
+    what: &'static str,
+    desc: OpDesc,
+    opts: &CollectiveOptions,
+    body: impl FnOnce(&Coll<'_>) -> Result<R>,
+) -> Result<R> {
+    comm.check_usable()?;
+    let key = comm.next_collective_key(opts.tag)?;
+    let deadline = Instant::now() + opts.timeout.unwrap_or(comm.timeout());
+    let result = body(&Coll { comm, key, desc, deadline, what });
+    if let Err(e) = &result {
+        comm.fail(e);
+    }
+    result
+}
+
+impl<'a> Coll<'a> {
+    /// This rank in the communicator.
+    pub(crate) fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The number of ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// `len` elements of scratch from the context's pool, back to it when dropped. Contents
+    /// are arbitrary (any bit pattern is a valid `T`).
+    pub(crate) fn scratch<T: Element>(&self, len: usize) -> Scratch<'a, T> {
+        Scratch::take(self.comm.scratch_pool(), len)
+    }
+
+    /// Runs `f` as one phase of the call: a [`Scope`] whose sends and receives borrow buffers
+    /// until it ends. It ends when `f` returns: waiting for what `f` left in flight, or
+    /// withdrawing it if `f` failed. A part of a buffer sent or received in one phase may be
+    /// written again in the next.
+    pub(crate) fn phase<'c, R>(&'c self, f: impl for<'scope> FnOnce(&Phase<'scope, 'c>) -> Result<R>) -> Result<R> {
+        let comm: &'c Comm = self.comm;
+        comm.scope(|s| f(&Phase { s, c: self }))
+    }
+}
+
+/// One phase of a collective call (see [`Coll::phase`]): messages with the call's key and
+/// descriptor, buffers borrowed for the phase's scope, waits until the call's deadline.
+pub(crate) struct Phase<'scope, 'env: 'scope> {
+    s: &'scope Scope<'scope, 'env>,
+    c: &'env Coll<'env>,
+}
+
+/// A send started in a [`Phase`], to wait for.
+#[must_use = "a send is waited for before the phase's result is known"]
+pub(crate) struct Sent(usize);
+
+impl<'scope, 'env> Phase<'scope, 'env> {
+    /// Starts sending `buf` to `peer`. `buf` stays borrowed (readable, not writable) for the
+    /// rest of the phase.
+    pub(crate) fn send<T: Pod>(&self, peer: usize, buf: &'scope [T]) -> Result<Sent> {
+        let c = self.c;
+        self.s.send_borrowed(peer, c.key, c.desc, buf, c.what).map(Sent)
+    }
+
+    /// Starts receiving a message of `buf.len()` elements from `peer` into `buf`.
+    pub(crate) fn recv<T: Pod>(&self, peer: usize, buf: &'scope mut [T]) -> Result<Lent<'scope, 'env, T>> {
+        let len = buf.len();
+        self.recv_front(peer, buf, len)
+    }
+
+    /// Starts receiving a message of `len` elements from `peer` into the front of `buf`;
+    /// [`filled`](Self::filled) gives all of `buf` back.
+    pub(crate) fn recv_front<T: Pod>(
+        &self,
+        peer: usize,
+        buf: &'scope mut [T],
+        len: usize,
+    ) -> Result<Lent<'scope, 'env, T>> {
+        let c = self.c;
+        self.s.recv_borrowed(peer, c.key, c.desc, buf, len, c.what)
+    }
+
+    /// Waits for a send until the call's deadline.
+    pub(crate) fn wait(&self, sent: Sent) -> Result<()> {
+        self.s.wait_deadline(sent.0, self.c.deadline).map(drop)
+    }
+
+    /// Waits for several sends, in order.
+    pub(crate) fn wait_all(&self, sent: impl IntoIterator<Item = Sent>) -> Result<()> {
+        sent.into_iter().try_for_each(|s| self.wait(s))
+    }
+
+    /// Waits for a receive until the call's deadline; gives its buffer back, filled.
+    pub(crate) fn filled<T>(&self, recv: Lent<'scope, 'env, T>) -> Result<&'scope mut [T]> {
+        recv.wait_until(self.c.deadline)
+    }
 }
 
 /// Most scratch buffers a context keeps for reuse.
 const POOL_KEEP: usize = 8;
 
-/// Scratch memory of one collective call. It is created before the call's scope and dropped
-/// after it, so it outlives every operation the scope finishes or cancels: an algorithm that
-/// returns early with an error cannot leave a receive writing into freed scratch. Its buffers
-/// come from, and go back to, the context's pool, so repeated calls do not allocate.
-pub(crate) struct Arena<'p> {
+/// Scratch memory of a collective call, from the context's pool and back to it when dropped,
+/// so that repeated calls do not allocate. It is a value of the algorithm that uses it, so the
+/// borrow checker sees that it outlives every phase it is lent to.
+pub(crate) struct Scratch<'p, T> {
     pool: &'p Mutex<Vec<Vec<u64>>>,
-    bufs: RefCell<Vec<Vec<u64>>>,
+    buf: Vec<u64>,
+    len: usize,
+    _t: PhantomData<T>,
 }
 
-impl<'p> Arena<'p> {
-    pub(crate) fn new(pool: &'p Mutex<Vec<Vec<u64>>>) -> Self {
-        Arena { pool, bufs: RefCell::default() }
-    }
-
-    /// `len` elements of scratch, valid until the arena is dropped. Contents are arbitrary
-    /// (any bit pattern is a valid `T`).
-    fn seg<T: Element>(&self, len: usize) -> Seg<T> {
-        const { assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u64>()) };
+impl<'p, T: Element> Scratch<'p, T> {
+    fn take(pool: &'p Mutex<Vec<Vec<u64>>>, len: usize) -> Self {
+        // Any element type is a whole number of bytes dividing a word, aligned within one.
+        const { assert!(std::mem::align_of::<T>() <= 8 && 8 % std::mem::size_of::<T>() == 0) };
         let words = (len * std::mem::size_of::<T>()).div_ceil(8);
-        let mut v = {
-            let mut pool = crate::sync::lock(self.pool);
+        let mut buf = {
+            let mut pool = crate::sync::lock(pool);
             // Best fit: the shortest buffer long enough, so that a small call (a scalar
             // allreduce between gradient ones) does not take the buffer the next large call
             // needs. When none is, the longest is replaced.
@@ -123,159 +222,65 @@ impl<'p> Arena<'p> {
         };
         // A buffer keeps its whole length, so it is zeroed once, when it is allocated (by
         // the allocator: fresh pages for a large one), never again on reuse.
-        if v.len() < words {
-            v = vec![0u64; words];
+        if buf.len() < words {
+            buf = vec![0u64; words];
         }
-        // The heap buffer does not move when the Vec is moved into `bufs`.
-        let seg = Seg { ptr: v.as_mut_ptr().cast::<T>(), len };
-        self.bufs.borrow_mut().push(v);
-        seg
+        Scratch { pool, buf, len, _t: PhantomData }
     }
 }
 
-impl Drop for Arena<'_> {
+impl<T: Pod> Deref for Scratch<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &bytemuck::cast_slice(&self.buf)[..self.len]
+    }
+}
+
+impl<T: Pod> DerefMut for Scratch<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut bytemuck::cast_slice_mut(&mut self.buf)[..self.len]
+    }
+}
+
+impl<T> Drop for Scratch<'_, T> {
     fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
         let mut pool = crate::sync::lock(self.pool);
-        for b in self.bufs.get_mut().drain(..) {
-            if pool.len() < POOL_KEEP {
-                pool.push(b);
-            }
+        if pool.len() < POOL_KEEP {
+            pool.push(buf);
         }
     }
 }
 
-/// Runs `body` as one collective `desc` on `comm`: takes the next sequence number of
-/// `opts.tag`, one deadline for the whole call, and a scope that withdraws every operation left
-/// if `body` fails. A failure aborts the communicator (the ranks' collective state no longer
-/// agrees) and tells every peer its cause.
-pub(crate) fn run<R>(
-    comm: &Comm,
-    what: &'static str,
-    desc: OpDesc,
-    opts: &CollectiveOptions,
-    body: impl for<'scope, 'env> FnOnce(&Coll<'scope, 'env>) -> Result<R>,
-) -> Result<R> {
-    comm.check_usable()?;
-    let key = comm.next_collective_key(opts.tag)?;
-    let deadline = Instant::now() + opts.timeout.unwrap_or(comm.timeout());
-    // Declared before the scope, so dropped after it (see `Arena`).
-    let arena = Arena::new(comm.scratch_pool());
-    let result = comm.scope(|s| body(&Coll { s, key, desc, deadline, what, arena: &arena }));
-    if let Err(e) = &result {
-        comm.fail(e);
+/// Cuts the runs `ranges` out of `buf`, returned in the order given (each run lent on its own:
+/// one sent while another is received into or reduced). The runs must be disjoint and inside
+/// `buf` (an empty run too may not lie inside another); a violation is a bug in the algorithm, never
+/// input-driven, and panics.
+pub(crate) fn carve<'b, T>(buf: &'b mut [T], ranges: &[Range<usize>]) -> Vec<&'b mut [T]> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_unstable_by_key(|&i| (ranges[i].start, ranges[i].end));
+    let mut out: Vec<Option<&'b mut [T]>> = (0..ranges.len()).map(|_| None).collect();
+    let (mut rest, mut at) = (buf, 0);
+    for i in order {
+        let r = &ranges[i];
+        assert!(at <= r.start && r.start <= r.end, "run {r:?} overlaps another run, or is reversed");
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
+        let (piece, tail) = tail.split_at_mut(r.len());
+        out[i] = Some(piece);
+        (rest, at) = (tail, r.end);
     }
-    result
+    out.into_iter().flatten().collect()
 }
 
-impl<'scope, 'env> Coll<'scope, 'env> {
-    /// This rank in the communicator.
-    pub(crate) fn rank(&self) -> usize {
-        self.s.comm().rank()
-    }
-
-    /// The number of ranks.
-    pub(crate) fn size(&self) -> usize {
-        self.s.comm().size()
-    }
-
-    /// Scratch for this call: valid until the call's scope has finished every operation.
-    pub(crate) fn scratch<T: Element>(&self, len: usize) -> Seg<T> {
-        self.arena.seg(len)
-    }
-
-    /// Starts sending `buf` to `peer`.
-    ///
-    /// # Safety
-    /// `buf`'s memory must stay valid and unwritten until the send is waited for or the
-    /// collective's scope ends.
-    pub(crate) unsafe fn send<T>(&self, peer: usize, buf: Seg<T>) -> Result<usize> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.s.isend_raw(peer, self.key, self.desc, buf.send_buf(), self.what) }
-    }
-
-    /// Starts receiving into `buf` from `peer`.
-    ///
-    /// # Safety
-    /// `buf`'s memory must stay valid and untouched until the receive is waited for or the
-    /// collective's scope ends.
-    pub(crate) unsafe fn recv<T>(&self, peer: usize, buf: Seg<T>) -> Result<usize> {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { self.s.irecv_raw(&[peer], self.key, self.desc, RecvTarget::Exact(buf.recv_buf()), self.what) }
-    }
-
-    /// Waits for an operation until the collective's deadline.
-    pub(crate) fn wait(&self, idx: usize) -> Result<()> {
-        self.s.wait_deadline(idx, self.deadline).map(drop)
-    }
-
-    /// Waits for several operations.
-    pub(crate) fn wait_all(&self, idxs: impl IntoIterator<Item = usize>) -> Result<()> {
-        idxs.into_iter().try_for_each(|i| self.wait(i))
-    }
-}
-
-/// A raw view of a run of elements, for algorithms that send some parts of a buffer while they
-/// reduce into others. Every access states why no pending operation overlaps it.
-pub(crate) struct Seg<T> {
-    ptr: *mut T,
-    len: usize,
-}
-
-impl<T> Clone for Seg<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for Seg<T> {}
-
-impl<T> Seg<T> {
-    pub(crate) fn new(s: &mut [T]) -> Self {
-        Seg { ptr: s.as_mut_ptr(), len: s.len() }
-    }
-
-    /// A view of memory that will only be sent, never written.
-    pub(crate) fn of(s: &[T]) -> Self {
-        Seg { ptr: s.as_ptr() as *mut T, len: s.len() }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether `other` is the same run of memory.
-    pub(crate) fn is(&self, other: Seg<T>) -> bool {
-        self.ptr == other.ptr && self.len == other.len
-    }
-
-    /// The sub-run `r`; panics (a bug in the algorithm, never input-driven) if out of range.
-    pub(crate) fn sub(&self, r: Range<usize>) -> Self {
-        assert!(r.start <= r.end && r.end <= self.len, "segment {r:?} outside 0..{}", self.len);
-        // SAFETY: in bounds (checked above), so the offset stays inside the same allocation.
-        Seg { ptr: unsafe { self.ptr.add(r.start) }, len: r.end - r.start }
-    }
-
-    /// # Safety
-    /// No pending receive may write this memory while the slice lives.
-    pub(crate) unsafe fn get<'a>(&self) -> &'a [T] {
-        // SAFETY: the pointer and length come from a live slice (see `new`/`sub`); the caller
-        // guarantees no concurrent writer.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// # Safety
-    /// No pending operation may touch this memory while the slice lives.
-    pub(crate) unsafe fn get_mut<'a>(&self) -> &'a mut [T] {
-        // SAFETY: as in `get`, and the caller guarantees exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    fn send_buf(&self) -> SendBuf {
-        SendBuf { ptr: self.ptr as *const u8, len: self.len * std::mem::size_of::<T>(), mem: MemKind::Host }
-    }
-
-    fn recv_buf(&self) -> RecvBuf {
-        RecvBuf { ptr: self.ptr as *mut u8, len: self.len * std::mem::size_of::<T>(), mem: MemKind::Host }
-    }
+/// Two disjoint runs `a` and `b` of `buf` (see [`carve`]).
+pub(crate) fn carve2<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mut [T], &mut [T]) {
+    // An empty run at the start of the other goes first.
+    let swap = (b.start, b.end) < (a.start, a.end);
+    let (lo, hi) = if swap { (b, a) } else { (a, b) };
+    assert!(lo.start <= lo.end && lo.end <= hi.start && hi.start <= hi.end, "runs {lo:?} and {hi:?} overlap");
+    let (head, tail) = buf.split_at_mut(hi.start);
+    let (lo, hi) = (&mut head[lo], &mut tail[..hi.end - hi.start]);
+    if swap { (hi, lo) } else { (lo, hi) }
 }
 
 /// Splits `count` elements into `n` contiguous blocks whose sizes differ by at most one.
@@ -323,37 +328,107 @@ pub(crate) fn counts_hash(counts: &[usize]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn scratch_goes_to_the_call_it_fits_best_and_keeps_its_contents() {
         let pool = Mutex::default();
         let (big, small) = {
-            let a = Arena::new(&pool);
-            let big = a.seg::<u32>(1 << 20);
-            let small = a.seg::<u32>(16);
-            // SAFETY: arena scratch, no operation pending on it.
-            unsafe { big.get_mut().fill(7) };
-            (big.ptr, small.ptr)
+            let mut big = Scratch::<u32>::take(&pool, 1 << 20);
+            let small = Scratch::<u32>::take(&pool, 16);
+            big.fill(7);
+            (big.as_ptr(), small.as_ptr())
         };
         // A small call between two large ones takes the small buffer, in either order.
         for _ in 0..2 {
-            let a = Arena::new(&pool);
-            assert_eq!(a.seg::<u32>(1).ptr, small);
-            let b = a.seg::<u32>(1 << 20);
-            assert_eq!(b.ptr, big);
-            // SAFETY: as above.
-            assert!(unsafe { b.get() }.iter().all(|&x| x == 7), "reused scratch was cleared");
+            let a = Scratch::<u32>::take(&pool, 1);
+            assert_eq!(a.as_ptr(), small);
+            let b = Scratch::<u32>::take(&pool, 1 << 20);
+            assert_eq!(b.as_ptr(), big);
+            assert!(b.iter().all(|&x| x == 7), "reused scratch was cleared");
         }
         // With one buffer, a small call takes it and the large one after it finds it whole.
         pool.lock().unwrap().retain(|b| b.len() > 16);
-        {
-            let a = Arena::new(&pool);
-            a.seg::<u32>(1);
+        drop(Scratch::<u32>::take(&pool, 1));
+        let b = Scratch::<u32>::take(&pool, 1 << 20);
+        assert_eq!(b.as_ptr(), big);
+        assert_eq!(b.len(), 1 << 20);
+        assert!(b.iter().all(|&x| x == 7), "reused scratch was cleared");
+    }
+
+    #[test]
+    fn scratch_of_every_element_size_has_its_length_and_alignment() {
+        let pool = Mutex::default();
+        for len in [0usize, 1, 3, 7, 8, 9, 1000] {
+            let mut a = Scratch::<u8>::take(&pool, len);
+            let mut b = Scratch::<half::f16>::take(&pool, len);
+            let mut c = Scratch::<f64>::take(&pool, len);
+            assert_eq!((a.len(), b.len(), c.len()), (len, len, len));
+            assert!(c.as_ptr().is_aligned());
+            a.fill(1);
+            b.fill(half::f16::ONE);
+            c.fill(2.0);
+            assert!(a.iter().all(|&x| x == 1) && c.iter().all(|&x| x == 2.0));
         }
-        let a = Arena::new(&pool);
-        let b = a.seg::<u32>(1 << 20);
-        assert_eq!(b.ptr, big);
-        // SAFETY: as above.
-        assert!(unsafe { b.get() }.iter().all(|&x| x == 7), "reused scratch was cleared");
+        assert!(pool.lock().unwrap().len() <= POOL_KEEP);
+    }
+
+    #[test]
+    fn carve_hands_out_each_run_in_the_order_asked() {
+        let mut v: Vec<u32> = (0..10).collect();
+        let runs = [6..9, 0..2, 2..2, 9..10, 6..6, 2..6, 10..10];
+        let got: Vec<Vec<u32>> = carve(&mut v, &runs).into_iter().map(|p| p.to_vec()).collect();
+        let want: Vec<Vec<u32>> = runs.iter().map(|r| (r.start as u32..r.end as u32).collect()).collect();
+        assert_eq!(got, want);
+        let mut pieces = carve(&mut v, &[4..5, 1..3]);
+        pieces[0][0] = 40;
+        pieces[1].fill(10);
+        assert_eq!(v, [0, 10, 10, 3, 40, 5, 6, 7, 8, 9]);
+    }
+
+    #[test]
+    fn carve2_hands_out_two_runs_in_the_order_asked_empty_ones_anywhere_between() {
+        let mut v: Vec<u32> = (0..8).collect();
+        for (a, b) in [(0..3, 3..8), (3..8, 0..3), (3..3, 3..8), (3..8, 3..3), (5..5, 5..5), (8..8, 0..8), (2..4, 6..7)]
+        {
+            let (x, y) = carve2(&mut v, a.clone(), b.clone());
+            assert_eq!((x.len(), y.len()), (a.len(), b.len()));
+            assert_eq!(x.first().map(|&e| e as usize), (!a.is_empty()).then_some(a.start));
+            assert_eq!(y.first().map(|&e| e as usize), (!b.is_empty()).then_some(b.start));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "overlap")]
+    fn carve2_refuses_overlapping_runs() {
+        let mut v = [0u8; 8];
+        carve2(&mut v, 2..5, 0..3);
+    }
+
+    #[test]
+    #[should_panic(expected = "overlaps")]
+    fn carve_refuses_overlapping_runs() {
+        let mut v = [0u8; 8];
+        carve(&mut v, &[0..4, 3..5]);
+    }
+
+    proptest! {
+        #[test]
+        fn carving_the_pipeline_segments_of_blocks_covers_the_buffer_once(
+            counts in proptest::collection::vec(0usize..40, 1..9), seg in 1usize..16,
+        ) {
+            let blocks = blocks_of(&counts);
+            let total: usize = counts.iter().sum();
+            let runs: Vec<Range<usize>> = blocks.iter().rev().flat_map(|b| segments(b, seg)).collect();
+            let mut v = vec![0usize; total];
+            for (i, piece) in carve(&mut v, &runs).into_iter().enumerate() {
+                prop_assert_eq!(piece.len(), runs[i].len());
+                prop_assert!(piece.len() <= seg);
+                piece.iter_mut().for_each(|x| *x += i + 1);
+            }
+            for (i, r) in runs.iter().enumerate() {
+                prop_assert!(v[r.clone()].iter().all(|&x| x == i + 1));
+            }
+        }
     }
 }

@@ -1,0 +1,270 @@
+//! One collective call through a same-host area ([`LocalArea`]), with the area's step rule
+//! made into types: the only raw memory access of the algorithms.
+//!
+//! The rule ([`LocalArea`]): a member writes its slot of step `t` only after `wait_all(t - 1)`
+//! returned and before it arrives at `t`; it reads the others' slots of step `t` only after
+//! `wait_all(t)` returned and before it arrives at `t + 1`. Here:
+//!
+//! - this rank's slot is written only inside [`Local::step`] and [`Step::next`], through a
+//!   `&mut [T]` that lives for the `write` closure they run just before arriving (every earlier
+//!   step of this area was waited for: a [`Step`] exists only once its `wait_all` returned, and
+//!   a call that failed a wait aborts the communicator, so no later call takes a step);
+//! - a slot of step `t` is read only through a [`Step`] of `t`, as `&[T]` borrowed from it;
+//!   arriving at `t + 1` consumes it ([`Step::next`]), and a fresh step needs the `&mut Local`
+//!   the [`Step`] borrows, so no view of `t` outlives the arrival at `t + 1`.
+//!
+//! So a slot is never written while another member may read it, nor read while its owner may
+//! write it. The synchronisation itself (the release store of the step number, the acquire
+//! loads that see it) is the area's, unchanged; what makes sharing sound across processes is
+//! that rule, exercised on every backend by the shared-memory cases of `tests/collectives.rs`.
+
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+use crate::transport::{AreaWait, BusyWait, LocalArea};
+use crate::types::{Element, OpDesc};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// One collective call through an area: its steps go through `&mut self`, one at a time.
+pub(crate) struct Local<'a> {
+    area: &'a dyn LocalArea,
+    desc: OpDesc,
+    deadline: Instant,
+    timeout: Duration,
+    busy: BusyWait,
+    what: &'static str,
+}
+
+impl<'a> Local<'a> {
+    /// A call `desc` through `area` of `comm`'s ranks, ending at `deadline` (`timeout` after
+    /// its start).
+    pub(crate) fn new(
+        comm: &Comm,
+        area: &'a dyn LocalArea,
+        what: &'static str,
+        desc: OpDesc,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Self {
+        Local { area, desc, deadline, timeout, busy: comm.shared().spin, what }
+    }
+
+    /// Members of the area.
+    pub(crate) fn n(&self) -> usize {
+        self.area.members().len()
+    }
+
+    /// This rank's index among them.
+    pub(crate) fn me(&self) -> usize {
+        self.area.me()
+    }
+
+    /// Elements of `T` in a slot.
+    pub(crate) fn elems<T>(&self) -> usize {
+        (self.area.slot_bytes() / std::mem::size_of::<T>().max(1)).max(1)
+    }
+
+    /// Bytes in a slot.
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.area.slot_bytes()
+    }
+
+    /// A step: `write` fills this rank's slot of it (all [`elems`](Self::elems) of them are
+    /// its), then this rank arrives and waits for the others. The step's slots may be read
+    /// through the returned [`Step`] until the next step.
+    pub(crate) fn step<T: Element>(&mut self, write: impl FnOnce(&mut [T])) -> Result<Step<'_, 'a>> {
+        let t = self.area.next_step();
+        write_own(self.area, t, write);
+        self.arrive_and_wait(t)?;
+        Ok(Step { l: self, t })
+    }
+
+    fn arrive_and_wait(&self, t: u64) -> Result<()> {
+        self.area.arrive(t, &self.desc);
+        self.area.wait_all(t, &self.desc, self.deadline, self.busy).map_err(|w| self.error(w))
+    }
+
+    fn error(&self, w: AreaWait) -> Error {
+        let me = self.area.members()[self.me()];
+        match w {
+            AreaWait::Late(ranks) => Error::Timeout {
+                op: format!("{} through shared memory on rank {me}", self.what),
+                ranks,
+                keys: Vec::new(),
+                waited: self.timeout,
+            },
+            AreaWait::Disagree(rank, theirs) => {
+                Error::Mismatch { rank, detail: OpDesc::explain(me, &self.desc, rank, &theirs) }
+            }
+            AreaWait::Failed(Error::PeerClosed { rank, op, detail }) if op.is_empty() => {
+                Error::PeerClosed { rank, op: self.what.to_string(), detail }
+            }
+            AreaWait::Failed(e) => e,
+        }
+    }
+}
+
+/// A step every member has arrived at: its slots may be read until this rank arrives at the
+/// next one ([`next`](Self::next), which consumes it).
+pub(crate) struct Step<'s, 'a> {
+    l: &'s mut Local<'a>,
+    t: u64,
+}
+
+impl<'s, 'a> Step<'s, 'a> {
+    /// Elements `range` of member `m`'s slot of this step (this rank's own too). Panics if
+    /// `range` is outside the slot (a bug in the algorithm, never input-driven).
+    pub(crate) fn read<T: Element>(&self, m: usize, range: Range<usize>) -> &[T] {
+        let area = self.l.area;
+        // SAFETY: the area maps `slot_bytes` bytes at `slot(m, t)` for as long as it lives
+        // (which `'a` outlives), and no member writes them while this view lives: step t was
+        // waited for (a Step exists only after its wait_all returned), and this rank has not
+        // arrived at t + 1 (arriving consumes this Step, which the view borrows), so by the
+        // area's rule member m does not write its slot of t (the same memory as its t + 2)
+        // yet. A shared view of memory nobody writes is sound even across processes.
+        let bytes = unsafe { std::slice::from_raw_parts(area.slot(m, self.t), area.slot_bytes()) };
+        // The slot is 64-byte aligned and a multiple of 64 bytes: whole, aligned elements.
+        &bytemuck::cast_slice(bytes)[range]
+    }
+
+    /// The next step: `write` fills this rank's slot of it, and may still read this step's
+    /// slots (a different slot of each member); then this rank arrives and waits for the
+    /// others.
+    pub(crate) fn next<T: Element>(self, write: impl FnOnce(&mut [T], &Self)) -> Result<Self> {
+        let area = self.l.area;
+        let u = area.next_step();
+        debug_assert_eq!(u, self.t + 1, "a step of this area was taken outside the call");
+        write_own(area, u, |own| write(own, &self));
+        self.l.arrive_and_wait(u)?;
+        Ok(Step { l: self.l, t: u })
+    }
+}
+
+/// Runs `write` on this rank's slot of step `t`, just before it arrives at `t`. Called only by
+/// [`Local::step`] and [`Step::next`], after every earlier step was waited for.
+fn write_own<T: Element>(area: &dyn LocalArea, t: u64, write: impl FnOnce(&mut [T])) {
+    // SAFETY: the area maps `slot_bytes` bytes at this rank's `slot(me, t)` while it lives
+    // (longer than this call), and only this rank writes them. No other member reads them
+    // now: by the callers' contract step t - 1 was waited for (every member arrived at it, so
+    // all are done reading this slot's previous content, step t - 2), and this rank has not
+    // arrived at t, which others wait for before they read it. Within this rank, a Step of
+    // t - 1 reads only the other slot (t - 1 has the other parity), and no Step of t - 2 is
+    // left (it was consumed to make the step of t - 1). The view lives only for `write`.
+    let own = unsafe { std::slice::from_raw_parts_mut(area.slot(area.me(), t), area.slot_bytes()) };
+    // The slot is 64-byte aligned and a multiple of 64 bytes: whole, aligned elements.
+    write(bytemuck::cast_slice_mut(own));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::Call;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Barrier};
+
+    /// An in-process area of `n` members (threads): two slots each, arrival words stored with
+    /// release and loaded with acquire, as the shared-memory backend's.
+    struct Checked {
+        me: usize,
+        members: Vec<usize>,
+        shared: Arc<Mem>,
+        next: AtomicU64,
+    }
+
+    struct Mem {
+        slots: Vec<Vec<AtomicU64>>,
+        arrived: Vec<AtomicU64>,
+        barrier: Barrier,
+    }
+
+    const SLOT_WORDS: usize = 8;
+
+    impl LocalArea for Checked {
+        fn members(&self) -> &[usize] {
+            &self.members
+        }
+        fn me(&self) -> usize {
+            self.me
+        }
+        fn slot_bytes(&self) -> usize {
+            SLOT_WORDS * 8
+        }
+        fn next_step(&self) -> u64 {
+            self.next.fetch_add(1, Ordering::Relaxed) + 1
+        }
+        fn slot(&self, m: usize, step: u64) -> *mut u8 {
+            self.shared.slots[2 * m + (step % 2) as usize].as_ptr().cast_mut().cast::<u8>()
+        }
+        fn arrive(&self, step: u64, _: &OpDesc) {
+            self.shared.arrived[self.me].store(step, Ordering::Release);
+        }
+        fn wait_all(&self, step: u64, _: &OpDesc, deadline: Instant, _: BusyWait) -> Result<(), AreaWait> {
+            while self.shared.arrived.iter().any(|a| a.load(Ordering::Acquire) < step) {
+                if Instant::now() > deadline {
+                    return Err(AreaWait::Late(Vec::new()));
+                }
+                std::thread::yield_now();
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn steps_see_every_member_s_write_of_that_step_never_a_later_one() {
+        // Every member writes (rank, step) patterns and checks, at each step, that every
+        // member's slot holds exactly that step's pattern: a slot written while another member
+        // still reads it would show the next-but-one step's pattern.
+        for n in [2usize, 3, 5] {
+            let mem = Arc::new(Mem {
+                slots: (0..2 * n).map(|_| (0..SLOT_WORDS).map(|_| AtomicU64::new(0)).collect()).collect(),
+                arrived: (0..n).map(|_| AtomicU64::new(0)).collect(),
+                barrier: Barrier::new(n),
+            });
+            let threads: Vec<_> = (0..n)
+                .map(|me| {
+                    let shared = mem.clone();
+                    std::thread::spawn(move || -> Result<()> {
+                        let area =
+                            Checked { me, members: (0..n).collect(), shared: shared.clone(), next: AtomicU64::new(0) };
+                        let desc = OpDesc::new(Call::Barrier);
+                        let deadline = Instant::now() + Duration::from_secs(60);
+                        let mut l = Local {
+                            area: &area,
+                            desc,
+                            deadline,
+                            timeout: Duration::from_secs(60),
+                            busy: BusyWait { budget: Duration::ZERO, yield_cpu: true, alone: false },
+                            what: "test",
+                        };
+                        shared.barrier.wait();
+                        let pattern = |m: usize, t: u64| (m as u64) << 32 | t;
+                        let check = |s: &Step<'_, '_>, t: u64| {
+                            for m in 0..n {
+                                let got = s.read::<u64>(m, 0..SLOT_WORDS);
+                                assert!(got.iter().all(|&w| w == pattern(m, t)), "member {m} at step {t}: {got:?}");
+                            }
+                        };
+                        let mut t = 0;
+                        for round in 0..300 {
+                            t += 1;
+                            let mut s = l.step::<u64>(|own| own.fill(pattern(me, t)))?;
+                            check(&s, t);
+                            for _ in 0..round % 3 {
+                                t += 1;
+                                s = s.next::<u64>(|own, prev| {
+                                    own.fill(pattern(me, t));
+                                    check(prev, t - 1);
+                                })?;
+                                check(&s, t);
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for th in threads {
+                th.join().expect("member thread panicked").expect("member failed");
+            }
+        }
+    }
+}
