@@ -1,6 +1,7 @@
 //! Ready-made server handlers: a summing store, synchronous SGD and asynchronous SGD.
 
-use super::{Handler, Request, RequestMeta, Responder, check_request};
+use super::request::check_request;
+use super::{Handler, Request, RequestMeta, Responder};
 use crate::error::Result;
 use crate::types::{Element, Reduction};
 use std::collections::{BTreeSet, HashMap};
