@@ -268,17 +268,28 @@ impl<T: Element> Pending<T> {
 
 impl<T> Pending<T> {
     /// Request `ts`'s deadline passed (after `waited`): the error names it, the servers that
-    /// did not answer and their keys.
-    pub(super) fn overdue(&self, ts: Timestamp, waited: Duration) -> Error {
-        let mut servers: Vec<usize> = self.parts.keys().copied().collect();
+    /// did not answer (`answering(shard)` is the server a shard's part waits for: a backup
+    /// once its primary is gone) and their keys.
+    pub(super) fn overdue(&self, ts: Timestamp, waited: Duration, answering: impl Fn(usize) -> usize) -> Error {
+        let mut shards: Vec<usize> = self.parts.keys().copied().collect();
+        shards.sort_unstable();
+        let mut servers: Vec<usize> = shards.iter().map(|&s| answering(s)).collect();
         servers.sort_unstable();
+        servers.dedup();
+        let backups: Vec<String> = shards
+            .iter()
+            .filter(|&&s| answering(s) != s)
+            .map(|&s| format!("server {} for gone server {s}", answering(s)))
+            .collect();
+        let backups =
+            if backups.is_empty() { String::new() } else { format!("; answering as backups: {}", backups.join(", ")) };
         let mut keys: Vec<u64> = self.parts.values().flatten().filter_map(|&i| self.keys.get(i).copied()).collect();
         keys.sort_unstable();
         let more = if keys.len() > 8 { format!(" and {} more", keys.len() - 8) } else { String::new() };
         keys.truncate(8);
         Error::Timeout {
             op: format!(
-                "parameter-server {} request {ts} (server(s) {servers:?} did not answer for keys {keys:?}{more})",
+                "parameter-server {} request {ts} (server(s) {servers:?} did not answer for keys {keys:?}{more}{backups})",
                 self.what
             ),
             ranks: servers,
@@ -398,7 +409,7 @@ mod tests {
     fn a_late_request_names_the_servers_it_waits_for_and_their_keys() {
         let keys: Vec<u64> = (1..=10).collect();
         let p = pull(&keys, &[(0, &[0, 1, 2, 3, 4, 5]), (2, &[6, 7, 8, 9])]);
-        let Error::Timeout { op, ranks, waited, .. } = p.overdue(8, Duration::from_secs(3)) else {
+        let Error::Timeout { op, ranks, waited, .. } = p.overdue(8, Duration::from_secs(3), |s| s) else {
             panic!("not a timeout")
         };
         assert_eq!(
@@ -406,6 +417,23 @@ mod tests {
             "parameter-server pull request 8 (server(s) [0, 2] did not answer for keys [1, 2, 3, 4, 5, 6, 7, 8] and 2 more)"
         );
         assert_eq!((ranks, waited), (vec![0, 2], Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn a_late_request_whose_primary_died_names_the_backup_it_waits_for() {
+        // Server 0 is gone; its backup, server 1, answers for its keys and is silent.
+        let p = pull(&[1, 2], &[(0, &[0])]);
+        let Error::Timeout { op, ranks, .. } =
+            p.overdue(4, Duration::from_secs(1), |s| if s == 0 { backup_of(0, 3) } else { s })
+        else {
+            panic!("not a timeout")
+        };
+        assert_eq!(
+            op,
+            "parameter-server pull request 4 (server(s) [1] did not answer for keys [1]; answering as backups: \
+             server 1 for gone server 0)"
+        );
+        assert_eq!(ranks, [1], "the server waited on, not the dead one");
     }
 
     #[test]

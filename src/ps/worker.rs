@@ -40,6 +40,15 @@ struct WorkerShared<T> {
     stop: AtomicBool,
 }
 
+impl<T> WorkerShared<T> {
+    /// The server a shard's parts wait for now: its backup once it is gone (with replication).
+    fn answering(&self) -> impl Fn(usize) -> usize + use<T> {
+        let (replicate, servers) = (self.cfg.replicates(), self.cfg.servers);
+        let closed: HashSet<usize> = lock(&self.closed).keys().copied().collect();
+        move |shard| if replicate && closed.contains(&shard) { backup_of(shard, servers) } else { shard }
+    }
+}
+
 /// A worker: pushes and pulls values of type `T`. Calls are thread-safe.
 pub struct KvWorker<T: Element> {
     sh: Arc<WorkerShared<T>>,
@@ -266,9 +275,13 @@ impl<T: Element> KvWorker<T> {
             let now = Instant::now();
             if now >= req.deadline {
                 // The receiving thread fails late requests too; this wait does not depend on it.
-                let e = req.overdue(ts, sh.cfg.timeout);
-                p.remove(&ts);
-                return Err(e);
+                let late = p.remove(&ts);
+                drop(p);
+                let answering = sh.answering();
+                return Err(match late {
+                    Some(req) => req.overdue(ts, sh.cfg.timeout, answering),
+                    None => Error::invalid("no outcome"),
+                });
             }
             let left = req.deadline - now;
             p = crate::sync::wait_timeout(&sh.done, p, left);
@@ -476,10 +489,11 @@ fn fail_server<T: Element>(sh: &WorkerShared<T>, server: usize, cause: Error) {
 /// Fails requests past their deadline, naming the servers and keys still outstanding.
 fn expire<T: Element>(sh: &WorkerShared<T>) {
     let now = Instant::now();
+    let answering = sh.answering();
     let late: Vec<(Timestamp, Error)> = lock(&sh.pending)
         .iter()
         .filter(|(_, p)| p.outcome.is_none() && p.deadline <= now)
-        .map(|(ts, p)| (*ts, p.overdue(*ts, sh.cfg.timeout)))
+        .map(|(ts, p)| (*ts, p.overdue(*ts, sh.cfg.timeout, &answering)))
         .collect();
     for (ts, e) in late {
         finish(sh, ts, Err(e));
