@@ -650,6 +650,7 @@ fn unsorted_duplicate_and_misfit_keys_are_rejected_with_a_clear_error() {
             w.pull(&[5, 9, 7]).err(),
             w.push(&[1, 2], &[1.0, 2.0, 3.0], &[]).err(),
             w.push(&[1, 2], &[1.0, 2.0, 3.0], &[1, 1]).err(),
+            w.push(&[], &[1.0], &[]).err(),
         ];
         // A key's length is fixed by its first push: a push of another length is refused.
         w.wait(w.push(&[4], &[1.0, 1.0], &[])?)?;
@@ -663,7 +664,8 @@ fn unsorted_duplicate_and_misfit_keys_are_rejected_with_a_clear_error() {
     assert!(e[2].contains("pull: keys must be sorted and unique: key 7 at index 2 comes after key 9"), "{e:?}");
     assert!(e[3].contains("3 values do not split evenly over 2 keys"), "{e:?}");
     assert!(e[4].contains("the lengths add up to Some(2) values, not the 3 given"), "{e:?}");
-    assert!(e[5].contains("server 0 refused the push: key 4 holds 2 values, the push has 1"), "{e:?}");
+    assert!(e[5].contains("push: 1 values given for no keys"), "{e:?}");
+    assert!(e[6].contains("server 0 refused the push: key 4 holds 2 values, the push has 1"), "{e:?}");
 }
 
 #[test]

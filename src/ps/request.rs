@@ -99,6 +99,9 @@ pub(super) fn check_keys(what: &str, keys: &[u64], values: Option<(usize, &[usiz
     let Some((n, lens)) = values else { return Ok(Vec::new()) };
     if lens.is_empty() {
         if keys.is_empty() {
+            if n != 0 {
+                return Err(Error::invalid(format!("{what}: {n} values given for no keys")));
+            }
             return Ok(Vec::new());
         }
         if n % keys.len() != 0 {
@@ -221,6 +224,9 @@ mod tests {
     fn a_workers_lengths_default_to_an_even_split() {
         assert_eq!(check_keys("push", &[1, 2, 3], Some((6, &[]))).ok(), Some(vec![2, 2, 2]));
         assert_eq!(check_keys("push", &[], Some((0, &[]))).ok(), Some(vec![]));
+        // Values with no keys to go to (a server used to take such a push, and drop them).
+        let stray = check_keys("push", &[], Some((1, &[]))).map_err(|e| e.to_string());
+        assert_eq!(stray, Err("invalid argument: push: 1 values given for no keys".into()));
         let uneven = check_keys("push", &[1, 2], Some((3, &[]))).map_err(|e| e.to_string());
         assert_eq!(
             uneven,
@@ -238,8 +244,6 @@ mod tests {
             lens in proptest::collection::vec(0usize..4, 0..6),
             values in 0usize..16,
         ) {
-            // (A push with no keys takes any values: see `check_keys`.)
-            prop_assume!(!keys.is_empty() || values == 0);
             let sorted = keys.windows(2).all(|w| w[0] < w[1]);
             let fits = lens.len() == keys.len() && lens.iter().sum::<usize>() == values;
             let r = Request {
