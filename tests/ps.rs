@@ -650,6 +650,7 @@ fn unsorted_duplicate_and_misfit_keys_are_rejected_with_a_clear_error() {
             w.pull(&[5, 9, 7]).err(),
             w.push(&[1, 2], &[1.0, 2.0, 3.0], &[]).err(),
             w.push(&[1, 2], &[1.0, 2.0, 3.0], &[1, 1]).err(),
+            w.push(&[], &[1.0], &[]).err(),
         ];
         // A key's length is fixed by its first push: a push of another length is refused.
         w.wait(w.push(&[4], &[1.0, 1.0], &[])?)?;
@@ -663,7 +664,8 @@ fn unsorted_duplicate_and_misfit_keys_are_rejected_with_a_clear_error() {
     assert!(e[2].contains("pull: keys must be sorted and unique: key 7 at index 2 comes after key 9"), "{e:?}");
     assert!(e[3].contains("3 values do not split evenly over 2 keys"), "{e:?}");
     assert!(e[4].contains("the lengths add up to Some(2) values, not the 3 given"), "{e:?}");
-    assert!(e[5].contains("server 0 refused the push: key 4 holds 2 values, the push has 1"), "{e:?}");
+    assert!(e[5].contains("push: 1 values given for no keys"), "{e:?}");
+    assert!(e[6].contains("server 0 refused the push: key 4 holds 2 values, the push has 1"), "{e:?}");
 }
 
 #[test]
@@ -812,6 +814,51 @@ fn wait_ends_at_the_deadline_even_while_the_receiving_thread_is_busy() {
     assert!(*took < deadline + Duration::from_secs(3), "the wait took {took:?}");
     assert!(e.contains("parameter-server push request") && e.contains("did not answer for keys [5]"), "{e}");
     assert!(e.contains("timed out after 2.0 s; still waiting for rank 0"), "{e}");
+}
+
+/// A handler whose first request ends its server's run (as a crash would: its connections close).
+#[derive(Clone)]
+struct Stops;
+
+impl Handler<f32> for Stops {
+    fn handle(&mut self, r: Request<f32>, _: &Responder<f32>) -> Result<()> {
+        Err(Error::invalid(format!("stopping at request {}", r.meta.timestamp)))
+    }
+}
+
+#[test]
+fn with_replication_a_late_request_names_the_backup_it_waits_for_not_the_dead_primary() {
+    let deadline = Duration::from_secs(2);
+    let mut cfg = PsConfig::new(1, 2);
+    cfg.timeout = deadline;
+    cfg.replication = true;
+    cfg.sharding = Sharding::Range; // key 1 is server 0's; server 1 backs it up
+    let arrive = [(Role::Server, 0), (Role::Server, 1), (Role::Worker, 0)];
+    let r = threads(cfg, &|| Ok(Device::in_process()), &arrive, |node| match (node.role(), node.id()) {
+        (Role::Server, 0) => Ok(node.server(Stops)?.run().err().map(|e| e.to_string()).unwrap_or_default()),
+        (Role::Server, _) => {
+            // The backup's copy holds command 98 unanswered.
+            node.server(Deferred::default())?.run()?;
+            Ok(String::new())
+        }
+        _ => {
+            let w = node.worker::<f32>()?;
+            let e = w.wait(w.pull_with(&[1], 98)?).err().map(|e| e.to_string()).unwrap_or_default();
+            Ok(format!("{e} DEAD {:?}", w.dead_servers()))
+        }
+    });
+    let r = common::all_ok(r);
+    assert!(r[0].contains("stopping at request"), "server 0 stopped for another reason: {}", r[0]);
+    let e = &r[2];
+    assert!(e.ends_with("DEAD [0]"), "server 0 not seen gone: {e}");
+    assert!(
+        e.contains(
+            "parameter-server pull request 2 (server(s) [1] did not answer for keys [1]; answering as backups: \
+             server 1 for gone server 0)"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("timed out after 2.0 s; still waiting for rank 1"), "{e}");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Ready-made server handlers: a summing store, synchronous SGD and asynchronous SGD.
 
-use super::{Handler, Request, RequestMeta, Responder, check_request};
+use super::request::check_request;
+use super::{Handler, Request, RequestMeta, Responder};
 use crate::error::Result;
 use crate::types::{Element, Reduction};
 use std::collections::{BTreeSet, HashMap};
@@ -248,5 +249,170 @@ impl Handler<f32> for AsyncSgd {
             }
         }
         answer(&self.weights, &r.meta, &r.keys, responder)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ps::wire::Kind;
+    use proptest::prelude::*;
+
+    fn request<T>(worker: usize, ts: u64, push: bool, pull: bool, keys: &[u64], values: Vec<T>) -> Request<T> {
+        let lens = if push && !keys.is_empty() { vec![values.len() / keys.len(); keys.len()] } else { Vec::new() };
+        Request {
+            meta: RequestMeta { worker, cmd: 0, timestamp: ts, push, pull, shard: 0 },
+            keys: keys.to_vec(),
+            values,
+            lens,
+        }
+    }
+
+    /// The answers sent: worker, timestamp, and the values (or the refusal's text).
+    fn answers(r: &Responder<f32>) -> Vec<(usize, u64, std::result::Result<Vec<f32>, String>)> {
+        r.sent()
+            .into_iter()
+            .map(|(w, m)| {
+                let out = match m.kind {
+                    Kind::Error => Err(String::from_utf8_lossy(m.payload()).into_owned()),
+                    _ => Ok(bytemuck::pod_collect_to_vec(m.payload())),
+                };
+                (w, m.ts, out)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_sum_store_adds_pushes_and_refuses_another_length_whole() -> Result<()> {
+        let (mut h, r) = (SumStore::<f32>::default(), Responder::kept(2));
+        h.handle(request(0, 1, true, false, &[1, 2], vec![1.0, 2.0, 3.0, 4.0]), &r)?;
+        h.handle(request(1, 1, true, true, &[1], vec![10.0, 20.0]), &r)?;
+        let misfit = Request { lens: vec![1, 2], ..request(0, 2, true, false, &[1, 2], vec![5.0, 5.0, 5.0]) };
+        h.handle(misfit, &r)?;
+        h.handle(request(1, 2, false, true, &[2, 3], vec![]), &r)?;
+        let refusal = "key 1 holds 2 values, the push has 1".to_string();
+        assert_eq!(
+            answers(&r),
+            [
+                (0, 1, Ok(vec![])),
+                (1, 1, Ok(vec![11.0, 22.0])),
+                (0, 2, Err(refusal)),
+                (1, 2, Ok(vec![3.0, 4.0])), // key 2 unchanged by the refused push; key 3 has none
+            ]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_malformed_request_handed_to_a_handler_is_refused() -> Result<()> {
+        let r = Responder::kept(1);
+        let bad = request(0, 3, true, false, &[2, 1], vec![1.0, 2.0]);
+        SyncSgd::new(1, 0.1).handle(bad.clone(), &r)?;
+        AsyncSgd::new(0.1).handle(bad, &r)?;
+        let got = answers(&r);
+        assert_eq!(got.len(), 2);
+        for (_, ts, out) in got {
+            assert!(ts == 3 && out.as_ref().is_err_and(|e| e.contains("keys must be sorted and unique")), "{out:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_sync_round_waits_for_every_live_worker_and_a_worker_leaving_completes_it() -> Result<()> {
+        let (mut h, r) = (SyncSgd::new(3, 0.5), Responder::kept(3));
+        h.handle(request(0, 1, true, true, &[7], vec![2.0]), &r)?;
+        h.handle(request(0, 2, true, true, &[7], vec![8.0]), &r)?; // early: the next round
+        h.handle(request(1, 1, true, true, &[7], vec![4.0]), &r)?;
+        assert!(answers(&r).is_empty(), "a round answered before worker 2 pushed");
+        h.worker_left(2, &r)?;
+        // Round 1 over workers 0 and 1: 0 - 0.5 * (2 + 4) / 2.
+        assert_eq!(answers(&r), [(0, 1, Ok(vec![-1.5])), (1, 1, Ok(vec![-1.5]))]);
+        h.handle(request(1, 2, true, true, &[7], vec![0.0]), &r)?;
+        // Round 2 took worker 0's early push: -1.5 - 0.5 * (8 + 0) / 2.
+        assert_eq!(answers(&r), [(0, 2, Ok(vec![-3.5])), (1, 2, Ok(vec![-3.5]))]);
+        h.worker_joined(2, &r)?;
+        h.handle(request(0, 3, false, true, &[7], vec![]), &r)?;
+        h.handle(request(1, 3, false, true, &[7], vec![]), &r)?;
+        assert!(answers(&r).is_empty(), "a rejoined worker is waited for again");
+        Ok(())
+    }
+
+    #[test]
+    fn pushes_of_other_lengths_to_a_new_key_in_one_round_are_refused() -> Result<()> {
+        let (mut h, r) = (SyncSgd::new(2, 1.0), Responder::kept(2));
+        h.handle(request(0, 1, true, true, &[4], vec![1.0, 1.0]), &r)?;
+        h.handle(request(1, 1, true, true, &[4], vec![1.0, 1.0, 1.0]), &r)?;
+        assert_eq!(
+            answers(&r),
+            [(1, 1, Err("key 4 has 2 values in worker 0's push waiting in this round, this push has 3".to_string()))]
+        );
+        h.handle(request(1, 2, true, true, &[4], vec![3.0, 5.0]), &r)?;
+        assert_eq!(answers(&r), [(0, 1, Ok(vec![-2.0, -3.0])), (1, 2, Ok(vec![-2.0, -3.0]))]);
+        Ok(())
+    }
+
+    #[test]
+    fn async_sgd_applies_each_push_at_once_and_refuses_a_misfit_whole() -> Result<()> {
+        let (mut h, r) = (AsyncSgd::new(0.5), Responder::kept(2));
+        h.handle(request(0, 1, true, false, &[1], vec![2.0, 4.0]), &r)?;
+        h.handle(request(1, 1, true, true, &[1], vec![2.0, 0.0]), &r)?;
+        h.handle(request(0, 2, true, true, &[1, 2], vec![1.0, 1.0]), &r)?; // key 1 holds 2
+        h.handle(request(1, 2, false, true, &[1, 2], vec![]), &r)?;
+        assert_eq!(
+            answers(&r),
+            [
+                (0, 1, Ok(vec![])),
+                (1, 1, Ok(vec![-2.0, -2.0])),
+                (0, 2, Err("key 1 holds 2 weights, the push has 1".to_string())),
+                (1, 2, Ok(vec![-2.0, -2.0])), // key 2 was not made by the refused push
+            ]
+        );
+        Ok(())
+    }
+
+    proptest! {
+        /// Synchronous SGD over workers whose requests arrive in any order (a worker's next
+        /// push may come before the others finished the round) gives every worker, each round,
+        /// the weights a plain round-by-round computation gives.
+        #[test]
+        fn sync_rounds_match_a_sequential_reference(
+            // Powers of two: the reference's division is exact, as the handler's scaling is.
+            workers in proptest::sample::select(vec![1usize, 2, 4]),
+            rounds in 1usize..4,
+            grads in proptest::collection::vec(-8i8..8, 32),
+            order in proptest::collection::vec(any::<u16>(), 16),
+        ) {
+            let g = |w: usize, round: usize, k: usize| f32::from(grads[(w * 4 + round) * 2 + k]);
+            // Arrival order: each worker's requests in its own order, the workers interleaved.
+            let mut arrivals: Vec<usize> = (0..workers).flat_map(|w| std::iter::repeat_n(w, rounds)).collect();
+            for (i, o) in order.iter().enumerate().take(arrivals.len()) {
+                let j = usize::from(*o) % arrivals.len();
+                arrivals.swap(i, j);
+            }
+            let (mut h, r) = (SyncSgd::new(workers, 0.5), Responder::kept(workers));
+            let mut sent = vec![0usize; workers];
+            for w in arrivals {
+                let round = sent[w];
+                sent[w] += 1;
+                let values = vec![g(w, round, 0), g(w, round, 1)];
+                h.handle(request(w, round as u64, true, true, &[3, 9], values), &r).expect("handled");
+            }
+            // The reference: round by round, weights -= lr * sum / workers.
+            let mut weights = [0f32; 2];
+            let mut want = Vec::new();
+            for round in 0..rounds {
+                for (k, wk) in weights.iter_mut().enumerate() {
+                    let sum: f32 = (0..workers).map(|w| g(w, round, k)).sum();
+                    *wk -= 0.5 * sum / workers as f32;
+                }
+                want.push(weights.to_vec());
+            }
+            let mut got = answers(&r);
+            prop_assert_eq!(got.len(), workers * rounds, "every request answered once");
+            got.sort_by_key(|(w, ts, _)| (*w, *ts));
+            for (w, ts, out) in got {
+                prop_assert_eq!(out, Ok(want[ts as usize].clone()), "worker {} round {}", w, ts);
+            }
+        }
     }
 }

@@ -1,0 +1,357 @@
+//! A server ([`KvServer`]): the loop that serves its handler (and, with replication, the copy
+//! of the shard it backs up) the requests of every link at once (the job's context, and each
+//! rejoined worker's own), sends heartbeats, counts workers that leave, die or cannot be
+//! reached as gone, and meets workers that rejoin.
+
+use super::config::backup_of;
+use super::request::request_of;
+use super::wire::{self, Kind, Message};
+use super::{Handler, Node, PS_RECEIVE, PS_TAG, REJOIN, Responder, SLICE};
+use crate::Context;
+use crate::comm::{PersistentRecv, QUIET, wait_any};
+use crate::error::{Error, Result};
+use crate::types::Element;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A server: runs its handler on the requests until every worker has left.
+pub struct KvServer<T: Element, H: Handler<T> + Clone> {
+    node: Node,
+    handler: H,
+    _t: PhantomData<fn(T)>,
+}
+
+impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
+    /// Node `node` (a server) serving with `handler`.
+    pub(super) fn new(node: Node, handler: H) -> Self {
+        KvServer { node, handler, _t: PhantomData }
+    }
+
+    /// Serves until every worker has said goodbye or gone; returns the handler's first error,
+    /// or the error that made the server's own context unusable.
+    ///
+    /// What one worker does wrong or suffers ends nothing but that worker's part: a malformed
+    /// request is refused (the worker's wait fails with why), a message that is not a request
+    /// or does not fit a message is logged (`tracing`) and skipped, and a worker whose
+    /// connection fails, or that an answer cannot reach, counts as gone. A worker that fails
+    /// to rejoin is logged and waited for until its [`PsConfig::rejoin_wait`] ends.
+    ///
+    /// [`PsConfig::rejoin_wait`]: super::PsConfig::rejoin_wait
+    pub fn run(self) -> Result<()> {
+        let (servers, workers) = (self.node.cfg.servers, self.node.cfg.workers);
+        let ctx = self.node.ctx.clone();
+        let responder = Responder::new(ctx.clone(), servers, workers);
+        // The copy of the shard this server backs up exists from the start, so that it sees
+        // every worker leave and join, as the shard's own handler does (made at its first
+        // request, it waited in synchronous rounds for workers gone before).
+        let mut replicas = HashMap::new();
+        if self.node.cfg.replicates() {
+            let backed = (0..servers).filter(|&s| s != self.node.id && backup_of(s, servers) == self.node.id);
+            replicas.extend(backed.map(|s| (s, self.handler.clone())));
+        }
+        let mut serving = Serving {
+            links: vec![Link {
+                inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
+                ctx,
+                workers: (0..workers).map(|w| (servers + w, w)).collect(),
+            }],
+            node: self.node,
+            handler: self.handler,
+            responder,
+            dead: HashMap::new(),
+            generations: HashMap::new(),
+            rejoining: HashMap::new(),
+            store_failing: false,
+            replicas,
+        };
+        serving.run()
+    }
+}
+
+/// A context the server reaches workers through: the job's, or a rejoined worker's own.
+struct Link {
+    ctx: Arc<Context>,
+    /// Its live workers: rank in `ctx` → worker number.
+    workers: HashMap<usize, usize>,
+    /// The receive from them, posted from one slice to the next.
+    inbox: PersistentRecv,
+}
+
+/// A server's state while it runs.
+struct Serving<T: Element, H: Handler<T> + Clone> {
+    node: Node,
+    handler: H,
+    responder: Responder<T>,
+    links: Vec<Link>,
+    /// Workers whose process died, waited for until the deadline (rejoin).
+    dead: HashMap<usize, Instant>,
+    /// The next generation each dead worker may come back as.
+    generations: HashMap<usize, i64>,
+    /// Rejoins being met (a context forming in the background).
+    rejoining: HashMap<usize, JoinHandle<Result<Context>>>,
+    /// Whether the last look at the store for rejoins failed (said once, not at every look).
+    store_failing: bool,
+    /// The copy of the shard this server backs up (with replication), made from the handler
+    /// as it started.
+    replicas: HashMap<usize, H>,
+}
+
+impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
+    fn run(&mut self) -> Result<()> {
+        let beat = self.node.cfg.heartbeat;
+        let mut last_beat = Instant::now();
+        let mut last_look = Instant::now();
+        let heartbeat = Message::control(Kind::Heartbeat).encode();
+        let mut turn = 0usize;
+        while self.links.iter().any(|l| !l.workers.is_empty()) || !self.dead.is_empty() || !self.rejoining.is_empty() {
+            if let Some(b) = beat
+                && last_beat.elapsed() >= b
+            {
+                last_beat = Instant::now();
+                for link in &self.links {
+                    for (&r, &w) in &link.workers {
+                        if let Err(e) = link.ctx.send(r, PS_TAG, &heartbeat) {
+                            self.responder.unreachable(w, e);
+                        }
+                    }
+                }
+                self.settle()?;
+            }
+            if (!self.dead.is_empty() || !self.rejoining.is_empty()) && last_look.elapsed() >= SLICE {
+                last_look = Instant::now();
+                self.look_for_rejoins()?;
+            }
+            let active: Vec<usize> = (0..self.links.len()).filter(|&i| !self.links[i].workers.is_empty()).collect();
+            if active.is_empty() {
+                // Only workers that may rejoin are left: look for them again shortly.
+                std::thread::sleep(SLICE.min(Duration::from_millis(20)));
+                continue;
+            }
+            // Every link with workers at once; the first to answer is served, and the turn
+            // rotates which one comes first when several have a message waiting.
+            turn = (turn + 1) % active.len();
+            let order: Vec<usize> = active[turn..].iter().chain(&active[..turn]).copied().collect();
+            let mut slice = beat.map_or(SLICE, |b| b.min(SLICE));
+            if !self.dead.is_empty() || !self.rejoining.is_empty() {
+                slice = slice.min(Duration::from_millis(2));
+            }
+            let ranks: Vec<Vec<usize>> = order
+                .iter()
+                .map(|&li| {
+                    let mut r: Vec<usize> = self.links[li].workers.keys().copied().collect();
+                    r.sort_unstable();
+                    r
+                })
+                .collect();
+            let from: Vec<&[usize]> = ranks.iter().map(Vec::as_slice).collect();
+            let mut inboxes: Vec<Option<&mut PersistentRecv>> =
+                self.links.iter_mut().map(|l| Some(&mut l.inbox)).collect();
+            let mut recvs: Vec<&mut PersistentRecv> = order.iter().filter_map(|&li| inboxes[li].take()).collect();
+            let got = wait_any(&mut recvs, &from, Instant::now() + slice);
+            drop(recvs);
+            if let Some((k, got)) = got {
+                self.take(order[k], got)?;
+            }
+            self.settle()?;
+        }
+        Ok(())
+    }
+
+    /// What the receive on link `li` gave.
+    fn take(&mut self, li: usize, got: Result<(usize, Vec<u8>)>) -> Result<()> {
+        let id = self.node.id;
+        let worker_at = |rank: usize| self.links[li].workers.get(&rank).copied();
+        match got {
+            Ok((rank, bytes)) => {
+                let Some(w) = worker_at(rank) else {
+                    tracing::debug!(server = id, rank, "a message from a worker that has left; skipped");
+                    return Ok(());
+                };
+                match Message::decode(bytes, rank) {
+                    Err(e) => {
+                        tracing::warn!(server = id, worker = w, error = %e, "an undecodable message; skipped");
+                        Ok(())
+                    }
+                    Ok(m) => match m.kind {
+                        Kind::Bye => self.depart(w, false),
+                        Kind::Push | Kind::Pull | Kind::PushPull => self.serve_one(m, w),
+                        other => {
+                            tracing::warn!(server = id, worker = w, "a {other:?} message to a server; skipped");
+                            Ok(())
+                        }
+                    },
+                }
+            }
+            Err(Error::Timeout { .. }) => Ok(()),
+            Err(Error::Mismatch { rank, detail }) if worker_at(rank).is_some() => {
+                // The pair reads past the message and goes on: only that message is lost.
+                tracing::warn!(server = id, worker = worker_at(rank), "{detail}; skipped");
+                Ok(())
+            }
+            Err(e) => match e.rank().and_then(worker_at) {
+                Some(w) => {
+                    tracing::debug!(server = id, worker = w, error = %e, "a worker's connection failed");
+                    self.depart(w, true)
+                }
+                None if li > 0 => {
+                    // A rejoined worker's own context failed: that worker is gone again.
+                    tracing::debug!(server = id, error = %e, "a rejoined worker's context failed");
+                    let gone: Vec<usize> = self.links[li].workers.values().copied().collect();
+                    gone.into_iter().try_for_each(|w| self.depart(w, true))
+                }
+                None if e.rank().is_some_and(|r| r != self.links[li].ctx.rank()) => {
+                    tracing::debug!(server = id, error = %e, "an error from a rank that is no live worker; ignored");
+                    Ok(())
+                }
+                None => Err(e),
+            },
+        }
+    }
+
+    /// Worker `w` is gone (`died`: without a goodbye, so it may rejoin).
+    fn depart(&mut self, w: usize, died: bool) -> Result<()> {
+        let Some(li) = self.links.iter().position(|l| l.workers.values().any(|&x| x == w)) else {
+            return Ok(()); // gone already
+        };
+        let link = &mut self.links[li];
+        link.workers.retain(|_, x| *x != w);
+        if link.workers.is_empty() {
+            if li > 0 {
+                // A rejoined worker's own context: nothing more comes through it.
+                self.links.remove(li);
+            } else {
+                link.inbox.withdraw();
+            }
+        }
+        self.responder.forget(w);
+        if died
+            && self.node.store.is_some()
+            && let Some(wait) = self.node.cfg.rejoin_wait
+        {
+            self.dead.insert(w, Instant::now() + wait);
+        }
+        self.handler.worker_left(w, &self.responder)?;
+        for r in self.replicas.values_mut() {
+            r.worker_left(w, &self.responder)?;
+        }
+        Ok(())
+    }
+
+    /// Counts the workers that answers could not reach as gone (which may make more answers
+    /// go out, and fail).
+    fn settle(&mut self) -> Result<()> {
+        loop {
+            let gone = self.responder.take_unreachable();
+            if gone.is_empty() {
+                return Ok(());
+            }
+            for (w, e) in gone {
+                tracing::debug!(server = self.node.id, worker = w, error = %e, "a worker cannot be reached");
+                self.depart(w, true)?;
+            }
+        }
+    }
+
+    /// Starts meeting dead workers that announced a rejoin in the store, and takes in those met.
+    fn look_for_rejoins(&mut self) -> Result<()> {
+        let now = Instant::now();
+        self.dead.retain(|_, until| now < *until);
+        let id = self.node.id;
+        let met: Vec<usize> = self.rejoining.iter().filter(|(_, h)| h.is_finished()).map(|(&w, _)| w).collect();
+        for w in met {
+            let Some(h) = self.rejoining.remove(&w) else { continue };
+            match h.join() {
+                Ok(Ok(ctx)) => self.admit(w, Arc::new(ctx))?,
+                Ok(Err(e)) => tracing::warn!(server = id, worker = w, error = %e, "a rejoining worker did not connect"),
+                Err(p) => tracing::warn!(
+                    server = id,
+                    worker = w,
+                    "the thread meeting a rejoining worker panicked: {}",
+                    crate::engine::panic_message(&*p)
+                ),
+            }
+        }
+        let Some(store) = self.node.store.clone() else { return Ok(()) };
+        let waiting: Vec<usize> = self.dead.keys().copied().filter(|w| !self.rejoining.contains_key(w)).collect();
+        for w in waiting {
+            let g = self.generations.entry(w).or_insert(0);
+            match store.try_get(&format!("{REJOIN}/{w}/{g}")) {
+                Ok(found) => {
+                    self.store_failing = false;
+                    if found.is_none() {
+                        continue;
+                    }
+                }
+                Err(e) => {
+                    if !std::mem::replace(&mut self.store_failing, true) {
+                        tracing::warn!(server = id, worker = w, error = %e, "reading the store for rejoins failed");
+                    }
+                    continue;
+                }
+            }
+            let prefixed = crate::rendezvous::PrefixStore::new(format!("{REJOIN}/{w}/{g}/"), store.clone());
+            *g += 1;
+            let (cfg, device) = (self.node.cfg.clone(), self.node.ctx.device().clone());
+            let meet = std::thread::Builder::new().name(format!("ferrogloo-ps-rejoin-{w}")).spawn(move || {
+                Context::builder(id, cfg.servers + 1).timeout(cfg.timeout).connect(&prefixed, &device).map_err(|e| {
+                    match e {
+                        // Rank `servers` of this context is the worker (not worker 0).
+                        Error::Timeout { op, ranks, keys, waited } => Error::Timeout {
+                            op: format!("parameter-server server {id} meeting rejoining worker {w}: {op}"),
+                            ranks,
+                            keys,
+                            waited,
+                        },
+                        other => other,
+                    }
+                })
+            });
+            match meet {
+                Ok(h) => {
+                    self.rejoining.insert(w, h);
+                }
+                Err(e) => {
+                    tracing::warn!(server = id, worker = w, error = %e, "cannot start meeting a rejoining worker")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Worker `w` rejoined in its own context `ctx`.
+    fn admit(&mut self, w: usize, ctx: Arc<Context>) -> Result<()> {
+        let rank = self.node.cfg.servers;
+        self.dead.remove(&w);
+        self.responder.route(w, ctx.clone(), rank);
+        self.links.push(Link {
+            inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
+            ctx,
+            workers: HashMap::from([(rank, w)]),
+        });
+        self.handler.worker_joined(w, &self.responder)?;
+        for r in self.replicas.values_mut() {
+            r.worker_joined(w, &self.responder)?;
+        }
+        Ok(())
+    }
+
+    /// Hands one request to the handler (or the backup copy it is for), or refuses it.
+    fn serve_one(&mut self, m: Message, worker: usize) -> Result<()> {
+        let responder = &self.responder;
+        let req = match request_of::<T>(m, worker) {
+            Ok(req) => req,
+            Err(refusal) => return responder.refuse(&refusal.meta, &refusal.reason),
+        };
+        let (me, meta) = (self.node.id, req.meta);
+        if meta.shard == me {
+            self.handler.handle(req, responder)
+        } else if let Some(replica) = self.replicas.get_mut(&meta.shard) {
+            replica.handle(req, responder)
+        } else {
+            responder.refuse(&meta, &format!("server {me} does not hold server {}'s keys", meta.shard))
+        }
+    }
+}
