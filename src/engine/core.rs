@@ -10,6 +10,7 @@ use crate::Context;
 use crate::comm::{PersistentRecv, SLEEPING};
 use crate::error::{Error, Result};
 use crate::sync::lock;
+use crate::types::Reduction;
 use std::collections::{BTreeSet, HashMap};
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -626,7 +627,7 @@ impl Core {
             for r in &mut ready {
                 if r.error.is_none()
                     && r.meta.kind == Kind::Allreduce
-                    && !matches!(r.meta.op, super::Op::Sum | super::Op::Average)
+                    && !matches!(r.meta.op, Reduction::Sum | Reduction::Average)
                 {
                     r.error = Some(Error::invalid(format!(
                         "allreduce '{}': {} cannot run while ranks {who:?} have joined (only sum and average can)",
@@ -942,7 +943,7 @@ mod tests {
             kind: Kind::Allreduce,
             dtype: DType::F32,
             shape: vec![d],
-            op: super::super::Op::Sum,
+            op: Reduction::Sum,
             root: 0,
             prescale: 1.0,
             postscale: 1.0,

@@ -8,14 +8,14 @@
 //! fuses small tensors into one buffer, and completes each [`Handle`].
 //!
 //! ```
-//! use ferrogloo::engine::{Engine, EngineConfig, Op};
+//! use ferrogloo::engine::{Engine, EngineConfig, Reduction};
 //! # use ferrogloo::{Context, device::Device, rendezvous::HashStore};
 //! # let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process())?;
 //! let engine = Engine::new(ctx, EngineConfig::default())?;
 //! // Two gradients, submitted in any order on each rank; each handle completes when every
 //! // rank has submitted that name.
-//! let b = engine.allreduce("layer2.grad", vec![2.0f32; 3], Op::Average)?;
-//! let a = engine.allreduce("layer1.grad", vec![1.0f32; 4], Op::Average)?;
+//! let b = engine.allreduce("layer2.grad", vec![2.0f32; 3], Reduction::Average)?;
+//! let a = engine.allreduce("layer1.grad", vec![1.0f32; 4], Reduction::Average)?;
 //! assert_eq!(a.wait()?.data, vec![1.0; 4]);
 //! assert_eq!(b.wait()?.data, vec![2.0; 3]);
 //! # Ok::<(), ferrogloo::Error>(())
@@ -99,43 +99,11 @@ use std::time::{Duration, Instant};
 /// The tag of the engine's own messages (state messages and responses) on its context.
 pub(crate) const CONTROL_TAG: u32 = 0x4647_454e; // "FGEN"
 
-/// How an allreduce (or reduce-scatter) combines the ranks' tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Op {
-    /// Element-wise sum.
-    Sum,
-    /// Sum divided by the number of ranks that contributed (ranks that [joined](Engine::join)
-    /// contribute nothing and are not counted). Floating-point types only.
-    Average,
-    /// Element-wise minimum.
-    Min,
-    /// Element-wise maximum.
-    Max,
-    /// Element-wise product.
-    Product,
-}
-
-impl Op {
-    /// The name error messages use.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Op::Sum => "sum",
-            Op::Average => "average",
-            Op::Min => "min",
-            Op::Max => "max",
-            Op::Product => "product",
-        }
-    }
-
-    fn code(self) -> u8 {
-        self as u8
-    }
-
-    fn from_code(c: u8) -> Option<Self> {
-        [Op::Sum, Op::Average, Op::Min, Op::Max, Op::Product].into_iter().find(|o| o.code() == c)
-    }
-}
+/// How an allreduce (or reduce-scatter) combines the ranks' tensors: the crate's one
+/// reduction type. [`Reduction::Average`] sums and divides by the number of ranks that
+/// contributed (ranks that [joined](Engine::join) contribute nothing and are not counted);
+/// floating-point types only.
+pub use crate::types::Reduction;
 
 /// Wire compression of `f32` allreduces: the tensor travels and is summed as 16-bit floats
 /// (half the bytes, less precision), and comes back as `f32`.
@@ -177,19 +145,19 @@ impl Compression {
 /// The options of an allreduce: the reduction, scale factors and wire compression.
 ///
 /// ```
-/// use ferrogloo::engine::{AllreduceOptions, Compression, Op};
+/// use ferrogloo::engine::{AllreduceOptions, Compression, Reduction};
 /// // Horovod's "divide by N before summing" for fp16 gradients:
-/// let opts = AllreduceOptions::new(Op::Sum).prescale(0.25).compression(Compression::F16);
-/// assert_eq!(opts.op, Op::Sum);
+/// let opts = AllreduceOptions::new(Reduction::Sum).prescale(0.25).compression(Compression::F16);
+/// assert_eq!(opts.op, Reduction::Sum);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AllreduceOptions {
     /// The reduction.
-    pub op: Op,
+    pub op: Reduction,
     /// Each rank's tensor is multiplied by this before the reduction (floating-point types
     /// only when not 1).
     pub prescale: f64,
-    /// The result is multiplied by this (after [`Op::Average`]'s division).
+    /// The result is multiplied by this (after [`Reduction::Average`]'s division).
     pub postscale: f64,
     /// Wire compression (`f32` tensors only).
     pub compression: Compression,
@@ -197,7 +165,7 @@ pub struct AllreduceOptions {
 
 impl AllreduceOptions {
     /// `op`, no scaling, no compression.
-    pub fn new(op: Op) -> Self {
+    pub fn new(op: Reduction) -> Self {
         AllreduceOptions { op, prescale: 1.0, postscale: 1.0, compression: Compression::None }
     }
 
@@ -636,7 +604,7 @@ pub(crate) struct Meta {
     pub(crate) kind: Kind,
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<u64>,
-    pub(crate) op: Op,
+    pub(crate) op: Reduction,
     pub(crate) root: u32,
     pub(crate) prescale: f64,
     pub(crate) postscale: f64,
@@ -838,8 +806,13 @@ impl Engine {
         self.ctx.size()
     }
 
-    /// Sums (or [`Op`]s) `tensor` across the ranks; every rank gets the result.
-    pub fn allreduce<T: Element>(&self, name: &str, tensor: impl Into<Tensor<T>>, op: Op) -> Result<Handle<Tensor<T>>> {
+    /// Sums (or [`Reduction`]s) `tensor` across the ranks; every rank gets the result.
+    pub fn allreduce<T: Element>(
+        &self,
+        name: &str,
+        tensor: impl Into<Tensor<T>>,
+        op: Reduction,
+    ) -> Result<Handle<Tensor<T>>> {
         self.allreduce_with(name, tensor, &AllreduceOptions::new(op))
     }
 
@@ -940,7 +913,7 @@ impl Engine {
         &self,
         name: &str,
         tensor: impl Into<Tensor<T>>,
-        op: Op,
+        op: Reduction,
     ) -> Result<Handle<Tensor<T>>> {
         let t = tensor.into();
         if t.shape.is_empty() {
@@ -960,7 +933,7 @@ impl Engine {
 
     /// Says this rank has no more data this round (uneven data across ranks): until every
     /// rank has joined, allreduces the others submit run with zeros in this rank's place (and
-    /// [`Op::Average`] divides by the ranks that did contribute). Completes when every rank
+    /// [`Reduction::Average`] divides by the ranks that did contribute). Completes when every rank
     /// has joined, with the last rank to join (the highest, when several joined at once).
     pub fn join(&self) -> Result<Handle<usize>> {
         let meta = self.meta::<u8>(Kind::Join, &Tensor::from(Vec::new()));
@@ -1046,7 +1019,7 @@ impl Engine {
             kind,
             dtype: T::DTYPE,
             shape: t.shape.iter().map(|&d| d as u64).collect(),
-            op: Op::Sum,
+            op: Reduction::Sum,
             root: 0,
             prescale: 1.0,
             postscale: 1.0,
@@ -1057,9 +1030,9 @@ impl Engine {
     }
 
     fn reduce_meta<T: Element>(&self, kind: Kind, name: &str, t: &Tensor<T>, o: &AllreduceOptions) -> Result<Meta> {
-        let float = matches!(T::DTYPE, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
+        let float = T::DTYPE.is_float();
         let what = kind.name();
-        if !float && o.op == Op::Average {
+        if !float && o.op == Reduction::Average {
             return Err(Error::invalid(format!(
                 "{what} '{name}': average of {} is not defined (use Sum and divide)",
                 T::DTYPE

@@ -65,7 +65,7 @@ struct Args {
     /// Element type: f32 f64 f16 bf16 i8 i16 i32 i64 u8 u16 u32 u64.
     #[arg(long = "type", default_value = "f32")]
     dtype: String,
-    /// Reduction: sum, prod, min, max.
+    /// Reduction: sum, prod, min, max, average (floating-point types).
     #[arg(long, default_value = "sum")]
     reduce: String,
     /// Algorithms (comma-separated; `all` = every one the collective has): auto, ring, hd, rd,
@@ -355,6 +355,7 @@ impl Setup<'_> {
         for p in 1..n {
             self.red.apply_bytes(self.dtype, &mut acc, &element(self.dtype, v(p)))?;
         }
+        self.red.finish_bytes(self.dtype, &mut acc, n)?;
         Ok(acc)
     }
 }
