@@ -1,7 +1,10 @@
 //! Running the names a cycle found ready: fusion of allreduces, scaling, compression, and the
 //! other collectives.
 
-use super::{Completion, EngineStats, Kind, Meta, Output, Payload};
+use super::controller::Ready;
+use super::handle::{Completion, Output, Payload};
+use super::meta::{Kind, Meta};
+use super::shared::EngineStats;
 use crate::Context;
 use crate::algorithms::CollectiveOptions;
 use crate::error::{Error, Result};
@@ -12,14 +15,6 @@ use std::time::Instant;
 
 /// The largest tensor a rank allocates on another's word (a joined rank's zeros, an output).
 const MAX_TENSOR_BYTES: u64 = 1 << 40;
-
-/// A name found ready in a cycle.
-pub(crate) struct Ready {
-    pub(crate) name: String,
-    pub(crate) meta: Meta,
-    pub(crate) dims: Vec<u64>,
-    pub(crate) error: Option<Error>,
-}
 
 /// This rank's submission of a ready name: its tensor, its completion, when it was submitted.
 pub(crate) type Own = (Option<Box<dyn Payload>>, Arc<Completion>, Instant);
@@ -51,9 +46,11 @@ pub(crate) struct Span {
 }
 
 impl Item {
-    pub(crate) fn new(r: Ready, own: Option<Own>, seen: Option<Vec<Option<Instant>>>, decided: Instant) -> Item {
+    /// A name a cycle decided at `decided`.
+    pub(crate) fn new(r: Ready<Own>, decided: Instant) -> Item {
         let mut out = None;
-        let (payload, done, submitted) = match own {
+        let seen = r.seen;
+        let (payload, done, submitted) = match r.own {
             Some((payload, done, submitted)) => (payload, Some(done), Some(submitted)),
             None if r.meta.kind == Kind::Allreduce && r.error.is_none() => {
                 match zeros(r.meta.dtype, r.meta.elements(), &r.name) {

@@ -3,7 +3,8 @@
 //! Little-endian, length-prefixed; every decode is bounds-checked and a malformed message is
 //! [`Error::Protocol`] naming the peer.
 
-use super::{Compression, Kind, Meta};
+use super::meta::{Kind, Meta};
+use super::tensor::Compression;
 use crate::error::{Error, Result};
 use crate::types::{DType, Reduction};
 
