@@ -39,7 +39,7 @@ mod common;
 
 use clap::Parser;
 use ferrogloo::device::{Device, TcpAttr, Transport};
-use ferrogloo::engine::{Engine, EngineConfig, EngineStats, Op};
+use ferrogloo::engine::{Engine, EngineConfig, EngineStats, Reduction};
 use ferrogloo::launch::RankEnv;
 use ferrogloo::rendezvous::{PrefixStore, STORE_ENV};
 use ferrogloo::{Context, Error, ReduceOp, Result};
@@ -361,7 +361,7 @@ fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()>
             let start = Instant::now();
             let mut handles = Vec::with_capacity(grads.len());
             for i in (0..grads.len()).rev() {
-                handles.push((i, e.allreduce(&names[i], std::mem::take(&mut grads[i]), Op::Sum)?));
+                handles.push((i, e.allreduce(&names[i], std::mem::take(&mut grads[i]), Reduction::Sum)?));
             }
             for (i, h) in handles {
                 grads[i] = h.wait()?.data;
@@ -430,7 +430,7 @@ fn rounds(iters: usize, mut round: impl FnMut() -> Result<()>) -> Result<Vec<f64
 fn engine_rounds(e: &Engine, name: &str, iters: usize, want: f32) -> Result<Vec<f64>> {
     let mut v = Some(vec![1f32; LATENCY_ELEMENTS]);
     rounds(iters, || {
-        let mut out = e.allreduce(name, v.take().unwrap_or_default(), Op::Sum)?.wait()?.data;
+        let mut out = e.allreduce(name, v.take().unwrap_or_default(), Reduction::Sum)?.wait()?.data;
         check(name, &out, want)?;
         out.fill(1.0);
         v = Some(out);

@@ -14,7 +14,7 @@
 mod common;
 
 use clap::Parser;
-use ferrogloo::engine::{Engine, EngineConfig, Handle, Op, Tensor};
+use ferrogloo::engine::{Engine, EngineConfig, Handle, Reduction, Tensor};
 use ferrogloo::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -140,7 +140,7 @@ fn train(engine: &Engine, args: &Args) -> Result<()> {
             // Two threads submit the layers' gradients, in an order that depends on the rank.
             let (out_layer, hidden_layer) = std::thread::scope(|s| {
                 let submit = |parts: Vec<(&str, Vec<f32>)>| -> Result<Vec<Grad>> {
-                    parts.into_iter().map(|(name, v)| engine.allreduce(name, v, Op::Average)).collect()
+                    parts.into_iter().map(|(name, v)| engine.allreduce(name, v, Reduction::Average)).collect()
                 };
                 let out = vec![("layer2.bias", g.b2.clone()), ("layer2.weight", g.w2.clone())];
                 let hid = vec![("layer1.weight", g.w1.clone()), ("layer1.bias", g.b1.clone())];
@@ -162,7 +162,7 @@ fn train(engine: &Engine, args: &Args) -> Result<()> {
             step_in(&mut model.w1, &hid[0]);
             step_in(&mut model.b1, &hid[1]);
         }
-        let total = engine.allreduce("loss", vec![loss_sum, xs.len() as f32], Op::Sum)?.wait()?.data;
+        let total = engine.allreduce("loss", vec![loss_sum, xs.len() as f32], Reduction::Sum)?.wait()?.data;
         if rank == 0 {
             println!("epoch {epoch:>2}: loss {:.5} over {} samples on {n} ranks", total[0] / total[1], total[1]);
         }
@@ -171,12 +171,12 @@ fn train(engine: &Engine, args: &Args) -> Result<()> {
     let mine = model.flat();
     let theirs = engine.broadcast("final.weights", mine.clone(), 0)?.wait()?.data;
     let same = mine.iter().zip(&theirs).all(|(a, b)| a.to_bits() == b.to_bits());
-    let agree = engine.allreduce("final.agree", vec![u32::from(same)], Op::Min)?.wait()?.data[0];
+    let agree = engine.allreduce("final.agree", vec![u32::from(same)], Reduction::Min)?.wait()?.data[0];
     if agree != 1 {
         return Err(Error::invalid(format!("rank {rank}: the ranks' weights differ")));
     }
     let correct = xs.iter().zip(&ys).filter(|(x, y)| (model.predict(x) > 0.5) == (**y > 0.5)).count();
-    let acc = engine.allreduce("final.accuracy", vec![correct as u64, xs.len() as u64], Op::Sum)?.wait()?.data;
+    let acc = engine.allreduce("final.accuracy", vec![correct as u64, xs.len() as u64], Reduction::Sum)?.wait()?.data;
     if rank == 0 {
         let st = engine.stats();
         println!(

@@ -693,13 +693,17 @@ fn whole<T: Element>(len: usize, what: &str) -> Result<()> {
 /// ```
 impl Context {
     /// [`allreduce_with`](Self::allreduce_with) on bytes of `dtype`.
+    /// [`Reduction::Average`] sums, then scales every rank's result by 1 / [`size`](Self::size).
     pub fn allreduce_bytes(&self, buf: &mut [u8], dtype: DType, op: Reduction, opts: &CollectiveOptions) -> Result<()> {
+        op.check(dtype)?;
         crate::dispatch_dtype!(dtype, T => {
-            typed_mut::<T, _>(buf, "allreduce", |b| self.allreduce_with(b, &op.into(), opts))
-        })
+            typed_mut::<T, _>(buf, "allreduce", |b| self.allreduce_with(b, &op.fold_op(), opts))
+        })?;
+        op.finish_bytes(dtype, buf, self.size())
     }
 
     /// [`reduce_scatter`](Self::reduce_scatter) on bytes of `dtype`.
+    /// [`Reduction::Average`] sums, then scales every rank's block by 1 / [`size`](Self::size).
     pub fn reduce_scatter_bytes(
         &self,
         input: &[u8],
@@ -708,10 +712,12 @@ impl Context {
         op: Reduction,
         opts: &CollectiveOptions,
     ) -> Result<()> {
+        op.check(dtype)?;
         crate::dispatch_dtype!(dtype, T => {
             let input = typed::<T>(input, "reduce_scatter")?;
-            typed_mut::<T, _>(output, "reduce_scatter", |o| self.reduce_scatter(&input, o, &op.into(), opts))
-        })
+            typed_mut::<T, _>(output, "reduce_scatter", |o| self.reduce_scatter(&input, o, &op.fold_op(), opts))
+        })?;
+        op.finish_bytes(dtype, output, self.size())
     }
 
     /// [`allgather`](Self::allgather) on bytes of `dtype`.
@@ -736,6 +742,7 @@ impl Context {
     }
 
     /// [`reduce`](Self::reduce) on bytes of `dtype`.
+    /// [`Reduction::Average`] sums, then scales the root's result by 1 / [`size`](Self::size).
     pub fn reduce_bytes(
         &self,
         buf: &mut [u8],
@@ -744,9 +751,14 @@ impl Context {
         op: Reduction,
         opts: &CollectiveOptions,
     ) -> Result<()> {
+        op.check(dtype)?;
         crate::dispatch_dtype!(dtype, T => {
-            typed_mut::<T, _>(buf, "reduce", |b| self.reduce(b, root, &op.into(), opts))
-        })
+            typed_mut::<T, _>(buf, "reduce", |b| self.reduce(b, root, &op.fold_op(), opts))
+        })?;
+        if self.rank() == root {
+            op.finish_bytes(dtype, buf, self.size())?;
+        }
+        Ok(())
     }
 
     /// [`gather`](Self::gather) on bytes of `dtype`.

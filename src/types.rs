@@ -93,6 +93,11 @@ impl DType {
         }
     }
 
+    /// Whether it is a floating-point type (`f32`, `f64`, `f16`, `bf16`).
+    pub(crate) const fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+
     /// The type with wire code `code`.
     pub(crate) fn from_code(code: u8) -> Option<Self> {
         Self::ALL.into_iter().find(|d| *d as u8 == code)
@@ -164,7 +169,8 @@ unsafe fn fold_avx2<T: Element>(kind: Reduction, acc: &mut [T], src: &[T]) {
 #[inline(always)]
 fn fold_loop<T: Element>(kind: Reduction, acc: &mut [T], src: &[T]) {
     match kind {
-        Reduction::Sum => zip_with(acc, src, T::add),
+        // Average folds as a sum; its division comes once, after the fold.
+        Reduction::Sum | Reduction::Average => zip_with(acc, src, T::add),
         Reduction::Product => zip_with(acc, src, T::mul),
         Reduction::Min => zip_with(acc, src, |a, b| if b < a { b } else { a }),
         Reduction::Max => zip_with(acc, src, |a, b| if b > a { b } else { a }),
@@ -172,8 +178,8 @@ fn fold_loop<T: Element>(kind: Reduction, acc: &mut [T], src: &[T]) {
 }
 
 /// The built-in reductions, for collectives whose element type is known only at run time
-/// (`Context::allreduce_bytes` and its siblings). [`ReduceOp`] is the typed form, which also
-/// takes custom closures.
+/// (`Context::allreduce_bytes` and its siblings), the [engine](crate::engine) and the GPU
+/// calls. [`ReduceOp`] is the typed form, which also takes custom closures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Reduction {
@@ -185,21 +191,60 @@ pub enum Reduction {
     Min,
     /// Maximum.
     Max,
+    /// [`Sum`](Self::Sum), then each element of the result multiplied by 1 / (the number of
+    /// ranks that contributed), once, on the ranks that hold the result. Floating-point
+    /// element types only: an integer type is [`Error::InvalidArgument`](crate::Error).
+    Average,
 }
 
 impl Reduction {
-    /// The name the benchmark and error messages use (`"sum"`, `"product"`, `"min"`, `"max"`).
+    /// The name the benchmark and error messages use (`"sum"`, `"product"`, `"min"`, `"max"`,
+    /// `"average"`).
     pub const fn name(self) -> &'static str {
         match self {
             Reduction::Sum => "sum",
             Reduction::Product => "product",
             Reduction::Min => "min",
             Reduction::Max => "max",
+            Reduction::Average => "average",
         }
     }
 
+    /// The element-wise fold between two ranks' values: [`Average`](Self::Average) folds as
+    /// [`Sum`](Self::Sum) (its division is [`finish_bytes`](Self::finish_bytes)).
+    pub(crate) const fn pairwise(self) -> Reduction {
+        match self {
+            Reduction::Average => Reduction::Sum,
+            other => other,
+        }
+    }
+
+    /// The typed fold of [`pairwise`](Self::pairwise).
+    pub(crate) fn fold_op<T: Element>(self) -> ReduceOp<T> {
+        match self {
+            Reduction::Sum | Reduction::Average => ReduceOp::Sum,
+            Reduction::Product => ReduceOp::Product,
+            Reduction::Min => ReduceOp::Min,
+            Reduction::Max => ReduceOp::Max,
+        }
+    }
+
+    /// Whether this reduction is defined on elements of `dtype`: every one is, except
+    /// [`Average`](Self::Average) on integers ([`Error::InvalidArgument`](crate::Error) naming
+    /// the type).
+    pub fn check(self, dtype: DType) -> crate::Result<()> {
+        if self == Reduction::Average && !dtype.is_float() {
+            return Err(crate::Error::invalid(format!(
+                "average of {dtype} is not defined: floating-point types only (use sum and divide)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Folds `src` into `acc` element-wise, both holding elements of `dtype` as bytes (in native
-    /// byte order). Errors when the lengths differ or are not whole elements.
+    /// byte order); [`Average`](Self::Average) folds as a sum (its division is
+    /// [`finish_bytes`](Self::finish_bytes)). Errors when the lengths differ or are not whole
+    /// elements, or the reduction is not defined on `dtype` ([`check`](Self::check)).
     ///
     /// ```
     /// use ferrogloo::{DType, Reduction};
@@ -209,6 +254,7 @@ impl Reduction {
     /// # Ok::<(), ferrogloo::Error>(())
     /// ```
     pub fn apply_bytes(self, dtype: DType, acc: &mut [u8], src: &[u8]) -> crate::Result<()> {
+        self.check(dtype)?;
         if acc.len() != src.len() || !acc.len().is_multiple_of(dtype.size()) {
             return Err(crate::Error::invalid(format!(
                 "{} of {dtype} bytes: {} and {} bytes are not equal runs of whole {}-byte elements",
@@ -226,33 +272,98 @@ impl Reduction {
         });
         Ok(())
     }
+
+    /// What the reduction does once, after the fold, to the result of `contributors` ranks'
+    /// values (`buf`: elements of `dtype` as bytes, in native byte order):
+    /// [`Average`](Self::Average) multiplies each element by `1 / contributors` (computed in
+    /// `f64`, rounded once to the type); the others leave it as it is.
+    ///
+    /// ```
+    /// use ferrogloo::{DType, Reduction};
+    /// let mut acc = 3.0f32.to_ne_bytes().to_vec();
+    /// Reduction::Average.apply_bytes(DType::F32, &mut acc, &5.0f32.to_ne_bytes())?;
+    /// Reduction::Average.finish_bytes(DType::F32, &mut acc, 2)?;
+    /// assert_eq!(acc, 4.0f32.to_ne_bytes());
+    /// # Ok::<(), ferrogloo::Error>(())
+    /// ```
+    pub fn finish_bytes(self, dtype: DType, buf: &mut [u8], contributors: usize) -> crate::Result<()> {
+        self.check(dtype)?;
+        if self != Reduction::Average {
+            return Ok(());
+        }
+        if contributors == 0 {
+            return Err(crate::Error::invalid(format!("average of {dtype} over no contributing ranks")));
+        }
+        if !buf.len().is_multiple_of(dtype.size()) {
+            return Err(crate::Error::invalid(format!(
+                "average of {dtype} bytes: {} bytes are not whole {}-byte elements",
+                buf.len(),
+                dtype.size()
+            )));
+        }
+        scale_bytes(dtype, buf, 1.0 / contributors as f64)
+    }
+}
+
+/// Multiplies floating-point elements held as bytes (native byte order, any alignment) by `f`,
+/// each through `f64` and rounded once back to its type. Other types are an error.
+pub(crate) fn scale_bytes(dtype: DType, buf: &mut [u8], f: f64) -> crate::Result<()> {
+    fn each<T: Pod>(buf: &mut [u8], g: impl Fn(T) -> T) {
+        match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+            Ok(xs) => xs.iter_mut().for_each(|x| *x = g(*x)),
+            Err(_) => {
+                for c in buf.chunks_exact_mut(std::mem::size_of::<T>()) {
+                    let x: T = bytemuck::pod_read_unaligned(c);
+                    c.copy_from_slice(bytemuck::bytes_of(&g(x)));
+                }
+            }
+        }
+    }
+    match dtype {
+        DType::F32 => each::<f32>(buf, |x| (f64::from(x) * f) as f32),
+        DType::F64 => each::<f64>(buf, |x| x * f),
+        DType::F16 => each::<f16>(buf, |x| f16::from_f64(x.to_f64() * f)),
+        DType::BF16 => each::<bf16>(buf, |x| bf16::from_f64(x.to_f64() * f)),
+        _ => return Err(crate::Error::invalid(format!("cannot scale {dtype} elements (floating-point types only)"))),
+    }
+    Ok(())
 }
 
 impl std::str::FromStr for Reduction {
     type Err = crate::Error;
 
-    /// Parses `sum`, `product` (or `prod`), `min` or `max`.
+    /// Parses `sum`, `product` (or `prod`), `min`, `max` or `average` (or `avg`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Ok(match s {
             "sum" => Reduction::Sum,
             "product" | "prod" => Reduction::Product,
             "min" => Reduction::Min,
             "max" => Reduction::Max,
+            "average" | "avg" => Reduction::Average,
             other => {
-                return Err(crate::Error::invalid(format!("unknown reduction {other:?} (sum, product, min or max)")));
+                return Err(crate::Error::invalid(format!(
+                    "unknown reduction {other:?} (sum, product, min, max or average)"
+                )));
             }
         })
     }
 }
 
-impl<T: Element> From<Reduction> for ReduceOp<T> {
-    fn from(r: Reduction) -> Self {
-        match r {
-            Reduction::Sum => ReduceOp::Sum,
-            Reduction::Product => ReduceOp::Product,
-            Reduction::Min => ReduceOp::Min,
-            Reduction::Max => ReduceOp::Max,
+/// The typed fold of a [`Reduction`]. [`Reduction::Average`] has none (a [`ReduceOp`] folds
+/// pairs of values; an average also divides once at the end): it is
+/// [`Error::InvalidArgument`](crate::Error), and the runtime-typed calls, the engine and the
+/// GPU calls take it.
+impl<T: Element> TryFrom<Reduction> for ReduceOp<T> {
+    type Error = crate::Error;
+
+    fn try_from(r: Reduction) -> crate::Result<Self> {
+        if r == Reduction::Average {
+            return Err(crate::Error::invalid(format!(
+                "average has no typed ReduceOp<{}>: use ReduceOp::Sum and scale, or Reduction::Average with the runtime-typed calls",
+                T::DTYPE
+            )));
         }
+        Ok(r.fold_op())
     }
 }
 
@@ -804,5 +915,86 @@ mod tests {
         ReduceOp::custom(|acc: &mut [u64], x: &[u64]| acc.iter_mut().zip(x).for_each(|(a, b)| *a = *a * 10 + b))
             .apply(&mut e, &[1, 2]);
         assert_eq!(e, [31, 42]);
+    }
+
+    #[test]
+    fn reduction_names_parse_back_and_unknown_ones_are_refused() {
+        for r in [Reduction::Sum, Reduction::Product, Reduction::Min, Reduction::Max, Reduction::Average] {
+            assert_eq!(r.name().parse::<Reduction>().ok(), Some(r));
+        }
+        assert_eq!("avg".parse::<Reduction>().ok(), Some(Reduction::Average));
+        assert_eq!("prod".parse::<Reduction>().ok(), Some(Reduction::Product));
+        let e = "mean".parse::<Reduction>().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("\"mean\"") && e.contains("average"), "{e}");
+    }
+
+    #[test]
+    fn average_folds_as_a_sum_and_divides_once_on_every_float_type() {
+        fn run<T: Element>(xs: [f64; 3], to: impl Fn(f64) -> T, back: impl Fn(T) -> f64) {
+            let ranks: Vec<Vec<u8>> = xs.iter().map(|&x| bytemuck::bytes_of(&to(x)).to_vec()).collect();
+            let mut acc = ranks[0].clone();
+            for r in &ranks[1..] {
+                Reduction::Average.apply_bytes(T::DTYPE, &mut acc, r).unwrap();
+            }
+            let mut sum = ranks[0].clone();
+            for r in &ranks[1..] {
+                Reduction::Sum.apply_bytes(T::DTYPE, &mut sum, r).unwrap();
+            }
+            assert_eq!(acc, sum, "{}: the fold of an average is the sum", T::DTYPE);
+            // The same bits as the sum scaled once by 1/3 through f64, at any alignment.
+            let want = to(back(bytemuck::pod_read_unaligned(&sum)) * (1.0 / 3.0));
+            let mut padded = vec![0u8; acc.len() + 1];
+            padded[1..].copy_from_slice(&acc);
+            Reduction::Average.finish_bytes(T::DTYPE, &mut padded[1..], 3).unwrap();
+            Reduction::Average.finish_bytes(T::DTYPE, &mut acc, 3).unwrap();
+            assert_eq!(acc, bytemuck::bytes_of(&want), "{}", T::DTYPE);
+            assert_eq!(&padded[1..], bytemuck::bytes_of(&want), "{} unaligned", T::DTYPE);
+            // The others finish with nothing.
+            for r in [Reduction::Sum, Reduction::Product, Reduction::Min, Reduction::Max] {
+                let mut b = sum.clone();
+                r.finish_bytes(T::DTYPE, &mut b, 3).unwrap();
+                assert_eq!(b, sum);
+            }
+        }
+        let xs = [1.5, -4.25, 10.0];
+        run::<f32>(xs, |x| x as f32, f64::from);
+        run::<f64>([0.1, 0.2, 0.7], |x| x, |x| x);
+        run::<f16>(xs, f16::from_f64, f16::to_f64);
+        run::<bf16>(xs, bf16::from_f64, bf16::to_f64);
+        let mut two = 7.0f64.to_ne_bytes().to_vec();
+        Reduction::Average.finish_bytes(DType::F64, &mut two, 2).unwrap();
+        assert_eq!(two, 3.5f64.to_ne_bytes());
+    }
+
+    #[test]
+    fn average_of_integers_is_an_invalid_argument_naming_the_type() {
+        for d in DType::ALL {
+            let mut b = vec![0u8; d.size()];
+            let src = b.clone();
+            let results = [
+                Reduction::Average.check(d),
+                Reduction::Average.apply_bytes(d, &mut b, &src),
+                Reduction::Average.finish_bytes(d, &mut b, 2),
+            ];
+            for r in results {
+                match (d.is_float(), r) {
+                    (true, r) => assert!(r.is_ok(), "{d}: {r:?}"),
+                    (false, Err(crate::Error::InvalidArgument(m))) => {
+                        assert!(m.contains(&format!("average of {d}")), "{m}")
+                    }
+                    (false, r) => panic!("{d}: {r:?}"),
+                }
+            }
+            for r in [Reduction::Sum, Reduction::Product, Reduction::Min, Reduction::Max] {
+                assert!(r.check(d).is_ok() && r.finish_bytes(d, &mut b, 2).is_ok(), "{r:?} of {d}");
+            }
+        }
+        let mut b = 1.0f32.to_ne_bytes().to_vec();
+        assert!(Reduction::Average.finish_bytes(DType::F32, &mut b, 0).is_err(), "no contributors");
+        assert!(Reduction::Average.finish_bytes(DType::F32, &mut b[..3], 2).is_err(), "a cut element");
+        let typed: crate::Result<ReduceOp<f32>> = Reduction::Average.try_into();
+        assert!(matches!(typed, Err(crate::Error::InvalidArgument(m)) if m.contains("ReduceOp<f32>")));
+        let sum: crate::Result<ReduceOp<i64>> = Reduction::Sum.try_into();
+        assert!(matches!(sum, Ok(ReduceOp::Sum)));
     }
 }

@@ -708,3 +708,120 @@ fn every_rank_sees_the_same_hosts_and_picks_the_same_allreduce() {
         }
     }
 }
+
+/// The floating-point types, through `f64` (the runtime-typed average's reference).
+trait Float: Val {
+    fn to_f64(self) -> f64;
+    fn of_f64(x: f64) -> Self;
+}
+macro_rules! float {
+    ($($t:ty: $to:expr, $from:expr),*) => {$( impl Float for $t {
+        fn to_f64(self) -> f64 { let f: fn($t) -> f64 = $to; f(self) }
+        fn of_f64(x: f64) -> Self { let f: fn(f64) -> $t = $from; f(x) }
+    } )*};
+}
+float!(f32: f64::from, |x| x as f32, f64: |x| x, |x| x, f16: f16::to_f64, f16::from_f64, bf16: bf16::to_f64, bf16::from_f64);
+
+/// `v` as native-order bytes starting `skew` bytes into the buffer (0: aligned).
+fn bytes_at<T: Element>(v: &[T], skew: usize) -> Vec<u8> {
+    let mut b = vec![0u8; skew];
+    b.extend_from_slice(bytemuck::cast_slice(v));
+    b
+}
+
+/// Runs the three runtime-typed reductions with `Reduction::Average` on `n` ranks and checks
+/// each rank's result against the sum of the inputs scaled once by 1/n (inputs are small
+/// integers, so the sums are exact and the reference is bit for bit).
+fn average_case<T: Float>(n: usize, count: usize, root: usize, skew: usize, seed: u64) {
+    use ferrogloo::Reduction;
+    let dt = T::DTYPE;
+    let root = root % n;
+    let store = HashStore::new();
+    let all = all_ok(run_ranks_with(
+        n,
+        &store,
+        &TcpAttr::loopback(),
+        |b| b,
+        |ctx| {
+            let me = ctx.rank();
+            let opts = CollectiveOptions::default();
+            let mut ar = bytes_at(&input::<T>(seed, me, count), skew);
+            ctx.allreduce_bytes(&mut ar[skew..], dt, Reduction::Average, &opts)?;
+            let mut red = bytes_at(&input::<T>(seed ^ 1, me, count), skew);
+            ctx.reduce_bytes(&mut red[skew..], dt, root, Reduction::Average, &opts)?;
+            let rs_in = bytes_at(&input::<T>(seed ^ 2, me, count * n), skew);
+            let mut rs_out = vec![0u8; count * dt.size()];
+            ctx.reduce_scatter_bytes(&rs_in[skew..], &mut rs_out, dt, Reduction::Average, &opts)?;
+            Ok((ar.split_off(skew), red.split_off(skew), rs_out))
+        },
+    ));
+    let avg = |seed: u64, len: usize| -> Vec<T> {
+        (0..len)
+            .map(|i| {
+                let sum = (0..n).fold(T::of_f64(0.0), |a, r| T::add(a, value::<T>(seed, r, i)));
+                T::of_f64(sum.to_f64() * (1.0 / n as f64))
+            })
+            .collect()
+    };
+    let (ar, red, rs) = (avg(seed, count), avg(seed ^ 1, count), avg(seed ^ 2, count * n));
+    for (r, (a, b, c)) in all.iter().enumerate() {
+        assert_eq!(a.as_slice(), bytemuck::cast_slice::<T, u8>(&ar), "allreduce on rank {r} ({dt}, n={n})");
+        // Only the root holds the reduction's result; the others keep their input.
+        let want_red = if r == root { red.clone() } else { input::<T>(seed ^ 1, r, count) };
+        assert_eq!(b.as_slice(), bytemuck::cast_slice::<T, u8>(&want_red), "reduce on rank {r} ({dt}, root {root})");
+        let block = &rs[r * count..(r + 1) * count];
+        assert_eq!(c.as_slice(), bytemuck::cast_slice::<T, u8>(block), "reduce_scatter on rank {r} ({dt})");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// `Reduction::Average` on the runtime-typed calls: the sum, scaled once by 1/n on the
+    /// ranks that hold the result, for every floating-point type, aligned or not.
+    #[test]
+    fn runtime_typed_average_is_the_sum_scaled_once_where_the_result_is(
+        n in 1usize..=5, count in 0usize..300, root in 0usize..5, skew in 0usize..2, ty in 0u8..4, seed in any::<u64>(),
+    ) {
+        match ty {
+            0 => average_case::<f32>(n, count, root, skew, seed),
+            1 => average_case::<f64>(n, count, root, skew, seed),
+            2 => average_case::<f16>(n, count, root, skew, seed),
+            _ => average_case::<bf16>(n, count, root, skew, seed),
+        }
+    }
+}
+
+#[test]
+fn runtime_typed_average_of_integers_is_refused_on_every_rank_before_any_traffic() {
+    use ferrogloo::{DType, Error, Reduction};
+    let store = HashStore::new();
+    let all = all_ok(run_ranks_with(
+        3,
+        &store,
+        &TcpAttr::loopback(),
+        |b| b,
+        |ctx| {
+            let opts = CollectiveOptions::default();
+            let mut b = vec![0u8; 8];
+            let errs = [
+                ctx.allreduce_bytes(&mut b, DType::I32, Reduction::Average, &opts).err(),
+                ctx.reduce_bytes(&mut b, DType::U64, 0, Reduction::Average, &opts).err(),
+                ctx.reduce_scatter_bytes(&[0u8; 6], &mut b[..2], DType::I16, Reduction::Average, &opts).err(),
+            ];
+            // Nothing was sent: the next collective pairs up as usual.
+            let mut x = vec![ctx.rank() as u32 + 1];
+            ctx.allreduce(&mut x, ReduceOp::Sum)?;
+            Ok((errs, x[0]))
+        },
+    ));
+    for (r, (errs, sum)) in all.into_iter().enumerate() {
+        for (e, ty) in errs.into_iter().zip(["i32", "u64", "i16"]) {
+            assert!(
+                matches!(&e, Some(Error::InvalidArgument(m)) if m.contains(&format!("average of {ty}"))),
+                "rank {r}: {e:?}"
+            );
+        }
+        assert_eq!(sum, 6, "rank {r}");
+    }
+}

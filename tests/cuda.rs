@@ -65,6 +65,13 @@ fn collectives_on_gpu_buffers_match_the_reference() {
                     for (i, x) in back.iter().enumerate() {
                         assert_eq!(*x, (n * (n - 1) / 2 + n * (i % 7)) as f32, "allreduce rank {r} element {i}");
                     }
+                    // The average: the sum scaled once by 1/n (exact here: n is 1, 2 or 4).
+                    let mut a = stream.clone_htod(&host).map_err(cuda)?;
+                    c.allreduce(&mut a, Reduction::Average)?;
+                    let back = stream.clone_dtoh(&a).map_err(cuda)?;
+                    for (i, x) in back.iter().enumerate() {
+                        assert_eq!(*x, (n - 1) as f32 / 2.0 + (i % 7) as f32, "average rank {r} element {i}");
+                    }
                     let mut out = stream.alloc_zeros::<f32>(count * n).map_err(cuda)?;
                     c.allgather(&d, &mut out)?;
                     let back = stream.clone_dtoh(&out).map_err(cuda)?;
@@ -86,6 +93,11 @@ fn collectives_on_gpu_buffers_match_the_reference() {
                         );
                     }
                 }
+                // An average of integers is refused in words, before anything moves.
+                let ints = stream.alloc_zeros::<i32>(4 * n).map_err(cuda)?;
+                let mut four = stream.alloc_zeros::<i32>(4).map_err(cuda)?;
+                let e = c.reduce_scatter(&ints, &mut four, Reduction::Average).expect_err("an average of i32");
+                assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("average of i32")), "{e}");
                 // Lengths that do not fit are refused in words, before anything moves.
                 let d = stream.alloc_zeros::<f32>(10).map_err(cuda)?;
                 let mut wrong = stream.alloc_zeros::<f32>(10 * n + 1).map_err(cuda)?;

@@ -5,7 +5,7 @@ mod common;
 
 use common::{TIMEOUT, all_ok};
 use ferrogloo::device::Device;
-use ferrogloo::engine::{AllreduceOptions, Compression, Engine, EngineConfig, Op, Tensor};
+use ferrogloo::engine::{AllreduceOptions, Compression, Engine, EngineConfig, Reduction, Tensor};
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Context, Error, Result, f16};
 use std::sync::Barrier;
@@ -62,15 +62,15 @@ fn random_submission_orders_from_two_threads_give_the_sequential_result_on_every
                             match t % 3 {
                                 0 => {
                                     let v: Vec<f32> = (0..sizes[t]).map(|i| val(r, t, i) as f32).collect();
-                                    e.allreduce(&name, v, Op::Sum).map(|h| (t, Kind3::F(h)))
+                                    e.allreduce(&name, v, Reduction::Sum).map(|h| (t, Kind3::F(h)))
                                 }
                                 1 => {
                                     let v: Vec<i64> = (0..sizes[t]).map(|i| val(r, t, i)).collect();
-                                    e.allreduce(&name, v, Op::Sum).map(|h| (t, Kind3::I(h)))
+                                    e.allreduce(&name, v, Reduction::Sum).map(|h| (t, Kind3::I(h)))
                                 }
                                 _ => {
                                     let v: Vec<f64> = (0..sizes[t]).map(|i| val(r, t, i) as f64).collect();
-                                    e.allreduce(&name, v, Op::Max).map(|h| (t, Kind3::D(h)))
+                                    e.allreduce(&name, v, Reduction::Max).map(|h| (t, Kind3::D(h)))
                                 }
                             }
                         })
@@ -140,7 +140,7 @@ fn ar<T: ferrogloo::Element>(e: &Engine, v: Vec<T>, shape: Vec<usize>, o: Allred
 
 #[test]
 fn every_mismatch_kind_is_an_error_in_words_on_every_rank() {
-    let sum = AllreduceOptions::new(Op::Sum);
+    let sum = AllreduceOptions::new(Reduction::Sum);
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             mismatch(|e| ar(e, vec![0f32; 192], vec![64, 3], sum), |e| ar(e, vec![f16::ZERO; 192], vec![64, 3], sum)),
@@ -153,7 +153,7 @@ fn every_mismatch_kind_is_an_error_in_words_on_every_rank() {
         (
             mismatch(
                 |e| ar(e, vec![0f32; 4], vec![4], sum),
-                |e| ar(e, vec![0f32; 4], vec![4], AllreduceOptions::new(Op::Average)),
+                |e| ar(e, vec![0f32; 4], vec![4], AllreduceOptions::new(Reduction::Average)),
             ),
             "allreduce 'layer3.grad': rank 1 submitted f32 [4] op average, rank 0 f32 [4] op sum",
         ),
@@ -202,11 +202,11 @@ fn every_mismatch_kind_is_an_error_in_words_on_every_rank() {
 #[test]
 fn a_mismatch_fails_only_that_name_and_the_engine_goes_on() {
     let r = engines(3, cfg(), |e| {
-        let bad = e.allreduce("bad", vec![1f32; 2 + usize::from(e.rank() == 2)], Op::Sum)?;
-        let good = e.allreduce("good", vec![e.rank() as u32; 5], Op::Sum)?;
+        let bad = e.allreduce("bad", vec![1f32; 2 + usize::from(e.rank() == 2)], Reduction::Sum)?;
+        let good = e.allreduce("good", vec![e.rank() as u32; 5], Reduction::Sum)?;
         let err = bad.wait().err().ok_or_else(|| Error::invalid("no mismatch"))?;
         let good = good.wait()?.data;
-        let again = e.allreduce("bad", vec![1f32; 2], Op::Sum)?.wait()?.data;
+        let again = e.allreduce("bad", vec![1f32; 2], Reduction::Sum)?.wait()?.data;
         Ok((err.to_string(), good, again))
     });
     for (err, good, again) in all_ok(r) {
@@ -222,7 +222,7 @@ fn a_stalled_name_is_reported_naming_the_missing_rank_within_the_threshold() {
     let go = Barrier::new(2);
     let r = engines(2, EngineConfig { stall_check: Some(check), ..EngineConfig::default() }, |e| {
         if e.rank() == 0 {
-            let h = e.allreduce("late", vec![1f32; 3], Op::Sum)?;
+            let h = e.allreduce("late", vec![1f32; 3], Reduction::Sum)?;
             let start = Instant::now();
             let report = loop {
                 if let Some(r) = e.stall_reports().into_iter().next() {
@@ -241,7 +241,7 @@ fn a_stalled_name_is_reported_naming_the_missing_rank_within_the_threshold() {
         } else {
             // Rank 1 submits only once rank 0 has seen the report.
             go.wait();
-            e.allreduce("late", vec![2f32; 3], Op::Sum)?.wait()?;
+            e.allreduce("late", vec![2f32; 3], Reduction::Sum)?.wait()?;
             Ok(None)
         }
     });
@@ -268,7 +268,7 @@ fn stall_shutdown_fails_every_rank_with_the_cause() {
                 e.broadcast("x", vec![1u8; 1], 0)?.wait().err()
             };
             let err = err.ok_or_else(|| Error::invalid("no error"))?;
-            let later = e.allreduce("after", vec![0u8; 1], Op::Sum).err().map(|e| e.to_string());
+            let later = e.allreduce("after", vec![0u8; 1], Reduction::Sum).err().map(|e| e.to_string());
             Ok((err, start.elapsed(), later))
         });
     for (rank, (err, took, later)) in all_ok(r).into_iter().enumerate() {
@@ -290,19 +290,19 @@ fn the_cache_serves_repeats_and_a_changed_shape_invalidates_it_on_every_rank() {
     let r = engines(2, cfg(), |e| {
         let r = e.rank() as f32;
         for _ in 0..3 {
-            assert_eq!(e.allreduce("w", vec![r + 1.0; 4], Op::Sum)?.wait()?.data, vec![3.0; 4]);
+            assert_eq!(e.allreduce("w", vec![r + 1.0; 4], Reduction::Sum)?.wait()?.data, vec![3.0; 4]);
         }
         let after_repeats = e.stats();
         // Both change the shape: the slot is invalidated, renegotiated, cached again.
         for _ in 0..2 {
-            assert_eq!(e.allreduce("w", vec![r + 1.0; 6], Op::Sum)?.wait()?.data, vec![3.0; 6]);
+            assert_eq!(e.allreduce("w", vec![r + 1.0; 6], Reduction::Sum)?.wait()?.data, vec![3.0; 6]);
         }
         let after_change = e.stats();
         // One rank changes the type: a mismatch on both, not stale data.
         let err = if e.rank() == 0 {
-            e.allreduce("w", vec![1.0f64; 6], Op::Sum)?.wait().err()
+            e.allreduce("w", vec![1.0f64; 6], Reduction::Sum)?.wait().err()
         } else {
-            e.allreduce("w", vec![1.0f32; 6], Op::Sum)?.wait().err()
+            e.allreduce("w", vec![1.0f32; 6], Reduction::Sum)?.wait().err()
         };
         Ok((after_repeats, after_change, err.map(|e| e.to_string())))
     });
@@ -319,7 +319,7 @@ fn a_small_cache_evicts_and_stays_correct() {
         let mut sums = Vec::new();
         for step in 0..6 {
             let hs: Vec<_> = (0..4)
-                .map(|t| e.allreduce(&format!("n{}", (t + step) % 5), vec![(e.rank() + t) as i32; 3], Op::Sum))
+                .map(|t| e.allreduce(&format!("n{}", (t + step) % 5), vec![(e.rank() + t) as i32; 3], Reduction::Sum))
                 .collect::<Result<_>>()?;
             for h in hs {
                 sums.push(h.wait()?.data[0]);
@@ -343,10 +343,10 @@ fn fusion_packs_matching_tensors_up_to_the_threshold() {
         let r = e.rank() as f32;
         let tensors: Vec<(String, Tensor<f32>)> =
             (0..10).map(|t| (format!("f{t}"), Tensor::from(vec![r + t as f32; 100]))).collect();
-        let hs = e.grouped_allreduce("f32s", tensors, &AllreduceOptions::new(Op::Sum))?;
+        let hs = e.grouped_allreduce("f32s", tensors, &AllreduceOptions::new(Reduction::Sum))?;
         let doubles: Vec<(String, Tensor<f64>)> =
             (0..3).map(|t| (format!("d{t}"), Tensor::from(vec![r as f64; 100]))).collect();
-        let hd = e.grouped_allreduce("f64s", doubles, &AllreduceOptions::new(Op::Sum))?;
+        let hd = e.grouped_allreduce("f64s", doubles, &AllreduceOptions::new(Reduction::Sum))?;
         let mut got = Vec::new();
         for h in hs {
             got.push(h.wait()?.data);
@@ -370,11 +370,14 @@ fn fusion_packs_matching_tensors_up_to_the_threshold() {
 fn fusion_threshold_zero_runs_each_tensor_alone_and_compression_and_scaling_apply() {
     let r = engines(2, EngineConfig { fusion_threshold: 0, ..cfg() }, |e| {
         let r = e.rank() as f32;
-        let opts = AllreduceOptions::new(Op::Average).prescale(2.0).postscale(0.5).compression(Compression::F16);
+        let opts = AllreduceOptions::new(Reduction::Average).prescale(2.0).postscale(0.5).compression(Compression::F16);
         let a = e.allreduce_with("a", vec![r + 1.0; 8], &opts)?;
-        let b =
-            e.allreduce_with("b", vec![r + 3.0; 8], &AllreduceOptions::new(Op::Sum).compression(Compression::BF16))?;
-        let c = e.allreduce("c", vec![r * 2.0 + 1.0; 8], Op::Average)?;
+        let b = e.allreduce_with(
+            "b",
+            vec![r + 3.0; 8],
+            &AllreduceOptions::new(Reduction::Sum).compression(Compression::BF16),
+        )?;
+        let c = e.allreduce("c", vec![r * 2.0 + 1.0; 8], Reduction::Average)?;
         Ok((a.wait()?.data, b.wait()?.data, c.wait()?.data, e.stats()))
     });
     for (a, b, c, st) in all_ok(r) {
@@ -392,13 +395,13 @@ fn join_with_uneven_step_counts() {
         let r = e.rank();
         let mut sums = Vec::new();
         for step in 0..(r + 2) {
-            let h = e.allreduce("g", vec![(r + 1) as f64; 4], Op::Sum)?;
-            let avg = e.allreduce("avg", vec![(r + 1) as f64; 2], Op::Average)?;
+            let h = e.allreduce("g", vec![(r + 1) as f64; 4], Reduction::Sum)?;
+            let avg = e.allreduce("avg", vec![(r + 1) as f64; 2], Reduction::Average)?;
             sums.push((step, h.wait()?.data[0], avg.wait()?.data[0]));
         }
         let last = e.join()?.wait()?;
         // After the join everyone is back.
-        let after = e.allreduce("g", vec![1.0f64; 1], Op::Sum)?.wait()?.data[0];
+        let after = e.allreduce("g", vec![1.0f64; 1], Reduction::Sum)?.wait()?.data[0];
         Ok((sums, last, after))
     });
     for (rank, (sums, last, after)) in all_ok(r).into_iter().enumerate() {
@@ -419,14 +422,14 @@ fn a_panicking_callback_fails_every_rank_with_its_cause() {
     let r = engines(3, cfg(), |e| {
         if e.rank() == 1 {
             // Registered before the others submit: it runs on the engine's thread.
-            e.allreduce("cb", vec![1u16; 3], Op::Sum)?.then(|_| panic!("boom in the callback"));
+            e.allreduce("cb", vec![1u16; 3], Reduction::Sum)?.then(|_| panic!("boom in the callback"));
             registered.wait();
         } else {
             registered.wait();
-            e.allreduce("cb", vec![1u16; 3], Op::Sum)?.wait()?;
+            e.allreduce("cb", vec![1u16; 3], Reduction::Sum)?.wait()?;
         }
         // The next collective fails everywhere with the panic as its cause.
-        let err = match e.allreduce("next", vec![1u16; 3], Op::Sum) {
+        let err = match e.allreduce("next", vec![1u16; 3], Reduction::Sum) {
             Ok(h) => h.wait().err(),
             Err(e) => Some(e),
         };
@@ -450,7 +453,8 @@ fn broadcast_allgather_alltoall_reduce_scatter_and_barrier() {
         // Rank r gathers r + 1 rows of 2.
         let g = e.allgather("g", Tensor::new(vec![r as i16; (r + 1) * 2], vec![r + 1, 2])?)?;
         let a = e.alltoall("a", Tensor::new((0..6).map(|i| (r * 100 + i) as u32).collect(), vec![n * 2])?)?;
-        let s = e.reduce_scatter("s", Tensor::new((0..8).map(|i| (i + r) as f32).collect(), vec![4, 2])?, Op::Sum)?;
+        let s =
+            e.reduce_scatter("s", Tensor::new((0..8).map(|i| (i + r) as f32).collect(), vec![4, 2])?, Reduction::Sum)?;
         let bar = e.barrier()?;
         bar.wait()?;
         Ok((b.wait()?, g.wait()?, a.wait()?, s.wait()?))
@@ -484,8 +488,8 @@ fn process_sets_negotiate_on_their_own() {
             let half = Engine::new(evens, cfg())?;
             let r = world.rank() as i32;
             // Both engines in flight at once, names shared between them.
-            let h1 = half.allreduce("x", vec![r; 2], Op::Sum)?;
-            let h2 = world.allreduce("x", vec![r; 2], Op::Sum)?;
+            let h1 = half.allreduce("x", vec![r; 2], Reduction::Sum)?;
+            let h2 = world.allreduce("x", vec![r; 2], Reduction::Sum)?;
             let (a, b) = (h1.wait()?.data[0], h2.wait()?.data[0]);
             drop(half);
             Ok((a, b))
@@ -503,20 +507,21 @@ fn a_duplicate_name_in_flight_and_bad_arguments_are_refused_at_once() {
     let gate = std::sync::Barrier::new(2);
     let r = engines(2, cfg(), |e| {
         let errs = [
-            e.allreduce("a", vec![1i32], Op::Average).err(),
-            e.allreduce_with("a", vec![1f64], &AllreduceOptions::new(Op::Sum).compression(Compression::F16)).err(),
-            e.allreduce("ferrogloo.mine", vec![1f32], Op::Sum).err(),
+            e.allreduce("a", vec![1i32], Reduction::Average).err(),
+            e.allreduce_with("a", vec![1f64], &AllreduceOptions::new(Reduction::Sum).compression(Compression::F16))
+                .err(),
+            e.allreduce("ferrogloo.mine", vec![1f32], Reduction::Sum).err(),
             e.broadcast("a", vec![1f32], 2).err(),
-            e.allreduce("", vec![1f32], Op::Sum).err(),
+            e.allreduce("", vec![1f32], Reduction::Sum).err(),
         ];
         let (h, dup) = if e.rank() == 0 {
-            let h = e.allreduce("dup", vec![1f32], Op::Sum)?;
-            let dup = e.allreduce("dup", vec![1f32], Op::Sum).err();
+            let h = e.allreduce("dup", vec![1f32], Reduction::Sum)?;
+            let dup = e.allreduce("dup", vec![1f32], Reduction::Sum).err();
             gate.wait();
             (h, dup)
         } else {
             gate.wait();
-            (e.allreduce("dup", vec![1f32], Op::Sum)?, None)
+            (e.allreduce("dup", vec![1f32], Reduction::Sum)?, None)
         };
         let sum = h.wait()?.data;
         Ok((errs.map(|e| e.map(|e| e.to_string())), dup.map(|e| e.to_string()), sum))
@@ -542,8 +547,8 @@ fn the_timeline_holds_negotiation_and_collective_spans_and_can_be_stopped_and_re
     let second = dir.path().join("second.json");
     let r = engines(2, cfg, |e| {
         for step in 0..3 {
-            let a = e.allreduce("grad.a", vec![step as f32; 10], Op::Sum)?;
-            let b = e.allreduce("grad.b", vec![step as f32; 10], Op::Sum)?;
+            let a = e.allreduce("grad.a", vec![step as f32; 10], Reduction::Sum)?;
+            let b = e.allreduce("grad.b", vec![step as f32; 10], Reduction::Sum)?;
             a.wait()?;
             b.wait()?;
         }
@@ -577,13 +582,13 @@ fn dropping_one_engine_stops_the_others_with_its_rank_named() {
     let go = Barrier::new(2);
     let r = engines(2, cfg(), |e| {
         if e.rank() == 1 {
-            e.allreduce("warm", vec![1u8], Op::Sum)?.wait()?;
+            e.allreduce("warm", vec![1u8], Reduction::Sum)?.wait()?;
             go.wait();
             drop(e);
             return Ok(None);
         }
-        e.allreduce("warm", vec![1u8], Op::Sum)?.wait()?;
-        let h = e.allreduce("never", vec![1u8], Op::Sum)?;
+        e.allreduce("warm", vec![1u8], Reduction::Sum)?.wait()?;
+        let h = e.allreduce("never", vec![1u8], Reduction::Sum)?;
         go.wait();
         Ok(Some(h.wait_timeout(TIMEOUT).err().map(|e| e.to_string())))
     });
@@ -598,14 +603,14 @@ fn min_with_a_joined_rank_is_refused_on_every_rank_and_a_joined_rank_cannot_subm
     let r = engines(2, cfg(), |e| {
         if e.rank() == 1 {
             let j = e.join()?;
-            let refused = e.allreduce("late", vec![1f32], Op::Sum).err().map(|e| e.to_string());
+            let refused = e.allreduce("late", vec![1f32], Reduction::Sum).err().map(|e| e.to_string());
             joined.wait();
             let last = j.wait()?;
             return Ok((refused, None, last));
         }
         joined.wait();
-        let min = e.allreduce("m", vec![5f32; 2], Op::Min)?.wait().err().map(|e| e.to_string());
-        let sum = e.allreduce("s", vec![5f32; 2], Op::Sum)?.wait()?.data;
+        let min = e.allreduce("m", vec![5f32; 2], Reduction::Min)?.wait().err().map(|e| e.to_string());
+        let sum = e.allreduce("s", vec![5f32; 2], Reduction::Sum)?.wait()?.data;
         assert_eq!(sum, vec![5.0; 2]);
         let last = e.join()?.wait()?;
         Ok((min, Some(sum), last))
@@ -627,7 +632,7 @@ fn a_group_with_a_bad_member_is_refused_whole() {
             .grouped_allreduce(
                 "g",
                 vec![("a".to_string(), Tensor::from(vec![1f32; 2])), ("a".to_string(), Tensor::from(vec![1f32; 2]))],
-                &AllreduceOptions::new(Op::Sum),
+                &AllreduceOptions::new(Reduction::Sum),
             )
             .err()
             .map(|e| e.to_string());
@@ -635,7 +640,7 @@ fn a_group_with_a_bad_member_is_refused_whole() {
         let hs = e.grouped_allreduce(
             "g",
             vec![("a".to_string(), Tensor::from(vec![1f32; 2])), ("b".to_string(), Tensor::from(vec![2f32; 2]))],
-            &AllreduceOptions::new(Op::Sum),
+            &AllreduceOptions::new(Reduction::Sum),
         )?;
         let got = hs.into_iter().map(|h| Ok(h.wait()?.data)).collect::<Result<Vec<_>>>()?;
         Ok((bad, got))
@@ -692,22 +697,22 @@ mod prop {
                         0 => Kind3::F(e.allreduce(
                             &name,
                             (0..len).map(|i| v(t, i) as f32).collect::<Vec<_>>(),
-                            Op::Sum,
+                            Reduction::Sum,
                         )?),
                         1 => Kind3::D(e.allreduce(
                             &name,
                             (0..len).map(|i| v(t, i) as f64).collect::<Vec<_>>(),
-                            Op::Sum,
+                            Reduction::Sum,
                         )?),
                         2 => Kind3::I(e.allreduce(
                             &name,
                             (0..len).map(|i| v(t, i) as i64).collect::<Vec<_>>(),
-                            Op::Sum,
+                            Reduction::Sum,
                         )?),
                         _ => Kind3::U(e.allreduce(
                             &name,
                             (0..len).map(|i| v(t, i) as u8).collect::<Vec<_>>(),
-                            Op::Sum,
+                            Reduction::Sum,
                         )?),
                     },
                 ));
@@ -787,14 +792,16 @@ fn a_large_state_message_arriving_between_stall_looks_is_not_lost() {
             let submit = || {
                 names
                     .iter()
-                    .map(|n| e.allreduce(n, Tensor::new(vec![e.rank() as u32 + 1], vec![1; 2_000_000])?, Op::Sum))
+                    .map(|n| {
+                        e.allreduce(n, Tensor::new(vec![e.rank() as u32 + 1], vec![1; 2_000_000])?, Reduction::Sum)
+                    })
                     .collect::<Result<Vec<_>>>()
             };
             let (first, hs) = if e.rank() == 0 {
                 // Pending on rank 0 only: its idle wait looks for stalls every 10 ms. Rank 1
                 // sends its large state once the stall is reported, so the looks are surely on,
                 // and rank 0, with nothing to say, receives it in its idle wait.
-                let first = e.allreduce("first", vec![1f32], Op::Sum)?;
+                let first = e.allreduce("first", vec![1f32], Reduction::Sum)?;
                 let seen = reported(&e, "first");
                 go.wait();
                 seen?;
@@ -803,7 +810,7 @@ fn a_large_state_message_arriving_between_stall_looks_is_not_lost() {
             } else {
                 go.wait();
                 let hs = submit()?;
-                (e.allreduce("first", vec![1f32], Op::Sum)?, hs)
+                (e.allreduce("first", vec![1f32], Reduction::Sum)?, hs)
             };
             let sums = hs.into_iter().map(|h| Ok(h.wait()?.data[0])).collect::<Result<Vec<_>>>()?;
             Ok((first.wait()?.data, sums))
@@ -835,7 +842,7 @@ fn an_engine_on_a_sub_group_whose_ranks_differ_from_the_jobs_negotiates_and_redu
             let mut got = Vec::new();
             for step in 0..20 {
                 let handles = (0..3)
-                    .map(|t| e.allreduce(&format!("t{t}"), vec![me + step + t; 3], Op::Sum))
+                    .map(|t| e.allreduce(&format!("t{t}"), vec![me + step + t; 3], Reduction::Sum))
                     .collect::<Result<Vec<_>, _>>()?;
                 for h in handles {
                     got.push(h.wait()?.data[0]);

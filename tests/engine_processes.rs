@@ -5,7 +5,7 @@
 mod common;
 
 use ferrogloo::device::{Device, TcpAttr, Transport};
-use ferrogloo::engine::{Engine, EngineConfig, Op};
+use ferrogloo::engine::{Engine, EngineConfig, Reduction};
 use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
 use ferrogloo::rendezvous::{FileStore, STORE_ENV};
 use ferrogloo::{Context, Error, Result};
@@ -56,7 +56,11 @@ fn work(env: &RankEnv, scenario: &str) -> Result<()> {
                 let hs = names
                     .iter()
                     .map(|&t| {
-                        engine.allreduce(&format!("p{t}"), vec![(r * 100 + t) as u64 + step; 1 + t * 50], Op::Sum)
+                        engine.allreduce(
+                            &format!("p{t}"),
+                            vec![(r * 100 + t) as u64 + step; 1 + t * 50],
+                            Reduction::Sum,
+                        )
                     })
                     .collect::<Result<Vec<_>>>()?;
                 for (t, h) in names.iter().zip(hs) {
@@ -72,8 +76,8 @@ fn work(env: &RankEnv, scenario: &str) -> Result<()> {
         "forever" => {
             // Steps until something fails (bounded: the parent kills a rank long before).
             for step in 0..1_000_000u64 {
-                let a = engine.allreduce("grad.a", vec![1f32; 1000], Op::Average)?;
-                let b = engine.allreduce("grad.b", vec![step as f32; 10], Op::Sum)?;
+                let a = engine.allreduce("grad.a", vec![1f32; 1000], Reduction::Average)?;
+                let b = engine.allreduce("grad.b", vec![step as f32; 10], Reduction::Sum)?;
                 a.wait()?;
                 b.wait()?;
                 if step == 20 {

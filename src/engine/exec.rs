@@ -1,25 +1,20 @@
 //! Running the names a cycle found ready: fusion of allreduces, scaling, compression, and the
 //! other collectives.
 
-use super::{Completion, EngineStats, Kind, Meta, Op, Output, Payload};
+use super::controller::Ready;
+use super::handle::{Completion, Output, Payload};
+use super::meta::{Kind, Meta};
+use super::shared::EngineStats;
+use crate::Context;
 use crate::algorithms::CollectiveOptions;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::types::{DType, Reduction, bf16, f16};
-use crate::{Context, ReduceOp};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// The largest tensor a rank allocates on another's word (a joined rank's zeros, an output).
 const MAX_TENSOR_BYTES: u64 = 1 << 40;
-
-/// A name found ready in a cycle.
-pub(crate) struct Ready {
-    pub(crate) name: String,
-    pub(crate) meta: Meta,
-    pub(crate) dims: Vec<u64>,
-    pub(crate) error: Option<Error>,
-}
 
 /// This rank's submission of a ready name: its tensor, its completion, when it was submitted.
 pub(crate) type Own = (Option<Box<dyn Payload>>, Arc<Completion>, Instant);
@@ -51,9 +46,11 @@ pub(crate) struct Span {
 }
 
 impl Item {
-    pub(crate) fn new(r: Ready, own: Option<Own>, seen: Option<Vec<Option<Instant>>>, decided: Instant) -> Item {
+    /// A name a cycle decided at `decided`.
+    pub(crate) fn new(r: Ready<Own>, decided: Instant) -> Item {
         let mut out = None;
-        let (payload, done, submitted) = match own {
+        let seen = r.seen;
+        let (payload, done, submitted) = match r.own {
             Some((payload, done, submitted)) => (payload, Some(done), Some(submitted)),
             None if r.meta.kind == Kind::Allreduce && r.error.is_none() => {
                 match zeros(r.meta.dtype, r.meta.elements(), &r.name) {
@@ -104,15 +101,6 @@ fn zeros(dtype: DType, n: u64, name: &str) -> Result<Box<dyn Payload>> {
     Ok(
         crate::dispatch_dtype!(dtype, T => { Box::new(vec![<T as bytemuck::Zeroable>::zeroed(); n]) as Box<dyn Payload> }),
     )
-}
-
-fn reduction(op: Op) -> Reduction {
-    match op {
-        Op::Sum | Op::Average => Reduction::Sum,
-        Op::Min => Reduction::Min,
-        Op::Max => Reduction::Max,
-        Op::Product => Reduction::Product,
-    }
 }
 
 /// Allreduces that may share a fusion buffer.
@@ -223,8 +211,8 @@ fn allreduce(
 ) -> Result<()> {
     let m = items[batch[0]].meta.clone();
     let wire = m.compression.wire().unwrap_or(m.dtype);
-    let red = reduction(m.op);
-    let post = m.postscale * if m.op == Op::Average { 1.0 / contributors as f64 } else { 1.0 };
+    let red = m.op.pairwise();
+    let post = m.postscale * if m.op == Reduction::Average { 1.0 / contributors as f64 } else { 1.0 };
     let opts = CollectiveOptions::default();
     if batch.len() == 1 && wire == m.dtype {
         let i = batch[0];
@@ -366,18 +354,16 @@ fn single(
             let parts = crate::algorithms::partition(d0, n);
             let counts: Vec<usize> = parts.iter().map(|p| p.len() * row).collect();
             let mut out = zeros(meta.dtype, counts[me] as u64, &name)?;
-            let red = reduction(meta.op);
+            let red = meta.op.pairwise();
             let p = items[i].input()?;
             timed(spans, &[i], "REDUCE_SCATTER", || {
                 crate::dispatch_dtype!(meta.dtype, T => {
                     let input: &[T] = cast(p.bytes())?;
                     let output: &mut [T] = cast_mut(out.bytes_mut())?;
-                    ctx.reduce_scatterv(input, output, &counts, &ReduceOp::from(red), &opts)
+                    ctx.reduce_scatterv(input, output, &counts, &red.fold_op(), &opts)
                 })
             })?;
-            if meta.op == Op::Average {
-                scale(meta.dtype, out.bytes_mut(), 1.0 / n as f64)?;
-            }
+            meta.op.finish_bytes(meta.dtype, out.bytes_mut(), n)?;
             let mut shape = shape;
             if let Some(d) = shape.first_mut() {
                 *d = parts[me].len();
@@ -487,22 +473,9 @@ fn convert(dst: &mut [u8], dd: DType, src: &[u8], sd: DType, f: f64) -> Result<(
     }
 }
 
-fn scale_as<T: Float>(b: &mut [u8], f: f64) -> Result<()> {
-    for x in cast_mut::<T>(b)? {
-        *x = T::put(x.get() * f);
-    }
-    Ok(())
-}
-
 /// Multiplies floating-point elements in place.
 fn scale(dtype: DType, b: &mut [u8], f: f64) -> Result<()> {
-    match dtype {
-        DType::F32 => scale_as::<f32>(b, f),
-        DType::F64 => scale_as::<f64>(b, f),
-        DType::F16 => scale_as::<f16>(b, f),
-        DType::BF16 => scale_as::<bf16>(b, f),
-        _ => Err(Error::invalid(format!("engine: cannot scale {dtype} elements"))),
-    }
+    crate::types::scale_bytes(dtype, b, f)
 }
 
 #[cfg(test)]
@@ -510,7 +483,7 @@ mod tests {
     use super::*;
     use crate::engine::Compression;
 
-    fn m(dtype: DType, n: u64, op: Op) -> Meta {
+    fn m(dtype: DType, n: u64, op: Reduction) -> Meta {
         Meta {
             kind: Kind::Allreduce,
             dtype,
@@ -527,18 +500,18 @@ mod tests {
 
     #[test]
     fn fusion_respects_the_threshold_and_looks_past_misfits() {
-        let a = m(DType::F32, 100, Op::Sum); // 400 bytes
-        let b = m(DType::F64, 10, Op::Sum); // another type
-        let c = m(DType::F32, 50, Op::Sum); // 200 bytes
-        let d = m(DType::F32, 200, Op::Sum); // 800 bytes: over with a and c
-        let e = m(DType::F32, 10, Op::Average); // another op
+        let a = m(DType::F32, 100, Reduction::Sum); // 400 bytes
+        let b = m(DType::F64, 10, Reduction::Sum); // another type
+        let c = m(DType::F32, 50, Reduction::Sum); // 200 bytes
+        let d = m(DType::F32, 200, Reduction::Sum); // 800 bytes: over with a and c
+        let e = m(DType::F32, 10, Reduction::Average); // another op
         let metas = [&a, &b, &c, &d, &e];
         assert_eq!(plan(&metas, 1000, usize::MAX), vec![vec![0, 2], vec![1], vec![3], vec![4]]);
         assert_eq!(plan(&metas, 2000, usize::MAX), vec![vec![0, 2, 3], vec![1], vec![4]]);
         // Threshold 0: no fusion.
         assert_eq!(plan(&metas, 0, usize::MAX), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]);
         // Compression halves the bytes that count.
-        let mut h = m(DType::F32, 250, Op::Sum);
+        let mut h = m(DType::F32, 250, Reduction::Sum);
         h.compression = Compression::F16;
         let h2 = h.clone();
         assert_eq!(plan(&[&h, &h2], 1000, usize::MAX), vec![vec![0, 1]]);

@@ -3,9 +3,10 @@
 //! Little-endian, length-prefixed; every decode is bounds-checked and a malformed message is
 //! [`Error::Protocol`] naming the peer.
 
-use super::{Compression, Kind, Meta, Op};
+use super::meta::{Kind, Meta};
+use super::tensor::Compression;
 use crate::error::{Error, Result};
-use crate::types::DType;
+use crate::types::{DType, Reduction};
 
 /// A rank woke itself (a submission arrived).
 pub(crate) const WAKE: u8 = 0;
@@ -57,6 +58,24 @@ pub(crate) struct Response {
     pub(crate) error: Option<(u32, String)>,
 }
 
+/// A reduction's code in an engine message (the codes of the engine's own enum before
+/// [`Reduction`] took its place, so the wire format is unchanged).
+fn op_code(op: Reduction) -> u8 {
+    match op {
+        Reduction::Sum => 0,
+        Reduction::Average => 1,
+        Reduction::Min => 2,
+        Reduction::Max => 3,
+        Reduction::Product => 4,
+    }
+}
+
+fn op_from_code(c: u8) -> Option<Reduction> {
+    [Reduction::Sum, Reduction::Average, Reduction::Min, Reduction::Max, Reduction::Product]
+        .into_iter()
+        .find(|&o| op_code(o) == c)
+}
+
 struct Writer(Vec<u8>);
 
 impl Writer {
@@ -85,7 +104,7 @@ impl Writer {
     fn meta(&mut self, m: &Meta) {
         self.u8(m.kind as u8);
         self.u8(m.dtype as u8);
-        self.u8(m.op.code());
+        self.u8(op_code(m.op));
         self.u8(m.compression.code());
         self.u32(m.root);
         self.u64(m.prescale.to_bits());
@@ -159,7 +178,7 @@ impl<'a> Reader<'a> {
     fn meta(&mut self) -> Result<Meta> {
         let kind = Kind::from_code(self.u8()?).ok_or_else(|| self.bad("an unknown collective"))?;
         let dtype = DType::from_code(self.u8()?).ok_or_else(|| self.bad("an unknown element type"))?;
-        let op = Op::from_code(self.u8()?).ok_or_else(|| self.bad("an unknown reduction"))?;
+        let op = op_from_code(self.u8()?).ok_or_else(|| self.bad("an unknown reduction"))?;
         let compression = Compression::from_code(self.u8()?).ok_or_else(|| self.bad("an unknown compression"))?;
         let root = self.u32()?;
         let prescale = f64::from_bits(self.u64()?);
@@ -274,7 +293,7 @@ mod tests {
             kind: Kind::Allreduce,
             dtype: DType::F32,
             shape: vec![64, 3],
-            op: Op::Average,
+            op: Reduction::Average,
             root: 0,
             prescale: 0.5,
             postscale: 2.0,

@@ -226,6 +226,9 @@ pub(crate) fn collective<S: Staging>(
     if !len.is_multiple_of(esize) {
         return Err(Error::invalid(format!("{len} bytes are not whole {dtype:?} elements of {esize} bytes")));
     }
+    if let Op::Allreduce(red) | Op::Reduce { op: red, .. } | Op::ReduceScatter(red) = op {
+        red.check(dtype)?;
+    }
     let cap = s.chunk_bytes();
     match op {
         Op::Allreduce(red) => {
@@ -519,6 +522,41 @@ mod tests {
                 prop_assert!(got[r] == want[r], "rank {} of {}: {:?} {:?} count {} chunk {}", r, n, op, dtype, count, chunk);
             }
         }
+    }
+
+    #[test]
+    fn staged_averages_are_the_sums_scaled_once_where_the_result_is_and_integers_are_refused() {
+        for (n, count, chunk) in [(1, 5, 64), (3, 100, 96), (4, 333, 1000)] {
+            for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+                let root = count % n;
+                let ops = [
+                    Op::Allreduce(Reduction::Average),
+                    Op::Reduce { root, op: Reduction::Average },
+                    Op::ReduceScatter(Reduction::Average),
+                ];
+                for (op, sum) in ops.into_iter().zip([
+                    Op::Allreduce(Reduction::Sum),
+                    Op::Reduce { root, op: Reduction::Sum },
+                    Op::ReduceScatter(Reduction::Sum),
+                ]) {
+                    let chunk = chunk.max((n + 1) * dtype.size());
+                    let got = staged(n, op, dtype, count, chunk, 7);
+                    let mut want = reference(n, sum, dtype, count, 7);
+                    for (r, w) in want.iter_mut().enumerate() {
+                        if !matches!(op, Op::Reduce { .. }) || r == root {
+                            Reduction::Average.finish_bytes(dtype, w, n).unwrap();
+                        }
+                    }
+                    assert_eq!(got, want, "{op:?} of {dtype} on {n} ranks");
+                }
+            }
+        }
+        let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process()).unwrap();
+        let mut st = HostStaging::new(vec![0u8; 16], None, 256, 0);
+        let e = collective(&ctx, &mut st, Op::Allreduce(Reduction::Average), DType::I32, 16, &Default::default())
+            .expect_err("an average of integers");
+        assert!(matches!(&e, crate::Error::InvalidArgument(m) if m.contains("average of i32")), "{e}");
+        assert_eq!(st.in_flight.load(Ordering::SeqCst), 0, "no copy started");
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub(super) struct Args {
     /// Element type: f32 f64 f16 bf16 i8 i16 i32 i64 u8 u16 u32 u64.
     #[arg(long = "type", default_value = "f32")]
     pub(super) dtype: String,
-    /// Reduction: sum, prod, min, max.
+    /// Reduction: sum, prod, min, max, average (floating-point types).
     #[arg(long, default_value = "sum")]
     pub(super) reduce: String,
     /// Algorithms (comma-separated; `all` = every one the collective has): auto, ring, hd, rd,

@@ -150,6 +150,7 @@ impl Setup<'_> {
         for p in 1..n {
             self.red.apply_bytes(self.dtype, &mut acc, &element(self.dtype, v(p)))?;
         }
+        self.red.finish_bytes(self.dtype, &mut acc, n)?;
         Ok(acc)
     }
 }

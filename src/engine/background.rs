@@ -1,0 +1,380 @@
+//! The background thread: the thin I/O loop around the negotiation's state machine
+//! (`controller.rs`). It waits idle for a submission or a peer's state message, moves the
+//! controller's messages through `comm` (one persistent receive while idle, the cycle's sends
+//! and receives), runs what a cycle decided through `exec.rs`, writes the timeline, and when
+//! anything fails, fails every pending submission with the first cause.
+
+use super::CONTROL_TAG;
+use super::config::EngineConfig;
+use super::controller::{COORDINATOR, Controller, Decision, Responses};
+use super::exec::{self, Item, Own};
+use super::handle::{Completion, Output, panic_message};
+use super::meta::Kind;
+use super::shared::{Shared, Submission, TimelineCommand};
+use super::timeline::Timeline;
+use super::wire;
+use crate::Context;
+use crate::comm::{PersistentRecv, SLEEPING};
+use crate::error::{Error, Result};
+use crate::sync::lock;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// The background thread's state.
+pub(crate) struct Core {
+    ctx: Arc<Context>,
+    sh: Arc<Shared>,
+    cfg: EngineConfig,
+    rank: usize,
+    size: usize,
+    /// The negotiation; its tickets are this rank's tensors and completions.
+    ctl: Controller<Own>,
+    /// This rank's join, until every rank has joined.
+    join: Option<Arc<Completion>>,
+    /// The fusion buffer, reused from cycle to cycle.
+    fusion: Vec<u64>,
+    timeline: Option<Timeline>,
+    /// The idle wait's receive of control messages from any rank: it stays posted from one
+    /// idle slice to the next (withdrawn at a slice's end, a half-read message would be lost).
+    inbox: PersistentRecv,
+}
+
+impl Core {
+    pub(crate) fn new(
+        ctx: Arc<Context>,
+        sh: Arc<Shared>,
+        cfg: EngineConfig,
+        timeline: Option<PathBuf>,
+    ) -> Result<Core> {
+        let (rank, size) = (ctx.rank(), ctx.size());
+        let world: Vec<usize> = (0..size).map(|r| ctx.world_rank(r).unwrap_or(r)).collect();
+        let timeline = timeline.map(|p| Timeline::create(&p, world[rank], sh.epoch)).transpose()?;
+        Ok(Core {
+            ctl: Controller::new(rank, world, cfg.cache_capacity, cfg.stall_check, cfg.stall_shutdown),
+            inbox: ctx.comm().persistent_recv(CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
+            ctx,
+            sh,
+            cfg,
+            rank,
+            size,
+            join: None,
+            fusion: Vec::new(),
+            timeline,
+        })
+    }
+
+    /// The job's rank of rank `r` of the engine's context (errors name ranks this way).
+    fn w(&self, r: usize) -> usize {
+        self.ctx.world_rank(r).unwrap_or(r)
+    }
+
+    /// The thread's body: serve until shutdown or failure, then fail whatever is left.
+    pub(crate) fn run(mut self) {
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve())).unwrap_or_else(|p| {
+            Err(Error::Aborted {
+                rank: self.w(self.rank),
+                reason: format!("the engine's thread panicked on rank {}: {}", self.w(self.rank), panic_message(&*p)),
+            })
+        });
+        let err = match served {
+            Ok(by) => Error::Aborted {
+                rank: by,
+                reason: format!("the engine was shut down on rank {by} (an Engine dropped or shut down)"),
+            },
+            Err(e) => {
+                // Tell every peer the cause (a no-op when the cause came from a peer).
+                self.ctx.comm().fail(&e);
+                e
+            }
+        };
+        {
+            let mut f = lock(&self.sh.failed);
+            if f.is_none() {
+                *f = Some(err.clone());
+            }
+        }
+        tracing::debug!(rank = self.rank, error = %err, "engine stopped");
+        let mut queued = {
+            let mut q = lock(&self.sh.queue);
+            q.closed = true;
+            std::mem::take(&mut q.items)
+        };
+        lock(&self.sh.inflight).clear();
+        for s in queued.drain(..) {
+            s.done.finish(Err(err.clone()));
+        }
+        for (_, done, _) in self.ctl.drain_tickets() {
+            done.finish(Err(err.clone()));
+        }
+        if let Some(j) = self.join.take() {
+            j.done_with(Err(err.clone()));
+        }
+        if let Some(t) = &mut self.timeline {
+            t.flush();
+        }
+    }
+
+    /// Cycles until a rank shuts down (returns that rank) or something fails.
+    fn serve(&mut self) -> Result<usize> {
+        loop {
+            let first = self.idle()?;
+            if let Some(by) = self.cycle(first)? {
+                return Ok(by);
+            }
+        }
+    }
+
+    /// Whether this rank has something to negotiate.
+    fn has_news(&mut self) -> bool {
+        self.timeline_commands();
+        let q = lock(&self.sh.queue);
+        !q.items.is_empty() || (q.shutdown && !self.ctl.is_shutting_down()) || self.ctl.has_news()
+    }
+
+    /// Starts and stops the timeline as asked (before the submissions that came after).
+    fn timeline_commands(&mut self) {
+        let cmds = std::mem::take(&mut lock(&self.sh.queue).timeline);
+        for c in cmds {
+            self.timeline_command(c);
+        }
+    }
+
+    fn timeline_command(&mut self, c: TimelineCommand) {
+        if let Some(mut t) = self.timeline.take() {
+            t.flush();
+        }
+        self.timeline = match c {
+            TimelineCommand::Stop => None,
+            TimelineCommand::Start(p) => {
+                let p = match (self.cfg.timeline_all_ranks, self.rank) {
+                    (true, r) => super::timeline::rank_path(&p, self.w(r)),
+                    (false, COORDINATOR) => p,
+                    (false, _) => return,
+                };
+                match Timeline::create(&p, self.w(self.rank), self.sh.epoch) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        tracing::warn!(rank = self.rank, error = %e, "cannot start the engine's timeline");
+                        None
+                    }
+                }
+            }
+        };
+    }
+
+    /// Waits for news: a submission on this rank (it wakes itself with a message), or a
+    /// peer's state message (a cycle began). Returns the peer's message, or `None` for news
+    /// of this rank.
+    fn idle(&mut self) -> Result<Option<(usize, Vec<u8>)>> {
+        let all: Vec<usize> = (0..self.size).collect();
+        loop {
+            if self.has_news() {
+                // The cycle's own receives must not race the idle one: withdraw it, unless a
+                // message is arriving into it already, which then comes first.
+                self.inbox.withdraw();
+                if !self.inbox.is_posted() {
+                    return Ok(None);
+                }
+            }
+            // Until the stall inspector's next look, when rank 0 holds pending names;
+            // otherwise long (nothing to do until a message comes).
+            let timeout = self.ctl.stall_wait().unwrap_or(Duration::from_secs(3600));
+            match self.inbox.wait(&all, Instant::now() + timeout) {
+                Some(Ok((peer, msg))) if peer == self.rank => {
+                    self.sh.wake_pending.store(false, Ordering::SeqCst);
+                    if msg != [wire::WAKE] {
+                        return Err(Error::Protocol {
+                            peer: Some(self.w(peer)),
+                            detail: format!("engine: a message of {} bytes from this rank to itself", msg.len()),
+                        });
+                    }
+                }
+                Some(Ok((peer, msg))) => return Ok(Some((peer, msg))),
+                // A message that began arriving and stopped was dropped; so is a quiet slice.
+                None | Some(Err(Error::Timeout { .. })) => self.inspect_stalls()?,
+                Some(Err(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// While submissions keep arriving close together, waits (at most the batch window) for
+    /// the burst to end, so that one cycle negotiates it.
+    fn batch(&self) {
+        let (gap, window) = (self.cfg.batch_gap, self.cfg.batch_window);
+        if window.is_zero() || gap.is_zero() {
+            return;
+        }
+        let start = Instant::now();
+        let mut q = lock(&self.sh.queue);
+        loop {
+            // A burst: more than one submission is waiting, the last two close together, and
+            // the last one just now. (One submission alone, as from a thread that submits and
+            // waits, is negotiated at once.)
+            let burst =
+                q.items.len() > 1 && q.gap.is_some_and(|g| g < gap) && q.last.is_some_and(|l| l.elapsed() < gap);
+            let left = window.saturating_sub(start.elapsed());
+            if !burst || q.shutdown || left.is_zero() {
+                return;
+            }
+            let n = q.items.len();
+            q = crate::sync::wait_timeout(&self.sh.arrived, q, gap.min(left));
+            if q.items.len() == n {
+                return;
+            }
+        }
+    }
+
+    /// Hands new submissions to the controller.
+    fn drain(&mut self) {
+        self.timeline_commands();
+        let (items, shutdown) = {
+            let mut q = lock(&self.sh.queue);
+            (std::mem::take(&mut q.items), q.shutdown)
+        };
+        if shutdown {
+            self.ctl.shut_down();
+        }
+        for Submission { name, meta, payload, done, submitted } in items {
+            if meta.kind == Kind::Join {
+                self.join = Some(done);
+                self.ctl.join();
+            } else {
+                self.ctl.submit(name, meta, (payload, done, submitted));
+            }
+        }
+    }
+
+    /// Sends this rank's state to every rank and receives theirs (the direct bitwise
+    /// allreduce). `first` is a state already received (the one that began the cycle).
+    fn exchange(&mut self, first: Option<(usize, Vec<u8>)>) -> Result<()> {
+        let (me, n) = (self.rank, self.size);
+        let out = self.ctl.begin();
+        if let Some((p, msg)) = first {
+            self.ctl.receive_state(p, &msg)?;
+        }
+        let need = self.ctl.awaiting();
+        let got = self.ctx.scope(|s| {
+            let mut sends = Vec::with_capacity(n);
+            for p in (0..n).filter(|&p| p != me) {
+                sends.push(s.isend(p, CONTROL_TAG, out.to(p))?);
+            }
+            let recvs = need
+                .iter()
+                .map(|&p| s.irecv_bytes(&[p], CONTROL_TAG, wire::MAX_MESSAGE).map(|r| (p, r)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut got = Vec::with_capacity(recvs.len());
+            for (p, r) in recvs {
+                got.push((p, r.wait()?.1));
+            }
+            for s in sends {
+                s.wait()?;
+            }
+            Ok(got)
+        })?;
+        for (p, msg) in got {
+            self.ctl.receive_state(p, &msg)?;
+        }
+        Ok(())
+    }
+
+    /// One cycle. Returns the rank that shut the engine down, if one did.
+    fn cycle(&mut self, first: Option<(usize, Vec<u8>)>) -> Result<Option<usize>> {
+        if first.is_none() {
+            self.batch();
+        }
+        self.drain();
+        self.exchange(first)?;
+        let now = Instant::now();
+        let responses = match self.ctl.exchanged(now, self.timeline.is_some())? {
+            Responses::None => None,
+            Responses::Send(msg) => {
+                let n = self.size;
+                self.ctx.scope(|s| {
+                    let sends = (1..n).map(|p| s.isend(p, CONTROL_TAG, msg.as_slice())).collect::<Result<Vec<_>>>()?;
+                    sends.into_iter().try_for_each(|s| s.wait())
+                })?;
+                None
+            }
+            Responses::Receive => {
+                Some(self.ctx.scope(|s| s.irecv_bytes(&[COORDINATOR], CONTROL_TAG, wire::MAX_MESSAGE)?.wait())?.1)
+            }
+        };
+        let Decision { ready, from_coordinator, coordinated, contributors, join_done, shut_by } =
+            self.ctl.conclude(responses.as_deref())?;
+        {
+            let mut st = lock(&self.sh.stats);
+            st.cycles += 1;
+            st.coordinated_cycles += u64::from(coordinated);
+            st.coordinated += from_coordinator as u64;
+            st.cache_hits += (ready.len() - from_coordinator) as u64;
+        }
+        let items = ready.into_iter().map(|r| Item::new(r, now)).collect();
+        self.execute(items, contributors)?;
+        if let Some(last) = join_done
+            && let Some(j) = self.join.take()
+        {
+            lock(&self.sh.inflight).remove("ferrogloo.join");
+            self.sh.joined.store(false, Ordering::SeqCst);
+            j.done_with(Ok(Output::Rank(last)));
+        }
+        if self.rank == COORDINATOR {
+            self.inspect_stalls()?;
+        }
+        if let Some(t) = &mut self.timeline {
+            t.flush();
+        }
+        Ok(shut_by)
+    }
+
+    /// Rank 0: reports names some ranks submitted and others have not, past the thresholds;
+    /// past the shutdown threshold, fails the engine (on every rank) naming them.
+    fn inspect_stalls(&mut self) -> Result<()> {
+        let found = self.ctl.inspect_stalls(Instant::now());
+        for report in found.reports {
+            let _ = writeln!(std::io::stderr(), "[ferrogloo engine, rank {}] stalled: {report}", self.w(self.rank));
+            tracing::warn!(rank = self.rank, %report, "engine stall");
+            lock(&self.sh.stalls).push(report);
+        }
+        found.fatal.map_or(Ok(()), Err)
+    }
+
+    /// Runs the ready names in order (fusing allreduces) and completes this rank's handles.
+    fn execute(&mut self, mut items: Vec<Item>, contributors: usize) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let (spans, ran) = exec::run(
+            &self.ctx,
+            &mut self.fusion,
+            &mut items,
+            contributors,
+            (self.cfg.fusion_threshold, self.cfg.fusion_max_tensor),
+            &self.sh.stats,
+        );
+        if let Some(t) = &mut self.timeline {
+            t.record(&items, &spans);
+        }
+        if let Err(e) = &ran {
+            // Whatever did not run reports the failure (the rest keep their results).
+            for item in &mut items {
+                item.fail_unrun(e);
+            }
+        }
+        let mut panicked: Option<Error> = None;
+        for item in items {
+            let name = item.name.clone();
+            lock(&self.sh.inflight).remove(&name);
+            if let Some(msg) = item.finish() {
+                panicked.get_or_insert(Error::Aborted {
+                    rank: self.w(self.rank),
+                    reason: format!("a completion callback of '{name}' panicked on rank {}: {msg}", self.w(self.rank)),
+                });
+            }
+        }
+        ran?;
+        panicked.map_or(Ok(()), Err)
+    }
+}

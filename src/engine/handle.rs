@@ -1,0 +1,186 @@
+//! A submission's way back: the completion the background thread finishes, and the typed
+//! [`Handle`] a user waits on (or gives a callback).
+
+use super::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::sync::lock;
+use crate::types::Element;
+use std::any::Any;
+use std::marker::PhantomData;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a finished submission produced, before it is given its type.
+pub(crate) enum Output {
+    Tensor { payload: Box<dyn Payload>, shape: Vec<usize> },
+    Unit,
+    Rank(usize),
+}
+
+/// A tensor's storage, owned by the engine while the submission is in flight.
+pub(crate) trait Payload: Send {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+}
+
+impl<T: Element> Payload for Vec<T> {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self)
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(self)
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+}
+
+type Callback = Box<dyn FnOnce(Result<Output>) + Send>;
+
+/// The completion of one submission.
+pub(crate) struct Completion {
+    state: Mutex<(Option<Result<Output>>, Option<Callback>)>,
+    cond: Condvar,
+}
+
+impl Completion {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Completion { state: Mutex::new((None, None)), cond: Condvar::new() })
+    }
+
+    /// Finishes the submission (first outcome wins); runs its callback, if one is set, on
+    /// this thread. Returns the callback's panic message, if it panicked.
+    pub(crate) fn finish(&self, outcome: Result<Output>) -> Option<String> {
+        let mut s = lock(&self.state);
+        if s.0.is_some() {
+            return None;
+        }
+        if let Some(cb) = s.1.take() {
+            drop(s);
+            return std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(outcome)))
+                .err()
+                .map(|p| panic_message(&*p));
+        }
+        s.0 = Some(outcome);
+        drop(s);
+        self.cond.notify_all();
+        None
+    }
+
+    /// Finishes a completion whose callback cannot panic the engine (join, shutdown).
+    pub(crate) fn done_with(&self, out: Result<Output>) {
+        let _ = self.finish(out);
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        lock(&self.state).0.is_some()
+    }
+}
+
+pub(crate) fn panic_message(p: &(dyn Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+/// The result of one submission, available once every rank has submitted the name and the
+/// collective ran. Dropping a handle leaves the submission in flight (its result is dropped).
+#[must_use = "a handle is how the result comes back"]
+pub struct Handle<O> {
+    pub(crate) done: Arc<Completion>,
+    pub(crate) name: String,
+    pub(crate) convert: fn(Output) -> Result<O>,
+    pub(crate) _o: PhantomData<fn() -> O>,
+}
+
+impl<O: Send + 'static> Handle<O> {
+    /// The name it was submitted under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether the result is there (a [`wait`](Self::wait) would not block). This is the
+    /// polling form.
+    pub fn is_done(&self) -> bool {
+        self.done.is_done()
+    }
+
+    /// Blocks until the result is there. A name that other ranks never submit blocks until
+    /// the stall shutdown, if one is configured; use [`wait_timeout`](Self::wait_timeout) for
+    /// a deadline of your own.
+    pub fn wait(self) -> Result<O> {
+        self.wait_until(None)
+    }
+
+    /// Like [`wait`](Self::wait), but gives up after `timeout` with [`Error::Timeout`] naming
+    /// the tensor (the submission stays in flight; its result is then dropped).
+    pub fn wait_timeout(self, timeout: Duration) -> Result<O> {
+        self.wait_until(Instant::now().checked_add(timeout))
+    }
+
+    fn wait_until(self, deadline: Option<Instant>) -> Result<O> {
+        let start = Instant::now();
+        let mut s = lock(&self.done.state);
+        loop {
+            if let Some(out) = s.0.take() {
+                return out.and_then(self.convert);
+            }
+            match deadline {
+                None => s = crate::sync::wait(&self.done.cond, s),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Err(Error::Timeout {
+                            op: format!("engine: waiting for '{}'", self.name),
+                            ranks: Vec::new(),
+                            keys: Vec::new(),
+                            waited: start.elapsed(),
+                        });
+                    }
+                    s = crate::sync::wait_timeout(&self.done.cond, s, d - now);
+                }
+            }
+        }
+    }
+
+    /// The callback form: `f` gets the result, on the engine's background thread as soon as
+    /// it is there (here and now, on the calling thread, if it already is). Keep it short: the
+    /// engine waits for it. A callback that panics on the engine's thread fails the engine on
+    /// every rank, with the panic as the cause (one run here panics here).
+    pub fn then(self, f: impl FnOnce(Result<O>) + Send + 'static) {
+        let convert = self.convert;
+        let mut s = lock(&self.done.state);
+        if let Some(out) = s.0.take() {
+            drop(s);
+            f(out.and_then(convert));
+            return;
+        }
+        s.1 = Some(Box::new(move |out: Result<Output>| f(out.and_then(convert))));
+    }
+}
+
+pub(crate) fn tensor_of<T: Element>(out: Output) -> Result<Tensor<T>> {
+    match out {
+        Output::Tensor { payload, shape } => match payload.into_any().downcast::<Vec<T>>() {
+            Ok(data) => Ok(Tensor { data: *data, shape }),
+            Err(_) => Err(Error::invalid("engine: a result of another element type (a bug)")),
+        },
+        _ => Err(Error::invalid("engine: a result of another kind (a bug)")),
+    }
+}
+
+pub(crate) fn unit_of(out: Output) -> Result<()> {
+    match out {
+        Output::Unit => Ok(()),
+        _ => Err(Error::invalid("engine: a result of another kind (a bug)")),
+    }
+}
+
+pub(crate) fn rank_of(out: Output) -> Result<usize> {
+    match out {
+        Output::Rank(r) => Ok(r),
+        _ => Err(Error::invalid("engine: a result of another kind (a bug)")),
+    }
+}

@@ -1,0 +1,77 @@
+//! What user threads and the background thread share: the queue of submissions and commands,
+//! the first failure, the names in flight, the counters and stall reports.
+
+use super::handle::{Completion, Payload};
+use super::meta::Meta;
+use super::stall::StallReport;
+use crate::error::Error;
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Counters of what an engine did on this rank.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Negotiation cycles this rank took part in.
+    pub cycles: u64,
+    /// Cycles that went to the coordinator (some name was not in the cache).
+    pub coordinated_cycles: u64,
+    /// Names found ready through the response cache's bits.
+    pub cache_hits: u64,
+    /// Names found ready by the coordinator.
+    pub coordinated: u64,
+    /// Collectives run (a fused batch counts once).
+    pub collectives: u64,
+    /// Allreduce batches of more than one tensor.
+    pub fused_batches: u64,
+    /// Tensors that went through those batches.
+    pub fused_tensors: u64,
+}
+
+/// One submission, on its way to the background thread.
+pub(crate) struct Submission {
+    pub(crate) name: String,
+    pub(crate) meta: Meta,
+    pub(crate) payload: Option<Box<dyn Payload>>,
+    pub(crate) done: Arc<Completion>,
+    pub(crate) submitted: Instant,
+}
+
+/// What user threads and the background thread share.
+pub(crate) struct Shared {
+    pub(crate) queue: Mutex<Queue>,
+    pub(crate) arrived: Condvar,
+    /// A wake-up message to this rank is on its way and not yet received.
+    pub(crate) wake_pending: AtomicBool,
+    /// The engine's first failure; every later submission reports it.
+    pub(crate) failed: Mutex<Option<Error>>,
+    /// Names in flight on this rank.
+    pub(crate) inflight: Mutex<HashSet<String>>,
+    pub(crate) stats: Mutex<EngineStats>,
+    pub(crate) stalls: Mutex<Vec<StallReport>>,
+    pub(crate) barriers: AtomicU64,
+    /// Calls of `grouped_allreduce` per group name.
+    pub(crate) groups: Mutex<HashMap<String, u64>>,
+    /// This rank has joined and its join has not completed.
+    pub(crate) joined: AtomicBool,
+    pub(crate) epoch: Instant,
+}
+
+#[derive(Default)]
+pub(crate) struct Queue {
+    pub(crate) items: Vec<Submission>,
+    pub(crate) shutdown: bool,
+    /// The background thread has stopped: nothing more is taken.
+    pub(crate) closed: bool,
+    pub(crate) timeline: Vec<TimelineCommand>,
+    /// When the last submission came, and how long after the one before.
+    pub(crate) last: Option<Instant>,
+    pub(crate) gap: Option<Duration>,
+}
+
+pub(crate) enum TimelineCommand {
+    Start(PathBuf),
+    Stop,
+}
