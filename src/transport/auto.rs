@@ -19,6 +19,7 @@
 //! rank to read it).
 
 use crate::error::{Error, Result};
+use crate::transport::handshake::codec::{BufMutExt, Reader};
 use crate::transport::shm::ShmDevice;
 use crate::transport::tcp::device::TcpDevice;
 use crate::transport::{Backend, BusyWait, Completion, ConnectError, Done, Endpoint, EndpointSpec, Mesh, Progress};
@@ -109,23 +110,18 @@ struct AutoEndpoint {
 /// shared-memory address.
 fn encode(host: &str, tcp: &[u8], shm: &[u8]) -> Vec<u8> {
     let mut b = Vec::with_capacity(6 + host.len() + tcp.len() + shm.len());
-    b.extend_from_slice(&(host.len() as u16).to_le_bytes());
-    b.extend_from_slice(host.as_bytes());
-    b.extend_from_slice(&(tcp.len() as u32).to_le_bytes());
-    b.extend_from_slice(tcp);
+    b.write_u16_prefixed(host.as_bytes());
+    b.write_u32_prefixed(tcp);
     b.extend_from_slice(shm);
     b
 }
 
 /// The three parts of an address blob; `None` when it is not one.
 fn decode(b: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
-    let hl = u16::from_le_bytes(b.get(..2)?.try_into().ok()?) as usize;
-    let host = b.get(2..2 + hl)?;
-    let at = 2 + hl;
-    let tl = u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?) as usize;
-    let tcp = b.get(at + 4..at + 4 + tl)?;
-    let shm = b.get(at + 4 + tl..)?;
-    Some((host, tcp, shm))
+    let mut r = Reader::new(b);
+    let host = r.u16_prefixed(usize::from(u16::MAX), "a host identity").ok()?;
+    let tcp = r.u32_prefixed(b.len(), "a remote address").ok()?;
+    Some((host, tcp, r.rest()))
 }
 
 impl Endpoint for AutoEndpoint {

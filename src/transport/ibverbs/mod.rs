@@ -69,6 +69,7 @@ mod backend {
     use super::{rdma, sim};
     use crate::error::{Error, Result};
     use crate::transport::auth::{mac, mac_eq};
+    use crate::transport::handshake::codec::{Codec, Reader};
     use crate::transport::wake::{EventFd, poll_fds};
     use crate::transport::{Backend, ConnectError, Endpoint, EndpointSpec, Mesh, Pair, Passive, random16};
     use std::io::{Read, Write};
@@ -365,7 +366,9 @@ mod backend {
                 return Err(refuse(&mut s, format!("rank {from} is already connected")));
             }
             let at = 34;
-            let Some(remote) = QpAddr::decode(&h[at..]) else { return Err(refuse(&mut s, "a bad address".into())) };
+            let Ok(remote) = Reader::new(&h[at..]).get::<QpAddr>() else {
+                return Err(refuse(&mut s, "a bad address".into()));
+            };
             let ring = (u64_at(&h, at + QpAddr::LEN), u32_at(&h, at + QpAddr::LEN + 8));
             if let Err(e) = self.bring_up(from, &remote) {
                 return Err(refuse(&mut s, format!("its queue pair cannot connect: {e}")));
