@@ -81,11 +81,6 @@ impl<'a> Reader<'a> {
         Reader { rest: bytes }
     }
 
-    /// Bytes not read yet.
-    pub(crate) fn remaining(&self) -> usize {
-        self.rest.len()
-    }
-
     /// [`DecodeError::Short`] unless `n` bytes are left.
     pub(crate) fn require(&self, n: usize) -> Decoded<()> {
         match n.checked_sub(self.rest.len()) {
@@ -159,6 +154,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Decodes a whole value from `bytes`: nothing may be left over.
+#[cfg(test)]
 pub(crate) fn decode_all<T: Codec>(bytes: &[u8], what: &str) -> Decoded<T> {
     let mut r = Reader::new(bytes);
     let v = r.get()?;
@@ -217,7 +213,7 @@ mod tests {
         let b = [1u8, 2, 3];
         let mut r = Reader::new(&b);
         assert_eq!(r.get::<u64>(), Err(DecodeError::Short(5)));
-        assert_eq!(r.remaining(), 3, "a failed read consumes nothing");
+        assert_eq!(r.clone().rest().len(), 3, "a failed read consumes nothing");
         assert_eq!(r.get::<u16>(), Ok(0x0201));
         assert_eq!(r.get::<u16>(), Err(DecodeError::Short(1)));
         assert_eq!(r.get::<u8>(), Ok(3));

@@ -1,3 +1,62 @@
-//! The one handshake of every backend, and the one codec of every wire type.
+//! The one handshake of every backend (TCP, shared memory, ibverbs), as a sans-IO state
+//! machine ([`machine::Handshake`]), and the one codec of every wire type ([`codec`]).
+//!
+//! The connecting side (always the higher rank of a pair) and the accepting side exchange:
+//!
+//! ```text
+//! connector                                   acceptor
+//!   Hello(ctx, from, to, size, lane, nonce_c)  ->
+//!                                              <-  Challenge(status, nonce_a, MAC_a)
+//!   Proof(connector payload, MAC_c)            ->
+//!                                              <-  Welcome(status, acceptor payload, MAC)
+//!   Ready(status, payload, MAC)                ->   (only where the backend asks for it)
+//! ```
+//!
+//! Each MAC is HMAC-SHA256 under the job's secret over a label, the acceptor's address (as
+//! the acceptor published it, and as the connector found it in the store), and every byte of
+//! the handshake so far. So:
+//!
+//! - **no replay**: both sides contribute a fresh random nonce, and each proof covers the
+//!   other side's nonce, so a recorded message checks in no other handshake;
+//! - **both sides prove the secret** before either hands over anything: the acceptor in its
+//!   challenge (the connector checks it before it sends its proof), the connector in its proof
+//!   (the acceptor checks it before it sends its welcome). A fake acceptor without the secret
+//!   gets only a hello; a stranger replaying a hello gets only a challenge;
+//! - **payloads only after the proofs**: a backend's payload (the ibverbs queue pair address
+//!   and ring key, the shared-memory descriptors that go with the same message) travels in the
+//!   proof and the welcome, each sent only to a peer that proved the secret, and sealed by a
+//!   MAC;
+//! - **no relay from another address**: a stranger who puts its own address in the store and
+//!   forwards the real acceptor's challenge fails, since the connector checks the MAC against
+//!   the address it dialed;
+//! - the ready message is for backends where the acceptor must not use the connection before
+//!   the connector has set up its side (ibverbs brings its queue pair up on the welcome;
+//!   shared memory says whether it can read the acceptor's memory). TCP has none.
+//!
+//! Against the three-message alternative (hello; challenge with the acceptor's payload;
+//! proof), this costs one more round trip per connection, and buys that neither side's
+//! payload reaches a peer that has not proved the secret. Without a secret the MACs are zero
+//! and unchecked; magic, version, backend, context id, ranks and world size are checked all
+//! the same, and a refusal carries a [`messages::Status`] the refused side puts in words.
+//!
+//! Messages (little-endian):
+//!
+//! ```text
+//! every message:   magic "FGLO" u32 | version u16 | type u8 | code u8 (flags or status)
+//! Hello      56 B: ... | backend u8 | lane u8 | reserved [2] | context id [16] | from u32 |
+//!                  to u32 | size u32 | nonce [16]                 (code: bit 0, a secret is used)
+//! Challenge  56 B: ... | nonce [16] | MAC [32]                    (code: status)
+//! Proof, Welcome, Ready: ... | payload length u16 (at most 1024) | payload | MAC [32]
+//! ```
+//! Every message has a bounded size, read in at most two steps, so nothing a stranger sends
+//! sizes an allocation beyond [`messages::MAX_MESSAGE`] bytes.
 
 pub(crate) mod codec;
+pub(crate) mod machine;
+pub(crate) mod messages;
+
+#[cfg(test)]
+mod tests;
+
+pub(crate) use machine::{Dial, Event, Handshake, Local, Refusal};
+pub(crate) use messages::{BackendKind, Status};

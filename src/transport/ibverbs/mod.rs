@@ -321,7 +321,7 @@ mod backend {
                 h.extend_from_slice(&prep.ring.mr.addr().to_le_bytes());
                 h.extend_from_slice(&prep.ring.mr.rkey().to_le_bytes());
             }
-            let m = mac(self.spec.secret.as_deref(), MAC_LABEL, &h, &self.spec.ctx);
+            let m = mac(self.spec.secret.as_deref(), &[MAC_LABEL.as_bytes(), &h, &self.spec.ctx]);
             h.extend_from_slice(&m);
             h
         }
@@ -359,7 +359,7 @@ mod backend {
             let body = &h[..HELLO_LEN - 32];
             let mut theirs = [0u8; 32];
             theirs.copy_from_slice(&h[HELLO_LEN - 32..]);
-            if !mac_eq(&mac(self.spec.secret.as_deref(), MAC_LABEL, body, &self.spec.ctx), &theirs) {
+            if !mac_eq(&mac(self.spec.secret.as_deref(), &[MAC_LABEL.as_bytes(), body, &self.spec.ctx]), &theirs) {
                 return Err(refuse(&mut s, "the shared secrets differ".into()));
             }
             if self.links[from].is_some() {

@@ -185,7 +185,7 @@ impl ShmEndpoint {
             probe: &PROBE as *const u64 as u64,
             can_read,
             nonce,
-            mac: mac(self.spec.secret.as_deref(), "ferrogloo-shm-ack", &hello, &nonce),
+            mac: mac(self.spec.secret.as_deref(), &["ferrogloo-shm-ack".as_bytes(), &hello, &nonce]),
         };
         send_with_fds(&stream, &ack.encode(), &[self.segment_fd.as_fd(), self.bell.fd()])?;
         if status != 0 {
@@ -198,7 +198,7 @@ impl ShmEndpoint {
         let mut got = [0u8; 32];
         got.copy_from_slice(&fin[8..40]);
         if self.spec.secret.is_some()
-            && !mac_eq(&mac(self.spec.secret.as_deref(), "ferrogloo-shm-auth", &hello, &nonce), &got)
+            && !mac_eq(&mac(self.spec.secret.as_deref(), &["ferrogloo-shm-auth".as_bytes(), &hello, &nonce]), &got)
         {
             return Err(Error::Protocol { peer: Some(peer), detail: "it failed to prove the shared secret".into() });
         }
@@ -256,7 +256,10 @@ impl Endpoint for ShmEndpoint {
             return Err(refused(format!("it refused the handshake: {}", describe(ack.status))));
         }
         if self.spec.secret.is_some()
-            && !mac_eq(&mac(self.spec.secret.as_deref(), "ferrogloo-shm-ack", &hello, &ack.nonce), &ack.mac)
+            && !mac_eq(
+                &mac(self.spec.secret.as_deref(), &["ferrogloo-shm-ack".as_bytes(), &hello, &ack.nonce]),
+                &ack.mac,
+            )
         {
             return Err(refused("it failed to prove the shared secret".into()));
         }
@@ -266,7 +269,8 @@ impl Endpoint for ShmEndpoint {
         let can_read = self.opts.single_copy && cma_works(ack.pid as i32, ack.probe);
         let mut fin = [0u8; FINAL_LEN];
         fin[0] = u8::from(can_read);
-        fin[8..40].copy_from_slice(&mac(self.spec.secret.as_deref(), "ferrogloo-shm-auth", &hello, &ack.nonce));
+        fin[8..40]
+            .copy_from_slice(&mac(self.spec.secret.as_deref(), &["ferrogloo-shm-auth".as_bytes(), &hello, &ack.nonce]));
         send_with_fds(&stream, &fin, &[]).map_err(ConnectError::Retry)?;
         let pair = ShmPair::new(PairParts {
             me: self.spec.rank,

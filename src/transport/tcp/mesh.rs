@@ -4,10 +4,11 @@
 //! [`TcpProgress`].
 
 use super::device::{Route, Shared, TcpDevice, configure};
-use super::handshake::{self, ACK_LEN, Ack, Hello, Status};
 use super::pair::{Lane, TcpPair};
 use super::progress::TcpProgress;
 use crate::error::{Error, Result};
+use crate::transport::handshake::messages::MAX_MESSAGE;
+use crate::transport::handshake::{BackendKind, Dial, Event, Handshake, Local};
 use crate::transport::{Backend, ConnectError, ContextId, Endpoint, EndpointSpec, Mesh, Pair, random16};
 use mio::net::TcpStream;
 use std::io::{self, Read, Write};
@@ -79,6 +80,7 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn connect(&mut self, peer: usize, addr: &[u8], deadline: Instant) -> std::result::Result<(), ConnectError> {
+        let raw = addr;
         let addr: SocketAddr = std::str::from_utf8(addr).ok().and_then(|a| a.parse().ok()).ok_or_else(|| {
             ConnectError::Refused(Error::Protocol {
                 peer: Some(peer),
@@ -93,7 +95,7 @@ impl Endpoint for TcpEndpoint {
             .ok_or_else(|| ConnectError::Refused(Error::invalid(format!("no pair for rank {peer}"))))?;
         for lane in [Lane::Main, Lane::Bulk] {
             if !pair.lane_attached(lane) {
-                let s = self.connect_lane(peer, addr, deadline, lane)?;
+                let s = self.connect_lane(peer, (addr, raw), deadline, lane)?;
                 if self.shared.attach(&pair, lane, TcpStream::from_std(s), None).map_err(ConnectError::Refused)? {
                     self.route.notify();
                 }
@@ -117,12 +119,13 @@ impl Endpoint for TcpEndpoint {
 }
 
 impl TcpEndpoint {
-    /// Opens the pair's `lane` connection to `peer` and runs the connector's handshake. A
-    /// connection that fails or breaks is worth retrying; an answer that refuses is not.
+    /// Opens the pair's `lane` connection to `peer` at `addr` (and as its store entry has it)
+    /// and runs the connector's handshake. A connection that fails or breaks is worth retrying;
+    /// an answer that refuses is not.
     fn connect_lane(
         &self,
         peer: usize,
-        addr: SocketAddr,
+        (addr, published): (SocketAddr, &[u8]),
         deadline: Instant,
         lane: Lane,
     ) -> std::result::Result<std::net::TcpStream, ConnectError> {
@@ -138,31 +141,30 @@ impl TcpEndpoint {
         s.set_read_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
         s.set_write_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
         let route = &self.route;
-        let secret = route.secret.as_deref();
-        let hello = Hello {
-            with_secret: secret.is_some(),
-            ctx: self.ctx,
-            from: route.rank as u32,
-            to: peer as u32,
-            size: route.size as u32,
+        let mut hs = Handshake::connect(Dial {
+            kind: BackendKind::Tcp,
+            local: Local { ctx: self.ctx, rank: route.rank, size: route.size, secret: route.secret.clone() },
+            to: peer,
+            lane: lane as u8,
+            address: published,
+            payload: Vec::new(),
+            ready: false,
             nonce: random16(),
-            bulk: lane == Lane::Bulk,
-        }
-        .encode();
-        s.write_all(&hello).map_err(|e| io_err("sending the handshake to", e))?;
-        let mut raw = [0u8; ACK_LEN];
-        s.read_exact(&mut raw).map_err(|e| io_err("reading the handshake answer of", e))?;
-        let ack = Ack::decode(&raw).map_err(refused)?;
-        if ack.status != Status::Ok {
-            return Err(refused(format!("handshake refused: {}", ack.status.describe())));
-        }
-        if secret.is_some() {
-            let want = handshake::mac(secret, "ferrogloo-ack", &hello, &ack.nonce);
-            if !handshake::mac_eq(&want, &ack.mac) {
-                return Err(refused("the peer failed to prove the shared secret".into()));
+        });
+        let mut buf = [0u8; MAX_MESSAGE];
+        loop {
+            match hs.poll() {
+                Event::Send(o) => s.write_all(&o.bytes).map_err(|e| io_err("sending the handshake to", e))?,
+                Event::Need(n) => {
+                    let got = &mut buf[..n.min(MAX_MESSAGE)];
+                    s.read_exact(got).map_err(|e| io_err("reading the handshake answer of", e))?;
+                    hs.feed(got);
+                }
+                // A connector without a ready message is not asked to decide.
+                Event::Hello(_) | Event::Proved(_) => return Err(refused("the handshake went out of order".into())),
+                Event::Done(_) => break,
+                Event::Refused(why) => return Err(refused(why.to_string())),
             }
-            let auth = handshake::mac(secret, "ferrogloo-auth", &hello, &ack.nonce);
-            s.write_all(&auth).map_err(|e| io_err("sending the handshake proof to", e))?;
         }
         s.set_nonblocking(true).map_err(|e| io_err("configuring the socket to", e))?;
         Ok(s)
