@@ -59,19 +59,21 @@ pub mod fuzzing {
             let bytes = to_vec(&m);
             assert_eq!(&data[..bytes.len().min(data.len())], &bytes[..], "handshake message does not round-trip");
         }
-        for secret in [None, Some(b"k".to_vec())] {
+        for (secret, kind) in [None, Some(b"k".to_vec())]
+            .into_iter()
+            .flat_map(|s| [BackendKind::Tcp, BackendKind::Shm].map(|k| (s.clone(), k)))
+        {
             let local = Local { ctx: [1; 16], rank: 1, size: 2, secret: secret.clone() };
             let connector = Handshake::connect(Dial {
-                kind: BackendKind::Tcp,
+                kind,
                 local: local.clone(),
                 to: 0,
                 lane: 0,
                 address: b"a",
                 payload: vec![1, 2, 3],
-                ready: true,
                 nonce: [2; 16],
             });
-            let acceptor = Handshake::accept(BackendKind::Tcp, true, [3; 16]);
+            let acceptor = Handshake::accept(kind, [3; 16]);
             let local = Local { rank: 0, ..local };
             for mut hs in [connector, acceptor] {
                 let mut fed = 0;
@@ -88,7 +90,7 @@ pub mod fuzzing {
                             fed += k;
                         }
                         Event::Hello(_) => hs.admit(Some(&local), b"a", false),
-                        Event::Proved(_) => hs.respond(&[4, 5]),
+                        Event::Proved(_) => hs.respond(if kind.welcomes() { &[4, 5] } else { &[] }),
                         Event::Done(_) => {
                             assert!(secret.is_none(), "bytes that did not prove the secret finished a handshake");
                             break;
@@ -123,6 +125,7 @@ pub mod fuzzing {
                 flips in proptest::collection::vec((0usize..120, any::<u8>()), 0..4),
                 kind in 1u8..=2,
                 ty in 1u8..=5,
+                backend in 1u8..=2,
             ) {
                 let mut frame = vec![kind, 0, 0, 0];
                 frame.resize(64, 0);
@@ -130,7 +133,7 @@ pub mod fuzzing {
                 // A message head, a hello's or challenge's body (a valid backend and lane),
                 // and a sealed message's length.
                 let mut msg = b"FGLO\x04\x00".to_vec();
-                msg.extend_from_slice(&[ty, 0, 1, 0]);
+                msg.extend_from_slice(&[ty, 0, backend, 0]);
                 msg.resize(120, 0);
                 for (i, x) in &flips {
                     frame[*i % 64] ^= x;

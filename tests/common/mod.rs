@@ -90,27 +90,21 @@ pub fn hello_lane(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u
     b
 }
 
-/// Runs the connector's side of a handshake without a secret on `sock` (see
-/// src/transport/handshake/mod.rs): the hello, then the acceptor's challenge, an empty proof,
-/// the acceptor's welcome. Returns the status of the challenge, or of the welcome when the
-/// challenge accepted.
+/// Runs the connector's side of a TCP handshake without a secret on `sock` (see
+/// src/transport/handshake/mod.rs): the hello, the acceptor's challenge, then an empty proof,
+/// which ends a TCP handshake. Returns the challenge's status.
 pub fn handshake_without_secret(sock: &mut std::net::TcpStream, hello: &[u8]) -> u8 {
     use std::io::{Read, Write};
     sock.write_all(hello).expect("hello");
     let mut challenge = [0u8; 56];
     sock.read_exact(&mut challenge).expect("challenge");
-    if challenge[7] != 0 {
-        return challenge[7];
+    if challenge[7] == 0 {
+        // A proof: head (type 3), no payload, a zero MAC.
+        let mut proof = b"FGLO\x04\x00\x03\x00\x00\x00".to_vec();
+        proof.extend_from_slice(&[0; 32]);
+        sock.write_all(&proof).expect("proof");
     }
-    // A proof: head (type 3), no payload, a zero MAC.
-    let mut proof = b"FGLO\x04\x00\x03\x00\x00\x00".to_vec();
-    proof.extend_from_slice(&[0; 32]);
-    sock.write_all(&proof).expect("proof");
-    let mut head = [0u8; 10];
-    sock.read_exact(&mut head).expect("welcome");
-    let mut rest = vec![0u8; usize::from(u16::from_le_bytes([head[8], head[9]])) + 32];
-    sock.read_exact(&mut rest).expect("welcome");
-    head[7]
+    challenge[7]
 }
 
 /// Waits for a child process until `deadline`, killing it if it overruns (`None`).

@@ -49,7 +49,7 @@ pub(crate) struct Done {
     pub(crate) peer: Peer,
     /// The peer's payload (the connector's proof, or the acceptor's welcome).
     pub(crate) payload: Vec<u8>,
-    /// The connector's ready payload, on the acceptor of a handshake with a ready message.
+    /// The connector's ready payload, on the acceptor (of a backend whose acceptor welcomes).
     pub(crate) ready: Vec<u8>,
 }
 
@@ -92,8 +92,8 @@ pub(crate) enum Event {
     Hello(Hello),
     /// The peer proved the secret (or, without one, passed the checks); its payload is
     /// [`Handshake::payload`]. Answer with [`Handshake::respond`] and this side's payload, or
-    /// [`Handshake::refuse`]. (Acceptors always; connectors of a handshake with a ready
-    /// message.)
+    /// [`Handshake::refuse`]. (Acceptors always, after the proof; connectors after the
+    /// welcome, on backends whose acceptor welcomes.)
     Proved(Peer),
     /// The connection is the peer's.
     Done(Done),
@@ -118,8 +118,9 @@ enum State {
 pub(crate) struct Handshake {
     kind: BackendKind,
     connector: bool,
-    /// The connector sends a ready message after the welcome.
-    ready: bool,
+    /// The acceptor welcomes, and the connector answers with a ready message
+    /// ([`BackendKind::welcomes`]).
+    full: bool,
     nonce: [u8; 16],
     secret: Option<Vec<u8>>,
     /// The acceptor's address as its side knows it (what it published; what the connector
@@ -148,8 +149,6 @@ pub(crate) struct Dial<'a> {
     pub(crate) address: &'a [u8],
     /// What this side hands the acceptor once it proved the secret.
     pub(crate) payload: Vec<u8>,
-    /// Send a ready message after the welcome (see [`Event::Proved`]).
-    pub(crate) ready: bool,
     /// Fresh random bytes.
     pub(crate) nonce: [u8; 16],
 }
@@ -181,7 +180,7 @@ impl Handshake {
         let mut h = Handshake {
             kind: d.kind,
             connector: true,
-            ready: d.ready,
+            full: d.kind.welcomes(),
             nonce: d.nonce,
             secret: d.local.secret,
             bind: bind(d.address),
@@ -203,13 +202,12 @@ impl Handshake {
         h
     }
 
-    /// An acceptor of connections of backend `kind`; `ready`: the connector sends a ready
-    /// message after the welcome, and the handshake is done once it came.
-    pub(crate) fn accept(kind: BackendKind, ready: bool, nonce: [u8; 16]) -> Self {
+    /// An acceptor of connections of backend `kind`.
+    pub(crate) fn accept(kind: BackendKind, nonce: [u8; 16]) -> Self {
         Handshake {
             kind,
             connector: false,
-            ready,
+            full: kind.welcomes(),
             nonce,
             secret: None,
             bind: Vec::new(),
@@ -304,7 +302,8 @@ impl Handshake {
     }
 
     /// (After [`Event::Proved`]) Hands the proven peer this side's payload (at most
-    /// [`MAX_PAYLOAD`] bytes). Anything else is a no-op.
+    /// [`MAX_PAYLOAD`] bytes; an acceptor that does not welcome has none to give). Anything
+    /// else is a no-op.
     pub(crate) fn respond(&mut self, payload: &[u8]) {
         if !matches!(self.state, State::Decide) {
             return;
@@ -312,28 +311,33 @@ impl Handshake {
         if payload.len() > MAX_PAYLOAD {
             return self.refuse(Status::Unavailable);
         }
-        let ty = if self.connector { Type::Ready } else { Type::Welcome };
-        self.send_sealed(ty, Status::Ok, payload);
-        let theirs = std::mem::take(&mut self.payload);
-        match (self.connector, self.ready, self.peer) {
-            (false, true, _) => {
-                self.payload = theirs;
-                self.state = State::Read(Type::Ready);
-            }
-            (_, _, Some(peer)) => self.over(Ok(Done { peer, payload: theirs, ready: Vec::new() })),
-            (_, _, None) => self.over(Err(Refusal::Malformed("no peer".into()))),
+        let Some(peer) = self.peer else { return self.over(Err(Refusal::Malformed("no peer".into()))) };
+        if self.connector {
+            // The acceptor's payload came with its welcome.
+            self.send_sealed(Type::Ready, Status::Ok, payload);
+            let theirs = std::mem::take(&mut self.payload);
+            self.over(Ok(Done { peer, payload: theirs, ready: Vec::new() }));
+        } else if self.full {
+            self.send_sealed(Type::Welcome, Status::Ok, payload);
+            self.state = State::Read(Type::Ready);
+        } else {
+            let theirs = std::mem::take(&mut self.payload);
+            self.over(Ok(Done { peer, payload: theirs, ready: Vec::new() }));
         }
     }
 
-    /// (After [`Event::Proved`]) Refuses the proven peer, telling it `status`. Anything
-    /// else is a no-op.
+    /// (After [`Event::Proved`]) Refuses the proven peer, telling it `status` where the
+    /// protocol has a message to tell it with. Anything else is a no-op.
     pub(crate) fn refuse(&mut self, status: Status) {
         if !matches!(self.state, State::Decide) {
             return;
         }
         let status = if status == Status::Ok { Status::Unavailable } else { status };
-        let ty = if self.connector { Type::Ready } else { Type::Welcome };
-        self.send_sealed(ty, status, &[]);
+        if self.connector {
+            self.send_sealed(Type::Ready, status, &[]);
+        } else if self.full {
+            self.send_sealed(Type::Welcome, status, &[]);
+        }
         self.over(Err(Refusal::ByUs(status)));
     }
 
@@ -413,7 +417,12 @@ impl Handshake {
                 }
                 let mine = std::mem::take(&mut self.payload);
                 self.send_sealed(Type::Proof, Status::Ok, &mine);
-                self.state = State::Read(Type::Welcome);
+                match (self.full, self.peer) {
+                    (true, _) => self.state = State::Read(Type::Welcome),
+                    // Nothing comes back: the acceptor checks the proof and takes the connection.
+                    (false, Some(peer)) => self.over(Ok(Done { peer, payload: Vec::new(), ready: Vec::new() })),
+                    (false, None) => self.over(Err(Refusal::Malformed("no peer".into()))),
+                }
             }
             Incoming::Sealed(s) => {
                 if s.status != Status::Ok {
@@ -425,7 +434,7 @@ impl Handshake {
                     _ => READY_LABEL,
                 };
                 if !self.unseal(label, raw, &s.mac) {
-                    if s.ty == Type::Proof {
+                    if s.ty == Type::Proof && self.full {
                         // Tell a misconfigured rank why; a stranger learns nothing it did not know.
                         self.send_sealed(Type::Welcome, Status::WrongSecret, &[]);
                     }
@@ -435,9 +444,6 @@ impl Handshake {
                     (Type::Ready, Some(peer)) => {
                         let payload = std::mem::take(&mut self.payload);
                         self.over(Ok(Done { peer, payload, ready: s.payload }));
-                    }
-                    (Type::Welcome, Some(peer)) if !self.ready => {
-                        self.over(Ok(Done { peer, payload: s.payload, ready: Vec::new() }));
                     }
                     (_, Some(_)) => {
                         self.payload = s.payload;

@@ -69,6 +69,13 @@ impl BackendKind {
         })
     }
 
+    /// Whether the acceptor hands the connector a payload: the handshake then goes on after
+    /// the connector's proof with the acceptor's welcome and the connector's ready (see the
+    /// [module documentation](super)). A TCP handshake ends with the proof.
+    pub(crate) fn welcomes(self) -> bool {
+        !matches!(self, BackendKind::Tcp)
+    }
+
     /// How many connections a pair of this backend has (a hello names one by its lane).
     pub(crate) fn lanes(self) -> u8 {
         match self {

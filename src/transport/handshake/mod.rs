@@ -8,8 +8,9 @@
 //!   Hello(ctx, from, to, size, lane, nonce_c)  ->
 //!                                              <-  Challenge(status, nonce_a, MAC_a)
 //!   Proof(connector payload, MAC_c)            ->
+//!   and where the acceptor has a payload (shared memory, ibverbs; not TCP):
 //!                                              <-  Welcome(status, acceptor payload, MAC)
-//!   Ready(status, payload, MAC)                ->   (only where the backend asks for it)
+//!   Ready(status, payload, MAC)                ->
 //! ```
 //!
 //! Each MAC is HMAC-SHA256 under the job's secret over a label, the acceptor's address (as
@@ -20,8 +21,8 @@
 //!   other side's nonce, so a recorded message checks in no other handshake;
 //! - **both sides prove the secret** before either hands over anything: the acceptor in its
 //!   challenge (the connector checks it before it sends its proof), the connector in its proof
-//!   (the acceptor checks it before it sends its welcome). A fake acceptor without the secret
-//!   gets only a hello; a stranger replaying a hello gets only a challenge;
+//!   (the acceptor checks it before it welcomes). A fake acceptor without the secret gets only a
+//!   hello; a stranger replaying a hello gets only a challenge;
 //! - **payloads only after the proofs**: a backend's payload (the ibverbs queue pair address
 //!   and ring key, the shared-memory descriptors that go with the same message) travels in the
 //!   proof and the welcome, each sent only to a peer that proved the secret, and sealed by a
@@ -29,15 +30,19 @@
 //! - **no relay from another address**: a stranger who puts its own address in the store and
 //!   forwards the real acceptor's challenge fails, since the connector checks the MAC against
 //!   the address it dialed;
-//! - the ready message is for backends where the acceptor must not use the connection before
-//!   the connector has set up its side (ibverbs brings its queue pair up on the welcome;
-//!   shared memory says whether it can read the acceptor's memory). TCP has none.
+//! - the ready message closes the handshakes that have a welcome: the acceptor must not use
+//!   the connection before the connector has set up its side with the welcome's payload
+//!   (ibverbs brings its queue pair up; shared memory says whether it can read the acceptor's
+//!   memory). TCP has no acceptor payload, so its handshake ends with the proof: the connector
+//!   is done when it sent it, the acceptor when it checked it.
 //!
-//! Against the three-message alternative (hello; challenge with the acceptor's payload;
-//! proof), this costs one more round trip per connection, and buys that neither side's
-//! payload reaches a peer that has not proved the secret. Without a secret the MACs are zero
-//! and unchecked; magic, version, backend, context id, ranks and world size are checked all
-//! the same, and a refusal carries a [`messages::Status`] the refused side puts in words.
+//! Against a shorter alternative (hello; challenge with the acceptor's payload; proof), the
+//! welcome costs one more round trip where there is an acceptor payload, and buys that neither
+//! side's payload reaches a peer that has not proved the secret. TCP's handshake takes as many
+//! round trips as before (the connector sends after one, as it did with a secret). Without a
+//! secret the MACs are zero and unchecked; magic, version, backend, context id, ranks and world
+//! size are checked all the same, and a refusal carries a [`messages::Status`] the refused side
+//! puts in words.
 //!
 //! Messages (little-endian):
 //!

@@ -17,7 +17,6 @@ const ADDRESS: &[u8] = b"127.0.0.1:4000";
 #[derive(Debug, Clone)]
 struct Setup {
     kind: BackendKind,
-    ready: bool,
     connector: Local,
     to: usize,
     lane: u8,
@@ -45,7 +44,6 @@ impl Setup {
     fn new(secret: Option<&[u8]>) -> Self {
         Setup {
             kind: BackendKind::Tcp,
-            ready: false,
             connector: local(1, 2, secret),
             to: 0,
             lane: 0,
@@ -61,6 +59,11 @@ impl Setup {
         }
     }
 
+    /// The same, on `kind` (both sides).
+    fn on(self, kind: BackendKind) -> Self {
+        Setup { kind, a_kind: kind, ..self }
+    }
+
     fn connector(&self) -> Handshake {
         Handshake::connect(Dial {
             kind: self.kind,
@@ -69,13 +72,12 @@ impl Setup {
             lane: self.lane,
             address: &self.dialed,
             payload: self.c_payload.clone(),
-            ready: self.ready,
             nonce: self.nonces.0,
         })
     }
 
     fn acceptor(&self) -> Handshake {
-        Handshake::accept(self.a_kind, self.ready, self.nonces.1)
+        Handshake::accept(self.a_kind, self.nonces.1)
     }
 }
 
@@ -162,13 +164,13 @@ fn whole(s: &Setup) -> (Log, Log) {
 
 /// The acceptor's view of a finished handshake of `s`.
 fn accepted(s: &Setup) -> Done {
-    let ready = if s.ready { s.c_answer.clone().unwrap_or_default() } else { Vec::new() };
+    let ready = if s.kind.welcomes() { s.c_answer.clone().unwrap_or_default() } else { Vec::new() };
     Done { peer: Peer { rank: s.connector.rank, lane: s.lane }, payload: s.c_payload.clone(), ready }
 }
 
 /// The connector's view.
 fn connected(s: &Setup) -> Done {
-    let payload = s.a_answer.clone().unwrap_or_default();
+    let payload = if s.kind.welcomes() { s.a_answer.clone().unwrap_or_default() } else { Vec::new() };
     Done { peer: Peer { rank: s.to, lane: s.lane }, payload, ready: Vec::new() }
 }
 
@@ -177,19 +179,24 @@ fn no_payload_sent(log: &Log) -> bool {
     !log.sent.iter().any(|o| o.payload)
 }
 
+const KINDS: [BackendKind; 3] = [BackendKind::Tcp, BackendKind::Shm, BackendKind::Ibverbs];
+
 #[test]
 fn both_sides_finish_with_each_others_payloads() {
     for secret in [None, Some(&b"s3cret"[..])] {
-        for ready in [false, true] {
-            let s = Setup { ready, ..Setup::new(secret) };
+        for kind in KINDS {
+            let s = Setup::new(secret).on(kind);
             let (c, a) = whole(&s);
-            assert_eq!(c.end, Some(Ok(connected(&s))), "secret {secret:?} ready {ready}");
-            assert_eq!(a.end, Some(Ok(accepted(&s))), "secret {secret:?} ready {ready}");
-            // Hello, proof (and ready) from the connector; challenge and welcome back.
-            assert_eq!(c.sent.len(), if ready { 3 } else { 2 });
-            assert_eq!(a.sent.len(), 2);
-            assert_eq!(c.sent.iter().map(|o| o.payload).collect::<Vec<_>>()[..2], [false, true]);
-            assert_eq!(a.sent.iter().map(|o| o.payload).collect::<Vec<_>>(), [false, true]);
+            assert_eq!(c.end, Some(Ok(connected(&s))), "secret {secret:?} {kind:?}");
+            assert_eq!(a.end, Some(Ok(accepted(&s))), "secret {secret:?} {kind:?}");
+            let flags = |l: &Log| l.sent.iter().map(|o| o.payload).collect::<Vec<_>>();
+            if kind.welcomes() {
+                // Hello, proof and ready from the connector; challenge and welcome back.
+                assert_eq!((flags(&c), flags(&a)), (vec![false, true, true], vec![false, true]));
+            } else {
+                // Hello and proof; a challenge back.
+                assert_eq!((flags(&c), flags(&a)), (vec![false, true], vec![false]));
+            }
         }
     }
 }
@@ -209,14 +216,14 @@ fn without_a_secret_the_macs_are_zero_and_with_one_they_are_not() {
 #[test]
 fn a_message_split_at_every_boundary_reads_the_same() {
     // One byte per read: every boundary of every message is a split.
-    for ready in [false, true] {
-        let s = Setup { ready, ..Setup::new(Some(b"k")) };
+    for kind in KINDS {
+        let s = Setup::new(Some(b"k")).on(kind);
         let (c, a) = run(&s, &mut || 1);
         assert_eq!(c.end, Some(Ok(connected(&s))));
         assert_eq!(a.end, Some(Ok(accepted(&s))));
     }
     // Each message split once, at each point.
-    let s = Setup::new(Some(b"k"));
+    let s = Setup::new(Some(b"k")).on(BackendKind::Shm);
     let (c, a) = whole(&s);
     for k in 1..HELLO_LEN {
         let mut acc = s.acceptor();
@@ -243,26 +250,31 @@ fn a_message_split_at_every_boundary_reads_the_same() {
 
 #[test]
 fn the_machines_never_read_past_their_handshake() {
-    let s = Setup::new(Some(b"k"));
-    let (mut c, mut a) = (s.connector(), s.acceptor());
-    let drive = |from: &mut Handshake, to: &mut Handshake, from_connector: bool| loop {
-        match from.poll() {
-            Event::Send(o) => {
-                let mut stream = o.bytes.clone();
-                stream.extend_from_slice(b"the first frame after the handshake");
-                assert_eq!(to.feed(&stream), o.bytes.len(), "took bytes that follow the message");
+    for kind in KINDS {
+        let s = Setup::new(Some(b"k")).on(kind);
+        let (mut c, mut a) = (s.connector(), s.acceptor());
+        let drive = |from: &mut Handshake, to: &mut Handshake, from_connector: bool| loop {
+            match from.poll() {
+                Event::Send(o) => {
+                    let mut stream = o.bytes.clone();
+                    stream.extend_from_slice(b"the first frame after the handshake");
+                    assert_eq!(to.feed(&stream), o.bytes.len(), "took bytes that follow the message");
+                }
+                ev @ (Event::Hello(_) | Event::Proved(_)) => decide(from, &ev, &s, from_connector),
+                _ => break,
             }
-            ev @ (Event::Hello(_) | Event::Proved(_)) => decide(from, &ev, &s, from_connector),
-            _ => break,
+        };
+        for turn in 0..6 {
+            if turn % 2 == 0 {
+                drive(&mut c, &mut a, true);
+            } else {
+                drive(&mut a, &mut c, false);
+            }
         }
-    };
-    drive(&mut c, &mut a, true); // hello
-    drive(&mut a, &mut c, false); // challenge
-    drive(&mut c, &mut a, true); // proof
-    drive(&mut a, &mut c, false); // welcome
-    assert_eq!(c.poll(), Event::Done(connected(&s)));
-    assert_eq!(a.poll(), Event::Done(accepted(&s)));
-    assert_eq!(a.feed(b"more"), 0, "a finished handshake takes nothing");
+        assert_eq!(c.poll(), Event::Done(connected(&s)), "{kind:?}");
+        assert_eq!(a.poll(), Event::Done(accepted(&s)), "{kind:?}");
+        assert_eq!(a.feed(b"more"), 0, "a finished handshake takes nothing");
+    }
 }
 
 #[test]
@@ -295,10 +307,15 @@ fn every_refusal_is_named_on_both_sides() {
     // Refusals after the proofs: the acceptor's of the connector's payload, the connector's of
     // the acceptor's.
     for status in [Status::Settings, Status::Unavailable] {
-        let (c, a) = whole(&Setup { a_answer: Err(status), ..s.clone() });
+        let shm = s.clone().on(BackendKind::Shm);
+        let (c, a) = whole(&Setup { a_answer: Err(status), ..shm.clone() });
         assert_eq!((a.end, c.end), (Some(Err(Refusal::ByUs(status))), Some(Err(Refusal::ByPeer(status)))));
-        let (c, a) = whole(&Setup { ready: true, c_answer: Err(status), ..s.clone() });
+        let (c, a) = whole(&Setup { c_answer: Err(status), ..shm });
         assert_eq!((c.end, a.end), (Some(Err(Refusal::ByUs(status))), Some(Err(Refusal::ByPeer(status)))));
+        // A TCP connector is done with its proof: it learns of a refusal from the closed
+        // connection.
+        let (c, a) = whole(&Setup { a_answer: Err(status), ..s.clone() });
+        assert_eq!((a.end, c.end), (Some(Err(Refusal::ByUs(status))), Some(Ok(connected(&s)))));
     }
     // Different secrets: the connector finds the acceptor's proof wrong and sends nothing more.
     let (c, a) = whole(&Setup { connector: local(1, 2, Some(b"other")), ..s.clone() });
@@ -318,10 +335,10 @@ fn every_refusal_is_named_on_both_sides() {
 fn a_recorded_connector_is_refused_before_the_acceptor_hands_anything_over() {
     // A genuine handshake, recorded; the connector's messages replayed to an acceptor of the
     // same endpoint (same context, ranks, secret and address) in a later handshake.
-    for ready in [false, true] {
-        let s = Setup { ready, ..Setup::new(Some(b"k")) };
+    for kind in KINDS {
+        let s = Setup::new(Some(b"k")).on(kind);
         let (recorded, _) = whole(&s);
-        let mut a = Handshake::accept(s.kind, s.ready, [9; 16]);
+        let mut a = Handshake::accept(s.kind, [9; 16]);
         let mut sent = Vec::new();
         let mut replay = recorded.sent.iter().map(|o| o.bytes.clone());
         let end = loop {
@@ -336,14 +353,14 @@ fn a_recorded_connector_is_refused_before_the_acceptor_hands_anything_over() {
                 Event::Refused(r) => break Some(Err(r)),
             }
         };
-        assert_eq!(end, Some(Err(Refusal::ByUs(Status::WrongSecret))), "ready {ready}");
+        assert_eq!(end, Some(Err(Refusal::ByUs(Status::WrongSecret))), "{kind:?}");
         assert!(!sent.iter().any(|o| o.payload), "the acceptor answered a replay with its payload");
     }
 }
 
 #[test]
 fn a_fake_acceptor_gets_a_hello_and_nothing_else() {
-    let s = Setup::new(Some(b"k"));
+    let s = Setup::new(Some(b"k")).on(BackendKind::Ibverbs);
     // Without the secret, with another, with the real one's challenge from another
     // handshake, and relaying the real one's challenge from an address not its own.
     let (c, _) = whole(&Setup { acceptor: Some(local(0, 2, Some(b"guess"))), ..s.clone() });
@@ -369,7 +386,7 @@ fn a_fake_acceptor_gets_a_hello_and_nothing_else() {
 #[test]
 fn malformed_messages_are_refused_in_words_without_an_answer() {
     let s = Setup::new(None);
-    let (c, a) = whole(&s);
+    let (c, _) = whole(&s);
     let hello = c.sent[0].bytes.clone();
     let cases: Vec<(usize, u8, &str)> = vec![
         (0, b'X', "magic"),
@@ -393,6 +410,8 @@ fn malformed_messages_are_refused_in_words_without_an_answer() {
         assert!(matches!(acc.poll(), Event::Refused(_)), "a refusal repeats and sends nothing");
     }
     // A welcome whose payload length is over the bound, and one with an unknown status.
+    let s = s.on(BackendKind::Shm);
+    let (_, a) = whole(&s);
     let mut c2 = s.connector();
     let _ = c2.poll();
     c2.feed(&a.sent[0].bytes);
@@ -430,13 +449,12 @@ fn setup_strategy() -> impl Strategy<Value = Setup> {
         proptest::collection::vec(any::<u8>(), 0..64),
         any::<([u8; 16], [u8; 16], [u8; 16])>(),
     )
-        .prop_map(|(secret, ready, size, (x, y), kind, lane, cp, rp, ap, addr, (ctx, n1, n2))| {
+        .prop_map(|(secret, _, size, (x, y), kind, lane, cp, rp, ap, addr, (ctx, n1, n2))| {
             let (to, from) = (x % (size - 1), 0);
             let from = (to + 1 + y % (size - 1 - to)).max(from);
             let l = |rank| Local { ctx, rank, size, secret: secret.clone() };
             Setup {
                 kind,
-                ready,
                 connector: l(from),
                 to,
                 lane: lane % kind.lanes(),
@@ -447,7 +465,7 @@ fn setup_strategy() -> impl Strategy<Value = Setup> {
                 acceptor: Some(l(to)),
                 address: addr,
                 taken: false,
-                a_answer: Ok(ap),
+                a_answer: Ok(if kind.welcomes() { ap } else { Vec::new() }),
                 nonces: (n1, n2),
             }
         })
@@ -528,7 +546,7 @@ proptest! {
         let (mut c, mut a) = (s.connector(), s.acceptor());
         let mut ends: [Option<Result<Done, Refusal>>; 2] = [None, None];
         let mut count = 0usize;
-        let msgs = if s.ready { 5 } else { 4 };
+        let msgs = if s.kind.welcomes() { 5 } else { 3 };
         let target = which % msgs;
         let mut pending: [VecDeque<u8>; 2] = [VecDeque::new(), VecDeque::new()];
         for _ in 0..1000 {

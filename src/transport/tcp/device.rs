@@ -360,7 +360,7 @@ impl EventLoop {
                         continue;
                     }
                     let deadline = Instant::now() + self.shared.opts.handshake_timeout;
-                    let hs = Handshake::accept(BackendKind::Tcp, false, random16());
+                    let hs = Handshake::accept(BackendKind::Tcp, random16());
                     self.incoming
                         .insert(token, Box::new(Incoming { stream, from, deadline, hs, hello: None, target: None }));
                     // Bytes may already be there; edge-triggered readiness would not repeat.
