@@ -98,7 +98,7 @@ pub mod fuzzing {
                         Event::Refused(why) => {
                             assert!(
                                 !why.to_string().is_empty()
-                                    && why != crate::transport::handshake::Refusal::ByPeer(Status::Ok)
+                                    && why != crate::transport::handshake::machine::Refusal::ByPeer(Status::Ok)
                             );
                             break;
                         }

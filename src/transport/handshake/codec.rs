@@ -154,7 +154,6 @@ impl<'a> Reader<'a> {
 }
 
 /// Decodes a whole value from `bytes`: nothing may be left over.
-#[cfg(test)]
 pub(crate) fn decode_all<T: Codec>(bytes: &[u8], what: &str) -> Decoded<T> {
     let mut r = Reader::new(bytes);
     let v = r.get()?;

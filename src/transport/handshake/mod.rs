@@ -61,7 +61,9 @@ pub(crate) mod machine;
 pub(crate) mod messages;
 
 #[cfg(test)]
+pub(crate) mod attacks;
+#[cfg(test)]
 mod tests;
 
-pub(crate) use machine::{Dial, Event, Handshake, Local, Refusal};
+pub(crate) use machine::{Dial, Done, Event, Handshake, Local};
 pub(crate) use messages::{BackendKind, Status};
