@@ -26,11 +26,6 @@ pub(crate) struct QpAddr {
     pub(crate) mtu: u8,
 }
 
-impl QpAddr {
-    /// Bytes in its encoding.
-    pub(crate) const LEN: usize = 2 + 16 + 4 + 4 + 1;
-}
-
 impl Codec for QpAddr {
     fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
         Ok(QpAddr { lid: r.get()?, gid: r.get()?, qpn: r.get()?, psn: r.get()?, mtu: r.get()? })
