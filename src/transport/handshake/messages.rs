@@ -1,5 +1,5 @@
-//! The handshake's messages, their statuses, and their encodings through the one [`codec`]
-//! (the layout is in the [module documentation](super)).
+//! The handshake's messages, their statuses, and their encodings through the one
+//! [`codec`](super::codec) (the layout is in the [module documentation](super)).
 
 use super::codec::{BufMutExt, Codec, DecodeError, Decoded, Reader};
 use crate::transport::ContextId;

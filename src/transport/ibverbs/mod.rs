@@ -501,68 +501,6 @@ mod backend {
         }
     }
 
-    #[cfg(test)]
-    mod attack_tests {
-        //! The attacks of [`crate::transport::handshake::attacks`] on ibverbs endpoints
-        //! (simulated provider), with the rings' addresses as what must not reach a stranger.
-        use super::*;
-        use crate::transport::handshake::attacks::{Attack, Listener, attack, dial_tcp, spec};
-
-        fn device() -> IbDevice {
-            let verbs = sim::open();
-            let regs = Arc::new(RegCache::new(verbs.clone()));
-            IbDevice { verbs, regs, ip: IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), early_budget: 1 << 20 }
-        }
-
-        /// `blob` with the lifeline's address `at` instead.
-        fn with_sock(blob: &[u8], at: SocketAddr) -> Vec<u8> {
-            let blob: Blob = decode_all(blob, "an address").expect("an ibverbs address");
-            to_vec(&Blob { sock: at, ..blob })
-        }
-
-        fn on_ib(relay: bool) -> Vec<String> {
-            let (dev_a, dev_b) = (device(), device());
-            let ctx = random16();
-            let mut a = IbEndpoint::new(&dev_a, spec(ctx, 0)).expect("rank 0");
-            let mut b = IbEndpoint::new(&dev_b, spec(ctx, 1)).expect("rank 1");
-            let ring = |e: &IbEndpoint, p: usize| e.offer(p).map(|o| o.ring.to_le_bytes().to_vec());
-            let (a_ring, b_ring) = (ring(&a, 1).expect("a ring"), ring(&b, 0).expect("a ring"));
-            let (listener, at) = Listener::tcp();
-            let real = decode_all::<Blob>(&a.address(), "an address").expect("rank 0's address").sock;
-            let dial = move || dial_tcp(real);
-            let mut wrong = Vec::new();
-            if a.address().windows(8).any(|w| w == a_ring) {
-                wrong.push("rank 0's address in the store carries its ring's address".to_string());
-            }
-            let fake = with_sock(&a.address(), at);
-            let attack_ =
-                Attack { listener, fake, dial: &dial, b_private: vec![b_ring], a_private: vec![a_ring], relay };
-            wrong.extend(attack(&mut a, &mut b, &attack_));
-            wrong
-        }
-
-        #[test]
-        fn a_replayed_ibverbs_hello_is_refused() {
-            let wrong = on_ib(false);
-            assert!(wrong.is_empty(), "{}", wrong.join("\n"));
-        }
-
-        #[test]
-        fn a_fake_ibverbs_acceptor_gets_neither_the_ring_nor_a_link() {
-            let wrong = on_ib(true);
-            assert!(wrong.is_empty(), "{}", wrong.join("\n"));
-        }
-
-        #[test]
-        fn address_blobs_round_trip_and_garbage_does_not_decode() {
-            let b = Blob { ctx: [3; 16], rank: 2, size: 5, sock: "[fe80::1]:7000".parse().expect("an address") };
-            assert_eq!(decode_all::<Blob>(&to_vec(&b), "a blob"), Ok(b.clone()));
-            let v4 = Blob { sock: "10.1.2.3:9".parse().expect("an address"), ..b };
-            assert_eq!(decode_all::<Blob>(&to_vec(&v4), "a blob"), Ok(v4));
-            assert!(decode_all::<Blob>(b"127.0.0.1:5000", "a blob").is_err());
-        }
-    }
-
     /// Stops the progress thread and closes the links when the mesh is dropped.
     struct Guard {
         links: Vec<Option<Arc<Link>>>,
@@ -698,5 +636,67 @@ mod backend {
         // waits for them.
         let _ = cq.poll(&mut wcs, usize::MAX);
         dispatch(&mut wcs);
+    }
+
+    #[cfg(test)]
+    mod attack_tests {
+        //! The attacks of [`crate::transport::handshake::attacks`] on ibverbs endpoints
+        //! (simulated provider), with the rings' addresses as what must not reach a stranger.
+        use super::*;
+        use crate::transport::handshake::attacks::{Attack, Listener, attack, dial_tcp, spec};
+
+        fn device() -> IbDevice {
+            let verbs = sim::open();
+            let regs = Arc::new(RegCache::new(verbs.clone()));
+            IbDevice { verbs, regs, ip: IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), early_budget: 1 << 20 }
+        }
+
+        /// `blob` with the lifeline's address `at` instead.
+        fn with_sock(blob: &[u8], at: SocketAddr) -> Vec<u8> {
+            let blob: Blob = decode_all(blob, "an address").expect("an ibverbs address");
+            to_vec(&Blob { sock: at, ..blob })
+        }
+
+        fn on_ib(relay: bool) -> Vec<String> {
+            let (dev_a, dev_b) = (device(), device());
+            let ctx = random16();
+            let mut a = IbEndpoint::new(&dev_a, spec(ctx, 0)).expect("rank 0");
+            let mut b = IbEndpoint::new(&dev_b, spec(ctx, 1)).expect("rank 1");
+            let ring = |e: &IbEndpoint, p: usize| e.offer(p).map(|o| o.ring.to_le_bytes().to_vec());
+            let (a_ring, b_ring) = (ring(&a, 1).expect("a ring"), ring(&b, 0).expect("a ring"));
+            let (listener, at) = Listener::tcp();
+            let real = decode_all::<Blob>(&a.address(), "an address").expect("rank 0's address").sock;
+            let dial = move || dial_tcp(real);
+            let mut wrong = Vec::new();
+            if a.address().windows(8).any(|w| w == a_ring) {
+                wrong.push("rank 0's address in the store carries its ring's address".to_string());
+            }
+            let fake = with_sock(&a.address(), at);
+            let attack_ =
+                Attack { listener, fake, dial: &dial, b_private: vec![b_ring], a_private: vec![a_ring], relay };
+            wrong.extend(attack(&mut a, &mut b, &attack_));
+            wrong
+        }
+
+        #[test]
+        fn a_replayed_ibverbs_hello_is_refused() {
+            let wrong = on_ib(false);
+            assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        }
+
+        #[test]
+        fn a_fake_ibverbs_acceptor_gets_neither_the_ring_nor_a_link() {
+            let wrong = on_ib(true);
+            assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        }
+
+        #[test]
+        fn address_blobs_round_trip_and_garbage_does_not_decode() {
+            let b = Blob { ctx: [3; 16], rank: 2, size: 5, sock: "[fe80::1]:7000".parse().expect("an address") };
+            assert_eq!(decode_all::<Blob>(&to_vec(&b), "a blob"), Ok(b.clone()));
+            let v4 = Blob { sock: "10.1.2.3:9".parse().expect("an address"), ..b };
+            assert_eq!(decode_all::<Blob>(&to_vec(&v4), "a blob"), Ok(v4));
+            assert!(decode_all::<Blob>(b"127.0.0.1:5000", "a blob").is_err());
+        }
     }
 }
