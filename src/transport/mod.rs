@@ -14,8 +14,11 @@
 //! lower one, which [waits](Endpoint::wait_connected) for it. A connect either succeeds, fails
 //! for a reason worth retrying (a listener not up yet: [`ConnectError::Retry`]), or is refused
 //! by an endpoint that does not know the context id (a stale entry of an earlier job:
-//! [`ConnectError::Refused`]). Once every peer is connected, [`finish`](Endpoint::finish)
-//! gives the [`Mesh`]: one [`Pair`] per peer and the [`Progress`] engine that waits use.
+//! [`ConnectError::Refused`]). Backends whose pairs cross a socket run the one
+//! [`handshake`] on it (context, ranks, version, and the shared secret proved both ways before
+//! either side hands over what its pair needs). Once every peer is connected,
+//! [`finish`](Endpoint::finish) gives the [`Mesh`]: one [`Pair`] per peer and the [`Progress`]
+//! engine that waits use.
 //!
 //! # Pairs
 //!
