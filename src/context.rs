@@ -64,9 +64,10 @@ impl ContextBuilder {
     }
 
     /// A secret every rank shares: connection handshakes are then authenticated (HMAC-SHA256
-    /// over fresh nonces on TCP) and a peer without the secret is refused. Default: the job's
-    /// secret from the environment (`FERROGLOO_SECRET_FILE`, which launchers set, or
-    /// `FERROGLOO_SECRET`; see [`credentials`](crate::credentials)), else none.
+    /// over fresh nonces from both sides, proved by both sides, on TCP, shared memory and
+    /// ibverbs) and a peer without the secret is refused. Default: the job's secret from the
+    /// environment (`FERROGLOO_SECRET_FILE`, which launchers set, or `FERROGLOO_SECRET`; see
+    /// [`credentials`](crate::credentials)), else none.
     pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
         self.secret = Some(secret.into());
         self

@@ -40,27 +40,72 @@ pub mod types;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
+    use crate::transport::handshake::codec::{Reader, to_vec};
+    use crate::transport::handshake::messages::{Message, Status};
+    use crate::transport::handshake::{BackendKind, Dial, Event, Handshake, Local};
     use crate::transport::tcp::frame::{FrameHeader, HEADER_LEN};
-    use crate::transport::tcp::handshake::{ACK_LEN, Ack, HELLO_LEN, Hello};
 
-    /// Decodes `data` as a frame header, a hello and an ack (whatever prefix fits); whatever
-    /// decodes must encode back to the same bytes, except where the decoder ignores reserved
-    /// bytes. Panics only on a decoder bug.
+    /// Decodes `data` as a frame header and as a handshake message (whatever prefix fits);
+    /// whatever decodes must encode back to the same bytes. Then feeds `data` to both sides of
+    /// a handshake, with and without a secret: they may refuse, never panic, never ask for more
+    /// than a message holds, and never finish on bytes that did not prove the secret. Panics
+    /// only on a bug.
     pub fn wire(data: &[u8]) {
         if let Some(b) = data.first_chunk::<HEADER_LEN>()
             && let Ok(h) = FrameHeader::decode(b)
         {
             assert_eq!(&h.encode(), b, "frame header does not round-trip");
         }
-        if let Some(b) = data.first_chunk::<HELLO_LEN>()
-            && let Ok(h) = Hello::decode(b)
-        {
-            assert_eq!(Hello::decode(&h.encode()).ok(), Some(h), "hello does not round-trip");
+        if let Ok(m) = Reader::new(data).get::<Message>() {
+            let bytes = to_vec(&m);
+            assert_eq!(&data[..bytes.len().min(data.len())], &bytes[..], "handshake message does not round-trip");
         }
-        if let Some(b) = data.first_chunk::<ACK_LEN>()
-            && let Ok(a) = Ack::decode(b)
+        for (secret, kind) in [None, Some(b"k".to_vec())]
+            .into_iter()
+            .flat_map(|s| [BackendKind::Tcp, BackendKind::Shm].map(|k| (s.clone(), k)))
         {
-            assert_eq!(Ack::decode(&a.encode()).ok(), Some(a), "ack does not round-trip");
+            let local = Local { ctx: [1; 16], rank: 1, size: 2, secret: secret.clone() };
+            let connector = Handshake::connect(Dial {
+                kind,
+                local: local.clone(),
+                to: 0,
+                lane: 0,
+                address: b"a",
+                payload: vec![1, 2, 3],
+                nonce: [2; 16],
+            });
+            let acceptor = Handshake::accept(kind, [3; 16]);
+            let local = Local { rank: 0, ..local };
+            for mut hs in [connector, acceptor] {
+                let mut fed = 0;
+                for _ in 0..64 {
+                    match hs.poll() {
+                        Event::Send(o) => assert!(!o.payload || secret.is_none(), "a payload for unproven bytes"),
+                        Event::Need(n) => {
+                            assert!(n <= crate::transport::handshake::messages::MAX_MESSAGE, "asked for {n} bytes");
+                            let k = n.min(data.len() - fed);
+                            if k == 0 {
+                                break;
+                            }
+                            assert_eq!(hs.feed(&data[fed..fed + k]), k);
+                            fed += k;
+                        }
+                        Event::Hello(_) => hs.admit(Some(&local), b"a", false),
+                        Event::Proved(_) => hs.respond(if kind.welcomes() { &[4, 5] } else { &[] }),
+                        Event::Done(_) => {
+                            assert!(secret.is_none(), "bytes that did not prove the secret finished a handshake");
+                            break;
+                        }
+                        Event::Refused(why) => {
+                            assert!(
+                                !why.to_string().is_empty()
+                                    && why != crate::transport::handshake::machine::Refusal::ByPeer(Status::Ok)
+                            );
+                            break;
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -72,26 +117,31 @@ pub mod fuzzing {
             // The fuzz target's body on random input, and on valid openings with bytes flipped
             // (random bytes alone rarely pass the magic and kind checks).
             #[test]
-            fn the_fuzz_target_holds_on_random_input(data in proptest::collection::vec(any::<u8>(), 0..100)) {
+            fn the_fuzz_target_holds_on_random_input(data in proptest::collection::vec(any::<u8>(), 0..200)) {
                 super::wire(&data);
             }
 
             #[test]
             fn the_fuzz_target_holds_on_mutated_valid_input(
-                flips in proptest::collection::vec((0usize..64, any::<u8>()), 0..4),
+                flips in proptest::collection::vec((0usize..120, any::<u8>()), 0..4),
                 kind in 1u8..=2,
+                ty in 1u8..=5,
+                backend in 1u8..=2,
             ) {
                 let mut frame = vec![kind, 0, 0, 0];
                 frame.resize(64, 0);
                 frame[24] = 11; // a small length
-                let mut hello = b"FGLO\x01\x00".to_vec();
-                hello.resize(64, 0);
+                // A message head, a hello's or challenge's body (a valid backend and lane),
+                // and a sealed message's length.
+                let mut msg = b"FGLO\x04\x00".to_vec();
+                msg.extend_from_slice(&[ty, 0, backend, 0]);
+                msg.resize(120, 0);
                 for (i, x) in &flips {
-                    frame[*i] ^= x;
-                    hello[*i] ^= x;
+                    frame[*i % 64] ^= x;
+                    msg[*i] ^= x;
                 }
                 super::wire(&frame);
-                super::wire(&hello);
+                super::wire(&msg);
             }
         }
     }

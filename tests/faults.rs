@@ -4,11 +4,11 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok, hello_lane, run_ranks};
+use common::{TIMEOUT, all_ok, handshake_without_secret, hello_lane, run_ranks};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::{HashStore, Store};
 use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -141,7 +141,7 @@ fn a_missing_rank_0_is_named_with_its_key() {
 }
 
 /// A fake rank 1 of a 2-rank job: it joins through the store and the handshake like a real
-/// one (see src/transport/tcp/handshake.rs and context.rs), then writes `frame`.
+/// one (see src/transport/handshake/mod.rs and context.rs), then writes `frame`.
 fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
     let store = HashStore::new();
     std::thread::scope(|s| {
@@ -177,10 +177,8 @@ fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
     let lanes = [false, true].map(|bulk| {
         assert_eq!(fields[3], "tcp");
         let mut sock = TcpStream::connect(fields[5]).expect("connect to rank 0");
-        sock.write_all(&hello_lane(b"FGLO", 3, ctx, 1, 0, 2, bulk)).expect("hello");
-        let mut ack = [0u8; 64];
-        sock.read_exact(&mut ack).expect("ack");
-        assert_eq!(&ack[6..8], &[0, 0], "rank 0 refused the fake rank's handshake");
+        let status = handshake_without_secret(&mut sock, &hello_lane(b"FGLO", 4, ctx, 1, 0, 2, bulk));
+        assert_eq!(status, 0, "rank 0 refused the fake rank's handshake");
         sock
     });
     store

@@ -36,10 +36,10 @@ fn strangers(addr: SocketAddr) -> Vec<(&'static str, TcpStream)> {
     let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     send("random bytes", &noise);
     send("http request", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
-    send("wrong magic", &hello(b"GLOO", 3, [1; 16], 1, 0, 2));
+    send("wrong magic", &hello(b"GLOO", 4, [1; 16], 1, 0, 2));
     send("wrong version", &hello(b"FGLO", 99, [1; 16], 1, 0, 2));
-    send("wrong context id", &hello(b"FGLO", 3, [0xEE; 16], 1, 0, 2));
-    send("short handshake then silence", &hello(b"FGLO", 3, [1; 16], 1, 0, 2)[..10]);
+    send("wrong context id", &hello(b"FGLO", 4, [0xEE; 16], 1, 0, 2));
+    send("short handshake then silence", &hello(b"FGLO", 4, [1; 16], 1, 0, 2)[..10]);
     out.push(("silent", TcpStream::connect(addr).unwrap()));
     out
 }
@@ -97,10 +97,11 @@ fn strangers_are_refused_and_the_mesh_still_forms() {
             let (reply, closed) = drain(s, Duration::from_secs(5));
             assert!(closed, "{name}: connection left open");
             if name == "wrong context id" {
-                // A well-formed hello for an unknown context gets an explicit refusal.
-                assert_eq!(reply.len(), 64, "{name}");
+                // A well-formed hello for an unknown context gets an explicit refusal: a
+                // challenge (type 2) with status 1, unknown context.
+                assert_eq!(reply.len(), 56, "{name}");
                 assert_eq!(&reply[0..4], b"FGLO");
-                assert_eq!(u16::from_le_bytes([reply[6], reply[7]]), 1, "status: unknown context");
+                assert_eq!((reply[6], reply[7]), (2, 1), "status: unknown context");
             } else {
                 assert!(reply.is_empty(), "{name}: got {} bytes", reply.len());
             }

@@ -376,16 +376,17 @@ fn a_rank_s_listener_under_attack_keeps_its_job_going() {
     let bound = 64 << 10; // KiB
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     let t = Instant::now();
-    // Random bytes, truncated and mutated handshakes (64-byte hellos, see handshake.rs).
-    let mut hello = b"FGLO\x03\x00".to_vec();
-    hello.resize(64, 0);
+    // Random bytes, truncated and mutated handshakes (56-byte hellos of a TCP pair, see
+    // src/transport/handshake/mod.rs).
+    let mut hello = b"FGLO\x04\x00\x01\x00\x01\x00".to_vec();
+    hello.resize(56, 0);
     for i in 0..600 {
         let bytes = match i % 3 {
             0 => {
                 let n = 1 + (rng.next() as usize) % 200;
                 rng.bytes(n)
             }
-            1 => hello[..(rng.next() as usize) % 64].to_vec(),
+            1 => hello[..(rng.next() as usize) % 56].to_vec(),
             _ => {
                 let mut h = hello.clone();
                 let at = (rng.next() as usize) % h.len();

@@ -184,8 +184,9 @@ pub const IB_GID_INDEX_ENV: &str = "FERROGLOO_IB_GID_INDEX";
 
 /// How to build an ibverbs (RDMA) [`Device`](super::Device) ([`Device::ibverbs`](super::Device::ibverbs)).
 ///
-/// Pairs are reliable-connected queue pairs; their addresses (LID, GID, queue pair number,
-/// packet sequence number, MTU) go in the store entry, and a TCP handshake on `tcp`'s address
+/// Pairs are reliable-connected queue pairs. The store entry says where the rank's TCP
+/// handshake listens; the handshake hands the queue pairs' addresses (LID, GID, queue pair
+/// number, packet sequence number, MTU) and rings to peers that proved the context's secret,
 /// brings each pair up and stays open as the pair's lifeline (it carries aborts and tells when
 /// a peer is gone). Needs the cargo feature `ibverbs`.
 ///

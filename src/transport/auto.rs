@@ -19,6 +19,7 @@
 //! (An ibverbs remote makes progress on its own thread, which the same slicing serves.)
 
 use crate::error::{Error, Result};
+use crate::transport::handshake::codec::{BufMutExt, Reader};
 use crate::transport::{Backend, BusyWait, Completion, ConnectError, Done, Endpoint, EndpointSpec, Mesh, Progress};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -93,23 +94,18 @@ struct AutoEndpoint {
 /// same-host address.
 fn encode(host: &str, remote: &[u8], local: &[u8]) -> Vec<u8> {
     let mut b = Vec::with_capacity(6 + host.len() + remote.len() + local.len());
-    b.extend_from_slice(&(host.len() as u16).to_le_bytes());
-    b.extend_from_slice(host.as_bytes());
-    b.extend_from_slice(&(remote.len() as u32).to_le_bytes());
-    b.extend_from_slice(remote);
+    b.write_u16_prefixed(host.as_bytes());
+    b.write_u32_prefixed(remote);
     b.extend_from_slice(local);
     b
 }
 
 /// The three parts of an address blob; `None` when it is not one.
 fn decode(b: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
-    let hl = u16::from_le_bytes(b.get(..2)?.try_into().ok()?) as usize;
-    let host = b.get(2..2 + hl)?;
-    let at = 2 + hl;
-    let tl = u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?) as usize;
-    let remote = b.get(at + 4..at + 4 + tl)?;
-    let local = b.get(at + 4 + tl..)?;
-    Some((host, remote, local))
+    let mut r = Reader::new(b);
+    let host = r.u16_prefixed(usize::from(u16::MAX), "a host identity").ok()?;
+    let remote = r.u32_prefixed(b.len(), "a remote address").ok()?;
+    Some((host, remote, r.rest()))
 }
 
 impl Endpoint for AutoEndpoint {

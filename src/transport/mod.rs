@@ -14,8 +14,11 @@
 //! lower one, which [waits](Endpoint::wait_connected) for it. A connect either succeeds, fails
 //! for a reason worth retrying (a listener not up yet: [`ConnectError::Retry`]), or is refused
 //! by an endpoint that does not know the context id (a stale entry of an earlier job:
-//! [`ConnectError::Refused`]). Once every peer is connected, [`finish`](Endpoint::finish)
-//! gives the [`Mesh`]: one [`Pair`] per peer and the [`Progress`] engine that waits use.
+//! [`ConnectError::Refused`]). Backends whose pairs cross a socket run the one
+//! [`handshake`] on it (context, ranks, version, and the shared secret proved both ways before
+//! either side hands over what its pair needs). Once every peer is connected,
+//! [`finish`](Endpoint::finish) gives the [`Mesh`]: one [`Pair`] per peer and the [`Progress`]
+//! engine that waits use.
 //!
 //! # Pairs
 //!
@@ -69,6 +72,7 @@
 
 pub(crate) mod auth;
 pub(crate) mod auto;
+pub(crate) mod handshake;
 pub(crate) mod ibverbs;
 pub(crate) mod matching;
 pub(crate) mod memory;
@@ -78,6 +82,7 @@ pub(crate) mod wake;
 
 use crate::error::{Error, Result};
 use crate::types::OpDesc;
+use handshake::codec::{BufMutExt, DecodeError, Decoded, Reader};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -329,12 +334,10 @@ impl AbortCause {
     /// at most [`MAX_CAUSE`] bytes (the detail is cut at a character boundary).
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(MAX_CAUSE.min(11 + self.op.len() + self.detail.len()));
-        b.push(self.kind as u8);
-        b.extend_from_slice(&(self.origin as u32).to_le_bytes());
-        b.extend_from_slice(&self.subject.map_or(u32::MAX, |s| s as u32).to_le_bytes());
-        let op = truncate(&self.op, 256);
-        b.extend_from_slice(&(op.len() as u16).to_le_bytes());
-        b.extend_from_slice(op.as_bytes());
+        b.write(self.kind as u8);
+        b.write(self.origin as u32);
+        b.write(self.subject.map_or(u32::MAX, |s| s as u32));
+        b.write_u16_prefixed(truncate(&self.op, 256).as_bytes());
         b.extend_from_slice(truncate(&self.detail, MAX_CAUSE - b.len()).as_bytes());
         b
     }
@@ -344,25 +347,31 @@ impl AbortCause {
         if b.len() < 11 || b.len() > MAX_CAUSE {
             return Err(format!("abort cause of {} bytes", b.len()));
         }
-        let kind = match b[0] {
-            1 => CauseKind::User,
-            2 => CauseKind::PeerClosed,
-            3 => CauseKind::TimedOut,
-            4 => CauseKind::Mismatch,
-            5 => CauseKind::Protocol,
-            6 => CauseKind::Other,
-            k => return Err(format!("unknown abort cause kind {k}")),
+        let mut r = Reader::new(b);
+        let read = |r: &mut Reader<'_>| -> Decoded<Self> {
+            let kind = match r.get::<u8>()? {
+                1 => CauseKind::User,
+                2 => CauseKind::PeerClosed,
+                3 => CauseKind::TimedOut,
+                4 => CauseKind::Mismatch,
+                5 => CauseKind::Protocol,
+                6 => CauseKind::Other,
+                k => return Err(DecodeError::malformed(format!("unknown abort cause kind {k}"))),
+            };
+            let origin = r.get::<u32>()? as usize;
+            let subject = r.get::<u32>()?;
+            let op = r.u16_prefixed(MAX_CAUSE, "an abort cause's operation name")?;
+            Ok(AbortCause {
+                kind,
+                origin,
+                subject: (subject != u32::MAX).then_some(subject as usize),
+                op: String::from_utf8_lossy(op).into_owned(),
+                detail: String::from_utf8_lossy(r.rest()).into_owned(),
+            })
         };
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let subject = u32_at(5);
-        let op_len = usize::from(u16::from_le_bytes([b[9], b[10]]));
-        let op = b.get(11..11 + op_len).ok_or("abort cause shorter than its operation name")?;
-        Ok(AbortCause {
-            kind,
-            origin: u32_at(1) as usize,
-            subject: (subject != u32::MAX).then_some(subject as usize),
-            op: String::from_utf8_lossy(op).into_owned(),
-            detail: String::from_utf8_lossy(&b[11 + op_len..]).into_owned(),
+        read(&mut r).map_err(|e| match e {
+            DecodeError::Short(_) => "abort cause shorter than its operation name".to_string(),
+            DecodeError::Malformed(why) => why,
         })
     }
 }

@@ -68,25 +68,43 @@ pub fn pattern(from: usize, to: usize, len: usize) -> Vec<u32> {
     (0..len).map(|i| ((from as u32) << 24) ^ ((to as u32) << 16) ^ (i as u32).wrapping_mul(2654435761)).collect()
 }
 
-/// A handshake opening (see src/transport/tcp/handshake.rs for the layout), for tests that
-/// play a stranger or a fake rank.
-/// This opens a pair's main connection (flag 2, bulk, clear), which carries every frame of the
-/// connector; a pair needs its bulk connection too.
+/// A handshake opening, a hello of a TCP pair (see src/transport/handshake/mod.rs for the
+/// layout), for tests that play a stranger or a fake rank.
+/// This opens a pair's main connection (lane 0), which carries every frame of the connector; a
+/// pair needs its bulk connection (lane 1) too.
 pub fn hello(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, size: u32) -> Vec<u8> {
     hello_lane(magic, version, ctx, from, to, size, false)
 }
 
 /// [`hello`] for either lane of a pair.
 pub fn hello_lane(magic: &[u8; 4], version: u16, ctx: [u8; 16], from: u32, to: u32, size: u32, bulk: bool) -> Vec<u8> {
-    let mut b = vec![0u8; 64];
-    b[6] = if bulk { 2 } else { 0 };
-    b[0..4].copy_from_slice(magic);
-    b[4..6].copy_from_slice(&version.to_le_bytes());
-    b[8..24].copy_from_slice(&ctx);
-    b[24..28].copy_from_slice(&from.to_le_bytes());
-    b[28..32].copy_from_slice(&to.to_le_bytes());
-    b[32..36].copy_from_slice(&size.to_le_bytes());
+    let mut b = magic.to_vec();
+    b.extend_from_slice(&version.to_le_bytes());
+    // Type 1 (hello), no flags (no secret), backend 1 (TCP), the lane, 2 reserved bytes.
+    b.extend_from_slice(&[1, 0, 1, u8::from(bulk), 0, 0]);
+    b.extend_from_slice(&ctx);
+    for x in [from, to, size] {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    b.extend_from_slice(&[0x5a; 16]); // the nonce
     b
+}
+
+/// Runs the connector's side of a TCP handshake without a secret on `sock` (see
+/// src/transport/handshake/mod.rs): the hello, the acceptor's challenge, then an empty proof,
+/// which ends a TCP handshake. Returns the challenge's status.
+pub fn handshake_without_secret(sock: &mut std::net::TcpStream, hello: &[u8]) -> u8 {
+    use std::io::{Read, Write};
+    sock.write_all(hello).expect("hello");
+    let mut challenge = [0u8; 56];
+    sock.read_exact(&mut challenge).expect("challenge");
+    if challenge[7] == 0 {
+        // A proof: head (type 3), no payload, a zero MAC.
+        let mut proof = b"FGLO\x04\x00\x03\x00\x00\x00".to_vec();
+        proof.extend_from_slice(&[0; 32]);
+        sock.write_all(&proof).expect("proof");
+    }
+    challenge[7]
 }
 
 /// Waits for a child process until `deadline`, killing it if it overruns (`None`).

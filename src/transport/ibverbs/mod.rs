@@ -11,9 +11,12 @@
 //!   through registered rings, large ones read by the receiver straight from the sender's
 //!   buffer, credits, aborts on a TCP lifeline).
 //! - this module: the device, the endpoint (queue pairs made per peer, the address blob in the
-//!   store, a TCP handshake that moves the lower rank's queue pair to RTS and stays as the
-//!   pair's lifeline), and the progress thread that polls the completion queue (busy for a
-//!   moment, then asleep on the completion channel and the lifelines).
+//!   store: where its TCP lifeline listens, nothing else), the one handshake
+//!   ([`crate::transport::handshake`]) over a TCP connection that stays as the pair's
+//!   lifeline: each side's queue pair address and ring (address and key) are its payload, handed
+//!   only to a peer that proved the job's secret, and each side brings its queue pair up only
+//!   then; and the progress thread that polls the completion queue (busy for a moment, then
+//!   asleep on the completion channel and the lifelines).
 //!
 //! What is verified where: the whole backend runs the transport contract suite and the
 //! collectives on the simulated provider. The real provider is compiled, and its "no device"
@@ -68,9 +71,12 @@ mod backend {
     use super::verbs::{Access, CompletionQueue, QpAddr, QueuePair, VerbsDevice, Wc};
     use super::{rdma, sim};
     use crate::error::{Error, Result};
-    use crate::transport::auth::{mac, mac_eq};
+    use crate::transport::handshake::codec::{BufMutExt, Codec, DecodeError, Decoded, Reader, decode_all, to_vec};
+    use crate::transport::handshake::messages::MAX_MESSAGE;
+    use crate::transport::handshake::{BackendKind, Dial, Event, Handshake, Local, Status};
     use crate::transport::wake::{EventFd, poll_fds};
-    use crate::transport::{Backend, ConnectError, Endpoint, EndpointSpec, Mesh, Pair, Passive, random16};
+    use crate::transport::{Backend, ConnectError, ContextId, Endpoint, EndpointSpec, Mesh, Pair, Passive, random16};
+    use bytes::BufMut;
     use std::io::{Read, Write};
     use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
     use std::os::fd::AsRawFd;
@@ -79,16 +85,10 @@ mod backend {
     use std::thread::JoinHandle;
     use std::time::{Duration, Instant};
 
-    const BLOB_MAGIC: &[u8; 4] = b"FGIB";
-    const HELLO_MAGIC: &[u8; 4] = b"FGIH";
-    const VERSION: u16 = 1;
-    /// Magic, version, context, rank, size, LID, GID, MTU, IP, port.
-    const BLOB_HEAD: usize = 4 + 2 + 16 + 4 + 4 + 2 + 16 + 1 + 16 + 2;
-    /// Per rank: QPN, PSN, ring address, ring key.
-    const BLOB_ENTRY: usize = 4 + 4 + 8 + 4;
-    /// Magic, version, context, from, to, size, queue pair address, ring address and key, MAC.
-    const HELLO_LEN: usize = 4 + 2 + 16 + 4 + 4 + 4 + QpAddr::LEN + 8 + 4 + 32;
-    const MAC_LABEL: &str = "ferrogloo-ibverbs-hello";
+    const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"FGIB");
+    /// The address blob's version (2: the lifeline's address only; the queue pairs and rings
+    /// travel in the handshake).
+    const BLOB_VERSION: u16 = 2;
     /// How long a handshake's reads may take.
     const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -171,64 +171,64 @@ mod backend {
         v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
     }
 
-    fn u32_at(b: &[u8], at: usize) -> u32 {
-        let mut x = [0u8; 4];
-        x.copy_from_slice(&b[at..at + 4]);
-        u32::from_le_bytes(x)
-    }
-
-    fn u64_at(b: &[u8], at: usize) -> u64 {
-        let mut x = [0u8; 8];
-        x.copy_from_slice(&b[at..at + 8]);
-        u64::from_le_bytes(x)
-    }
-
-    /// A peer's address blob, decoded.
+    /// An endpoint's address blob: where its lifeline listens, for which context.
+    /// `magic "FGIB" | version u16 | context id [16] | rank u32 | size u32 | IPv6 (or mapped
+    /// IPv4) [16] | port u16`.
+    #[derive(Debug, Clone, PartialEq, Eq)]
     struct Blob {
-        ctx: [u8; 16],
-        size: usize,
-        lid: u16,
-        gid: [u8; 16],
-        mtu: u8,
+        ctx: ContextId,
+        rank: u32,
+        size: u32,
         sock: SocketAddr,
-        /// (QPN, PSN, ring address, ring key) per rank.
-        entries: Vec<(u32, u32, u64, u32)>,
     }
 
-    fn decode_blob(b: &[u8]) -> std::result::Result<Blob, String> {
-        if b.len() < BLOB_HEAD || &b[..4] != BLOB_MAGIC {
-            return Err("it is not an ibverbs endpoint's address (another transport's, or damaged)".into());
+    impl Codec for Blob {
+        fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
+            if r.get::<u32>()? != BLOB_MAGIC {
+                return Err(DecodeError::malformed(
+                    "it is not an ibverbs endpoint's address (another transport's, or damaged)",
+                ));
+            }
+            let version: u16 = r.get()?;
+            if version != BLOB_VERSION {
+                return Err(DecodeError::malformed(format!(
+                    "its ibverbs address version is {version}, this rank's {BLOB_VERSION}"
+                )));
+            }
+            let (ctx, rank, size) = (r.get()?, r.get()?, r.get()?);
+            let ip = from_ip16(r.get()?);
+            Ok(Blob { ctx, rank, size, sock: SocketAddr::new(ip, r.get()?) })
         }
-        let version = u16::from_le_bytes([b[4], b[5]]);
-        if version != VERSION {
-            return Err(format!("its ibverbs protocol version is {version}, this rank's {VERSION}"));
+
+        fn encode<B: BufMut>(&self, out: &mut B) {
+            out.write(BLOB_MAGIC);
+            out.write(BLOB_VERSION);
+            out.write(self.ctx);
+            out.write(self.rank);
+            out.write(self.size);
+            out.write(ip16(self.sock.ip()));
+            out.write(self.sock.port());
         }
-        let mut ctx = [0u8; 16];
-        ctx.copy_from_slice(&b[6..22]);
-        let size = u32_at(b, 26) as usize;
-        if b.len() != BLOB_HEAD + size * BLOB_ENTRY {
-            return Err(format!("its address has {} bytes, not what {size} ranks take", b.len()));
+    }
+
+    /// A side's handshake payload: its queue pair's address, and the ring the peer writes.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct Offer {
+        qp: QpAddr,
+        ring: u64,
+        rkey: u32,
+    }
+
+    impl Codec for Offer {
+        fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
+            Ok(Offer { qp: r.get()?, ring: r.get()?, rkey: r.get()? })
         }
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[32..48]);
-        let mut ip = [0u8; 16];
-        ip.copy_from_slice(&b[49..65]);
-        let port = u16::from_le_bytes([b[65], b[66]]);
-        let entries = (0..size)
-            .map(|r| {
-                let at = BLOB_HEAD + r * BLOB_ENTRY;
-                (u32_at(b, at), u32_at(b, at + 4), u64_at(b, at + 8), u32_at(b, at + 16))
-            })
-            .collect();
-        Ok(Blob {
-            ctx,
-            size,
-            lid: u16::from_le_bytes([b[30], b[31]]),
-            gid,
-            mtu: b[48],
-            sock: SocketAddr::new(from_ip16(ip), port),
-            entries,
-        })
+
+        fn encode<B: BufMut>(&self, out: &mut B) {
+            out.write(self.qp);
+            out.write(self.ring);
+            out.write(self.rkey);
+        }
     }
 
     impl IbEndpoint {
@@ -307,22 +307,28 @@ mod backend {
             Ok(())
         }
 
-        fn hello(&self, peer: usize) -> Vec<u8> {
-            let mut h = Vec::with_capacity(HELLO_LEN);
-            h.extend_from_slice(HELLO_MAGIC);
-            h.extend_from_slice(&VERSION.to_le_bytes());
-            h.extend_from_slice(&self.spec.ctx);
-            h.extend_from_slice(&(self.spec.rank as u32).to_le_bytes());
-            h.extend_from_slice(&(peer as u32).to_le_bytes());
-            h.extend_from_slice(&(self.spec.size as u32).to_le_bytes());
-            if let Some(prep) = self.preps[peer].as_ref() {
-                self.qp_addr(prep).encode(&mut h);
-                h.extend_from_slice(&prep.ring.mr.addr().to_le_bytes());
-                h.extend_from_slice(&prep.ring.mr.rkey().to_le_bytes());
-            }
-            let m = mac(self.spec.secret.as_deref(), MAC_LABEL, &h, &self.spec.ctx);
-            h.extend_from_slice(&m);
-            h
+        /// This side's payload for `peer`: its queue pair's address and its ring.
+        fn offer(&self, peer: usize) -> Option<Offer> {
+            let prep = self.preps.get(peer)?.as_ref()?;
+            Some(Offer { qp: self.qp_addr(prep), ring: prep.ring.mr.addr(), rkey: prep.ring.mr.rkey() })
+        }
+
+        fn local(&self) -> Local {
+            Local { ctx: self.spec.ctx, rank: self.spec.rank, size: self.spec.size, secret: self.spec.secret.clone() }
+        }
+
+        /// Brings the queue pair for `peer` up towards the offer in `payload` (from a peer that
+        /// proved the secret); its ring, or the status to refuse the peer with.
+        fn take_offer(&mut self, peer: usize, payload: &[u8]) -> std::result::Result<(u64, u32), Status> {
+            let theirs: Offer = decode_all(payload, "an ibverbs offer").map_err(|e| {
+                tracing::debug!(rank = self.spec.rank, peer, "an ibverbs offer that does not decode: {e}");
+                Status::Settings
+            })?;
+            self.bring_up(peer, &theirs.qp).map_err(|e| {
+                tracing::debug!(rank = self.spec.rank, peer, "its queue pair cannot connect: {e}");
+                Status::Unavailable
+            })?;
+            Ok((theirs.ring, theirs.rkey))
         }
 
         /// Answers one handshake on the listener (the lower rank's side).
@@ -330,116 +336,118 @@ mod backend {
             s.set_nonblocking(false).map_err(|e| e.to_string())?;
             s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
             s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
-            let mut h = [0u8; HELLO_LEN];
-            s.read_exact(&mut h).map_err(|e| format!("reading a hello: {e}"))?;
-            let refuse = |s: &mut TcpStream, why: String| {
-                let mut r = vec![1u8];
-                r.extend_from_slice(&(why.len() as u16).to_le_bytes());
-                r.extend_from_slice(why.as_bytes());
-                let _ = s.write_all(&r);
-                why
-            };
-            if &h[..4] != HELLO_MAGIC || u16::from_le_bytes([h[4], h[5]]) != VERSION {
-                return Err(refuse(&mut s, "not an ibverbs hello of this version".into()));
+            let mut hs = Handshake::accept(BackendKind::Ibverbs, random16());
+            let (local, address) = (self.local(), self.address());
+            let mut ring = None;
+            let done = run(&mut s, &mut hs, |hs, ev| match ev {
+                Event::Hello(h) => {
+                    let taken = self.links.get(h.from as usize).is_some_and(Option::is_some);
+                    hs.admit(Some(&local), &address, taken);
+                }
+                Event::Proved(p) => match self.take_offer(p.rank, hs.payload()) {
+                    Ok(r) => match self.offer(p.rank) {
+                        Some(mine) => {
+                            hs.respond(&to_vec(&mine));
+                            ring = Some(r);
+                        }
+                        None => hs.refuse(Status::BadRank),
+                    },
+                    Err(status) => hs.refuse(status),
+                },
+                _ => {}
+            })
+            .map_err(|(e, _)| e)?;
+            let ring = ring.ok_or("no ring")?;
+            self.make_link(done.peer.rank, ring, s).map_err(|e| e.to_string())
+        }
+    }
+
+    /// Runs `hs` over `s` until it ends, letting `decide` answer its questions. Errors: what
+    /// went wrong, and whether it was the path (worth retrying) rather than a refusal.
+    fn run(
+        s: &mut TcpStream,
+        hs: &mut Handshake,
+        mut decide: impl FnMut(&mut Handshake, &Event),
+    ) -> std::result::Result<crate::transport::handshake::Done, (String, bool)> {
+        let mut buf = [0u8; MAX_MESSAGE];
+        loop {
+            match hs.poll() {
+                Event::Send(o) => s.write_all(&o.bytes).map_err(|e| (format!("sending the handshake: {e}"), true))?,
+                Event::Need(n) => {
+                    let got = &mut buf[..n.min(MAX_MESSAGE)];
+                    s.read_exact(got).map_err(|e| (format!("reading the handshake: {e}"), true))?;
+                    hs.feed(got);
+                }
+                Event::Done(d) => return Ok(d),
+                Event::Refused(why) => return Err((why.to_string(), false)),
+                ev => decide(hs, &ev),
             }
-            if h[6..22] != self.spec.ctx {
-                return Err(refuse(&mut s, "this endpoint belongs to another context (a stale address)".into()));
-            }
-            let (from, to, size) = (u32_at(&h, 22) as usize, u32_at(&h, 26) as usize, u32_at(&h, 30) as usize);
-            if to != self.spec.rank || size != self.spec.size || from <= self.spec.rank || from >= size {
-                return Err(refuse(
-                    &mut s,
-                    format!(
-                        "rank {from} of {size} asked for rank {to}; this is rank {} of {}",
-                        self.spec.rank, self.spec.size
-                    ),
-                ));
-            }
-            let body = &h[..HELLO_LEN - 32];
-            let mut theirs = [0u8; 32];
-            theirs.copy_from_slice(&h[HELLO_LEN - 32..]);
-            if !mac_eq(&mac(self.spec.secret.as_deref(), MAC_LABEL, body, &self.spec.ctx), &theirs) {
-                return Err(refuse(&mut s, "the shared secrets differ".into()));
-            }
-            if self.links[from].is_some() {
-                return Err(refuse(&mut s, format!("rank {from} is already connected")));
-            }
-            let at = 34;
-            let Some(remote) = QpAddr::decode(&h[at..]) else { return Err(refuse(&mut s, "a bad address".into())) };
-            let ring = (u64_at(&h, at + QpAddr::LEN), u32_at(&h, at + QpAddr::LEN + 8));
-            if let Err(e) = self.bring_up(from, &remote) {
-                return Err(refuse(&mut s, format!("its queue pair cannot connect: {e}")));
-            }
-            s.write_all(&[0, 0, 0]).map_err(|e| format!("answering rank {from}: {e}"))?;
-            self.make_link(from, ring, s).map_err(|e| e.to_string())
         }
     }
 
     impl Endpoint for IbEndpoint {
         fn address(&self) -> Vec<u8> {
-            let port = self.verbs.port();
-            let sock = self.listener.local_addr().ok();
-            let mut b = Vec::with_capacity(BLOB_HEAD + self.spec.size * BLOB_ENTRY);
-            b.extend_from_slice(BLOB_MAGIC);
-            b.extend_from_slice(&VERSION.to_le_bytes());
-            b.extend_from_slice(&self.spec.ctx);
-            b.extend_from_slice(&(self.spec.rank as u32).to_le_bytes());
-            b.extend_from_slice(&(self.spec.size as u32).to_le_bytes());
-            b.extend_from_slice(&port.lid.to_le_bytes());
-            b.extend_from_slice(&port.gid);
-            b.push(port.mtu);
-            b.extend_from_slice(&ip16(sock.map_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED), |s| s.ip())));
-            b.extend_from_slice(&sock.map_or(0, |s| s.port()).to_le_bytes());
-            for p in &self.preps {
-                match p {
-                    Some(p) => {
-                        b.extend_from_slice(&p.qp.qpn().to_le_bytes());
-                        b.extend_from_slice(&p.psn.to_le_bytes());
-                        b.extend_from_slice(&p.ring.mr.addr().to_le_bytes());
-                        b.extend_from_slice(&p.ring.mr.rkey().to_le_bytes());
-                    }
-                    None => b.extend_from_slice(&[0u8; BLOB_ENTRY]),
-                }
-            }
-            b
+            let sock = self.listener.local_addr().unwrap_or(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0));
+            let (rank, size) = (self.spec.rank as u32, self.spec.size as u32);
+            to_vec(&Blob { ctx: self.spec.ctx, rank, size, sock })
         }
 
         fn connect(&mut self, peer: usize, addr: &[u8], deadline: Instant) -> std::result::Result<(), ConnectError> {
             let refused = |detail: String| ConnectError::Refused(Error::Protocol { peer: Some(peer), detail });
-            let blob = decode_blob(addr).map_err(refused)?;
+            let blob: Blob = decode_all(addr, "an ibverbs address").map_err(|e| refused(e.to_string()))?;
             if blob.ctx != self.spec.ctx {
                 return Err(refused("its address belongs to another context (a stale store entry)".into()));
             }
-            if blob.size != self.spec.size || peer >= self.spec.rank {
+            if blob.size as usize != self.spec.size || peer >= self.spec.rank {
                 return Err(refused(format!(
                     "the world sizes or ranks do not fit (rank {} of {} connecting to rank {peer} of {})",
                     self.spec.rank, self.spec.size, blob.size
                 )));
             }
-            let (qpn, psn, ring_addr, ring_key) = blob.entries[self.spec.rank];
-            let remote = QpAddr { lid: blob.lid, gid: blob.gid, qpn, psn, mtu: blob.mtu };
-            self.bring_up(peer, &remote).map_err(ConnectError::Refused)?;
-            let retry = |what: &str, e: std::io::Error| {
-                ConnectError::Retry(Error::io(format!("{what} rank {peer} at {} (ibverbs handshake)", blob.sock), e))
+            let mine = self.offer(peer).ok_or_else(|| refused(format!("no queue pair for rank {peer}")))?;
+            let retry = |what: &str, e: String| {
+                ConnectError::Retry(Error::Protocol {
+                    peer: Some(peer),
+                    detail: format!("{what} rank {peer} at {} (ibverbs handshake): {e}", blob.sock),
+                })
             };
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
-            let mut s = TcpStream::connect_timeout(&blob.sock, left.min(Duration::from_secs(2)))
-                .map_err(|e| retry("connecting to", e))?;
-            let hello = self.hello(peer);
-            let io = s
-                .set_read_timeout(Some(left.min(HANDSHAKE_TIMEOUT)))
+            let mut s = TcpStream::connect_timeout(&blob.sock, left.min(Duration::from_secs(2))).map_err(|e| {
+                ConnectError::Retry(Error::io(format!("connecting to rank {peer} at {}", blob.sock), e))
+            })?;
+            s.set_read_timeout(Some(left.min(HANDSHAKE_TIMEOUT)))
                 .and_then(|()| s.set_write_timeout(Some(left.min(HANDSHAKE_TIMEOUT))))
-                .and_then(|()| s.write_all(&hello));
-            io.map_err(|e| retry("greeting", e))?;
-            let mut head = [0u8; 3];
-            s.read_exact(&mut head).map_err(|e| retry("reading the answer of", e))?;
-            if head[0] != 0 {
-                let n = u16::from_le_bytes([head[1], head[2]]) as usize;
-                let mut why = vec![0u8; n.min(1024)];
-                let _ = s.read_exact(&mut why);
-                return Err(refused(format!("it refused the handshake: {}", String::from_utf8_lossy(&why))));
+                .map_err(|e| retry("configuring the connection to", e.to_string()))?;
+            let mut hs = Handshake::connect(Dial {
+                kind: BackendKind::Ibverbs,
+                local: self.local(),
+                to: peer,
+                lane: 0,
+                address: addr,
+                payload: to_vec(&mine),
+                nonce: random16(),
+            });
+            let mut ring = None;
+            // The acceptor's welcome carries its queue pair: bring this side's up before the
+            // ready message lets it send.
+            let done = run(&mut s, &mut hs, |hs, ev| {
+                if let Event::Proved(_) = ev {
+                    match self.take_offer(peer, hs.payload()) {
+                        Ok(r) => {
+                            ring = Some(r);
+                            hs.respond(&[]);
+                        }
+                        Err(status) => hs.refuse(status),
+                    }
+                }
+            });
+            match done {
+                Ok(_) => {}
+                Err((why, true)) => return Err(retry("handshaking with", why)),
+                Err((why, false)) => return Err(refused(why)),
             }
-            self.make_link(peer, (ring_addr, ring_key), s).map_err(ConnectError::Refused)
+            let ring = ring.ok_or_else(|| refused("its welcome carried no ring".into()))?;
+            self.make_link(peer, ring, s).map_err(ConnectError::Refused)
         }
 
         fn wait_connected(&mut self, peers: &[usize], until: Instant) -> Vec<usize> {
@@ -628,5 +636,67 @@ mod backend {
         // waits for them.
         let _ = cq.poll(&mut wcs, usize::MAX);
         dispatch(&mut wcs);
+    }
+
+    #[cfg(test)]
+    mod attack_tests {
+        //! The attacks of [`crate::transport::handshake::attacks`] on ibverbs endpoints
+        //! (simulated provider), with the rings' addresses as what must not reach a stranger.
+        use super::*;
+        use crate::transport::handshake::attacks::{Attack, Listener, attack, dial_tcp, spec};
+
+        fn device() -> IbDevice {
+            let verbs = sim::open();
+            let regs = Arc::new(RegCache::new(verbs.clone()));
+            IbDevice { verbs, regs, ip: IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), early_budget: 1 << 20 }
+        }
+
+        /// `blob` with the lifeline's address `at` instead.
+        fn with_sock(blob: &[u8], at: SocketAddr) -> Vec<u8> {
+            let blob: Blob = decode_all(blob, "an address").expect("an ibverbs address");
+            to_vec(&Blob { sock: at, ..blob })
+        }
+
+        fn on_ib(relay: bool) -> Vec<String> {
+            let (dev_a, dev_b) = (device(), device());
+            let ctx = random16();
+            let mut a = IbEndpoint::new(&dev_a, spec(ctx, 0)).expect("rank 0");
+            let mut b = IbEndpoint::new(&dev_b, spec(ctx, 1)).expect("rank 1");
+            let ring = |e: &IbEndpoint, p: usize| e.offer(p).map(|o| o.ring.to_le_bytes().to_vec());
+            let (a_ring, b_ring) = (ring(&a, 1).expect("a ring"), ring(&b, 0).expect("a ring"));
+            let (listener, at) = Listener::tcp();
+            let real = decode_all::<Blob>(&a.address(), "an address").expect("rank 0's address").sock;
+            let dial = move || dial_tcp(real);
+            let mut wrong = Vec::new();
+            if a.address().windows(8).any(|w| w == a_ring) {
+                wrong.push("rank 0's address in the store carries its ring's address".to_string());
+            }
+            let fake = with_sock(&a.address(), at);
+            let attack_ =
+                Attack { listener, fake, dial: &dial, b_private: vec![b_ring], a_private: vec![a_ring], relay };
+            wrong.extend(attack(&mut a, &mut b, &attack_));
+            wrong
+        }
+
+        #[test]
+        fn a_replayed_ibverbs_hello_is_refused() {
+            let wrong = on_ib(false);
+            assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        }
+
+        #[test]
+        fn a_fake_ibverbs_acceptor_gets_neither_the_ring_nor_a_link() {
+            let wrong = on_ib(true);
+            assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        }
+
+        #[test]
+        fn address_blobs_round_trip_and_garbage_does_not_decode() {
+            let b = Blob { ctx: [3; 16], rank: 2, size: 5, sock: "[fe80::1]:7000".parse().expect("an address") };
+            assert_eq!(decode_all::<Blob>(&to_vec(&b), "a blob"), Ok(b.clone()));
+            let v4 = Blob { sock: "10.1.2.3:9".parse().expect("an address"), ..b };
+            assert_eq!(decode_all::<Blob>(&to_vec(&v4), "a blob"), Ok(v4));
+            assert!(decode_all::<Blob>(b"127.0.0.1:5000", "a blob").is_err());
+        }
     }
 }

@@ -8,6 +8,8 @@
 //! backend's protocol is the same over both providers.
 
 use crate::error::Result;
+use crate::transport::handshake::codec::{BufMutExt, Codec, Decoded, Reader};
+use bytes::BufMut;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
@@ -24,27 +26,17 @@ pub(crate) struct QpAddr {
     pub(crate) mtu: u8,
 }
 
-impl QpAddr {
-    /// Bytes in [`QpAddr::encode`].
-    pub(crate) const LEN: usize = 2 + 16 + 4 + 4 + 1;
-
-    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.lid.to_le_bytes());
-        out.extend_from_slice(&self.gid);
-        out.extend_from_slice(&self.qpn.to_le_bytes());
-        out.extend_from_slice(&self.psn.to_le_bytes());
-        out.push(self.mtu);
+impl Codec for QpAddr {
+    fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
+        Ok(QpAddr { lid: r.get()?, gid: r.get()?, qpn: r.get()?, psn: r.get()?, mtu: r.get()? })
     }
 
-    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
-        let b = b.get(..Self::LEN)?;
-        Some(QpAddr {
-            lid: u16::from_le_bytes([b[0], b[1]]),
-            gid: b[2..18].try_into().ok()?,
-            qpn: u32::from_le_bytes(b[18..22].try_into().ok()?),
-            psn: u32::from_le_bytes(b[22..26].try_into().ok()?),
-            mtu: b[26],
-        })
+    fn encode<B: BufMut>(&self, out: &mut B) {
+        out.write(self.lid);
+        out.write(self.gid);
+        out.write(self.qpn);
+        out.write(self.psn);
+        out.write(self.mtu);
     }
 }
 

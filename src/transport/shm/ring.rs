@@ -214,8 +214,8 @@ impl<M: RingMem> Consumer<M> {
             let off = (self.head % cap as u64) as usize;
             let mut w = [0u8; WORD];
             self.mem.read(off, &mut w);
-            let len = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as usize;
-            let kind = u32::from_le_bytes([w[4], w[5], w[6], w[7]]);
+            let [len, kind] = bytemuck::cast::<[u8; WORD], [[u8; 4]; 2]>(w).map(u32::from_le_bytes);
+            let len = len as usize;
             // A record the producer cannot have written (the peer's memory is not trusted):
             // reported as one of kind CORRUPT, which the reader turns into an error.
             if len < WORD || !len.is_multiple_of(M::ALIGN) || len > cap - off || (kind == PAD && len != cap - off) {

@@ -1,12 +1,14 @@
 //! The TCP device: one listening socket and one mio event-loop thread that drives every pair of
-//! every context made on it, and the accepting side of the handshake. (The connecting side and
+//! every context made on it, and the accepting side of the handshake (the one handshake of
+//! [`crate::transport::handshake`], driven here without blocking). (The connecting side and
 //! the mesh a context forms are in [`super::mesh`].)
 
-use super::handshake::{self, ACK_LEN, AUTH_LEN, Ack, HELLO_LEN, Hello, Status};
 use super::pair::{Lane, TcpPair};
 use super::parking::Parking;
 use crate::error::{Error, Result};
 use crate::sync::{lock, wait_timeout};
+use crate::transport::handshake::messages::{Hello, MAX_MESSAGE};
+use crate::transport::handshake::{BackendKind, Event, Handshake, Local};
 use crate::transport::{ContextId, Pair, random16};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
@@ -264,20 +266,12 @@ struct Incoming {
     stream: TcpStream,
     from: SocketAddr,
     deadline: Instant,
-    buf: [u8; HELLO_LEN],
-    got: usize,
-    /// Set once the Hello is accepted (and an Auth is awaited when a secret is in use).
-    accepted: Option<Accepted>,
-}
-
-/// A Hello that passed the checks: the pair it is for, and what the Auth is checked against.
-struct Accepted {
-    hello: [u8; HELLO_LEN],
-    nonce: [u8; 16],
-    pair: Arc<TcpPair>,
-    route: Arc<Route>,
-    /// Which of the pair's connections this is.
-    lane: Lane,
+    hs: Handshake,
+    /// The hello, once it came (for the log).
+    hello: Option<Hello>,
+    /// Set once the hello is admitted: the pair and route it is for, and which of the pair's
+    /// connections it opens.
+    target: Option<(Arc<TcpPair>, Arc<Route>, Lane)>,
 }
 
 /// Where an accepted connection's handshake stands after a step.
@@ -361,10 +355,9 @@ impl EventLoop {
                         continue;
                     }
                     let deadline = Instant::now() + self.shared.opts.handshake_timeout;
-                    self.incoming.insert(
-                        token,
-                        Box::new(Incoming { stream, from, deadline, buf: [0; HELLO_LEN], got: 0, accepted: None }),
-                    );
+                    let hs = Handshake::accept(BackendKind::Tcp, random16());
+                    self.incoming
+                        .insert(token, Box::new(Incoming { stream, from, deadline, hs, hello: None, target: None }));
                     // Bytes may already be there; edge-triggered readiness would not repeat.
                     self.handshake_step(token);
                 }
@@ -406,7 +399,7 @@ impl EventLoop {
                 self.drop_incoming(token, &why);
             }
             HandshakeStep::Done => {
-                let Some(Accepted { pair, route, lane, .. }) = inc.accepted else { return };
+                let Some((pair, route, lane)) = inc.target else { return };
                 let peer = pair.peer();
                 match self.shared.attach(&pair, lane, inc.stream, Some(token)) {
                     Ok(complete) => {
@@ -421,83 +414,54 @@ impl EventLoop {
         }
     }
 
-    /// Reads what the handshake still needs and acts on complete messages.
+    /// Reads what the handshake still needs, answers, and decides, until it needs bytes that
+    /// have not come yet.
     fn advance(&self, inc: &mut Incoming) -> HandshakeStep {
+        let mut buf = [0u8; MAX_MESSAGE];
         loop {
-            let need = if inc.accepted.is_some() { AUTH_LEN } else { HELLO_LEN };
-            while inc.got < need {
-                match inc.stream.read(&mut inc.buf[inc.got..need]) {
+            match inc.hs.poll() {
+                Event::Send(o) => {
+                    // A few dozen bytes into a socket buffer of kilobytes that the connector
+                    // drains: written whole, or the connection is broken.
+                    if !matches!(inc.stream.write(&o.bytes), Ok(n) if n == o.bytes.len()) {
+                        return HandshakeStep::Drop("could not answer the handshake".into());
+                    }
+                }
+                Event::Need(n) => match inc.stream.read(&mut buf[..n.min(MAX_MESSAGE)]) {
                     Ok(0) => return HandshakeStep::Drop("closed during the handshake".into()),
-                    Ok(n) => inc.got += n,
+                    Ok(k) => {
+                        inc.hs.feed(&buf[..k]);
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return HandshakeStep::More,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => return HandshakeStep::Drop(format!("read failed: {e}")),
+                },
+                Event::Hello(h) => {
+                    inc.hello = Some(h);
+                    let lane = if h.lane == Lane::Bulk as u8 { Lane::Bulk } else { Lane::Main };
+                    let route = lock(&self.shared.routes).get(&(h.ctx, h.to as usize)).cloned();
+                    let pair = route.as_ref().and_then(|r| r.pairs.get(h.from as usize).cloned().flatten());
+                    let taken = pair.as_ref().is_some_and(|p| p.lane_attached(lane));
+                    let local = route.as_ref().map(|r| Local {
+                        ctx: h.ctx,
+                        rank: r.rank,
+                        size: r.size,
+                        secret: r.secret.clone(),
+                    });
+                    inc.hs.admit(local.as_ref(), self.shared.addr.to_string().as_bytes(), taken);
+                    inc.target = route.zip(pair).map(|(r, p)| (p, r, lane));
+                }
+                // Nothing to hand over on TCP.
+                Event::Proved(_) => inc.hs.respond(&[]),
+                Event::Done(_) => return HandshakeStep::Done,
+                Event::Refused(why) => {
+                    return HandshakeStep::Drop(match inc.hello {
+                        Some(h) => format!("{why} (from rank {} for rank {})", h.from, h.to),
+                        None => why.to_string(),
+                    });
                 }
             }
-            if let Some(a) = &inc.accepted {
-                let mut got = [0u8; 32];
-                got.copy_from_slice(&inc.buf[..AUTH_LEN]);
-                let want = handshake::mac(a.route.secret.as_deref(), "ferrogloo-auth", &a.hello, &a.nonce);
-                if !handshake::mac_eq(&want, &got) {
-                    return HandshakeStep::Drop("wrong shared secret".into());
-                }
-                return HandshakeStep::Done;
-            }
-            let raw = inc.buf;
-            let hello = match Hello::decode(&raw) {
-                Ok(h) => h,
-                Err(why) => return HandshakeStep::Drop(why),
-            };
-            let target = self.check(&hello);
-            let status = target.as_ref().err().copied().unwrap_or(Status::Ok);
-            let nonce = random16();
-            let secret = target.as_ref().ok().and_then(|(_, r, _)| r.secret.clone());
-            let mac = if status == Status::Ok {
-                handshake::mac(secret.as_deref(), "ferrogloo-ack", &raw, &nonce)
-            } else {
-                [0; 32]
-            };
-            let ack = Ack { status, nonce, mac }.encode();
-            // 64 bytes into an empty socket buffer: written whole or the connection is broken.
-            if !matches!(inc.stream.write(&ack), Ok(ACK_LEN)) {
-                return HandshakeStep::Drop("could not answer the handshake".into());
-            }
-            let Ok((pair, route, lane)) = target else {
-                return HandshakeStep::Drop(format!(
-                    "{} (from rank {} for rank {})",
-                    status.describe(),
-                    hello.from,
-                    hello.to
-                ));
-            };
-            inc.got = 0;
-            inc.accepted = Some(Accepted { hello: raw, nonce, pair, route, lane });
-            if secret.is_none() {
-                return HandshakeStep::Done;
-            }
         }
-    }
-
-    /// Whether a Hello is for a context and pair of this device that awaits it, and which of the
-    /// pair's connections it opens.
-    fn check(&self, h: &Hello) -> std::result::Result<(Arc<TcpPair>, Arc<Route>, Lane), Status> {
-        let Some(route) = lock(&self.shared.routes).get(&(h.ctx, h.to as usize)).cloned() else {
-            return Err(Status::UnknownContext);
-        };
-        let (from, to, size) = (h.from as usize, h.to as usize, h.size as usize);
-        // Connections always come from the higher rank.
-        if size != route.size || to != route.rank || from >= size || from <= to {
-            return Err(Status::BadRank);
-        }
-        if h.with_secret != route.secret.is_some() {
-            return Err(Status::SecretMismatch);
-        }
-        let Some(pair) = route.pairs[from].clone() else { return Err(Status::BadRank) };
-        let lane = if h.bulk { Lane::Bulk } else { Lane::Main };
-        if pair.lane_attached(lane) {
-            return Err(Status::Duplicate);
-        }
-        Ok((pair, route, lane))
     }
 }
 

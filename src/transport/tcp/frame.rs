@@ -16,6 +16,7 @@
 //! All integers little-endian. The payload is streamed to the posted receive buffer; `len` never
 //! sizes an allocation beyond the pair's early-arrival budget (or an owned receive's limit).
 
+use crate::transport::handshake::codec::{BufMutExt, DecodeError, Decoded, Reader};
 use crate::transport::matching::Header;
 use crate::transport::{Key, MAX_CAUSE};
 use crate::types::{DESC_LEN, OpDesc};
@@ -73,51 +74,47 @@ impl FrameHeader {
 
     pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
-        b[0] = match self.kind {
+        let mut out: &mut [u8] = &mut b;
+        out.write(match self.kind {
             Kind::Data => KIND_DATA,
             Kind::Abort => KIND_ABORT,
             Kind::Switch => KIND_SWITCH,
-        };
-        b[8..16].copy_from_slice(&self.key.group.to_le_bytes());
-        b[16..24].copy_from_slice(&self.key.tag.to_le_bytes());
-        b[24..32].copy_from_slice(&self.len.to_le_bytes());
-        b[32..].copy_from_slice(&self.desc.encode());
+        });
+        out.write([0u8; 7]);
+        out.write(self.key.group);
+        out.write(self.key.tag);
+        out.write(self.len);
+        out.write(self.desc.encode());
         b
     }
 
     /// Decodes a header; an unknown kind, nonzero reserved bytes or a control frame with
     /// contents it may not have are an error message.
     pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, String> {
-        let kind = match b[0] {
+        Self::read(&mut Reader::new(b)).map_err(|e| e.to_string())
+    }
+
+    fn read(r: &mut Reader<'_>) -> Decoded<Self> {
+        let kind = match r.get::<u8>()? {
             KIND_DATA => Kind::Data,
             KIND_ABORT => Kind::Abort,
             KIND_SWITCH => Kind::Switch,
-            k => return Err(format!("unknown frame kind {k}")),
+            k => return Err(DecodeError::malformed(format!("unknown frame kind {k}"))),
         };
-        if b[1..8].iter().any(|&x| x != 0) {
-            return Err("nonzero reserved bytes in frame header".into());
-        }
-        let word = |i: usize| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&b[i..i + 8]);
-            u64::from_le_bytes(a)
-        };
-        let mut desc = [0u8; DESC_LEN];
-        desc.copy_from_slice(&b[32..]);
-        let h = FrameHeader {
-            kind,
-            key: Key { group: word(8), tag: word(16) },
-            len: word(24),
-            desc: OpDesc::decode(&desc),
-        };
+        r.reserved(7, "frame header")?;
+        let key = Key { group: r.get()?, tag: r.get()? };
+        let h = FrameHeader { kind, key, len: r.get()?, desc: OpDesc::decode(&r.get()?) };
         if kind != Kind::Data && h.desc != NO_DESC {
-            return Err("control frame with a descriptor".into());
+            return Err(DecodeError::malformed("control frame with a descriptor"));
         }
         if kind == Kind::Abort && (h.len > MAX_CAUSE as u64 || h.key.tag != 0) {
-            return Err(format!("abort frame of {} bytes (at most {MAX_CAUSE}) or with a tag", h.len));
+            return Err(DecodeError::malformed(format!(
+                "abort frame of {} bytes (at most {MAX_CAUSE}) or with a tag",
+                h.len
+            )));
         }
         if kind == Kind::Switch && (h.len != 0 || h.key != Key { group: 0, tag: 0 }) {
-            return Err("switch frame with a payload, group or tag".into());
+            return Err(DecodeError::malformed("switch frame with a payload, group or tag"));
         }
         Ok(h)
     }

@@ -4,10 +4,11 @@
 //! [`TcpProgress`].
 
 use super::device::{Route, Shared, TcpDevice, configure};
-use super::handshake::{self, ACK_LEN, Ack, Hello, Status};
 use super::pair::{Lane, TcpPair};
 use super::progress::TcpProgress;
 use crate::error::{Error, Result};
+use crate::transport::handshake::messages::MAX_MESSAGE;
+use crate::transport::handshake::{BackendKind, Dial, Event, Handshake, Local};
 use crate::transport::{Backend, ConnectError, ContextId, Endpoint, EndpointSpec, Mesh, Pair, random16};
 use mio::net::TcpStream;
 use std::io::{self, Read, Write};
@@ -83,6 +84,7 @@ impl Endpoint for TcpEndpoint {
     }
 
     fn connect(&mut self, peer: usize, addr: &[u8], deadline: Instant) -> std::result::Result<(), ConnectError> {
+        let raw = addr;
         let addr: SocketAddr = std::str::from_utf8(addr).ok().and_then(|a| a.parse().ok()).ok_or_else(|| {
             ConnectError::Refused(Error::Protocol {
                 peer: Some(peer),
@@ -95,15 +97,27 @@ impl Endpoint for TcpEndpoint {
             .get(peer)
             .and_then(|p| p.clone())
             .ok_or_else(|| ConnectError::Refused(Error::invalid(format!("no pair for rank {peer}"))))?;
+        // Both lanes' handshakes run side by side: their round trips overlap.
+        let mut lanes = Vec::with_capacity(2);
         for lane in [Lane::Main, Lane::Bulk] {
             if !pair.lane_attached(lane) {
-                let s = self.connect_lane(peer, addr, deadline, lane)?;
-                if self.shared.attach(&pair, lane, TcpStream::from_std(s), None).map_err(ConnectError::Refused)? {
-                    self.route.notify();
+                lanes.push(self.open_lane(peer, (addr, raw), deadline, lane)?);
+            }
+        }
+        let mut first_err = None;
+        for (lane, result) in run_side_by_side(peer, addr, lanes) {
+            match result {
+                Ok(s) => {
+                    if self.shared.attach(&pair, lane, TcpStream::from_std(s), None).map_err(ConnectError::Refused)? {
+                        self.route.notify();
+                    }
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
                 }
             }
         }
-        Ok(())
+        first_err.map_or(Ok(()), Err)
     }
 
     fn wait_connected(&mut self, peers: &[usize], until: Instant) -> Vec<usize> {
@@ -120,55 +134,99 @@ impl Endpoint for TcpEndpoint {
     }
 }
 
+/// A lane being connected: its socket and its handshake.
+struct Opening {
+    lane: Lane,
+    stream: std::net::TcpStream,
+    hs: Handshake,
+}
+
+/// Runs the connector's handshakes of `lanes` together (each read waits for its own answer,
+/// which its acceptor sends whatever the other lane does), so that the lanes' round trips
+/// overlap. Returns each lane's connection, nonblocking, or why it failed: a connection that
+/// fails or breaks is worth retrying; an answer that refuses is not.
+fn run_side_by_side(
+    peer: usize,
+    addr: SocketAddr,
+    lanes: Vec<Opening>,
+) -> Vec<(Lane, std::result::Result<std::net::TcpStream, ConnectError>)> {
+    let io_err = |what: &str, e: io::Error| ConnectError::Retry(Error::io(format!("{what} rank {peer} at {addr}"), e));
+    let refused = |detail: String| ConnectError::Refused(Error::Protocol { peer: Some(peer), detail });
+    let mut open: Vec<Option<Opening>> = lanes.into_iter().map(Some).collect();
+    let mut out = Vec::with_capacity(open.len());
+    let mut buf = [0u8; MAX_MESSAGE];
+    while open.iter().any(Option::is_some) {
+        for slot in &mut open {
+            let Some(o) = slot.as_mut() else { continue };
+            let end = loop {
+                match o.hs.poll() {
+                    Event::Send(m) => {
+                        if let Err(e) = o.stream.write_all(&m.bytes) {
+                            break Some(Err(io_err("sending the handshake to", e)));
+                        }
+                    }
+                    Event::Need(n) => {
+                        let got = &mut buf[..n.min(MAX_MESSAGE)];
+                        match o.stream.read_exact(got) {
+                            Ok(()) => {
+                                o.hs.feed(got);
+                                // The other lanes' next messages first.
+                                break None;
+                            }
+                            Err(e) => break Some(Err(io_err("reading the handshake answer of", e))),
+                        }
+                    }
+                    // A TCP connector is not asked to decide: its handshake ends with its proof.
+                    Event::Hello(_) | Event::Proved(_) => {
+                        break Some(Err(refused("the handshake went out of order".into())));
+                    }
+                    Event::Done(_) => {
+                        break Some(o.stream.set_nonblocking(true).map_err(|e| io_err("configuring the socket to", e)));
+                    }
+                    Event::Refused(why) => break Some(Err(refused(why.to_string()))),
+                }
+            };
+            if let Some(end) = end
+                && let Some(o) = slot.take()
+            {
+                out.push((o.lane, end.map(|()| o.stream)));
+            }
+        }
+    }
+    out.sort_by_key(|(lane, _)| *lane as u8);
+    out
+}
+
 impl TcpEndpoint {
-    /// Opens the pair's `lane` connection to `peer` and runs the connector's handshake. A
-    /// connection that fails or breaks is worth retrying; an answer that refuses is not.
-    fn connect_lane(
+    /// Opens the pair's `lane` connection to `peer` at `addr` (and as its store entry has it)
+    /// and makes the connector's side of its handshake.
+    fn open_lane(
         &self,
         peer: usize,
-        addr: SocketAddr,
+        (addr, published): (SocketAddr, &[u8]),
         deadline: Instant,
         lane: Lane,
-    ) -> std::result::Result<std::net::TcpStream, ConnectError> {
+    ) -> std::result::Result<Opening, ConnectError> {
         let opts = &self.shared.opts;
         let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let io_err =
             |what: &str, e: io::Error| ConnectError::Retry(Error::io(format!("{what} rank {peer} at {addr}"), e));
-        let refused = |detail: String| ConnectError::Refused(Error::Protocol { peer: Some(peer), detail });
-        let mut s = std::net::TcpStream::connect_timeout(&addr, left().min(opts.handshake_timeout))
+        let s = std::net::TcpStream::connect_timeout(&addr, left().min(opts.handshake_timeout))
             .map_err(|e| io_err("connecting to", e))?;
         configure(&socket2::SockRef::from(&s), opts).map_err(|e| io_err("configuring the socket to", e))?;
         let hs_deadline = left().min(opts.handshake_timeout);
         s.set_read_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
         s.set_write_timeout(Some(hs_deadline)).map_err(|e| io_err("configuring the socket to", e))?;
         let route = &self.route;
-        let secret = route.secret.as_deref();
-        let hello = Hello {
-            with_secret: secret.is_some(),
-            ctx: self.ctx,
-            from: route.rank as u32,
-            to: peer as u32,
-            size: route.size as u32,
+        let hs = Handshake::connect(Dial {
+            kind: BackendKind::Tcp,
+            local: Local { ctx: self.ctx, rank: route.rank, size: route.size, secret: route.secret.clone() },
+            to: peer,
+            lane: lane as u8,
+            address: published,
+            payload: Vec::new(),
             nonce: random16(),
-            bulk: lane == Lane::Bulk,
-        }
-        .encode();
-        s.write_all(&hello).map_err(|e| io_err("sending the handshake to", e))?;
-        let mut raw = [0u8; ACK_LEN];
-        s.read_exact(&mut raw).map_err(|e| io_err("reading the handshake answer of", e))?;
-        let ack = Ack::decode(&raw).map_err(refused)?;
-        if ack.status != Status::Ok {
-            return Err(refused(format!("handshake refused: {}", ack.status.describe())));
-        }
-        if secret.is_some() {
-            let want = handshake::mac(secret, "ferrogloo-ack", &hello, &ack.nonce);
-            if !handshake::mac_eq(&want, &ack.mac) {
-                return Err(refused("the peer failed to prove the shared secret".into()));
-            }
-            let auth = handshake::mac(secret, "ferrogloo-auth", &hello, &ack.nonce);
-            s.write_all(&auth).map_err(|e| io_err("sending the handshake proof to", e))?;
-        }
-        s.set_nonblocking(true).map_err(|e| io_err("configuring the socket to", e))?;
-        Ok(s)
+        });
+        Ok(Opening { lane, stream: s, hs })
     }
 }
