@@ -4,7 +4,7 @@
 //! ring reduces at a time) and 16 MiB (from memory).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use ferrogloo::{Element, ReduceOp, bf16, f16};
+use ferrogloo::{Element, Reduction, bf16, f16};
 use std::hint::black_box;
 
 fn kernel<T: Element>(c: &mut Criterion, name: &str, one: T) {
@@ -14,7 +14,7 @@ fn kernel<T: Element>(c: &mut Criterion, name: &str, one: T) {
         let src = vec![one; n];
         let mut g = c.benchmark_group(format!("reduce/{name}"));
         g.throughput(Throughput::Bytes(bytes as u64));
-        for (label, op) in [("sum", ReduceOp::Sum), ("max", ReduceOp::Max)] {
+        for (label, op) in [("sum", Reduction::Sum), ("max", Reduction::Max)] {
             g.bench_with_input(BenchmarkId::new(label, bytes), &bytes, |b, _| {
                 b.iter(|| op.apply(black_box(&mut acc), black_box(&src)))
             });

@@ -9,7 +9,7 @@
 mod common;
 
 use clap::Parser;
-use ferrogloo::{Algorithm, CollectiveOptions, Context, ReduceOp};
+use ferrogloo::{Algorithm, CollectiveOptions, Context, Reduction};
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -35,7 +35,7 @@ fn time(ctx: &Context, iters: usize, mut f: impl FnMut() -> ferrogloo::Result<()
         let s = Instant::now();
         f()?;
         let mut us = [s.elapsed().as_secs_f64() * 1e6];
-        ctx.allreduce(&mut us, ReduceOp::Max)?;
+        ctx.allreduce(&mut us, Reduction::Max)?;
         t.push(us[0]);
     }
     t.sort_by(f64::total_cmp);
@@ -59,7 +59,7 @@ fn main() {
             let mut row = Vec::new();
             for algo in [Algorithm::Ring, Algorithm::HalvingDoubling] {
                 let o = CollectiveOptions::new().algorithm(algo);
-                let us = time(&ctx, args.iters, || ctx.allreduce_with(&mut buf, &ReduceOp::Sum, &o))?;
+                let us = time(&ctx, args.iters, || ctx.allreduce_with(&mut buf, Reduction::Sum, &o))?;
                 row.push((us, bytes as f64 / us / 1e3 * 2.0 * (n - 1) as f64 / n as f64));
             }
             for algo in [Algorithm::BinomialTree, Algorithm::Pipeline] {

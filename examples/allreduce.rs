@@ -9,7 +9,7 @@
 mod common;
 
 use clap::Parser;
-use ferrogloo::ReduceOp;
+use ferrogloo::Reduction;
 use std::time::Instant;
 
 #[derive(Parser, Debug)]
@@ -44,7 +44,7 @@ fn main() {
             fill(&mut buf);
             ctx.barrier()?;
             let t = Instant::now();
-            ctx.allreduce(&mut buf, ReduceOp::Sum)?;
+            ctx.allreduce(&mut buf, Reduction::Sum)?;
             best = best.min(t.elapsed().as_secs_f64());
             if let Some(i) = (0..buf.len()).find(|&i| buf[i] != expected(i)) {
                 return Err(ferrogloo::Error::invalid(format!(

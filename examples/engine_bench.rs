@@ -42,7 +42,7 @@ use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::engine::{Engine, EngineConfig, EngineStats, Reduction};
 use ferrogloo::launch::RankEnv;
 use ferrogloo::rendezvous::{PrefixStore, STORE_ENV};
-use ferrogloo::{Context, Error, ReduceOp, Result};
+use ferrogloo::{Context, Error, Result};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
@@ -313,7 +313,7 @@ fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()>
         ctx.barrier()?;
         let start = Instant::now();
         for g in grads.iter_mut().rev() {
-            ctx.allreduce(g, ReduceOp::Sum)?;
+            ctx.allreduce(g, Reduction::Sum)?;
         }
         let took = start.elapsed();
         for (i, g) in grads.iter_mut().enumerate() {
@@ -332,7 +332,7 @@ fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()>
     for s in 0..warmup + steps {
         ctx.barrier()?;
         let start = Instant::now();
-        ctx.allreduce(&mut flat, ReduceOp::Sum)?;
+        ctx.allreduce(&mut flat, Reduction::Sum)?;
         let took = start.elapsed();
         check("single", &flat, want)?;
         flat.fill(1.0);
@@ -444,7 +444,7 @@ fn latency(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<En
     let want = job.size as f32;
     let mut buf = vec![1f32; LATENCY_ELEMENTS];
     let bare = rounds(iters, || {
-        ctx.allreduce(&mut buf, ReduceOp::Sum)?;
+        ctx.allreduce(&mut buf, Reduction::Sum)?;
         check("bare", &buf, want)?;
         buf.fill(1.0);
         Ok(())

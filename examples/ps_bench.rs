@@ -17,7 +17,7 @@ use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::ps::{Node, PsConfig, Role, SumStore};
 use ferrogloo::rendezvous::PrefixStore;
-use ferrogloo::{Context, Error, ReduceOp, Result};
+use ferrogloo::{Context, Error, Reduction, Result};
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
@@ -90,7 +90,7 @@ fn run(args: &Args, env: &RankEnv) -> Result<()> {
             let mut t = Vec::new();
             for _ in 0..iters_for(args, bytes) {
                 let start = Instant::now();
-                wctx.allreduce(&mut g, ReduceOp::Sum)?;
+                wctx.allreduce(&mut g, Reduction::Sum)?;
                 t.push(start.elapsed().as_secs_f64());
             }
             allreduce.push(median(t));

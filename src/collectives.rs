@@ -19,7 +19,7 @@ use crate::algorithms::{
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::transport::LocalArea;
-use crate::types::{Call, DType, Element, OpDesc, ReduceOp, Reduction};
+use crate::types::{Call, DType, Element, Fold, OpDesc, Reduction};
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -188,19 +188,56 @@ impl Context {
     /// buffers are allowed.
     ///
     /// ```
-    /// # use ferrogloo::{Context, ReduceOp, device::Device, rendezvous::HashStore};
+    /// # use ferrogloo::{Context, Reduction, device::Device, rendezvous::HashStore};
     /// # let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::loopback()?)?;
     /// let mut grads = vec![1.0f32; 1024];
-    /// ctx.allreduce(&mut grads, ReduceOp::Sum)?;
+    /// ctx.allreduce(&mut grads, Reduction::Sum)?;
+    /// assert!(grads.iter().all(|&g| g == ctx.size() as f32));
+    /// ctx.allreduce(&mut grads, Reduction::Average)?;
     /// assert!(grads.iter().all(|&g| g == ctx.size() as f32));
     /// # Ok::<(), ferrogloo::Error>(())
     /// ```
-    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp<T>) -> Result<()> {
-        self.allreduce_with(buf, &op, &CollectiveOptions::default())
+    ///
+    /// [`Reduction::Average`] sums, then scales every rank's result by 1 / [`size`](Self::size)
+    /// (floating-point types only: an integer type is [`Error::InvalidArgument`] on every rank
+    /// before anything is sent).
+    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: Reduction) -> Result<()> {
+        self.allreduce_with(buf, op, &CollectiveOptions::default())
     }
 
     /// [`allreduce`](Self::allreduce) with options.
-    pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: &ReduceOp<T>, opts: &CollectiveOptions) -> Result<()> {
+    pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: Reduction, opts: &CollectiveOptions) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.allreduce_fold(buf, &Fold::Builtin(op), opts)?;
+        finish(op, buf, self.size())
+    }
+
+    /// [`allreduce_with`](Self::allreduce_with) with a fold of your own: `fold(acc, other)`
+    /// folds `other` into `acc` element-wise. It must give the same result on every rank for the
+    /// same inputs, and every rank must pass the same fold (ranks check only that each passed a
+    /// fold of its own, not which).
+    ///
+    /// ```
+    /// # use ferrogloo::{Context, CollectiveOptions, device::Device, rendezvous::HashStore};
+    /// # let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process())?;
+    /// // The largest magnitude, keeping its sign.
+    /// let mut x = vec![-3.0f32, 2.0];
+    /// let by_magnitude = |acc: &mut [f32], other: &[f32]| {
+    ///     acc.iter_mut().zip(other).for_each(|(a, b)| if b.abs() > a.abs() { *a = *b });
+    /// };
+    /// ctx.allreduce_custom(&mut x, &by_magnitude, &CollectiveOptions::default())?;
+    /// # Ok::<(), ferrogloo::Error>(())
+    /// ```
+    pub fn allreduce_custom<T: Element>(
+        &self,
+        buf: &mut [T],
+        fold: &(dyn Fn(&mut [T], &[T]) + Send + Sync),
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        self.allreduce_fold(buf, &Fold::Custom(fold), opts)
+    }
+
+    fn allreduce_fold<T: Element>(&self, buf: &mut [T], op: &Fold<'_, T>, opts: &CollectiveOptions) -> Result<()> {
         let n = self.size();
         let area = self.whole_area(opts.tag);
         let hier = self.hierarchy().filter(|_| opts.tag == 0 && area.is_none());
@@ -240,7 +277,7 @@ impl Context {
         &self,
         leaders: Option<&crate::comm::Comm>,
         buf: &mut [T],
-        op: &ReduceOp<T>,
+        op: &Fold<'_, T>,
         desc: OpDesc,
         opts: &CollectiveOptions,
     ) -> Result<()> {
@@ -289,13 +326,16 @@ impl Context {
     ///
     /// Cost: (k-1)·S local reduction for k inputs, one allreduce, and a copy per extra output.
     /// Constraints: at least one input and one output, all of the same length.
+    /// [`Reduction::Average`] is the mean of every input of every rank (the sum scaled by
+    /// 1 / (k · [`size`](Self::size))).
     pub fn allreduce_multi<T: Element>(
         &self,
         inputs: &[&[T]],
         outputs: &mut [&mut [T]],
-        op: &ReduceOp<T>,
+        op: Reduction,
         opts: &CollectiveOptions,
     ) -> Result<()> {
+        op.check(T::DTYPE)?;
         let (Some(first_in), Some(len)) = (inputs.first(), outputs.first().map(|o| o.len())) else {
             return Err(Error::invalid("allreduce_multi needs at least one input and one output"));
         };
@@ -305,10 +345,12 @@ impl Context {
         let (head, rest) = outputs.split_at_mut(1);
         let acc = &mut *head[0];
         acc.copy_from_slice(first_in);
+        let fold = Fold::Builtin(op);
         for i in &inputs[1..] {
-            op.apply(acc, i);
+            fold.apply(acc, i);
         }
-        self.allreduce_with(acc, op, opts)?;
+        self.allreduce_fold(acc, &fold, opts)?;
+        finish(op, acc, inputs.len() * self.size())?;
         for o in rest {
             o.copy_from_slice(acc);
         }
@@ -319,16 +361,30 @@ impl Context {
     /// equal blocks, `input.len() == n * output.len()`.
     ///
     /// Algorithm: pipelined ring reduce-scatter. n-1 steps; sends and receives (n-1)/n of the
-    /// input: time ≈ (n-1)α + (n-1)/n·Sβ.
+    /// input: time ≈ (n-1)α + (n-1)/n·Sβ. [`Reduction::Average`] scales every rank's block by
+    /// 1 / [`size`](Self::size).
     pub fn reduce_scatter<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
-        op: &ReduceOp<T>,
+        op: Reduction,
         opts: &CollectiveOptions,
     ) -> Result<()> {
         let counts = vec![output.len(); self.size()];
         self.reduce_scatterv(input, output, &counts, op, opts)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) with a fold of your own (see
+    /// [`allreduce_custom`](Self::allreduce_custom)).
+    pub fn reduce_scatter_custom<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        fold: &(dyn Fn(&mut [T], &[T]) + Send + Sync),
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        let counts = vec![output.len(); self.size()];
+        self.reduce_scatterv_fold(input, output, &counts, &Fold::Custom(fold), opts)
     }
 
     /// Reduce-scatter with per-rank block sizes: rank i gets `counts[i]` elements, the blocks
@@ -340,7 +396,20 @@ impl Context {
         input: &[T],
         output: &mut [T],
         counts: &[usize],
-        op: &ReduceOp<T>,
+        op: Reduction,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.reduce_scatterv_fold(input, output, counts, &Fold::Builtin(op), opts)?;
+        finish(op, output, self.size())
+    }
+
+    fn reduce_scatterv_fold<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        op: &Fold<'_, T>,
         opts: &CollectiveOptions,
     ) -> Result<()> {
         let n = self.size();
@@ -488,12 +557,40 @@ impl Context {
     /// are left unchanged.
     ///
     /// Algorithm: binomial tree. ⌈log₂ n⌉ steps; an inner node receives one buffer per child:
-    /// time ≈ ⌈log₂ n⌉(α + Sβ) plus the reductions.
+    /// time ≈ ⌈log₂ n⌉(α + Sβ) plus the reductions. [`Reduction::Average`] scales the root's
+    /// result by 1 / [`size`](Self::size).
     pub fn reduce<T: Element>(
         &self,
         buf: &mut [T],
         root: usize,
-        op: &ReduceOp<T>,
+        op: Reduction,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        op.check(T::DTYPE)?;
+        self.reduce_fold(buf, root, &Fold::Builtin(op), opts)?;
+        if self.rank() == root {
+            finish(op, buf, self.size())?;
+        }
+        Ok(())
+    }
+
+    /// [`reduce`](Self::reduce) with a fold of your own (see
+    /// [`allreduce_custom`](Self::allreduce_custom)).
+    pub fn reduce_custom<T: Element>(
+        &self,
+        buf: &mut [T],
+        root: usize,
+        fold: &(dyn Fn(&mut [T], &[T]) + Send + Sync),
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        self.reduce_fold(buf, root, &Fold::Custom(fold), opts)
+    }
+
+    fn reduce_fold<T: Element>(
+        &self,
+        buf: &mut [T],
+        root: usize,
+        op: &Fold<'_, T>,
         opts: &CollectiveOptions,
     ) -> Result<()> {
         let n = self.size();
@@ -636,6 +733,12 @@ impl Context {
     }
 }
 
+/// What `op` does to a result of `contributors` ranks' values once the fold is done: an
+/// average divides (see [`Reduction::finish_bytes`]).
+fn finish<T: Element>(op: Reduction, buf: &mut [T], contributors: usize) -> Result<()> {
+    op.finish_bytes(T::DTYPE, bytemuck::cast_slice_mut(buf), contributors)
+}
+
 fn check_root(root: usize, n: usize, what: &str) -> Result<()> {
     if root >= n {
         return Err(Error::invalid(format!("{what}: root {root} is out of range for size {n}")));
@@ -695,11 +798,9 @@ impl Context {
     /// [`allreduce_with`](Self::allreduce_with) on bytes of `dtype`.
     /// [`Reduction::Average`] sums, then scales every rank's result by 1 / [`size`](Self::size).
     pub fn allreduce_bytes(&self, buf: &mut [u8], dtype: DType, op: Reduction, opts: &CollectiveOptions) -> Result<()> {
-        op.check(dtype)?;
         crate::dispatch_dtype!(dtype, T => {
-            typed_mut::<T, _>(buf, "allreduce", |b| self.allreduce_with(b, &op.fold_op(), opts))
-        })?;
-        op.finish_bytes(dtype, buf, self.size())
+            typed_mut::<T, _>(buf, "allreduce", |b| self.allreduce_with(b, op, opts))
+        })
     }
 
     /// [`reduce_scatter`](Self::reduce_scatter) on bytes of `dtype`.
@@ -712,12 +813,10 @@ impl Context {
         op: Reduction,
         opts: &CollectiveOptions,
     ) -> Result<()> {
-        op.check(dtype)?;
         crate::dispatch_dtype!(dtype, T => {
             let input = typed::<T>(input, "reduce_scatter")?;
-            typed_mut::<T, _>(output, "reduce_scatter", |o| self.reduce_scatter(&input, o, &op.fold_op(), opts))
-        })?;
-        op.finish_bytes(dtype, output, self.size())
+            typed_mut::<T, _>(output, "reduce_scatter", |o| self.reduce_scatter(&input, o, op, opts))
+        })
     }
 
     /// [`allgather`](Self::allgather) on bytes of `dtype`.
@@ -751,14 +850,9 @@ impl Context {
         op: Reduction,
         opts: &CollectiveOptions,
     ) -> Result<()> {
-        op.check(dtype)?;
         crate::dispatch_dtype!(dtype, T => {
-            typed_mut::<T, _>(buf, "reduce", |b| self.reduce(b, root, &op.fold_op(), opts))
-        })?;
-        if self.rank() == root {
-            op.finish_bytes(dtype, buf, self.size())?;
-        }
-        Ok(())
+            typed_mut::<T, _>(buf, "reduce", |b| self.reduce(b, root, op, opts))
+        })
     }
 
     /// [`gather`](Self::gather) on bytes of `dtype`.

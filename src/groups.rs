@@ -21,12 +21,12 @@ impl Context {
     /// meet this context's or a sibling's. Sub-groups and their parent can run concurrently.
     ///
     /// ```
-    /// # use ferrogloo::{Context, ReduceOp, device::Device, rendezvous::HashStore};
+    /// # use ferrogloo::{Context, Reduction, device::Device, rendezvous::HashStore};
     /// # let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process())?;
     /// // Even and odd ranks, each in their own group.
     /// let half = ctx.split(Some(ctx.rank() as u32 % 2), 0)?.expect("every rank has a color");
     /// let mut x = [1u32];
-    /// half.allreduce(&mut x, ReduceOp::Sum)?;
+    /// half.allreduce(&mut x, Reduction::Sum)?;
     /// assert_eq!(x[0] as usize, half.size());
     /// # Ok::<(), ferrogloo::Error>(())
     /// ```

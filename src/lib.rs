@@ -152,4 +152,4 @@ pub use comm::{BytesRequest, RecvRequest, Scope, SendRequest};
 pub use context::{Context, ContextBuilder};
 pub use device::Device;
 pub use error::{Error, Result};
-pub use types::{Algorithm, DType, Element, ReduceOp, Reduction, bf16, f16};
+pub use types::{Algorithm, DType, Element, Reduction, bf16, f16};

@@ -7,7 +7,7 @@ mod common;
 use common::{TIMEOUT, all_ok, run_ranks_on, run_ranks_with};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
-use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, ReduceOp, bf16, f16};
+use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, Reduction, bf16, f16};
 use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -50,20 +50,23 @@ enum Red {
     Custom,
 }
 
-fn op_of<T: Val>(r: Red) -> ReduceOp<T> {
+/// The built-in reduction of `r`; `None` for the custom fold ([`custom_max`]).
+fn op_of(r: Red) -> Option<Reduction> {
     match r {
-        Red::Sum => ReduceOp::Sum,
-        Red::Product => ReduceOp::Product,
-        Red::Min => ReduceOp::Min,
-        Red::Max => ReduceOp::Max,
-        // max, written by hand: a custom fold
-        Red::Custom => ReduceOp::custom(|acc: &mut [T], x: &[T]| {
-            for (a, b) in acc.iter_mut().zip(x) {
-                if *b > *a {
-                    *a = *b;
-                }
-            }
-        }),
+        Red::Sum => Some(Reduction::Sum),
+        Red::Product => Some(Reduction::Product),
+        Red::Min => Some(Reduction::Min),
+        Red::Max => Some(Reduction::Max),
+        Red::Custom => None,
+    }
+}
+
+/// Max, written by hand: the custom fold of the `*_custom` calls.
+fn custom_max<T: Val>(acc: &mut [T], x: &[T]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        if *b > *a {
+            *a = *b;
+        }
     }
 }
 
@@ -171,13 +174,19 @@ fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
     let opts = CollectiveOptions::new().segment_bytes(c.segment);
     let all: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, c.count)).collect();
     let mine = all[r].clone();
-    let op = op_of::<T>(c.red);
+    let op = op_of(c.red);
+    // The calls without a custom form run the custom cases as the built-in max they equal.
+    let builtin = op.unwrap_or(Reduction::Max);
     let mut digest = Vec::new();
     let ctxt = format!("{c:?} on rank {r} of {n}");
     match c.kind {
         Kind::Allreduce(a) => {
             let mut buf = mine;
-            ctx.allreduce_with(&mut buf, &op, &opts.clone().algorithm(a))?;
+            let opts = opts.clone().algorithm(a);
+            match op {
+                Some(op) => ctx.allreduce_with(&mut buf, op, &opts)?,
+                None => ctx.allreduce_custom(&mut buf, &custom_max::<T>, &opts)?,
+            }
             assert!(buf == reference(c.red, &all), "{ctxt}");
             digest = bytemuck::cast_slice(&buf).to_vec();
         }
@@ -185,7 +194,7 @@ fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
             let second = input::<T>(c.seed ^ 1, r, c.count);
             let mut out1 = vec![T::small(0); c.count];
             let mut out2 = vec![T::small(0); c.count];
-            ctx.allreduce_multi(&[&mine, &second], &mut [&mut out1, &mut out2], &op, &opts)?;
+            ctx.allreduce_multi(&[&mine, &second], &mut [&mut out1, &mut out2], builtin, &opts)?;
             let both: Vec<Vec<T>> = (0..n).flat_map(|p| [all[p].clone(), input(c.seed ^ 1, p, c.count)]).collect();
             let want = reference(c.red, &both);
             assert!(out1 == want && out2 == want, "{ctxt}");
@@ -193,7 +202,10 @@ fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
         }
         Kind::Reduce => {
             let mut buf = mine.clone();
-            ctx.reduce(&mut buf, root, &op, &opts)?;
+            match op {
+                Some(op) => ctx.reduce(&mut buf, root, op, &opts)?,
+                None => ctx.reduce_custom(&mut buf, root, &custom_max::<T>, &opts)?,
+            }
             let want = if r == root { reference(c.red, &all) } else { mine };
             assert!(buf == want, "{ctxt}");
         }
@@ -205,10 +217,12 @@ fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
             let total: usize = counts.iter().sum();
             let inputs: Vec<Vec<T>> = (0..n).map(|p| input(c.seed, p, total)).collect();
             let mut out = vec![T::small(0); counts[r]];
-            if matches!(c.kind, Kind::ReduceScatter) {
-                ctx.reduce_scatter(&inputs[r], &mut out, &op, &opts)?;
-            } else {
-                ctx.reduce_scatterv(&inputs[r], &mut out, &counts, &op, &opts)?;
+            match (c.kind, op) {
+                (Kind::ReduceScatter, Some(op)) => ctx.reduce_scatter(&inputs[r], &mut out, op, &opts)?,
+                (Kind::ReduceScatter, None) => {
+                    ctx.reduce_scatter_custom(&inputs[r], &mut out, &custom_max::<T>, &opts)?
+                }
+                _ => ctx.reduce_scatterv(&inputs[r], &mut out, &counts, builtin, &opts)?,
             }
             let start: usize = counts[..r].iter().sum();
             assert!(out[..] == reference(c.red, &inputs)[start..start + counts[r]], "{ctxt}");
@@ -486,7 +500,7 @@ fn shared_memory_collectives_larger_than_a_slot_go_through_in_chunks() {
             let r = ctx.rank();
             let data = |p: usize| -> Vec<i32> { (0..len).map(|i| (i as i32 % 1000) * (p as i32 + 1)).collect() };
             let mut v = data(r);
-            ctx.allreduce(&mut v, ReduceOp::Sum)?;
+            ctx.allreduce(&mut v, Reduction::Sum)?;
             assert!(v.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * 6), "allreduce");
             let mut all = vec![0i32; n * len];
             ctx.allgather(&data(r), &mut all, &CollectiveOptions::new())?;
@@ -496,7 +510,7 @@ fn shared_memory_collectives_larger_than_a_slot_go_through_in_chunks() {
             assert!(b == data(1), "broadcast");
             let input: Vec<i32> = (0..n).flat_map(|_| data(r)).collect();
             let mut out = vec![0i32; len];
-            ctx.reduce_scatter(&input, &mut out, &ReduceOp::Sum, &CollectiveOptions::new())?;
+            ctx.reduce_scatter(&input, &mut out, Reduction::Sum, &CollectiveOptions::new())?;
             assert!(out.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * 6), "reduce_scatter");
             for a in ["allreduce", "allgather", "broadcast"] {
                 let got = match a {
@@ -522,12 +536,12 @@ fn the_shared_memory_algorithm_asked_where_it_cannot_run_is_an_error_in_words() 
         |ctx| {
             let mut v = vec![1u32; 10];
             let shm = CollectiveOptions::new().algorithm(Algorithm::SharedMemory);
-            match ctx.allreduce_with(&mut v, &ReduceOp::Sum, &shm) {
+            match ctx.allreduce_with(&mut v, Reduction::Sum, &shm) {
                 Err(ferrogloo::Error::InvalidArgument(m)) => assert!(m.contains("needs every rank"), "{m}"),
                 other => panic!("expected an invalid argument, got {other:?}"),
             }
             // Nothing was sent: the context goes on.
-            ctx.allreduce(&mut v, ReduceOp::Sum)?;
+            ctx.allreduce(&mut v, Reduction::Sum)?;
             assert_eq!(v, vec![3; 10]);
             Ok(())
         },
@@ -590,7 +604,7 @@ fn floats_reduce_within_tolerance_and_bit_identically_on_every_rank() {
                 |ctx| {
                     let mut v = data(ctx.rank());
                     let opts = CollectiveOptions::new().algorithm(algo).segment_bytes(4096);
-                    ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
+                    ctx.allreduce_with(&mut v, Reduction::Sum, &opts)?;
                     Ok(v)
                 },
             ));
@@ -626,7 +640,7 @@ fn concurrent_collectives_with_different_tags_do_not_mix() {
                             let opts = CollectiveOptions::new().tag(tag).segment_bytes(1024);
                             for round in 0..20u32 {
                                 let mut v = vec![tag * 1000 + round + ctx.rank() as u32; 5000];
-                                ctx.allreduce_with(&mut v, &ReduceOp::Sum, &opts)?;
+                                ctx.allreduce_with(&mut v, Reduction::Sum, &opts)?;
                                 let want = 4 * (tag * 1000 + round) + 6;
                                 assert!(v.iter().all(|&x| x == want), "tag {tag} round {round}");
                                 let mut b = vec![ctx.rank() as u32 + tag; 300];
@@ -664,9 +678,9 @@ fn hierarchical_allreduce_across_pretend_hosts_agrees_bit_for_bit() {
             |ctx| {
                 assert_eq!(ctx.allreduce_algorithm(len * 4, Algorithm::Auto)?, Algorithm::SharedMemory);
                 let mut v = data(ctx.rank());
-                ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                ctx.allreduce(&mut v, Reduction::Sum)?;
                 let mut exact: Vec<i64> = (0..len as i64).map(|i| i * (ctx.rank() as i64 + 1)).collect();
-                ctx.allreduce(&mut exact, ReduceOp::Sum)?;
+                ctx.allreduce(&mut exact, Reduction::Sum)?;
                 assert!(exact.iter().enumerate().all(|(i, &x)| x == i as i64 * 15), "exact sums");
                 Ok((v, ctx.local_ranks().len()))
             },
@@ -774,6 +788,65 @@ fn average_case<T: Float>(n: usize, count: usize, root: usize, skew: usize, seed
     }
 }
 
+/// The typed calls with `Reduction::Average` on `n` ranks: allreduce, reduce, reduce_scatter
+/// (the sum scaled once by 1/n where the result is) and allreduce_multi with two inputs per rank
+/// (the mean of all 2n inputs), against the same reference.
+fn typed_average_case<T: Float>(n: usize, count: usize, root: usize, seed: u64) {
+    let root = root % n;
+    let store = HashStore::new();
+    let all = all_ok(run_ranks_with(
+        n,
+        &store,
+        &TcpAttr::loopback(),
+        |b| b,
+        |ctx| {
+            let me = ctx.rank();
+            let opts = CollectiveOptions::default();
+            let mut ar = input::<T>(seed, me, count);
+            ctx.allreduce(&mut ar, Reduction::Average)?;
+            let mut red = input::<T>(seed ^ 1, me, count);
+            ctx.reduce(&mut red, root, Reduction::Average, &opts)?;
+            let mut rs = vec![T::small(0); count];
+            ctx.reduce_scatter(&input::<T>(seed ^ 2, me, count * n), &mut rs, Reduction::Average, &opts)?;
+            let (a, b) = (input::<T>(seed ^ 3, me, count), input::<T>(seed ^ 4, me, count));
+            let mut multi = vec![T::small(0); count];
+            ctx.allreduce_multi(&[&a, &b], &mut [&mut multi], Reduction::Average, &opts)?;
+            Ok((ar, red, rs, multi))
+        },
+    ));
+    let mean = |inputs: &[Vec<T>]| -> Vec<T> {
+        let sum = inputs[1..].iter().fold(inputs[0].clone(), |mut acc, x| {
+            acc.iter_mut().zip(x).for_each(|(a, &b)| *a = T::add(*a, b));
+            acc
+        });
+        sum.into_iter().map(|x| T::of_f64(x.to_f64() * (1.0 / inputs.len() as f64))).collect()
+    };
+    let of = |seed: u64, len: usize| -> Vec<Vec<T>> { (0..n).map(|r| input::<T>(seed, r, len)).collect() };
+    let (ar, red, rs) = (mean(&of(seed, count)), mean(&of(seed ^ 1, count)), mean(&of(seed ^ 2, count * n)));
+    // allreduce_multi folds each rank's two inputs first, then the ranks in order.
+    let pairs: Vec<Vec<T>> = (0..n)
+        .map(|r| {
+            let (mut a, b) = (input::<T>(seed ^ 3, r, count), input::<T>(seed ^ 4, r, count));
+            a.iter_mut().zip(&b).for_each(|(x, &y)| *x = T::add(*x, y));
+            a
+        })
+        .collect();
+    let sum_pairs = pairs[1..].iter().fold(pairs[0].clone(), |mut acc, x| {
+        acc.iter_mut().zip(x).for_each(|(a, &b)| *a = T::add(*a, b));
+        acc
+    });
+    let multi: Vec<T> = sum_pairs.into_iter().map(|x| T::of_f64(x.to_f64() * (1.0 / (2 * n) as f64))).collect();
+    let bits = |v: &[T]| bytemuck::cast_slice::<T, u8>(v).to_vec();
+    for (r, (a, b, c, d)) in all.iter().enumerate() {
+        let dt = T::DTYPE;
+        assert_eq!(bits(a), bits(&ar), "allreduce on rank {r} ({dt}, n={n})");
+        let want_red = if r == root { red.clone() } else { input::<T>(seed ^ 1, r, count) };
+        assert_eq!(bits(b), bits(&want_red), "reduce on rank {r} ({dt}, root {root})");
+        assert_eq!(bits(c), bits(&rs[r * count..(r + 1) * count]), "reduce_scatter on rank {r} ({dt})");
+        assert_eq!(bits(d), bits(&multi), "allreduce_multi on rank {r} ({dt})");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
 
@@ -788,6 +861,19 @@ proptest! {
             1 => average_case::<f64>(n, count, root, skew, seed),
             2 => average_case::<f16>(n, count, root, skew, seed),
             _ => average_case::<bf16>(n, count, root, skew, seed),
+        }
+    }
+
+    /// `Reduction::Average` on the typed calls, against the same reference.
+    #[test]
+    fn typed_average_is_the_sum_scaled_once_where_the_result_is(
+        n in 1usize..=4, count in 0usize..200, root in 0usize..4, ty in 0u8..4, seed in any::<u64>(),
+    ) {
+        match ty {
+            0 => typed_average_case::<f32>(n, count, root, seed),
+            1 => typed_average_case::<f64>(n, count, root, seed),
+            2 => typed_average_case::<f16>(n, count, root, seed),
+            _ => typed_average_case::<bf16>(n, count, root, seed),
         }
     }
 }
@@ -808,15 +894,20 @@ fn runtime_typed_average_of_integers_is_refused_on_every_rank_before_any_traffic
                 ctx.allreduce_bytes(&mut b, DType::I32, Reduction::Average, &opts).err(),
                 ctx.reduce_bytes(&mut b, DType::U64, 0, Reduction::Average, &opts).err(),
                 ctx.reduce_scatter_bytes(&[0u8; 6], &mut b[..2], DType::I16, Reduction::Average, &opts).err(),
+                // The typed calls alike.
+                ctx.allreduce(&mut [1i32; 4], Reduction::Average).err(),
+                ctx.reduce(&mut [1u64], 0, Reduction::Average, &opts).err(),
+                ctx.reduce_scatter(&[1i16; 3], &mut [0i16], Reduction::Average, &opts).err(),
+                ctx.allreduce_multi(&[&[1u8][..]], &mut [&mut [0u8][..]], Reduction::Average, &opts).err(),
             ];
             // Nothing was sent: the next collective pairs up as usual.
             let mut x = vec![ctx.rank() as u32 + 1];
-            ctx.allreduce(&mut x, ReduceOp::Sum)?;
+            ctx.allreduce(&mut x, Reduction::Sum)?;
             Ok((errs, x[0]))
         },
     ));
     for (r, (errs, sum)) in all.into_iter().enumerate() {
-        for (e, ty) in errs.into_iter().zip(["i32", "u64", "i16"]) {
+        for (e, ty) in errs.into_iter().zip(["i32", "u64", "i16", "i32", "u64", "i16", "u8"]) {
             assert!(
                 matches!(&e, Some(Error::InvalidArgument(m)) if m.contains(&format!("average of {ty}"))),
                 "rank {r}: {e:?}"

@@ -7,7 +7,7 @@ mod common;
 use common::{TIMEOUT, all_ok, handshake_without_secret, hello_lane, run_ranks};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::{HashStore, Store};
-use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
+use ferrogloo::{CollectiveOptions, Context, Error, Reduction};
 use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -111,7 +111,7 @@ fn a_shared_memory_rank_that_stops_coming_to_collectives_is_named_at_the_deadlin
             }
             let t = Instant::now();
             let mut v = vec![1.0f32; 1000];
-            let r = ctx.allreduce(&mut v, ReduceOp::Sum).err().map(|e| (t.elapsed(), e));
+            let r = ctx.allreduce(&mut v, Reduction::Sum).err().map(|e| (t.elapsed(), e));
             let _ = done.send(());
             Ok(r)
         },
@@ -315,7 +315,7 @@ fn ten_thousand_small_collectives_keep_memory_flat() {
                 rss_samples.lock().unwrap().push(rss());
             }
             let mut v = [me + i, 1];
-            ctx.allreduce(&mut v, ReduceOp::Sum)?;
+            ctx.allreduce(&mut v, Reduction::Sum)?;
             assert_eq!(v, [want + n as u64 * i, n as u64], "rank {me}, call {i}");
         }
         if me == 0 {
@@ -346,7 +346,7 @@ fn a_hundred_concurrent_tagged_collectives_on_one_context() {
                         // Sizes differ per tag so that small and pipelined algorithms mix.
                         let len = 1 + (tag as usize * 997) % 5000;
                         let mut v: Vec<u32> = (0..len).map(|i| (i as u32) ^ tag ^ me as u32).collect();
-                        ctx.allreduce_with(&mut v, &ReduceOp::Max, &opts)?;
+                        ctx.allreduce_with(&mut v, Reduction::Max, &opts)?;
                         let want: Vec<u32> =
                             (0..len).map(|i| (0..n as u32).map(|r| (i as u32) ^ tag ^ r).max().unwrap_or(0)).collect();
                         assert!(v == want, "tag {tag}: wrong result on rank {me}");
@@ -387,7 +387,7 @@ fn a_stranger_at_an_established_context_does_not_disturb_it() {
             }
             let mut v = [ctx.rank() as u32 + 1; 1000];
             for _ in 0..20 {
-                ctx.allreduce(&mut v, ReduceOp::Max)?;
+                ctx.allreduce(&mut v, Reduction::Max)?;
             }
             assert!(v.iter().all(|&x| x == 3));
             Ok(())

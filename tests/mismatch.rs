@@ -6,7 +6,7 @@ mod common;
 use common::run_ranks_with;
 use ferrogloo::device::TcpAttr;
 use ferrogloo::rendezvous::HashStore;
-use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
+use ferrogloo::{CollectiveOptions, Context, Error, Reduction};
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(3);
@@ -32,7 +32,7 @@ fn scenario(bad: impl Fn(&Context) -> ferrogloo::Result<()> + Sync) -> Vec<Seen>
                 first = Some((e, t.elapsed()));
             }
             let mut v = vec![1u32; 64];
-            let later = ctx.allreduce(&mut v, ReduceOp::Sum);
+            let later = ctx.allreduce(&mut v, Reduction::Sum);
             if let (None, Err(e)) = (&first, &later) {
                 first = Some((e.clone(), t.elapsed()));
             }
@@ -62,7 +62,7 @@ fn assert_all_failed(seen: &[Seen], want_mismatch: bool, what: &str) {
 fn wrong_length() {
     let seen = scenario(|ctx| {
         let mut v = vec![1.0f32; if ctx.rank() == 2 { 1001 } else { 1000 }];
-        ctx.allreduce(&mut v, ReduceOp::Sum)
+        ctx.allreduce(&mut v, Reduction::Sum)
     });
     assert_all_failed(&seen, true, "allreduce with a different length");
 }
@@ -73,10 +73,10 @@ fn wrong_element_type() {
     let seen = scenario(|ctx| {
         if ctx.rank() == 1 {
             let mut v = vec![1u32; 1000];
-            ctx.allreduce(&mut v, ReduceOp::Sum)
+            ctx.allreduce(&mut v, Reduction::Sum)
         } else {
             let mut v = vec![1.0f32; 1000];
-            ctx.allreduce(&mut v, ReduceOp::Sum)
+            ctx.allreduce(&mut v, Reduction::Sum)
         }
     });
     assert_all_failed(&seen, true, "allreduce with a different element type");
@@ -100,9 +100,9 @@ fn wrong_order() {
         let o = CollectiveOptions::default();
         if ctx.rank() == 1 {
             ctx.broadcast(&mut b, 0, &o)?;
-            ctx.allreduce(&mut a, ReduceOp::Sum)
+            ctx.allreduce(&mut a, Reduction::Sum)
         } else {
-            ctx.allreduce(&mut a, ReduceOp::Sum)?;
+            ctx.allreduce(&mut a, Reduction::Sum)?;
             ctx.broadcast(&mut b, 0, &o)
         }
     });
@@ -118,7 +118,7 @@ fn different_collective() {
             ctx.allgather(&[7u16; 10], &mut out, &o)
         } else {
             let mut v = vec![7u16; 30];
-            ctx.allreduce(&mut v, ReduceOp::Max)
+            ctx.allreduce(&mut v, Reduction::Max)
         }
     });
     assert_all_failed(&seen, true, "allgather against allreduce");
@@ -147,7 +147,7 @@ fn abort_from_another_thread_stops_a_blocked_collective() {
                     started.store(true, Ordering::SeqCst);
                     let t = Instant::now();
                     let mut v = vec![1u8; 10];
-                    let r = ctx.allreduce(&mut v, ReduceOp::Sum);
+                    let r = ctx.allreduce(&mut v, Reduction::Sum);
                     (r, t.elapsed())
                 });
                 if ctx.rank() == 0 {
@@ -171,4 +171,16 @@ fn abort_from_another_thread_stops_a_blocked_collective() {
             assert!(msg.contains("rank 0 aborted"), "rank 2 should learn of rank 0's abort: {msg}");
         }
     }
+}
+
+#[test]
+fn sum_on_one_rank_and_average_on_another_is_a_mismatch_in_words() {
+    let seen = scenario(|ctx| {
+        let mut v = vec![1.0f32; 100];
+        let op = if ctx.rank() == 1 { Reduction::Average } else { Reduction::Sum };
+        ctx.allreduce(&mut v, op)
+    });
+    assert_all_failed(&seen, true, "allreduce with sum against average");
+    let words: Vec<String> = seen.iter().filter_map(|s| s.first.as_ref().map(|(e, _)| e.to_string())).collect();
+    assert!(words.iter().any(|w| w.contains("average") && w.contains("sum")), "{words:?}");
 }

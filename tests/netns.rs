@@ -11,7 +11,7 @@ mod common;
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
 use ferrogloo::rendezvous::{PrefixStore, STORE_ENV, Store};
-use ferrogloo::{Algorithm, CollectiveOptions, Context, Error, ReduceOp};
+use ferrogloo::{Algorithm, CollectiveOptions, Context, Error, Reduction};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -80,7 +80,7 @@ fn hierarchical(env: &RankEnv, store: &impl Store, dev: &Device) {
     assert_eq!(ctx.allreduce_algorithm(1 << 20, Algorithm::Auto).expect("algorithm"), Algorithm::SharedMemory);
     for len in [0usize, 1, 4096, (3 << 20) / 4 + 3] {
         let mut v: Vec<f64> = (0..len).map(|i| (r * 1000 + i % 977) as f64).collect();
-        ctx.allreduce(&mut v, ReduceOp::Sum).expect("hierarchical allreduce");
+        ctx.allreduce(&mut v, Reduction::Sum).expect("hierarchical allreduce");
         let base = (1000 * n * (n - 1) / 2) as f64;
         let bad = v.iter().enumerate().position(|(i, &x)| x != base + (n * (i % 977)) as f64);
         assert_eq!(bad, None, "rank {r}: hierarchical allreduce of {len} wrong");
@@ -93,7 +93,7 @@ fn check_collectives(ctx: &Context, elems: usize) {
     let (r, n) = (ctx.rank(), ctx.size());
     for alg in [Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::RecursiveDoubling, Algorithm::Auto] {
         let mut v: Vec<f32> = (0..elems).map(|i| (r + i % 13) as f32).collect();
-        ctx.allreduce_with(&mut v, &ReduceOp::Sum, &CollectiveOptions::new().algorithm(alg)).expect("allreduce");
+        ctx.allreduce_with(&mut v, Reduction::Sum, &CollectiveOptions::new().algorithm(alg)).expect("allreduce");
         let base = (n * (n - 1) / 2) as f32;
         let bad = v.iter().enumerate().position(|(i, &x)| x != base + (n * (i % 13)) as f32);
         assert_eq!(bad, None, "rank {r}: {alg:?} allreduce wrong");
@@ -129,7 +129,7 @@ fn link_down(env: &RankEnv, store: &impl Store, dev: &Device) {
     let mut laps = 0u64;
     let err = loop {
         buf.fill(1.0);
-        match ctx.allreduce(&mut buf, ReduceOp::Sum) {
+        match ctx.allreduce(&mut buf, Reduction::Sum) {
             Ok(()) => assert!(buf.iter().all(|&x| x == n as f32), "rank {r}: wrong allreduce before the fault"),
             Err(e) => break e,
         }

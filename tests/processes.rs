@@ -7,7 +7,7 @@ use common::pattern;
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
 use ferrogloo::rendezvous::{FileStore, HttpStoreServer, PrefixStore, STORE_ENV, Store};
-use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
+use ferrogloo::{CollectiveOptions, Context, Error, Reduction};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -94,13 +94,13 @@ fn mesh(ctx: &Context) {
 
 /// Collectives on 64 MiB buffers, results checked on every rank.
 fn big(ctx: &Context) {
-    use ferrogloo::{CollectiveOptions, ReduceOp};
+    use ferrogloo::{CollectiveOptions, Reduction};
     let (r, n) = (ctx.rank(), ctx.size());
     let o = CollectiveOptions::default();
     let count = (64 << 20) / 4;
     // Allreduce (ring at this size): rank r contributes r + 1 + i % 7.
     let mut v: Vec<f32> = (0..count).map(|i| (r + 1 + i % 7) as f32).collect();
-    ctx.allreduce(&mut v, ReduceOp::Sum).expect("allreduce");
+    ctx.allreduce(&mut v, Reduction::Sum).expect("allreduce");
     let base = (n * (n + 1) / 2) as f32;
     assert!(v.iter().enumerate().all(|(i, &x)| x == base + (n * (i % 7)) as f32), "allreduce result on rank {r}");
     // Broadcast from the last rank (pipeline at this size).
@@ -115,7 +115,7 @@ fn big(ctx: &Context) {
     assert!(all.iter().enumerate().all(|(i, &x)| x == i as u32), "allgather result on rank {r}");
     // Reduce-scatter back: every block sums n copies.
     let mut part = vec![0u32; per];
-    ctx.reduce_scatter(&all, &mut part, &ReduceOp::Sum, &o).expect("reduce_scatter");
+    ctx.reduce_scatter(&all, &mut part, Reduction::Sum, &o).expect("reduce_scatter");
     assert!(part.iter().enumerate().all(|(i, &x)| x == (n * (r * per + i)) as u32), "reduce_scatter on rank {r}");
 }
 
@@ -175,7 +175,7 @@ fn elastic(env: &RankEnv, store: &impl Store, dev: &Device) {
     let mut buf = vec![1.0f32; 1 << 20]; // 4 MiB: a pipelined ring
     let err = loop {
         buf.fill(1.0);
-        match ctx.allreduce(&mut buf, ReduceOp::Sum) {
+        match ctx.allreduce(&mut buf, Reduction::Sum) {
             Ok(()) => assert!(buf.iter().all(|&x| x == n as f32), "wrong allreduce before the kill"),
             Err(e) => break e,
         }
@@ -199,7 +199,7 @@ fn elastic(env: &RankEnv, store: &impl Store, dev: &Device) {
     let gen1 = PrefixStore::new("gen1", store);
     let ctx = Context::builder(rank, n - 1).timeout(WORKER_TIMEOUT).connect(&gen1, dev).expect("generation 1");
     let mut v: Vec<u64> = (0..100_000).map(|i| i * (rank as u64 + 1)).collect();
-    ctx.allreduce(&mut v, ReduceOp::Sum).expect("allreduce in generation 1");
+    ctx.allreduce(&mut v, Reduction::Sum).expect("allreduce in generation 1");
     let factor: u64 = (1..n as u64).sum();
     assert!(v.iter().enumerate().all(|(i, &x)| x == i as u64 * factor), "wrong allreduce in generation 1");
     let mut b = vec![rank as u32; 1000];

@@ -8,7 +8,7 @@ mod common;
 
 use ferrogloo::device::Device;
 use ferrogloo::rendezvous::{FileStore, PrefixStore};
-use ferrogloo::{Context, ReduceOp};
+use ferrogloo::{Context, Reduction};
 use std::time::{Duration, Instant};
 
 /// (open file descriptors, threads, resident KiB) of this process.
@@ -47,7 +47,7 @@ fn a_thousand_contexts_formed_and_dropped_leave_nothing_behind() {
                     s.spawn(move || -> ferrogloo::Result<()> {
                         let ctx = Context::builder(rank, 2).timeout(common::TIMEOUT).connect(scope, dev)?;
                         let mut v = [i as u64 + rank as u64];
-                        ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                        ctx.allreduce(&mut v, Reduction::Sum)?;
                         assert_eq!(v, [2 * i as u64 + 1], "context {i}");
                         Ok(())
                     })

@@ -6,7 +6,7 @@ mod common;
 use common::{TIMEOUT, all_ok, hello};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
-use ferrogloo::{Context, ReduceOp};
+use ferrogloo::{Context, Reduction};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -74,7 +74,7 @@ fn strangers_are_refused_and_the_mesh_still_forms() {
                         }
                         // And collectives while the strangers knock.
                         let mut r = vec![round + rank as u64; 3000];
-                        ctx.allreduce(&mut r, ReduceOp::Sum)?;
+                        ctx.allreduce(&mut r, Reduction::Sum)?;
                         let want = n as u64 * round + (n * (n - 1) / 2) as u64;
                         assert!(r.iter().all(|&x| x == want), "rank {rank}: allreduce wrong in round {round}");
                     }

@@ -9,7 +9,7 @@ mod common;
 use common::{TIMEOUT, all_ok, pattern, run_ranks_on};
 use ferrogloo::device::Device;
 use ferrogloo::rendezvous::{HashStore, PrefixStore};
-use ferrogloo::{CollectiveOptions, Context, Error, ReduceOp};
+use ferrogloo::{CollectiveOptions, Context, Error, Reduction};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -247,7 +247,7 @@ fn abort(dev: MakeDevice) {
             return Ok(());
         }
         let t = Instant::now();
-        match ctx.allreduce(&mut [1u32; 16], ReduceOp::Sum) {
+        match ctx.allreduce(&mut [1u32; 16], Reduction::Sum) {
             Err(Error::Aborted { rank: 2, reason }) => assert_eq!(reason, "out of memory"),
             other => panic!("rank {}: expected rank 2's abort, got {other:?}", ctx.rank()),
         }
@@ -282,7 +282,7 @@ fn concurrent_contexts(dev: MakeDevice) {
                             t.spawn(move || -> ferrogloo::Result<()> {
                                 for i in 0..30u64 {
                                     let mut v = [base + i + rank as u64; 5];
-                                    ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                                    ctx.allreduce(&mut v, Reduction::Sum)?;
                                     let want = n as u64 * (base + i) + (0..n as u64).sum::<u64>();
                                     assert_eq!(v, [want; 5], "base {base}, call {i}");
                                     let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
@@ -317,7 +317,7 @@ fn collectives(dev: MakeDevice) {
             // allreduce of small integers in f32 (exact in any order), past the ring threshold
             for len in [0, 7, 300_000] {
                 let mut v: Vec<f32> = (0..len).map(|i| ((i * 7 + r * 3) % 100) as f32).collect();
-                ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                ctx.allreduce(&mut v, Reduction::Sum)?;
                 let ok = v
                     .iter()
                     .enumerate()
@@ -361,7 +361,7 @@ fn subgroups(dev: MakeDevice) {
         let alone = ctx.split(Some(10 + r as u32), 0)?.expect("a color");
         assert_eq!((alone.rank(), alone.size()), (0, 1));
         let mut x = [r as u64];
-        alone.allreduce(&mut x, ReduceOp::Sum)?;
+        alone.allreduce(&mut x, Reduction::Sum)?;
         assert_eq!(x, [r as u64]);
         let some = ctx.split(if r == 5 { None } else { Some(0) }, 0)?;
         assert_eq!(some.as_ref().map(Context::size), if r == 5 { None } else { Some(5) });
@@ -370,7 +370,7 @@ fn subgroups(dev: MakeDevice) {
             let parent = t.spawn(|| -> ferrogloo::Result<()> {
                 for i in 0..20u64 {
                     let mut v = [i + r as u64];
-                    ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                    ctx.allreduce(&mut v, Reduction::Sum)?;
                     assert_eq!(v, [6 * i + 15]);
                 }
                 Ok(())
@@ -378,7 +378,7 @@ fn subgroups(dev: MakeDevice) {
             let child = t.spawn(|| -> ferrogloo::Result<()> {
                 for i in 0..20u64 {
                     let mut v = [i + r as u64];
-                    half.allreduce(&mut v, ReduceOp::Sum)?;
+                    half.allreduce(&mut v, Reduction::Sum)?;
                     let members = (0..6u64).filter(|p| p % 2 == r as u64 % 2).sum::<u64>();
                     assert_eq!(v, [3 * i + members]);
                 }
@@ -403,7 +403,7 @@ fn subgroups(dev: MakeDevice) {
         // Nesting: split the half again.
         let quarter = half.split(Some(u32::from(half.rank() == 0)), 0)?.expect("a color");
         let mut s = [1u32];
-        quarter.allreduce(&mut s, ReduceOp::Sum)?;
+        quarter.allreduce(&mut s, Reduction::Sum)?;
         assert_eq!(s, [quarter.size() as u32]);
         assert_eq!(quarter.size(), if half.rank() == 0 { 1 } else { 2 });
         // Bad lists are clear errors.
@@ -425,17 +425,17 @@ fn subgroup_abort(dev: MakeDevice) {
         if r == 0 {
             half.abort("this half is done");
         } else if r == 1 {
-            match half.allreduce(&mut [1u8], ReduceOp::Sum) {
+            match half.allreduce(&mut [1u8], Reduction::Sum) {
                 Err(Error::Aborted { rank: 0, reason }) => assert_eq!(reason, "this half is done"),
                 other => panic!("expected rank 0's abort of the half, got {other:?}"),
             }
         } else {
             let mut v = [r as u32];
-            half.allreduce(&mut v, ReduceOp::Sum)?;
+            half.allreduce(&mut v, Reduction::Sum)?;
             assert_eq!(v, [5]);
         }
         let mut v = [1u32];
-        ctx.allreduce(&mut v, ReduceOp::Sum)?;
+        ctx.allreduce(&mut v, Reduction::Sum)?;
         assert_eq!(v, [4], "the parent works on");
         Ok(())
     });
@@ -488,7 +488,7 @@ fn local_abort(dev: MakeDevice) {
             }
             if what == "sub-group" {
                 let mut v = [1u8];
-                ctx.allreduce(&mut v, ReduceOp::Sum)?;
+                ctx.allreduce(&mut v, Reduction::Sum)?;
                 assert_eq!(v, [2], "the parent works on after its sub-group's abort");
             }
         }
@@ -506,7 +506,7 @@ fn mismatch_in_words(dev: MakeDevice) {
         |b| b.timeout(Duration::from_secs(5)),
         |ctx| {
             let mut v = vec![1.0f32; 1000 + ctx.rank()];
-            Ok(ctx.allreduce(&mut v, ReduceOp::Sum).expect_err("the lengths disagree").to_string())
+            Ok(ctx.allreduce(&mut v, Reduction::Sum).expect_err("the lengths disagree").to_string())
         },
     );
     let seen: Vec<String> = all_ok(seen);

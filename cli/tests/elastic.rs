@@ -5,7 +5,7 @@
 
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RankEnv, elastic};
-use ferrogloo::{Error, ReduceOp};
+use ferrogloo::{Error, Reduction};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -39,7 +39,7 @@ fn elastic_worker() {
     let stall: Option<u64> = std::env::var("ELASTIC_TEST_STALL").ok().and_then(|t| t.parse().ok());
     let size = elastic::run(&env, &dev, Duration::from_secs(timeout), |ctx, membership| {
         let mut start = [done];
-        ctx.allreduce(&mut start, ReduceOp::Max)?;
+        ctx.allreduce(&mut start, Reduction::Max)?;
         done = start[0];
         while done < STEPS || ctx.size() < grow_to {
             // Ranks joined: rebuild at the new size.
@@ -66,7 +66,7 @@ fn elastic_worker() {
                 return Err(Error::invalid("the victim was not killed"));
             }
             let mut v = vec![1.0f32; 1024];
-            ctx.allreduce(&mut v, ReduceOp::Sum)?;
+            ctx.allreduce(&mut v, Reduction::Sum)?;
             assert!(v.iter().all(|&x| x == ctx.size() as f32), "allreduce at size {}", ctx.size());
             done += 1;
         }

@@ -11,7 +11,7 @@ use ferrogloo::credentials::{SECRET_ENV, SECRET_FILE_ENV, STORE_TOKEN_ENV, STORE
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::rendezvous::{HashStore, HttpStore, Store, StoreUrl};
-use ferrogloo::{Context, ReduceOp};
+use ferrogloo::{Context, Reduction};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -57,7 +57,7 @@ fn expected(n: usize) -> Vec<u64> {
 /// The allreduce of a job's ranks, checked on every rank; prints the result's checksum.
 fn allreduce_and_report(ctx: &Context) {
     let mut v = contribution(ctx.rank());
-    ctx.allreduce(&mut v, ReduceOp::Sum).expect("the job's allreduce");
+    ctx.allreduce(&mut v, Reduction::Sum).expect("the job's allreduce");
     assert_eq!(v, expected(ctx.size()), "rank {}: the allreduce is wrong", ctx.rank());
     println!("RESULT rank {} of {} sum {}", ctx.rank(), ctx.size(), v.iter().sum::<u64>());
 }

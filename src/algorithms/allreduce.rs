@@ -3,7 +3,7 @@
 
 use super::{Coll, Phase, Sent, carve, carve2, partition, segments};
 use crate::error::Result;
-use crate::types::{Element, ReduceOp};
+use crate::types::{Element, Fold};
 use bytemuck::Pod;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -121,7 +121,7 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     c: &Coll<'_>,
     bufs: RingBufs<'_, T>,
     blocks: &[Range<usize>],
-    op: &ReduceOp<T>,
+    op: &Fold<'_, T>,
     shift: usize,
     seg: usize,
 ) -> Result<()> {
@@ -239,7 +239,7 @@ pub(crate) fn ring_allgather<T: Element>(
 
 /// Ring allreduce: reduce-scatter then allgather. 2(n-1) steps; each rank sends and receives
 /// 2(n-1)/n of the buffer.
-pub(crate) fn ring<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &ReduceOp<T>, seg: usize) -> Result<()> {
+pub(crate) fn ring<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &Fold<'_, T>, seg: usize) -> Result<()> {
     let blocks = partition(buf.len(), c.size());
     ring_reduce_scatter(c, RingBufs::InPlace(&mut *buf), &blocks, op, 0, seg)?;
     ring_allgather(c, buf, &blocks, 1, seg)
@@ -256,7 +256,7 @@ struct Group {
 impl Group {
     /// Enters the group: ranks beyond the first p fold in (see [`pre_fold`]). `None` for a
     /// rank that folded into its neighbour and already holds the result.
-    fn enter<T: Element>(c: &Coll<'_>, buf: &mut [T], tmp: &mut [T], op: &ReduceOp<T>) -> Result<Option<Self>> {
+    fn enter<T: Element>(c: &Coll<'_>, buf: &mut [T], tmp: &mut [T], op: &Fold<'_, T>) -> Result<Option<Self>> {
         let (r, n) = (c.rank(), c.size());
         let p = 1usize << n.ilog2();
         let rem = n - p;
@@ -278,7 +278,7 @@ impl Group {
 /// the power-of-two group) and both fold the two in rank order, so both hold the same bits.
 /// log₂p steps (+2 when n is not a power of two); each rank sends S·log₂p bytes. Fewest steps:
 /// the choice for small buffers.
-pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &ReduceOp<T>) -> Result<()> {
+pub(crate) fn recursive_doubling<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &Fold<'_, T>) -> Result<()> {
     if c.size() == 1 {
         return Ok(());
     }
@@ -315,7 +315,7 @@ fn pre_fold<T: Element>(
     c: &Coll<'_>,
     buf: &mut [T],
     tmp: &mut [T],
-    op: &ReduceOp<T>,
+    op: &Fold<'_, T>,
     r: usize,
     rem: usize,
 ) -> Result<Option<usize>> {
@@ -358,7 +358,7 @@ fn post_fold<T: Element>(c: &Coll<'_>, buf: &[T], r: usize, rem: usize) -> Resul
 /// power of two p ≤ n. The first 2(n-p) ranks pair up first: even ones hand their buffer to
 /// the odd one above and receive the result at the end. 2·log₂p steps (+2 when n is not a
 /// power of two); each rank sends and receives 2(p-1)/p of the buffer.
-pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &ReduceOp<T>) -> Result<()> {
+pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &Fold<'_, T>) -> Result<()> {
     if c.size() == 1 {
         return Ok(());
     }

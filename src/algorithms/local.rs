@@ -12,7 +12,7 @@ use super::{CollectiveOptions, partition};
 use crate::comm::Comm;
 use crate::error::Result;
 use crate::transport::LocalArea;
-use crate::types::{Element, OpDesc, ReduceOp};
+use crate::types::{Element, Fold, OpDesc};
 use std::time::Instant;
 
 /// Up to this many bytes (times the members), allreduce takes one step: every rank reduces
@@ -46,7 +46,7 @@ pub(crate) fn run<R>(
 /// Allreduce of `buf` across the members, in place. Small buffers take one step (each rank
 /// reduces everything, in member order); larger ones two steps per slot-sized chunk: each rank
 /// reduces its slice of the chunk, then copies everyone's slices.
-pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &ReduceOp<T>) -> Result<()> {
+pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<'_, T>) -> Result<()> {
     let (n, me) = (l.n(), l.me());
     let c = l.elems::<T>();
     let bytes = std::mem::size_of_val(buf);
@@ -129,7 +129,7 @@ pub(crate) fn reduce_scatter<T: Element>(
     l: &mut Local<'_>,
     input: &[T],
     output: &mut [T],
-    op: &ReduceOp<T>,
+    op: &Fold<'_, T>,
 ) -> Result<()> {
     let (n, me) = (l.n(), l.me());
     let b = output.len();

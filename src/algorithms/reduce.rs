@@ -2,11 +2,11 @@
 
 use super::Coll;
 use crate::error::Result;
-use crate::types::{Element, ReduceOp};
+use crate::types::{Element, Fold};
 
 /// Binomial tree towards `root`: ⌈log₂ n⌉ steps; an inner node receives one buffer per child
 /// and sends one. The root's `buf` gets the result; other ranks' buffers are left unchanged.
-pub(crate) fn tree<T: Element>(c: &Coll<'_>, buf: &mut [T], root: usize, op: &ReduceOp<T>) -> Result<()> {
+pub(crate) fn tree<T: Element>(c: &Coll<'_>, buf: &mut [T], root: usize, op: &Fold<'_, T>) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let vr = (r + n - root) % n;
     let real = |v: usize| (v + root) % n;

@@ -360,7 +360,7 @@ fn single(
                 crate::dispatch_dtype!(meta.dtype, T => {
                     let input: &[T] = cast(p.bytes())?;
                     let output: &mut [T] = cast_mut(out.bytes_mut())?;
-                    ctx.reduce_scatterv(input, output, &counts, &red.fold_op(), &opts)
+                    ctx.reduce_scatterv(input, output, &counts, red, &opts)
                 })
             })?;
             meta.op.finish_bytes(meta.dtype, out.bytes_mut(), n)?;

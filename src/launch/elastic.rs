@@ -30,7 +30,7 @@
 //! ```no_run
 //! use ferrogloo::device::{Device, TcpAttr};
 //! use ferrogloo::launch::{RankEnv, elastic};
-//! use ferrogloo::ReduceOp;
+//! use ferrogloo::Reduction;
 //! use std::time::Duration;
 //!
 //! # fn main() -> ferrogloo::Result<()> {
@@ -40,14 +40,14 @@
 //! elastic::run(&env, &device, Duration::from_secs(30), |ctx, membership| {
 //!     // Newcomers and survivors agree on where to go on from.
 //!     let mut start = [step];
-//!     ctx.allreduce(&mut start, ReduceOp::Max)?;
+//!     ctx.allreduce(&mut start, Reduction::Max)?;
 //!     step = start[0];
 //!     while step < 1000 {
 //!         if step % 10 == 0 {
 //!             membership.check()?; // ranks joined: rebuild at the new size
 //!         }
 //!         let mut grads = vec![1.0f32; 1 << 16];
-//!         ctx.allreduce(&mut grads, ReduceOp::Sum)?;
+//!         ctx.allreduce(&mut grads, Reduction::Sum)?;
 //!         step += 1;
 //!     }
 //!     Ok(())
@@ -393,7 +393,7 @@ fn next_generation(store: &dyn Store, seen: Option<u64>, limit: Duration) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ReduceOp;
+    use crate::Reduction;
     use crate::rendezvous::HashStore;
     use std::sync::Arc;
 
@@ -429,7 +429,7 @@ mod tests {
     /// Sums 1 over the context: its size, if every member took part.
     fn size_by_allreduce(ctx: &Context) -> Result<usize> {
         let mut one = [1u64];
-        ctx.allreduce(&mut one, ReduceOp::Sum)?;
+        ctx.allreduce(&mut one, Reduction::Sum)?;
         Ok(one[0] as usize)
     }
 

@@ -128,7 +128,7 @@ pub(super) fn measure_gpu(
     };
     let _ = algo;
     let mut bad = [u32::from(wrong && !args.no_check)];
-    ctx.allreduce(&mut bad, ferrogloo::ReduceOp::Max)?;
+    ctx.allreduce(&mut bad, ferrogloo::Reduction::Max)?;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let p50 = sorted[sorted.len() / 2];

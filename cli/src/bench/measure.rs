@@ -105,7 +105,7 @@ pub(super) fn timed<S>(
                 call(state)?;
             }
             let mut per = [t.elapsed().as_secs_f64() / 3.0];
-            ctx.allreduce(&mut per, ferrogloo::ReduceOp::Max)?;
+            ctx.allreduce(&mut per, ferrogloo::Reduction::Max)?;
             ((secs / per[0].max(1e-9)) as usize).clamp(5, 2000)
         }
         None => args.iters.max(1),
@@ -123,7 +123,7 @@ pub(super) fn timed<S>(
         call(state)?;
         times.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    ctx.allreduce(&mut times, ferrogloo::ReduceOp::Max)?;
+    ctx.allreduce(&mut times, ferrogloo::Reduction::Max)?;
     Ok(times)
 }
 
@@ -331,7 +331,7 @@ pub(super) fn measure(
         other => return Err(Error::invalid(format!("unknown collective {other:?}"))),
     };
     let mut bad = [u32::from(wrong && !args.no_check)];
-    ctx.allreduce(&mut bad, ferrogloo::ReduceOp::Max)?;
+    ctx.allreduce(&mut bad, ferrogloo::Reduction::Max)?;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let p50 = sorted[sorted.len() / 2];

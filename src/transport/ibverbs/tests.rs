@@ -8,7 +8,7 @@ use super::reg::RegCache;
 use super::sim::{self, Fault};
 use super::verbs::{Access, QpAddr, SendOp, Sge, VerbsDevice, Wc, WcKind, WcStatus};
 use crate::rendezvous::HashStore;
-use crate::{Context, Device, Error, ReduceOp};
+use crate::{Context, Device, Error, Reduction};
 
 use std::time::{Duration, Instant};
 
@@ -182,7 +182,7 @@ fn stream(ctx: &Context) -> crate::Result<()> {
             ctx.recv(1, 1, &mut got)?;
         }
     }
-    ctx.allreduce(&mut [1u32; 8], ReduceOp::Sum)
+    ctx.allreduce(&mut [1u32; 8], Reduction::Sum)
 }
 
 #[test]

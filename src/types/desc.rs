@@ -1,0 +1,211 @@
+//! [`OpDesc`]: what every message of a call carries so that ranks which disagree on the call
+//! find out, and how a difference is put in words.
+
+use super::{Algorithm, DType};
+
+/// The kinds of call a message can belong to (the first byte of an [`OpDesc`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Call {
+    /// A user's point-to-point message.
+    P2p = 0,
+    Barrier = 1,
+    Allreduce = 2,
+    ReduceScatter = 3,
+    Allgather = 4,
+    Broadcast = 5,
+    Reduce = 6,
+    Gather = 7,
+    Scatter = 8,
+    Alltoall = 9,
+}
+
+impl Call {
+    const NAMES: [&'static str; 10] = [
+        "point-to-point",
+        "barrier",
+        "allreduce",
+        "reduce_scatter",
+        "allgather",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "alltoall",
+    ];
+}
+
+/// No root, in [`OpDesc::root`].
+pub(crate) const NO_ROOT: u32 = u32::MAX;
+
+/// What every message of one call carries, so that ranks which disagree on the call learn it
+/// from the first message instead of reinterpreting bytes: which collective, element type,
+/// reduction, algorithm, root, element count, and a hash of whatever else must agree
+/// (per-rank counts, a member list). The transport compares it whole; [`OpDesc::explain`]
+/// turns a difference into words.
+///
+/// Fields are raw codes, so a descriptor off the wire always decodes (an unknown code prints as
+/// a number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct OpDesc {
+    /// A [`Call`] code.
+    pub(crate) call: u8,
+    /// A [`DType`] code, 0 for none (untyped bytes).
+    pub(crate) dtype: u8,
+    /// A reduction's code (`Reduction::code`; 5 for a custom fold), 0 for none.
+    pub(crate) reduce: u8,
+    /// An [`Algorithm::code`].
+    pub(crate) algo: u8,
+    /// The root rank, or [`NO_ROOT`].
+    pub(crate) root: u32,
+    /// Elements in the call (the user's buffer, or the total of per-rank counts).
+    pub(crate) count: u64,
+    /// A hash of whatever else must agree, 0 when nothing does.
+    pub(crate) extra: u64,
+}
+
+/// Bytes in an encoded [`OpDesc`].
+pub(crate) const DESC_LEN: usize = 24;
+
+impl OpDesc {
+    /// A user's point-to-point message: nothing to compare but the byte length.
+    pub(crate) const P2P: OpDesc = OpDesc::new(Call::P2p);
+
+    /// A descriptor of `call` with no type, reduction, root or count.
+    pub(crate) const fn new(call: Call) -> Self {
+        OpDesc { call: call as u8, dtype: 0, reduce: 0, algo: 0, root: NO_ROOT, count: 0, extra: 0 }
+    }
+
+    /// With element type `dtype`.
+    pub(crate) fn dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype as u8;
+        self
+    }
+
+    /// With `count` elements.
+    pub(crate) fn count(mut self, count: usize) -> Self {
+        self.count = count as u64;
+        self
+    }
+
+    /// With reduction code `code` (`Reduction::code`, or 5 for a custom fold).
+    pub(crate) fn reduce(mut self, code: u8) -> Self {
+        self.reduce = code;
+        self
+    }
+
+    /// With algorithm `algo`.
+    pub(crate) fn algo(mut self, algo: Algorithm) -> Self {
+        self.algo = algo.code();
+        self
+    }
+
+    /// With root `root`.
+    pub(crate) fn root(mut self, root: usize) -> Self {
+        self.root = u32::try_from(root).unwrap_or(NO_ROOT - 1);
+        self
+    }
+
+    /// With `extra`, a hash of whatever else must agree.
+    pub(crate) fn extra(mut self, extra: u64) -> Self {
+        self.extra = extra;
+        self
+    }
+
+    pub(crate) fn encode(&self) -> [u8; DESC_LEN] {
+        let mut b = [0u8; DESC_LEN];
+        b[0] = self.call;
+        b[1] = self.dtype;
+        b[2] = self.reduce;
+        b[3] = self.algo;
+        b[4..8].copy_from_slice(&self.root.to_le_bytes());
+        b[8..16].copy_from_slice(&self.count.to_le_bytes());
+        b[16..24].copy_from_slice(&self.extra.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; DESC_LEN]) -> Self {
+        let word = |r: std::ops::Range<usize>| {
+            let mut a = [0u8; 8];
+            a[..r.len()].copy_from_slice(&b[r]);
+            u64::from_le_bytes(a)
+        };
+        OpDesc {
+            call: b[0],
+            dtype: b[1],
+            reduce: b[2],
+            algo: b[3],
+            root: word(4..8) as u32,
+            count: word(8..16),
+            extra: word(16..24),
+        }
+    }
+
+    fn call_name(&self) -> String {
+        Call::NAMES.get(usize::from(self.call)).map_or_else(|| format!("call #{}", self.call), |n| n.to_string())
+    }
+
+    fn dtype_name(&self) -> String {
+        DType::from_code(self.dtype).map_or_else(|| format!("type #{}", self.dtype), |d| d.name().to_string())
+    }
+
+    fn reduce_name(&self) -> String {
+        match self.reduce {
+            1 => "sum".into(),
+            2 => "product".into(),
+            3 => "min".into(),
+            4 => "max".into(),
+            5 => "a custom reduction".into(),
+            6 => "average".into(),
+            c => format!("reduction #{c}"),
+        }
+    }
+
+    fn algo_name(&self) -> String {
+        Algorithm::long_name(self.algo)
+            .map_or_else(|| format!("algorithm #{}", self.algo), |n| format!("the {n} algorithm"))
+    }
+
+    /// The call in words: "allreduce of 1000 f32 elements (sum)", "broadcast of 16 u8
+    /// elements from root 2", "barrier".
+    pub(crate) fn describe(&self) -> String {
+        let mut s = self.call_name();
+        if self.dtype != 0 {
+            s += &format!(" of {} {} elements", self.count, self.dtype_name());
+        }
+        if self.root != NO_ROOT {
+            s += &format!(" from root {}", self.root);
+        }
+        if self.reduce != 0 {
+            s += &format!(" ({})", self.reduce_name());
+        }
+        s
+    }
+
+    /// How rank `peer`'s call (`theirs`) differs from this rank's (`mine`), in words: "rank 1
+    /// called allreduce with 1001 f32 elements, rank 0 with 1000".
+    pub(crate) fn explain(me: usize, mine: &OpDesc, peer: usize, theirs: &OpDesc) -> String {
+        if mine.call != theirs.call {
+            return format!("rank {peer} called {}, rank {me} {}", theirs.describe(), mine.describe());
+        }
+        let call = theirs.call_name();
+        let with = |t: String, m: String| format!("rank {peer} called {call} with {t}, rank {me} with {m}");
+        if mine.dtype != theirs.dtype {
+            with(format!("{} elements", theirs.dtype_name()), mine.dtype_name())
+        } else if mine.count != theirs.count {
+            with(format!("{} {} elements", theirs.count, theirs.dtype_name()), mine.count.to_string())
+        } else if mine.root != theirs.root {
+            with(format!("root {}", theirs.root), format!("root {}", mine.root))
+        } else if mine.reduce != theirs.reduce {
+            with(theirs.reduce_name(), mine.reduce_name())
+        } else if mine.algo != theirs.algo {
+            with(theirs.algo_name(), mine.algo_name())
+        } else {
+            format!(
+                "rank {peer} called {call} with other per-rank counts or members than rank {me} \
+                 ({:#018x} against {:#018x})",
+                theirs.extra, mine.extra
+            )
+        }
+    }
+}
