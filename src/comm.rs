@@ -35,7 +35,7 @@ const NS_COLL: u64 = SEQUENCED;
 pub(crate) const MAX_TAG: u32 = 1 << 30;
 
 /// A formed mesh and what every communicator over it shares.
-pub(crate) struct Shared {
+pub(crate) struct World {
     pub(crate) mesh: Mesh,
     /// This process's rank in the mesh.
     pub(crate) world_rank: usize,
@@ -53,11 +53,11 @@ pub(crate) struct Shared {
 /// What a rank may send itself before it posts the receive (a larger send waits for it).
 const SELF_BUDGET: usize = 8 << 20;
 
-impl Shared {
+impl World {
     pub(crate) fn new(mesh: Mesh, world_rank: usize, hosts: Vec<String>, spin: BusyWait) -> Self {
         let pending = (0..mesh.pairs.len()).map(|_| AtomicU32::new(0)).collect();
         let own = crate::transport::memory::loopback(world_rank, SELF_BUDGET);
-        Shared { mesh, world_rank, hosts, pending, spin, own }
+        World { mesh, world_rank, hosts, pending, spin, own }
     }
 
     /// The pair to mesh rank `r` (the loopback pair for this rank).
@@ -76,7 +76,7 @@ pub(crate) struct Comm {
     members: Arc<[usize]>,
     /// Indexed by rank in the group (this rank's is its loopback pair).
     pairs: Vec<Option<Arc<dyn Pair>>>,
-    shared: Arc<Shared>,
+    shared: Arc<World>,
     timeout: Duration,
     collective_seq: Mutex<HashMap<u32, u32>>,
     /// Set once the communicator is aborted (by `abort` or a failed collective).
@@ -89,7 +89,7 @@ pub(crate) struct Comm {
 
 impl Comm {
     /// The communicator of the whole mesh (group 0).
-    pub(crate) fn root(shared: Arc<Shared>, timeout: Duration) -> Self {
+    pub(crate) fn root(shared: Arc<World>, timeout: Duration) -> Self {
         let size = shared.mesh.pairs.len();
         let members: Arc<[usize]> = (0..size).collect();
         Self::over(shared, 0, members, timeout)
@@ -97,7 +97,7 @@ impl Comm {
 
     /// The communicator of `members` (mesh ranks, in group-rank order; this process is one of
     /// them) with group id `group`.
-    pub(crate) fn over(shared: Arc<Shared>, group: u64, members: Arc<[usize]>, timeout: Duration) -> Self {
+    pub(crate) fn over(shared: Arc<World>, group: u64, members: Arc<[usize]>, timeout: Duration) -> Self {
         let me = shared.world_rank;
         let rank = members.iter().position(|&m| m == me).unwrap_or(0);
         let pairs = members.iter().map(|&m| shared.pair(m)).collect();
@@ -128,7 +128,7 @@ impl Comm {
         self.timeout
     }
 
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
+    pub(crate) fn shared(&self) -> &Arc<World> {
         &self.shared
     }
 
@@ -327,7 +327,7 @@ struct Op {
 }
 
 impl Op {
-    fn new(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str, shared: &Shared) -> Self {
+    fn new(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str, shared: &World) -> Self {
         for p in &pairs {
             shared.pending[p.peer()].fetch_add(1, Ordering::Relaxed);
         }
@@ -342,7 +342,7 @@ impl Op {
 
     /// Waits until finished or `deadline`; on timeout withdraws the operation so its buffer is
     /// released.
-    fn wait(&self, deadline: Instant, shared: &Shared) -> Result<Done> {
+    fn wait(&self, deadline: Instant, shared: &World) -> Result<Done> {
         self.wait_spinning(deadline, shared, shared.spin)
     }
 
@@ -357,7 +357,7 @@ impl Op {
         done: &Completion,
         own: &[usize],
         deadline: Instant,
-        shared: &Shared,
+        shared: &World,
         spin: BusyWait,
     ) -> Option<Result<Done>> {
         let others: Vec<usize> = (0..shared.pending.len())
@@ -367,7 +367,7 @@ impl Op {
     }
 
     /// [`wait`](Self::wait) with a busy-wait policy of its own.
-    fn wait_spinning(&self, deadline: Instant, shared: &Shared, spin: BusyWait) -> Result<Done> {
+    fn wait_spinning(&self, deadline: Instant, shared: &World, spin: BusyWait) -> Result<Done> {
         let start = Instant::now();
         let own = self.peers();
         let finished = Self::wait_for(&self.done, &own, deadline, shared, spin);

@@ -1,6 +1,6 @@
 //! The [`Context`]: this rank's place in a job, with one connected pair per peer.
 
-use crate::comm::{Comm, Scope, Shared};
+use crate::comm::{Comm, Scope, World};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mesh::{self, MeshSpec};
@@ -112,7 +112,7 @@ impl ContextBuilder {
         let (mesh, hosts) = mesh::form(store, device.backend(), &spec)?;
         let spin = busy_wait(busy_poll, &hosts, rank);
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
-        let shared = Arc::new(Shared::new(mesh, rank, hosts, spin));
+        let shared = Arc::new(World::new(mesh, rank, hosts, spin));
         Ok(Context { comm: Comm::root(shared, timeout), device: device.clone(), hier: OnceLock::new() })
     }
 }

@@ -19,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod algorithms;
+mod codec;
 mod collectives;
 mod comm;
 pub mod context;

@@ -15,7 +15,7 @@
 //! mesh's outstanding operations while posted, like any operation of a [`Scope`](super::Scope),
 //! so other waits on the mesh drive its pairs too.
 
-use super::{Comm, Op, Shared, post_recv_any};
+use super::{Comm, Op, World, post_recv_any};
 use crate::error::{Error, Result};
 use crate::transport::{BusyWait, Completion, Done, Key, Pair, RecvTarget};
 use crate::types::OpDesc;
@@ -41,7 +41,7 @@ const MESH_SLICE: Duration = Duration::from_millis(2);
 /// buffer of its own length; see the module documentation. Made by
 /// [`Comm::persistent_recv`].
 pub(crate) struct PersistentRecv {
-    shared: Arc<Shared>,
+    shared: Arc<World>,
     /// Mesh rank of each group rank.
     members: Arc<[usize]>,
     /// Indexed by group rank.

@@ -1,9 +1,9 @@
 //! The [`Engine`]: submissions from any thread, checked and queued for the background thread.
 
 use super::config::EngineConfig;
-use super::handle::{Completion, Handle, Output, Payload, rank_of, tensor_of, unit_of};
+use super::handle::{Handle, Output, Payload, Promise, rank_of, tensor_of, unit_of};
 use super::meta::{Kind, Meta};
-use super::shared::{EngineStats, Queue, Shared, Submission, TimelineCommand};
+use super::shared::{EngineState, EngineStats, Queue, Submission, TimelineCommand};
 use super::stall::StallReport;
 use super::tensor::{AllreduceOptions, Compression, Tensor, fmt_shape};
 use super::{CONTROL_TAG, background, timeline, wire};
@@ -24,7 +24,7 @@ use std::time::Instant;
 /// every rank: the others' pending and later submissions fail with [`Error::Aborted`] naming
 /// this rank.
 pub struct Engine {
-    shared: Arc<Shared>,
+    shared: Arc<EngineState>,
     ctx: Arc<Context>,
     thread: Option<JoinHandle<()>>,
 }
@@ -41,7 +41,7 @@ impl Engine {
     /// [`Context::split`] or [`Context::subgroup`].
     pub fn new(ctx: Context, config: EngineConfig) -> Result<Engine> {
         let ctx = Arc::new(ctx);
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(EngineState {
             queue: Mutex::new(Queue::default()),
             arrived: Condvar::new(),
             wake_pending: AtomicBool::new(false),
@@ -444,7 +444,7 @@ impl Engine {
             q.gap = q.last.map(|l| now.saturating_duration_since(l));
             q.last = Some(now);
             for (name, meta, payload) in subs {
-                let done = Completion::new();
+                let done = Promise::new();
                 handles.push(Handle { done: done.clone(), name: name.clone(), convert, _o: PhantomData });
                 q.items.push(Submission { name, meta, payload, done, submitted: now });
             }

@@ -8,9 +8,9 @@ use super::CONTROL_TAG;
 use super::config::EngineConfig;
 use super::controller::{COORDINATOR, Controller, Decision, Responses};
 use super::exec::{self, Item, Own};
-use super::handle::{Completion, Output, panic_message};
+use super::handle::{Output, Promise, panic_message};
 use super::meta::Kind;
-use super::shared::{Shared, Submission, TimelineCommand};
+use super::shared::{EngineState, Submission, TimelineCommand};
 use super::timeline::Timeline;
 use super::wire;
 use crate::Context;
@@ -26,14 +26,14 @@ use std::time::{Duration, Instant};
 /// The background thread's state.
 pub(crate) struct Core {
     ctx: Arc<Context>,
-    sh: Arc<Shared>,
+    sh: Arc<EngineState>,
     cfg: EngineConfig,
     rank: usize,
     size: usize,
     /// The negotiation; its tickets are this rank's tensors and completions.
     ctl: Controller<Own>,
     /// This rank's join, until every rank has joined.
-    join: Option<Arc<Completion>>,
+    join: Option<Arc<Promise>>,
     /// The fusion buffer, reused from cycle to cycle.
     fusion: Vec<u64>,
     timeline: Option<Timeline>,
@@ -45,7 +45,7 @@ pub(crate) struct Core {
 impl Core {
     pub(crate) fn new(
         ctx: Arc<Context>,
-        sh: Arc<Shared>,
+        sh: Arc<EngineState>,
         cfg: EngineConfig,
         timeline: Option<PathBuf>,
     ) -> Result<Core> {

@@ -2,7 +2,7 @@
 //! other collectives.
 
 use super::controller::Ready;
-use super::handle::{Completion, Output, Payload};
+use super::handle::{Output, Payload, Promise};
 use super::meta::{Kind, Meta};
 use super::shared::EngineStats;
 use crate::Context;
@@ -17,7 +17,7 @@ use std::time::Instant;
 const MAX_TENSOR_BYTES: u64 = 1 << 40;
 
 /// This rank's submission of a ready name: its tensor, its completion, when it was submitted.
-pub(crate) type Own = (Option<Box<dyn Payload>>, Arc<Completion>, Instant);
+pub(crate) type Own = (Option<Box<dyn Payload>>, Arc<Promise>, Instant);
 
 /// One ready name on this rank: its input (this rank's tensor, or zeros for a rank that joined)
 /// and, once run, its output.
@@ -28,7 +28,7 @@ pub(crate) struct Item {
     error: Option<Error>,
     payload: Option<Box<dyn Payload>>,
     out: Option<Result<Output>>,
-    done: Option<Arc<Completion>>,
+    done: Option<Arc<Promise>>,
     /// When this rank submitted it (`None`: it did not, having joined).
     pub(crate) submitted: Option<Instant>,
     /// When each rank was first seen with it (rank 0, or ranks writing a timeline).

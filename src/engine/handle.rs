@@ -39,14 +39,14 @@ impl<T: Element> Payload for Vec<T> {
 type Callback = Box<dyn FnOnce(Result<Output>) + Send>;
 
 /// The completion of one submission.
-pub(crate) struct Completion {
+pub(crate) struct Promise {
     state: Mutex<(Option<Result<Output>>, Option<Callback>)>,
     cond: Condvar,
 }
 
-impl Completion {
+impl Promise {
     pub(crate) fn new() -> Arc<Self> {
-        Arc::new(Completion { state: Mutex::new((None, None)), cond: Condvar::new() })
+        Arc::new(Promise { state: Mutex::new((None, None)), cond: Condvar::new() })
     }
 
     /// Finishes the submission (first outcome wins); runs its callback, if one is set, on
@@ -89,7 +89,7 @@ pub(crate) fn panic_message(p: &(dyn Any + Send)) -> String {
 /// collective ran. Dropping a handle leaves the submission in flight (its result is dropped).
 #[must_use = "a handle is how the result comes back"]
 pub struct Handle<O> {
-    pub(crate) done: Arc<Completion>,
+    pub(crate) done: Arc<Promise>,
     pub(crate) name: String,
     pub(crate) convert: fn(Output) -> Result<O>,
     pub(crate) _o: PhantomData<fn() -> O>,

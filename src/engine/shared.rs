@@ -1,7 +1,7 @@
 //! What user threads and the background thread share: the queue of submissions and commands,
 //! the first failure, the names in flight, the counters and stall reports.
 
-use super::handle::{Completion, Payload};
+use super::handle::{Payload, Promise};
 use super::meta::Meta;
 use super::stall::StallReport;
 use crate::error::Error;
@@ -35,12 +35,12 @@ pub(crate) struct Submission {
     pub(crate) name: String,
     pub(crate) meta: Meta,
     pub(crate) payload: Option<Box<dyn Payload>>,
-    pub(crate) done: Arc<Completion>,
+    pub(crate) done: Arc<Promise>,
     pub(crate) submitted: Instant,
 }
 
 /// What user threads and the background thread share.
-pub(crate) struct Shared {
+pub(crate) struct EngineState {
     pub(crate) queue: Mutex<Queue>,
     pub(crate) arrived: Condvar,
     /// A wake-up message to this rank is on its way and not yet received.

@@ -1,5 +1,5 @@
 //! The one handshake of every backend (TCP, shared memory, ibverbs), as a sans-IO state
-//! machine ([`machine::Handshake`]), and the one codec of every wire type ([`codec`]).
+//! machine ([`machine::Handshake`]), over the crate's one codec ([`crate::codec`]).
 //!
 //! The connecting side (always the higher rank of a pair) and the accepting side exchange:
 //!
@@ -56,7 +56,8 @@
 //! Every message has a bounded size, read in at most two steps, so nothing a stranger sends
 //! sizes an allocation beyond [`messages::MAX_MESSAGE`] bytes.
 
-pub(crate) mod codec;
+/// The crate's codec, where the transport's code has always found it.
+pub(crate) use crate::codec;
 pub(crate) mod machine;
 pub(crate) mod messages;
 

@@ -1,5 +1,6 @@
-//! The one codec for the transports' wire types (handshake messages, frame headers, abort
-//! causes, address blobs): a [`Codec`] trait with little-endian encodings of the primitive
+//! The one codec for the crate's wire types (the transports' handshake messages, frame headers,
+//! abort causes and address blobs; the engine's, the parameter server's and the TCPStore's
+//! messages): a [`Codec`] trait with little-endian encodings of the primitive
 //! types, written through [`bytes::BufMut`], and a [`Reader`] over received bytes that never
 //! panics: short input says how many more bytes it needs ([`DecodeError::Short`]), bad input
 //! says what is wrong ([`DecodeError::Malformed`]). quinn-proto's `coding` module is the model.
