@@ -2,19 +2,34 @@
 //!
 //! # Layers
 //!
-//! Each module depends only on those listed after it:
+//! Each layer uses only those below it (`.ci/module_cycles.py` refuses an import circle):
 //!
-//! - [`Context`] (`context`): rank, size, rendezvous through a [store](rendezvous), sub-groups,
-//!   point-to-point calls and the collectives (typed and runtime-typed).
-//! - `algorithms`: ring, halving-doubling, trees… written against a communicator (the group of
-//!   ranks, posting and waiting), never against a backend.
-//! - `transport`: the contract every backend meets (endpoints, address blobs, pairs, buffer
-//!   descriptors, progress), the matching of receives and messages shared by every backend, and
-//!   the backends: TCP (a mio event loop per [`Device`]) and in-process.
-//! - [`device`]: which backend, where it listens, which host it is on.
-//! - [`rendezvous`]: the key-value stores ranks meet through.
-//! - [`credentials`]: the job's secret and store token, from the environment.
-//! - [`types`], [`error`]: element types, reductions, one error enum.
+//! - **Binaries** (the `ferrogloo-cli` crate): `ferrogloo-run` (the launcher),
+//!   `ferrogloo-bench`, `ferrogloo-store-server`.
+//! - [`engine`]: named asynchronous collectives negotiated across ranks (Horovod's core): a
+//!   sans-IO controller (response cache, coordinator, stall inspector) driven by a thin I/O
+//!   loop, fusion, timeline, join, process sets. [`ps`]: the parameter server (ps-lite's
+//!   push/pull), in files for its config, rendezvous, worker, server and handlers.
+//!   [`launch`]: [`RankEnv::from_env`](launch::RankEnv::from_env) for jobs started by
+//!   torchrun, horovodrun, mpirun, Slurm or `ferrogloo-run`, spawning with lifelines, and the
+//!   elastic protocol. [`gpu`]: collectives on CUDA buffers (feature `cuda`; a stub without).
+//! - [`Context`] (`context`, `collectives`, `groups`): rank, size, sub-groups, point-to-point
+//!   calls and the collectives (typed, runtime-typed on bytes, custom folds).
+//! - [`algorithms`]: ring, halving-doubling, recursive doubling, trees, the shared-memory area
+//!   and the hierarchical allreduce, on safe borrows through a communicator's [`Scope`].
+//! - `comm`: the communicator every upper layer uses: scopes, waits with deadlines,
+//!   persistent receives and waits for any of several, sequence numbers, abort. `mesh`: forming
+//!   a mesh of any backend through a store.
+//! - [`device`]: a [`Device`] is one backend object and a host identity.
+//! - `transport`: the contract every backend meets (backend, endpoint, address blob, pair,
+//!   progress), the matching of receives and messages, one sans-IO handshake for every backend,
+//!   and the backends: TCP (a mio event loop per [`Device`]), shared memory, ibverbs (feature
+//!   `ibverbs`; a stub without), in-process, and the one that combines a same-host backend
+//!   with a remote one.
+//! - [`rendezvous`]: the stores ranks meet through (file, prefix, in-process, Horovod's HTTP,
+//!   PyTorch's TCPStore), and [`credentials`]: the job's secret and store token.
+//! - [`types`], [`error`], `codec`: element types and the one reduction type, the one error
+//!   enum, the one codec of every wire type.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
