@@ -283,11 +283,12 @@ impl Context {
     ) -> Result<()> {
         let comm = self.comm();
         comm.check_usable()?;
-        comm.next_collective_key(opts.tag)?;
         let timeout = opts.timeout.unwrap_or(comm.timeout());
         let deadline = std::time::Instant::now() + timeout;
         let area = comm.local_area();
-        let mut local = area.map(|a| steps::Local::new(comm, &**a, "allreduce", desc, deadline, timeout));
+        let mut local =
+            area.map(|a| steps::Local::new(comm, &**a, "allreduce", desc, deadline, timeout)).transpose()?;
+        comm.next_collective_key(opts.tag)?;
         let result = (|| {
             if let Some(l) = &mut local {
                 local::allreduce(l, buf, op)?;

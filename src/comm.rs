@@ -48,6 +48,10 @@ pub(crate) struct World {
     pub(crate) spin: BusyWait,
     /// This rank's pair with itself (whatever the backend).
     own: Arc<dyn Pair>,
+    /// Set while a collective goes through the mesh's same-host area (`mesh.local`): its steps
+    /// are numbered per area, so two at once from two threads would write slots the other
+    /// reads (see `algorithms::steps::Local`).
+    pub(crate) area_busy: std::sync::atomic::AtomicBool,
 }
 
 /// What a rank may send itself before it posts the receive (a larger send waits for it).
@@ -57,7 +61,7 @@ impl World {
     pub(crate) fn new(mesh: Mesh, world_rank: usize, hosts: Vec<String>, spin: BusyWait) -> Self {
         let pending = (0..mesh.pairs.len()).map(|_| AtomicU32::new(0)).collect();
         let own = crate::transport::memory::loopback(world_rank, SELF_BUDGET);
-        World { mesh, world_rank, hosts, pending, spin, own }
+        World { mesh, world_rank, hosts, pending, spin, own, area_busy: Default::default() }
     }
 
     /// The pair to mesh rank `r` (the loopback pair for this rank).

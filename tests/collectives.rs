@@ -916,3 +916,66 @@ fn runtime_typed_average_of_integers_is_refused_on_every_rank_before_any_traffic
         assert_eq!(sum, 6, "rank {r}");
     }
 }
+
+#[test]
+fn two_threads_of_one_rank_in_the_shared_memory_area_at_once_are_refused_not_raced() {
+    // Rank 0 runs two tag-0 allreduces on two threads at once. Neither can finish before rank 1
+    // joins, and rank 1 joins only once one of them was refused: a second call through the
+    // area would have written slots the first reads.
+    let refused = std::sync::Mutex::new(false);
+    let go = std::sync::Condvar::new();
+    let store = HashStore::new();
+    let results = all_ok(run_ranks_on(
+        2,
+        &store,
+        &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
+        |b| b.timeout(TIMEOUT),
+        |ctx| {
+            assert!(ctx.allreduce_algorithm(64, Algorithm::Auto)? == Algorithm::SharedMemory);
+            if ctx.rank() == 1 {
+                let mut r = refused.lock().unwrap();
+                while !*r {
+                    r = go.wait_timeout(r, TIMEOUT).unwrap().0;
+                }
+                drop(r);
+                let mut v = vec![2.0f32; 16];
+                ctx.allreduce(&mut v, Reduction::Sum)?;
+                let mut w = vec![1u32; 4];
+                ctx.allreduce(&mut w, Reduction::Sum)?;
+                return Ok((vec![v[0]], w[0]));
+            }
+            let outcomes: Vec<ferrogloo::Result<f32>> = std::thread::scope(|s| {
+                let calls: Vec<_> = (0..2)
+                    .map(|_| {
+                        s.spawn(|| {
+                            let mut v = vec![1.0f32; 16];
+                            let r = ctx.allreduce(&mut v, Reduction::Sum).map(|()| v[0]);
+                            if r.is_err() {
+                                *refused.lock().unwrap() = true;
+                                go.notify_all();
+                            }
+                            r
+                        })
+                    })
+                    .collect();
+                calls.into_iter().map(|c| c.join().expect("thread panicked")).collect()
+            });
+            let mut sums = Vec::new();
+            for o in outcomes {
+                match o {
+                    Ok(x) => sums.push(x),
+                    Err(ferrogloo::Error::InvalidArgument(m)) => {
+                        assert!(m.contains("another collective of tag 0"), "{m}")
+                    }
+                    Err(e) => panic!("unexpected error: {e}"),
+                }
+            }
+            // The context goes on: the next collective pairs up as usual.
+            let mut w = vec![1u32; 4];
+            ctx.allreduce(&mut w, Reduction::Sum)?;
+            Ok((sums, w[0]))
+        },
+    ));
+    assert_eq!(results[0], (vec![3.0], 2), "one call ran (1 + 2), one was refused; then 1 + 1");
+    assert_eq!(results[1], (vec![3.0], 2));
+}

@@ -33,9 +33,11 @@ pub(crate) fn run<R>(
     body: impl FnOnce(&mut Local<'_>) -> Result<R>,
 ) -> Result<R> {
     comm.check_usable()?;
-    comm.next_collective_key(opts.tag)?;
     let timeout = opts.timeout.unwrap_or(comm.timeout());
-    let mut l = Local::new(comm, area, what, desc, Instant::now() + timeout, timeout);
+    // Refused while another thread's call runs through the area, before this one takes a
+    // sequence number.
+    let mut l = Local::new(comm, area, what, desc, Instant::now() + timeout, timeout)?;
+    comm.next_collective_key(opts.tag)?;
     let result = body(&mut l);
     if let Err(e) = &result {
         comm.fail(e);

@@ -23,11 +23,14 @@ use crate::error::{Error, Result};
 use crate::transport::{AreaWait, BusyWait, LocalArea};
 use crate::types::{Element, OpDesc};
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// One collective call through an area: its steps go through `&mut self`, one at a time.
 pub(crate) struct Local<'a> {
     area: &'a dyn LocalArea,
+    /// Held while the call runs (see [`World::area_busy`](crate::comm::World)).
+    busy_flag: &'a AtomicBool,
     desc: OpDesc,
     deadline: Instant,
     timeout: Duration,
@@ -35,18 +38,36 @@ pub(crate) struct Local<'a> {
     what: &'static str,
 }
 
+impl Drop for Local<'_> {
+    fn drop(&mut self) {
+        self.busy_flag.store(false, Ordering::Release);
+    }
+}
+
 impl<'a> Local<'a> {
     /// A call `desc` through `area` of `comm`'s ranks, ending at `deadline` (`timeout` after
-    /// its start).
+    /// its start). Only one call goes through an area at a time: its steps are numbered per
+    /// area, so a second call from another thread of this rank (collectives of tag 0 on two
+    /// threads at once, which the ranks could not order alike anyway) would write slots the first
+    /// reads. It is refused instead, before it takes a sequence number or sends anything.
     pub(crate) fn new(
-        comm: &Comm,
+        comm: &'a Comm,
         area: &'a dyn LocalArea,
         what: &'static str,
         desc: OpDesc,
         deadline: Instant,
         timeout: Duration,
-    ) -> Self {
-        Local { area, desc, deadline, timeout, busy: comm.shared().spin, what }
+    ) -> Result<Self> {
+        let busy_flag = &comm.shared().area_busy;
+        if busy_flag.swap(true, Ordering::Acquire) {
+            return Err(Error::invalid(format!(
+                "{what} on rank {}: another collective of tag 0 is running through this host's \
+                 shared-memory area (from another thread): collectives of one tag run one at a time, \
+                 in the same order on every rank; give concurrent collectives different tags",
+                comm.rank()
+            )));
+        }
+        Ok(Local { area, busy_flag, desc, deadline, timeout, busy: comm.shared().spin, what })
     }
 
     /// Members of the area.
@@ -228,8 +249,10 @@ mod tests {
                             Checked { me, members: (0..n).collect(), shared: shared.clone(), next: AtomicU64::new(0) };
                         let desc = OpDesc::new(Call::Barrier);
                         let deadline = Instant::now() + Duration::from_secs(60);
+                        let flag = AtomicBool::new(false);
                         let mut l = Local {
                             area: &area,
+                            busy_flag: &flag,
                             desc,
                             deadline,
                             timeout: Duration::from_secs(60),
