@@ -14,6 +14,8 @@
 //! - [`device`]: which backend, where it listens, which host it is on.
 //! - [`rendezvous`]: the key-value stores ranks meet through.
 //! - [`credentials`]: the job's secret and store token, from the environment.
+//! - [`config`]: every environment variable ferrogloo reads, named once, and the one place the
+//!   environment is read.
 //! - [`types`], [`error`]: element types, reductions, one error enum.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -21,6 +23,7 @@
 pub mod algorithms;
 mod collectives;
 mod comm;
+pub mod config;
 pub mod context;
 pub mod credentials;
 pub mod device;

@@ -7,7 +7,10 @@
 //! The ranks are this test binary's ignored tests `guarded_rank` (under `ferrogloo-run`) and
 //! `np_launcher` / `np_rank` (a `--np` job through `spawn_local`).
 
-use ferrogloo::credentials::{SECRET_ENV, SECRET_FILE_ENV, STORE_TOKEN_ENV, STORE_TOKEN_FILE_ENV};
+use ferrogloo::config::{
+    FERROGLOO_SECRET as SECRET_ENV, FERROGLOO_SECRET_FILE as SECRET_FILE_ENV, FERROGLOO_STORE_TOKEN as STORE_TOKEN_ENV,
+    FERROGLOO_STORE_TOKEN_FILE as STORE_TOKEN_FILE_ENV,
+};
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::rendezvous::{HashStore, HttpStore, Store, StoreUrl};
