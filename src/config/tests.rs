@@ -16,6 +16,47 @@ fn map(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
     move |k| m.get(k).cloned()
 }
 
+/// The README's row of `v`.
+fn row(v: &Variable) -> String {
+    format!("| `{}` | {} | {} | {} |", v.name, v.default, v.meaning, v.read_by)
+}
+
+/// The rows of the README's table of environment variables (header and separator left out),
+/// and the whole table as it should be, for the failure message.
+fn readme_rows() -> Vec<String> {
+    let readme = include_str!("../../README.md");
+    let section = readme.split("\n## Environment variables\n").nth(1).expect("a section \"## Environment variables\"");
+    let table: Vec<String> = section
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .map(str::to_string)
+        .collect();
+    assert!(table.len() > 2, "no table under \"## Environment variables\"");
+    assert_eq!(table[0], HEADER, "the table's header");
+    table[2..].to_vec()
+}
+
+const HEADER: &str = "| variable | default | what it does | read by |";
+
+/// Rows of the README's table that are not ferrogloo's variables.
+const FOREIGN: [&str; 1] = ["RUST_LOG"];
+
+#[test]
+fn the_readme_table_is_this_table() {
+    let rows: Vec<String> = readme_rows().into_iter().filter(|r| !FOREIGN.iter().any(|f| r.contains(f))).collect();
+    let want: Vec<String> = TABLE.iter().map(row).collect();
+    let expected = format!("{HEADER}\n|---|---|---|---|\n{}", want.join("\n"));
+    for v in TABLE {
+        let found = rows.iter().find(|r| r.starts_with(&format!("| `{}` |", v.name)));
+        let found =
+            found.unwrap_or_else(|| panic!("{} is not in the README's table; the table is:\n{expected}", v.name));
+        let cells: Vec<&str> = found.split(" | ").collect();
+        assert_eq!(cells[1], v.default, "{}'s default in the README; the table is:\n{expected}", v.name);
+    }
+    assert_eq!(rows, want, "the README's table differs from config's; it should read:\n{expected}");
+}
+
 #[test]
 fn every_name_is_one_variable_of_ferrogloo_horovod_or_ps_lite() {
     let mut seen = BTreeSet::new();
@@ -27,6 +68,108 @@ fn every_name_is_one_variable_of_ferrogloo_horovod_or_ps_lite() {
             assert!(!text.is_empty() && !text.contains('|') && !text.contains('\n'), "{}'s {what}: {text:?}", v.name);
         }
     }
+}
+
+/// The `.rs` files under `dir`, recursively.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The directory a file's submodules live in: its own for `mod.rs` and `lib.rs`, else one
+/// named after it.
+fn submodule_dir(file: &Path) -> PathBuf {
+    let dir = file.parent().unwrap();
+    match file.file_name().and_then(|n| n.to_str()) {
+        Some("mod.rs" | "lib.rs") => dir.to_path_buf(),
+        _ => dir.join(file.file_stem().unwrap()),
+    }
+}
+
+/// `text` without its unit-test modules (`#[cfg(test)]` on a `mod NAME {` at the start of a
+/// line, up to its closing `}` at the start of a line, as rustfmt writes them); and the files
+/// of test modules it declares (`#[cfg(test)] mod NAME;`), under `dir`.
+fn without_tests(text: &str, dir: &Path) -> (String, Vec<PathBuf>) {
+    let lines: Vec<&str> = text.lines().collect();
+    let (mut kept, mut test_files) = (String::new(), Vec::new());
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].trim() == "#[cfg(test)]" {
+            let item = lines.get(i + 1).copied().unwrap_or("");
+            let name = item.split("mod ").nth(1).filter(|_| !item.starts_with(' ') && item.contains("mod "));
+            match name {
+                Some(n) if n.ends_with(';') => {
+                    let n = n.trim_end_matches(';');
+                    test_files.push(dir.join(format!("{n}.rs")));
+                    test_files.push(dir.join(n));
+                    i += 2;
+                    continue;
+                }
+                Some(n) if n.ends_with('{') => {
+                    let end = (i + 2..lines.len()).find(|&j| lines[j] == "}").expect("the test module's end");
+                    i = end + 1;
+                    continue;
+                }
+                _ => {}
+            }
+        }
+        kept.push_str(lines[i]);
+        kept.push('\n');
+        i += 1;
+    }
+    (kept, test_files)
+}
+
+#[test]
+fn only_config_reads_the_environment_or_names_a_variable() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let config = src.join("config");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut test_only: Vec<PathBuf> = Vec::new();
+    let mut checked = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        let (code, tests) = without_tests(&text, &submodule_dir(file));
+        test_only.extend(tests);
+        checked.push((file, code));
+    }
+    let forbidden = ["env::var", "std::env::{", "use std::env;", "getenv", "\"FERROGLOO_", "\"HOROVOD_", "\"DMLC_"];
+    let mut found = Vec::new();
+    for (file, code) in &checked {
+        let is_test =
+            file.file_name().is_some_and(|n| n == "tests.rs") || test_only.iter().any(|t| file.starts_with(t));
+        if file.starts_with(&config) || is_test {
+            continue;
+        }
+        for (n, line) in code.lines().enumerate() {
+            for f in forbidden.iter().filter(|f| line.contains(*f)) {
+                found.push(format!("{}:{}: {f}", file.strip_prefix(&src).unwrap().display(), n + 1));
+            }
+        }
+    }
+    assert!(found.is_empty(), "the environment read, or a variable named, outside src/config/:\n{}", found.join("\n"));
+    // The walk saw the crate (and left out what it should).
+    assert!(checked.len() > 50, "{} files", checked.len());
+    assert!(test_only.iter().any(|t| t.ends_with("handshake/tests.rs")), "{test_only:?}");
+}
+
+#[test]
+fn the_walk_leaves_out_test_modules_only() {
+    let dir = Path::new("/x/src/a");
+    let text = "fn f() {}\n#[cfg(test)]\nmod tests {\n    const X: &str = \"FERROGLOO_Y\";\n}\nfn g() {}\n\
+                #[cfg(test)]\npub(crate) mod attacks;\n#[cfg(test)]\nfn h() {}\n";
+    let (code, files) = without_tests(text, dir);
+    assert_eq!(code, "fn f() {}\nfn g() {}\n#[cfg(test)]\nfn h() {}\n");
+    assert_eq!(files, [dir.join("attacks.rs"), dir.join("attacks")]);
+    assert_eq!(submodule_dir(Path::new("/x/src/a/mod.rs")), dir);
+    assert_eq!(submodule_dir(Path::new("/x/src/b.rs")), Path::new("/x/src/b"));
 }
 
 #[test]
