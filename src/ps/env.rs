@@ -45,6 +45,7 @@ pub fn role_from_env() -> Result<EnvRole> {
     role_in(&Vars::process())
 }
 
+/// [`role_from_env`] as `vars` give the variables.
 pub(crate) fn role_in(vars: &Vars<'_>) -> Result<EnvRole> {
     match vars.required(DMLC_ROLE, &hint())?.as_str() {
         "worker" => Ok(EnvRole::Node(Role::Worker)),
@@ -59,6 +60,7 @@ pub fn config_from_env() -> Result<PsConfig> {
     config_in(&Vars::process())
 }
 
+/// [`config_from_env`] as `vars` give the variables.
 pub(crate) fn config_in(vars: &Vars<'_>) -> Result<PsConfig> {
     Ok(PsConfig::new(need(vars, DMLC_NUM_WORKER, "a number")?, need(vars, DMLC_NUM_SERVER, "a number")?))
 }
