@@ -38,10 +38,11 @@
 mod common;
 
 use clap::Parser;
+use ferrogloo::config::FERROGLOO_STORE;
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::engine::{Engine, EngineConfig, EngineStats, Reduction};
 use ferrogloo::launch::RankEnv;
-use ferrogloo::rendezvous::{PrefixStore, STORE_ENV};
+use ferrogloo::rendezvous::PrefixStore;
 use ferrogloo::{Context, Error, Result};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -136,8 +137,8 @@ impl Job {
         } else {
             match &args.store {
                 Some(s) => s.clone(),
-                None => std::env::var(STORE_ENV)
-                    .map_err(|_| Error::invalid("--store or FERROGLOO_STORE is required with --rank"))?,
+                None => std::env::var(FERROGLOO_STORE)
+                    .map_err(|_| Error::invalid(format!("--store or {FERROGLOO_STORE} is required with --rank")))?,
             }
         };
         Ok(Job { rank: ctx.rank(), size: ctx.size(), store, attr, timeout: ctx.timeout() })

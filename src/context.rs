@@ -1,6 +1,7 @@
 //! The [`Context`]: this rank's place in a job, with one connected pair per peer.
 
 use crate::comm::{Comm, Scope, World};
+use crate::config::{FERROGLOO_TIMEOUT, Vars};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mesh::{self, MeshSpec};
@@ -10,27 +11,21 @@ use bytemuck::Pod;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-/// Default deadline of every blocking call, unless [`TIMEOUT_ENV`] says otherwise.
+/// Default deadline of every blocking call, unless [`FERROGLOO_TIMEOUT`] says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The environment variable that sets the default deadline, in seconds (`FERROGLOO_TIMEOUT=5`,
-/// fractions allowed): of rendezvous and of every later call of a context whose builder was
-/// not given [`ContextBuilder::timeout`].
-pub const TIMEOUT_ENV: &str = "FERROGLOO_TIMEOUT";
-
-/// The default deadline: [`TIMEOUT_ENV`] when set (an error when it is not a positive number
-/// of seconds), else [`DEFAULT_TIMEOUT`].
+/// The default deadline: [`FERROGLOO_TIMEOUT`] seconds when set (fractions allowed; an error
+/// when it is not a positive number of seconds), else [`DEFAULT_TIMEOUT`]. It bounds
+/// rendezvous and every later call of a context whose builder was not given
+/// [`ContextBuilder::timeout`].
 pub fn default_timeout() -> Result<Duration> {
-    match std::env::var(TIMEOUT_ENV) {
-        Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| Error::invalid(format!("{TIMEOUT_ENV}={v:?} is not a positive number of seconds"))),
-    }
+    timeout_in(&Vars::process())
+}
+
+/// [`default_timeout`] as `vars` give it.
+pub(crate) fn timeout_in(vars: &Vars<'_>) -> Result<Duration> {
+    let positive = vars.seconds(FERROGLOO_TIMEOUT, |s| s > 0.0, "a positive number of seconds")?;
+    Ok(positive.unwrap_or(DEFAULT_TIMEOUT))
 }
 
 /// How to form a context; see [`Context::builder`].
@@ -57,7 +52,7 @@ impl ContextBuilder {
     }
 
     /// The deadline of rendezvous and the default deadline of every later call (default:
-    /// [`TIMEOUT_ENV`] when set, else 30 s).
+    /// [`FERROGLOO_TIMEOUT`] when set, else 30 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self

@@ -15,27 +15,19 @@
 //! way: the environment of a process can be read in `/proc/PID/environ` by its user (and by
 //! root), and is inherited by every program it starts.
 //!
-//! [`Credentials::from_env`] is the one place these variables are read.
+//! [`Credentials::from_env`] is the one place these variables are read (through
+//! [`config`](crate::config), which names them).
 //! [`ContextBuilder::connect`](crate::ContextBuilder::connect) takes the secret from it when it
 //! was given none, and [`open`](crate::rendezvous::open) hands the token to an HTTP store: so
 //! every rank of a launched job is authenticated without a line of code. `ferrogloo-run` and a
 //! program's own `--np` ([`spawn_local`](crate::launch::spawn_local)) make fresh ones for every
 //! job ([`JobCredentials`]).
 
+use crate::config::{FERROGLOO_SECRET, FERROGLOO_SECRET_FILE, FERROGLOO_STORE_TOKEN, FERROGLOO_STORE_TOKEN_FILE, Vars};
 use crate::error::{Error, Result};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-
-/// The path of a file holding the job's secret (readable by its owner only).
-pub const SECRET_FILE_ENV: &str = "FERROGLOO_SECRET_FILE";
-/// The job's secret itself: weaker than [`SECRET_FILE_ENV`] (visible in `/proc/PID/environ` to
-/// the same user, inherited by child processes), which wins when both are set.
-pub const SECRET_ENV: &str = "FERROGLOO_SECRET";
-/// The path of a file holding the HTTP store's bearer token (readable by its owner only).
-pub const STORE_TOKEN_FILE_ENV: &str = "FERROGLOO_STORE_TOKEN_FILE";
-/// The HTTP store's bearer token itself; [`STORE_TOKEN_FILE_ENV`] wins when both are set.
-pub const STORE_TOKEN_ENV: &str = "FERROGLOO_STORE_TOKEN";
 
 /// The longest secret or token file read.
 const MAX_FILE_BYTES: u64 = 64 << 10;
@@ -69,25 +61,31 @@ impl Credentials {
     /// and file that cannot be used: unreadable, readable by others (with its mode), empty, or a
     /// token that cannot go in an HTTP header.
     pub fn from_env() -> Result<Self> {
-        Self::from_vars(&|k| std::env::var(k).ok())
+        Self::read(&Vars::process())
     }
 
     /// [`Credentials::from_env`], with the variables looked up through `var`.
     pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
-        let get = |name: &str| var(name).filter(|v| !v.is_empty());
-        let secret = match (get(SECRET_FILE_ENV), get(SECRET_ENV)) {
-            (Some(path), _) => Some(read_private_file(Path::new(&path), SECRET_FILE_ENV)?),
+        Self::read(&Vars::lookup(var))
+    }
+
+    /// [`Credentials::from_env`] as `vars` give it.
+    fn read(vars: &Vars<'_>) -> Result<Self> {
+        let get = |name: &str| vars.raw(name);
+        let secret = match (get(FERROGLOO_SECRET_FILE), get(FERROGLOO_SECRET)) {
+            (Some(path), _) => Some(read_private_file(Path::new(&path), FERROGLOO_SECRET_FILE)?),
             (None, Some(s)) => Some(without_line_break(s.into_bytes())).filter(|s| !s.is_empty()),
             (None, None) => None,
         };
-        let store_token = match (get(STORE_TOKEN_FILE_ENV), get(STORE_TOKEN_ENV)) {
+        let store_token = match (get(FERROGLOO_STORE_TOKEN_FILE), get(FERROGLOO_STORE_TOKEN)) {
             (Some(path), _) => {
-                let raw = read_private_file(Path::new(&path), STORE_TOKEN_FILE_ENV)?;
-                let text = String::from_utf8(raw)
-                    .map_err(|_| Error::invalid(format!("{STORE_TOKEN_FILE_ENV}={path}: the token is not text")))?;
-                Some(check_token(&text, &format!("{STORE_TOKEN_FILE_ENV}={path}"))?)
+                let raw = read_private_file(Path::new(&path), FERROGLOO_STORE_TOKEN_FILE)?;
+                let text = String::from_utf8(raw).map_err(|_| {
+                    Error::invalid(format!("{FERROGLOO_STORE_TOKEN_FILE}={path}: the token is not text"))
+                })?;
+                Some(check_token(&text, &format!("{FERROGLOO_STORE_TOKEN_FILE}={path}"))?)
             }
-            (None, Some(t)) => Some(check_token(&t, STORE_TOKEN_ENV)?),
+            (None, Some(t)) => Some(check_token(&t, FERROGLOO_STORE_TOKEN)?),
             (None, None) => None,
         };
         Ok(Credentials { secret, store_token })
@@ -173,7 +171,7 @@ fn fresh_hex(n: usize) -> Result<String> {
 /// dropping it (killed by SIGKILL), a small watcher it started (`sh`, in a process group of
 /// its own, reading a pipe only this process writes to) removes the directory instead.
 ///
-/// A rank finds them through [`SECRET_FILE_ENV`] and [`STORE_TOKEN_FILE_ENV`] set to
+/// A rank finds them through [`FERROGLOO_SECRET_FILE`] and [`FERROGLOO_STORE_TOKEN_FILE`] set to
 /// [`JobCredentials::rank_vars`]: paths only, so neither value ever appears in a command line
 /// or an environment that `ps` shows.
 pub struct JobCredentials {
@@ -201,19 +199,24 @@ impl JobCredentials {
     /// unchanged), else fresh random ones (32 bytes from the operating system each, as 64 hex
     /// digits).
     pub fn for_job() -> Result<Self> {
-        Self::for_job_with(&|k| std::env::var(k).ok())
+        Self::for_job_in(&Vars::process())
     }
 
     /// [`JobCredentials::for_job`], with the variables looked up through `var`.
     pub fn for_job_with(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
-        let given = Credentials::from_vars(var)?;
+        Self::for_job_in(&Vars::lookup(var))
+    }
+
+    /// [`JobCredentials::for_job`] as `vars` give it.
+    fn for_job_in(vars: &Vars<'_>) -> Result<Self> {
+        let given = Credentials::read(vars)?;
         let dir = tempfile::Builder::new()
             .prefix("ferrogloo-job-")
             .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
             .tempdir()
             .map_err(|e| Error::io("creating the job's private directory", e))?;
-        let given_file = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-        let (secret, secret_file) = match (given.secret, given_file(SECRET_FILE_ENV)) {
+        let given_file = |name: &str| vars.path(name);
+        let (secret, secret_file) = match (given.secret, given_file(FERROGLOO_SECRET_FILE)) {
             (Some(s), Some(path)) => (s, path),
             (s, _) => {
                 let s = match s {
@@ -225,7 +228,7 @@ impl JobCredentials {
                 (s, path)
             }
         };
-        let (store_token, store_token_file) = match (given.store_token, given_file(STORE_TOKEN_FILE_ENV)) {
+        let (store_token, store_token_file) = match (given.store_token, given_file(FERROGLOO_STORE_TOKEN_FILE)) {
             (Some(t), Some(path)) => (t, path),
             (t, _) => {
                 let t = match t {
@@ -266,10 +269,10 @@ impl JobCredentials {
         self.dir.path()
     }
 
-    /// The variables that give a local rank both: [`SECRET_FILE_ENV`] and
-    /// [`STORE_TOKEN_FILE_ENV`], with the files' paths.
+    /// The variables that give a local rank both: [`FERROGLOO_SECRET_FILE`] and
+    /// [`FERROGLOO_STORE_TOKEN_FILE`], with the files' paths.
     pub fn rank_vars(&self) -> [(&'static str, &Path); 2] {
-        [(SECRET_FILE_ENV, &self.secret_file), (STORE_TOKEN_FILE_ENV, &self.store_token_file)]
+        [(FERROGLOO_SECRET_FILE, &self.secret_file), (FERROGLOO_STORE_TOKEN_FILE, &self.store_token_file)]
     }
 }
 
@@ -351,17 +354,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for mode in [0o644, 0o640, 0o604, 0o620, 0o602, 0o660, 0o666, 0o610] {
             let p = file(dir.path(), &format!("s{mode:o}"), b"hunter2\n", mode);
-            let e = read_private_file(&p, SECRET_FILE_ENV).expect_err("a file others can reach");
+            let e = read_private_file(&p, FERROGLOO_SECRET_FILE).expect_err("a file others can reach");
             let text = e.to_string();
             assert!(text.contains(&p.display().to_string()), "{text}");
             assert!(text.contains(&format!("{mode:04o}")), "mode {mode:o}: {text}");
             // Through the environment too.
-            let e = Credentials::from_vars(&vars(&[(SECRET_FILE_ENV, p.display().to_string())])).unwrap_err();
+            let e = Credentials::from_vars(&vars(&[(FERROGLOO_SECRET_FILE, p.display().to_string())])).unwrap_err();
             assert!(e.to_string().contains(&format!("FERROGLOO_SECRET_FILE={}", p.display())), "{e}");
         }
         for mode in [0o600, 0o400, 0o700] {
             let p = file(dir.path(), &format!("ok{mode:o}"), b"hunter2\n", mode);
-            assert_eq!(read_private_file(&p, SECRET_FILE_ENV).unwrap(), b"hunter2", "mode {mode:o}");
+            assert_eq!(read_private_file(&p, FERROGLOO_SECRET_FILE).unwrap(), b"hunter2", "mode {mode:o}");
         }
     }
 
@@ -370,19 +373,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for (content, what) in [(&b""[..], "empty"), (b"\n", "empty"), (b"\r\n", "empty")] {
             let p = file(dir.path(), "e", content, 0o600);
-            let e = read_private_file(&p, SECRET_FILE_ENV).unwrap_err();
+            let e = read_private_file(&p, FERROGLOO_SECRET_FILE).unwrap_err();
             assert!(e.to_string().contains(what), "{e}");
             std::fs::remove_file(&p).unwrap();
         }
-        let e = read_private_file(&dir.path().join("nothing"), SECRET_FILE_ENV).unwrap_err();
+        let e = read_private_file(&dir.path().join("nothing"), FERROGLOO_SECRET_FILE).unwrap_err();
         assert!(matches!(e, Error::Io { .. }) && e.to_string().contains("nothing"), "{e}");
-        let e = read_private_file(dir.path(), SECRET_FILE_ENV).unwrap_err();
+        let e = read_private_file(dir.path(), FERROGLOO_SECRET_FILE).unwrap_err();
         assert!(e.to_string().contains("not a regular file"), "{e}");
         let big = file(dir.path(), "big", &vec![b'x'; (MAX_FILE_BYTES + 1) as usize], 0o600);
-        assert!(read_private_file(&big, SECRET_FILE_ENV).unwrap_err().to_string().contains("larger"));
+        assert!(read_private_file(&big, FERROGLOO_SECRET_FILE).unwrap_err().to_string().contains("larger"));
         // Only the last line break goes: the rest is the secret.
         let p = file(dir.path(), "two", b"a\nb\n\n", 0o600);
-        assert_eq!(read_private_file(&p, SECRET_FILE_ENV).unwrap(), b"a\nb\n");
+        assert_eq!(read_private_file(&p, FERROGLOO_SECRET_FILE).unwrap(), b"a\nb\n");
     }
 
     #[test]
@@ -391,20 +394,23 @@ mod tests {
         let s = file(dir.path(), "s", b"from-file\n", 0o600);
         let t = file(dir.path(), "t", b"tok-file\n", 0o600);
         let both = Credentials::from_vars(&vars(&[
-            (SECRET_FILE_ENV, s.display().to_string()),
-            (SECRET_ENV, "from-env".into()),
-            (STORE_TOKEN_FILE_ENV, t.display().to_string()),
-            (STORE_TOKEN_ENV, "tok-env".into()),
+            (FERROGLOO_SECRET_FILE, s.display().to_string()),
+            (FERROGLOO_SECRET, "from-env".into()),
+            (FERROGLOO_STORE_TOKEN_FILE, t.display().to_string()),
+            (FERROGLOO_STORE_TOKEN, "tok-env".into()),
         ]))
         .unwrap();
         assert_eq!(both.secret.as_deref(), Some(&b"from-file"[..]));
         assert_eq!(both.store_token.as_deref(), Some("tok-file"));
-        let values =
-            Credentials::from_vars(&vars(&[(SECRET_ENV, "from-env".into()), (STORE_TOKEN_ENV, "tok-env".into())]))
-                .unwrap();
+        let values = Credentials::from_vars(&vars(&[
+            (FERROGLOO_SECRET, "from-env".into()),
+            (FERROGLOO_STORE_TOKEN, "tok-env".into()),
+        ]))
+        .unwrap();
         assert_eq!(values.secret.as_deref(), Some(&b"from-env"[..]));
         assert_eq!(values.store_token.as_deref(), Some("tok-env"));
-        let none = Credentials::from_vars(&vars(&[(SECRET_ENV, String::new()), (SECRET_FILE_ENV, String::new())]));
+        let none =
+            Credentials::from_vars(&vars(&[(FERROGLOO_SECRET, String::new()), (FERROGLOO_SECRET_FILE, String::new())]));
         assert_eq!(none.unwrap(), Credentials::default());
         // The values never show in debug output.
         let shown = format!("{both:?}");
@@ -414,7 +420,7 @@ mod tests {
     #[test]
     fn a_token_that_cannot_be_a_header_is_refused() {
         for bad in ["two words", "tab\there", "é", &"x".repeat(MAX_TOKEN_BYTES + 1)] {
-            let e = Credentials::from_vars(&vars(&[(STORE_TOKEN_ENV, bad.to_string())])).unwrap_err();
+            let e = Credentials::from_vars(&vars(&[(FERROGLOO_STORE_TOKEN, bad.to_string())])).unwrap_err();
             assert!(e.to_string().contains("FERROGLOO_STORE_TOKEN"), "{e}");
         }
         assert_eq!(check_token("abc.DEF-_~+/=\n", "t").unwrap(), "abc.DEF-_~+/=");
@@ -461,8 +467,8 @@ mod tests {
         let s = file(dir.path(), "mine", b"given secret\n", 0o600);
         // A file is handed on unchanged; a value goes into a private file.
         let job = JobCredentials::for_job_with(&vars(&[
-            (SECRET_FILE_ENV, s.display().to_string()),
-            (STORE_TOKEN_ENV, "given-token".into()),
+            (FERROGLOO_SECRET_FILE, s.display().to_string()),
+            (FERROGLOO_STORE_TOKEN, "given-token".into()),
         ]))
         .unwrap();
         assert_eq!(job.secret(), b"given secret");
@@ -472,6 +478,6 @@ mod tests {
         assert_eq!(std::fs::read(job.store_token_file()).unwrap(), b"given-token");
         // A given file that others can read stops the launcher before it starts anything.
         let open = file(dir.path(), "open", b"x", 0o644);
-        assert!(JobCredentials::for_job_with(&vars(&[(SECRET_FILE_ENV, open.display().to_string())])).is_err());
+        assert!(JobCredentials::for_job_with(&vars(&[(FERROGLOO_SECRET_FILE, open.display().to_string())])).is_err());
     }
 }

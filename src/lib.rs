@@ -28,6 +28,8 @@
 //!   with a remote one.
 //! - [`rendezvous`]: the stores ranks meet through (file, prefix, in-process, Horovod's HTTP,
 //!   PyTorch's TCPStore), and [`credentials`]: the job's secret and store token.
+//! - [`config`]: every environment variable ferrogloo reads, named once, and the one place the
+//!   environment is read.
 //! - [`types`], [`error`], `codec`: element types and the one reduction type, the one error
 //!   enum, the one codec of every wire type.
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -37,6 +39,7 @@ pub mod algorithms;
 mod codec;
 mod collectives;
 mod comm;
+pub mod config;
 pub mod context;
 pub mod credentials;
 pub mod device;

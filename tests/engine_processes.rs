@@ -4,10 +4,11 @@
 
 mod common;
 
+use ferrogloo::config::{FERROGLOO_RANK as RANK_ENV, FERROGLOO_SIZE as SIZE_ENV, FERROGLOO_STORE as STORE_ENV};
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::engine::{Engine, EngineConfig, Reduction};
-use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
-use ferrogloo::rendezvous::{FileStore, STORE_ENV};
+use ferrogloo::launch::RankEnv;
+use ferrogloo::rendezvous::FileStore;
 use ferrogloo::{Context, Error, Result};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

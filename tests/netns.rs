@@ -8,9 +8,10 @@
 
 mod common;
 
+use ferrogloo::config::{FERROGLOO_RANK as RANK_ENV, FERROGLOO_SIZE as SIZE_ENV, FERROGLOO_STORE as STORE_ENV};
 use ferrogloo::device::{Device, TcpAttr};
-use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
-use ferrogloo::rendezvous::{PrefixStore, STORE_ENV, Store};
+use ferrogloo::launch::RankEnv;
+use ferrogloo::rendezvous::{PrefixStore, Store};
 use ferrogloo::{Algorithm, CollectiveOptions, Context, Error, Reduction};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};

@@ -4,9 +4,10 @@
 mod common;
 
 use common::pattern;
+use ferrogloo::config::{FERROGLOO_RANK as RANK_ENV, FERROGLOO_SIZE as SIZE_ENV, FERROGLOO_STORE as STORE_ENV};
 use ferrogloo::device::{Device, TcpAttr, Transport};
-use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
-use ferrogloo::rendezvous::{FileStore, HttpStoreServer, PrefixStore, STORE_ENV, Store};
+use ferrogloo::launch::RankEnv;
+use ferrogloo::rendezvous::{FileStore, HttpStoreServer, PrefixStore, Store};
 use ferrogloo::{CollectiveOptions, Context, Error, Reduction};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

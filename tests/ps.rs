@@ -4,10 +4,11 @@
 
 mod common;
 
+use ferrogloo::config::{FERROGLOO_RANK as RANK_ENV, FERROGLOO_SIZE as SIZE_ENV, FERROGLOO_STORE as STORE_ENV};
 use ferrogloo::device::{Device, TcpAttr, Transport};
-use ferrogloo::launch::{RANK_ENV, RankEnv, SIZE_ENV};
+use ferrogloo::launch::RankEnv;
 use ferrogloo::ps::{AsyncSgd, Handler, Node, PsConfig, Request, Responder, Role, Sharding, SumStore, SyncSgd};
-use ferrogloo::rendezvous::{HashStore, STORE_ENV, Store};
+use ferrogloo::rendezvous::{HashStore, Store};
 use ferrogloo::{Context, Element, Error, Result};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

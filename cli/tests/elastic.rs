@@ -25,7 +25,8 @@ fn elastic_worker() {
     }
     ferrogloo_cli::init_logging();
     let env = RankEnv::from_env().expect("rank environment");
-    let worker: u64 = std::env::var(elastic::WORKER_ENV).ok().and_then(|w| w.parse().ok()).expect("a worker id");
+    let worker: u64 =
+        std::env::var(ferrogloo::config::FERROGLOO_WORKER).ok().and_then(|w| w.parse().ok()).expect("a worker id");
     println!("PID {}", std::process::id());
     let dev = Device::with_transport(Transport::from_env().expect("transport"), &TcpAttr::loopback()).expect("device");
     // What the worker has done survives generations; each generation starts from the furthest.

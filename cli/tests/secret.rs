@@ -7,7 +7,10 @@
 //! The ranks are this test binary's ignored tests `guarded_rank` (under `ferrogloo-run`) and
 //! `np_launcher` / `np_rank` (a `--np` job through `spawn_local`).
 
-use ferrogloo::credentials::{SECRET_ENV, SECRET_FILE_ENV, STORE_TOKEN_ENV, STORE_TOKEN_FILE_ENV};
+use ferrogloo::config::{
+    FERROGLOO_SECRET as SECRET_ENV, FERROGLOO_SECRET_FILE as SECRET_FILE_ENV, FERROGLOO_STORE_TOKEN as STORE_TOKEN_ENV,
+    FERROGLOO_STORE_TOKEN_FILE as STORE_TOKEN_FILE_ENV,
+};
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::rendezvous::{HashStore, HttpStore, Store, StoreUrl};
@@ -113,7 +116,14 @@ fn processes_showing(needle: &[u8]) -> Vec<String> {
 /// command line or environment.
 fn check_handed_privately(pid: u32) -> (PathBuf, PathBuf, Vec<u8>, String) {
     use std::os::unix::fs::PermissionsExt;
-    let env = environ(pid);
+    // A rank that is exec'ing (`sh -c '...; exec sleep'`) shows an empty environment for a
+    // moment: read it again until it is there (the variables are set before the rank starts).
+    let t = Instant::now();
+    let mut env = environ(pid);
+    while env.is_empty() && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+        env = environ(pid);
+    }
     assert!(!env.contains_key(SECRET_ENV) && !env.contains_key(STORE_TOKEN_ENV), "values in rank {pid}'s environment");
     let secret_file = PathBuf::from(env.get(SECRET_FILE_ENV).expect("the rank has FERROGLOO_SECRET_FILE"));
     let token_file = PathBuf::from(env.get(STORE_TOKEN_FILE_ENV).expect("the rank has FERROGLOO_STORE_TOKEN_FILE"));

@@ -6,6 +6,7 @@
 //! `--rank R --size N --store URL` (to join a job started by hand on several hosts).
 
 use clap::Args;
+use ferrogloo::config::FERROGLOO_STORE;
 use ferrogloo::device::TcpAttr;
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::{Context, Error, Result};
@@ -62,8 +63,8 @@ pub fn join(args: &JobArgs) -> Result<Option<Context>> {
             (None, Some(rank), Some(size)) => {
                 let store = match &args.store {
                     Some(s) => s.clone(),
-                    None => std::env::var(ferrogloo::rendezvous::STORE_ENV)
-                        .map_err(|_| Error::invalid("--store or FERROGLOO_STORE is required with --rank"))?,
+                    None => std::env::var(FERROGLOO_STORE)
+                        .map_err(|_| Error::invalid(format!("--store or {FERROGLOO_STORE} is required with --rank")))?,
                 };
                 RankEnv::new(rank, size, store)
             }

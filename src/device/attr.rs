@@ -3,23 +3,14 @@
 //! ([`Transport`]), and this host's identity ([`host_id`]). `default()` never reads the
 //! environment; `from_env()` does.
 
+use crate::config::{
+    FERROGLOO_ADDR, FERROGLOO_HOST_ID, FERROGLOO_HOSTNAME, FERROGLOO_IB_DEVICE, FERROGLOO_IB_GID_INDEX,
+    FERROGLOO_IB_PORT, FERROGLOO_IFACE, FERROGLOO_SHM_SINGLE_COPY, FERROGLOO_TRANSPORT, Vars,
+};
 use crate::error::{Error, Result};
 use crate::transport::shm::ShmOptions;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
 use std::time::Duration;
-
-/// The environment variable that names the network interface to listen on.
-pub const IFACE_ENV: &str = "FERROGLOO_IFACE";
-/// The environment variable that names a host name whose address to listen on.
-pub const HOSTNAME_ENV: &str = "FERROGLOO_HOSTNAME";
-/// The environment variable that gives the IP address to listen on.
-pub const ADDR_ENV: &str = "FERROGLOO_ADDR";
-/// The environment variable that overrides this host's identity (see [`host_id`]).
-pub const HOST_ID_ENV: &str = "FERROGLOO_HOST_ID";
-
-/// The environment variable that chooses the transport of [`Device::from_env`](super::Device::from_env)
-/// ([`Transport::from_env`]).
-pub const TRANSPORT_ENV: &str = "FERROGLOO_TRANSPORT";
 
 /// This host's identity, which decides which ranks share memory (never IP addresses or
 /// `LOCAL_WORLD_SIZE`): `FERROGLOO_HOST_ID` when set, else the host name, the kernel's boot id
@@ -28,9 +19,12 @@ pub const TRANSPORT_ENV: &str = "FERROGLOO_TRANSPORT";
 /// abstract Unix sockets, so they talk TCP). Two processes with the same identity can share
 /// memory.
 pub fn host_id() -> String {
-    if let Ok(id) = std::env::var(HOST_ID_ENV)
-        && !id.is_empty()
-    {
+    host_id_in(&Vars::process())
+}
+
+/// [`host_id`], with `FERROGLOO_HOST_ID` as `vars` give it.
+pub(crate) fn host_id_in(vars: &Vars<'_>) -> String {
+    if let Some(id) = vars.text(FERROGLOO_HOST_ID) {
         return id;
     }
     let name = hostname().unwrap_or_else(|| "localhost".to_string());
@@ -47,10 +41,6 @@ pub fn host_id() -> String {
     }
     id
 }
-
-/// The environment variable that turns on single-copy transfers between processes on one
-/// host ([`ShmAttr::single_copy`]): `1`.
-pub const SINGLE_COPY_ENV: &str = "FERROGLOO_SHM_SINGLE_COPY";
 
 /// Settings of the shared-memory transport ([`Device::shared_memory`](super::Device::shared_memory); [`ShmAttr::from_env`]
 /// for the devices of [`Device::from_env`](super::Device::from_env)).
@@ -78,7 +68,12 @@ impl ShmAttr {
     /// The defaults, with [`single_copy`](ShmAttr::single_copy) on when
     /// `FERROGLOO_SHM_SINGLE_COPY=1`.
     pub fn from_env() -> Self {
-        ShmAttr { single_copy: std::env::var(SINGLE_COPY_ENV).is_ok_and(|v| v.trim() == "1") }
+        Self::read(&Vars::process())
+    }
+
+    /// [`ShmAttr::from_env`] as `vars` give it.
+    pub(crate) fn read(vars: &Vars<'_>) -> Self {
+        ShmAttr { single_copy: vars.is_one(FERROGLOO_SHM_SINGLE_COPY) }
     }
 
     pub(crate) fn options(&self) -> ShmOptions {
@@ -106,12 +101,12 @@ impl Transport {
     /// `FERROGLOO_TRANSPORT` (`tcp`, `shm`, `tcp+shm` or `ibverbs+shm`, or an alias: `auto`,
     /// `ibverbs`); [`Transport::Auto`] when unset or empty. Another value is an error.
     pub fn from_env() -> Result<Self> {
-        match std::env::var(TRANSPORT_ENV) {
-            Ok(v) if !v.trim().is_empty() => {
-                v.parse().map_err(|e: Error| Error::invalid(format!("{TRANSPORT_ENV}: {e}")))
-            }
-            _ => Ok(Transport::Auto),
-        }
+        Self::read(&Vars::process())
+    }
+
+    /// [`Transport::from_env`] as `vars` give it.
+    pub(crate) fn read(vars: &Vars<'_>) -> Result<Self> {
+        Ok(vars.parse_own(FERROGLOO_TRANSPORT)?.unwrap_or(Transport::Auto))
     }
 
     /// The name of the device it makes: `tcp`, `shm`, and for a transport of two parts the
@@ -174,14 +169,6 @@ impl std::str::FromStr for Transport {
     }
 }
 
-/// The environment variable that names the RDMA device ([`IbAttr::from_env`]): `mlx5_0`,
-/// or `sim` for the simulated provider.
-pub const IB_DEVICE_ENV: &str = "FERROGLOO_IB_DEVICE";
-/// The environment variable that gives the RDMA port number (default 1).
-pub const IB_PORT_ENV: &str = "FERROGLOO_IB_PORT";
-/// The environment variable that gives the GID table index (RoCE v2 address choice).
-pub const IB_GID_INDEX_ENV: &str = "FERROGLOO_IB_GID_INDEX";
-
 /// How to build an ibverbs (RDMA) [`Device`](super::Device) ([`Device::ibverbs`](super::Device::ibverbs)).
 ///
 /// Pairs are reliable-connected queue pairs. The store entry says where the rank's TCP
@@ -231,18 +218,19 @@ impl IbAttr {
     /// address of [`TcpAttr::from_env`]; unset ones keep their defaults. A value that does not
     /// parse is an error.
     pub fn from_env() -> Result<Self> {
-        let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
-        let num = |name: &str| -> Result<Option<u8>> {
-            var(name)
-                .map(|v| v.parse::<u8>().map_err(|e| Error::invalid(format!("{name}={v:?}: {e} (expected 0 to 255)"))))
-                .transpose()
-        };
+        Self::read(&Vars::process())
+    }
+
+    /// [`IbAttr::from_env`] as `vars` give it.
+    pub(crate) fn read(vars: &Vars<'_>) -> Result<Self> {
+        let byte = "a number from 0 to 255";
+        let defaults = IbAttr::default();
         Ok(IbAttr {
-            device: var(IB_DEVICE_ENV),
-            port: num(IB_PORT_ENV)?.unwrap_or(1),
-            gid_index: num(IB_GID_INDEX_ENV)?,
-            tcp: TcpAttr::from_env()?,
-            ..IbAttr::default()
+            device: vars.text(FERROGLOO_IB_DEVICE),
+            port: vars.parse(FERROGLOO_IB_PORT, byte)?.unwrap_or(defaults.port),
+            gid_index: vars.parse(FERROGLOO_IB_GID_INDEX, byte)?,
+            tcp: TcpAttr::read(vars)?,
+            ..defaults
         })
     }
 }
@@ -350,12 +338,17 @@ impl TcpAttr {
     /// `hostname` from `FERROGLOO_HOSTNAME` when set. An address that does not parse is an
     /// error.
     pub fn from_env() -> Result<Self> {
-        let var = |name| std::env::var(name).ok().filter(|s: &String| !s.is_empty());
-        let ip = match var(ADDR_ENV) {
-            Some(a) => Some(a.parse().map_err(|_| Error::invalid(format!("{ADDR_ENV}={a:?} is not an IP address")))?),
-            None => None,
-        };
-        Ok(TcpAttr { ip, iface: var(IFACE_ENV), hostname: var(HOSTNAME_ENV), ..Self::default() })
+        Self::read(&Vars::process())
+    }
+
+    /// [`TcpAttr::from_env`] as `vars` give it.
+    pub(crate) fn read(vars: &Vars<'_>) -> Result<Self> {
+        Ok(TcpAttr {
+            ip: vars.ip(FERROGLOO_ADDR)?,
+            iface: vars.text(FERROGLOO_IFACE),
+            hostname: vars.text(FERROGLOO_HOSTNAME),
+            ..Self::default()
+        })
     }
 
     fn wants(&self, ip: &IpAddr) -> bool {

@@ -32,10 +32,9 @@
 
 mod attr;
 
-pub use attr::{
-    ADDR_ENV, Family, HOST_ID_ENV, HOSTNAME_ENV, IB_DEVICE_ENV, IB_GID_INDEX_ENV, IB_PORT_ENV, IFACE_ENV, IbAttr,
-    SINGLE_COPY_ENV, ShmAttr, TRANSPORT_ENV, TcpAttr, Transport, host_id,
-};
+#[cfg(test)]
+pub(crate) use attr::host_id_in;
+pub use attr::{Family, IbAttr, ShmAttr, TcpAttr, Transport, host_id};
 
 use crate::error::{Error, Result};
 use crate::transport::Backend;

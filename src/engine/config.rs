@@ -1,36 +1,47 @@
 //! The engine's configuration, in code or from Horovod's (and ferrogloo's) environment
 //! variables.
 
-use crate::error::{Error, Result};
+use crate::config::{
+    FERROGLOO_ENGINE_BATCH_GAP_US, FERROGLOO_FUSION_MAX_TENSOR, FERROGLOO_TIMELINE_ALL_RANKS, HOROVOD_CACHE_CAPACITY,
+    HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_DISABLE, HOROVOD_STALL_CHECK_TIME_SECONDS,
+    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, HOROVOD_TIMELINE, Vars,
+};
+use crate::error::Result;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// The engine's configuration; see the [module documentation](crate::engine) for the environment
-/// variables that set each field.
+/// The engine's configuration: `default()` is the defaults (it never reads the environment),
+/// [`EngineConfig::from_env`] the defaults changed by the variables each field names.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
     /// Bytes of the fusion buffer: ready allreduces that fit together are run as one. 0 turns
-    /// fusion off.
+    /// fusion off. Default 64 MiB; `HOROVOD_FUSION_THRESHOLD`.
     pub fusion_threshold: usize,
     /// Allreduces larger than this many bytes are not fused: they run alone, in place
     /// (copying them through the fusion buffer costs more than the collective it saves).
+    /// Default 1 MiB; `FERROGLOO_FUSION_MAX_TENSOR`.
     pub fusion_max_tensor: usize,
     /// The longest a rank waits for a burst of submissions to end before it negotiates them.
+    /// Default 1 ms; `HOROVOD_CYCLE_TIME` (milliseconds; there is no fixed cycle).
     pub batch_window: Duration,
     /// A burst has ended when no submission came for this long (a single submission after a
-    /// quiet spell is negotiated at once).
+    /// quiet spell is negotiated at once). Default 100 µs; `FERROGLOO_ENGINE_BATCH_GAP_US`.
     pub batch_gap: Duration,
-    /// Response cache slots (0: every round goes through the coordinator).
+    /// Response cache slots (0: every round goes through the coordinator). Default 1024;
+    /// `HOROVOD_CACHE_CAPACITY`.
     pub cache_capacity: usize,
     /// Report names that some ranks submitted and others have not after this long (`None`:
-    /// never).
+    /// never). Default 60 s; `HOROVOD_STALL_CHECK_TIME_SECONDS`, and `HOROVOD_STALL_CHECK_DISABLE`
+    /// (`1`) for `None`.
     pub stall_check: Option<Duration>,
-    /// Fail the engine on every rank when a name waited this long (`None`: never).
+    /// Fail the engine on every rank when a name waited this long (`None`: never, the default).
+    /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` (0: never).
     pub stall_shutdown: Option<Duration>,
     /// Write a Chrome-trace timeline to this file from the start (rank 0 only, unless
-    /// `timeline_all_ranks`).
+    /// `timeline_all_ranks`). Default none; `HOROVOD_TIMELINE`.
     pub timeline: Option<PathBuf>,
-    /// Every rank writes a timeline, to the file name with `.<rank>` appended.
+    /// Every rank writes a timeline, to the file name with `.<rank>` appended. Default off;
+    /// `FERROGLOO_TIMELINE_ALL_RANKS` (`1`).
     pub timeline_all_ranks: bool,
 }
 
@@ -51,57 +62,51 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
-    /// The defaults, changed by the environment variables of the [module documentation](crate::engine).
+    /// The defaults, changed by the environment variables each field names (Horovod's names where
+    /// the meaning is the same; all are in the README's table of environment variables). A value
+    /// that is not a non-negative number is an error naming the variable.
     pub fn from_env() -> Result<Self> {
-        Self::from_vars(&|k| std::env::var(k).ok())
+        Self::read(&Vars::process())
     }
 
     /// [`from_env`](Self::from_env) over any source of variables.
     pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
-        fn num(var: &dyn Fn(&str) -> Option<String>, k: &str) -> Result<Option<f64>> {
-            match var(k) {
-                None => Ok(None),
-                Some(v) if v.trim().is_empty() => Ok(None),
-                Some(v) => match v.trim().parse::<f64>() {
-                    Ok(x) if x.is_finite() && x >= 0.0 => Ok(Some(x)),
-                    _ => Err(Error::invalid(format!("{k}={v:?} is not a non-negative number"))),
-                },
-            }
-        }
+        Self::read(&Vars::lookup(var))
+    }
+
+    /// [`from_env`](Self::from_env) as `vars` give the variables.
+    pub(crate) fn read(vars: &Vars<'_>) -> Result<Self> {
+        let num = |name: &str| vars.number(name, |x| x >= 0.0, "a non-negative number");
         let secs = |x: f64| Duration::from_secs_f64(x.min(1e9));
         let mut c = EngineConfig::default();
-        if let Some(x) = num(var, "HOROVOD_FUSION_THRESHOLD")? {
+        if let Some(x) = num(HOROVOD_FUSION_THRESHOLD)? {
             c.fusion_threshold = x.min(usize::MAX as f64) as usize;
         }
-        if let Some(x) = num(var, "FERROGLOO_FUSION_MAX_TENSOR")? {
+        if let Some(x) = num(FERROGLOO_FUSION_MAX_TENSOR)? {
             c.fusion_max_tensor = x.min(usize::MAX as f64) as usize;
         }
-        if let Some(x) = num(var, "HOROVOD_CYCLE_TIME")? {
+        if let Some(x) = num(HOROVOD_CYCLE_TIME)? {
             c.batch_window = secs(x / 1000.0);
         }
-        if let Some(x) = num(var, "FERROGLOO_ENGINE_BATCH_GAP_US")? {
+        if let Some(x) = num(FERROGLOO_ENGINE_BATCH_GAP_US)? {
             c.batch_gap = secs(x / 1e6);
         }
-        if let Some(x) = num(var, "HOROVOD_CACHE_CAPACITY")? {
+        if let Some(x) = num(HOROVOD_CACHE_CAPACITY)? {
             c.cache_capacity = x.min(1e7) as usize;
         }
-        if let Some(x) = num(var, "HOROVOD_STALL_CHECK_TIME_SECONDS")? {
+        if let Some(x) = num(HOROVOD_STALL_CHECK_TIME_SECONDS)? {
             c.stall_check = Some(secs(x));
         }
-        if var("HOROVOD_STALL_CHECK_DISABLE").is_some_and(|v| truthy(&v)) {
+        if vars.truthy(HOROVOD_STALL_CHECK_DISABLE) {
             c.stall_check = None;
         }
-        if let Some(x) = num(var, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")? {
+        if let Some(x) = num(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)? {
             c.stall_shutdown = (x > 0.0).then(|| secs(x));
         }
-        if let Some(p) = var("HOROVOD_TIMELINE").filter(|p| !p.is_empty()) {
-            c.timeline = Some(PathBuf::from(p));
+        if let Some(p) = vars.path(HOROVOD_TIMELINE) {
+            c.timeline = Some(p);
         }
-        c.timeline_all_ranks = var("FERROGLOO_TIMELINE_ALL_RANKS").is_some_and(|v| truthy(&v));
+        c.timeline_all_ranks = vars.truthy(FERROGLOO_TIMELINE_ALL_RANKS);
         Ok(c)
     }
-}
-
-fn truthy(v: &str) -> bool {
-    matches!(v.trim(), "1" | "true" | "yes" | "on")
 }

@@ -56,21 +56,12 @@
 //!
 //! # Configuration
 //!
-//! [`EngineConfig::from_env`] reads these variables (Horovod's names where the meaning is the
-//! same); [`EngineConfig`]'s fields set the same things in code.
-//!
-//! | Variable | Field | Default | Meaning |
-//! |---|---|---|---|
-//! | `HOROVOD_FUSION_THRESHOLD` | `fusion_threshold` | 67108864 | bytes of the fusion buffer; 0 turns fusion off |
-//! | `FERROGLOO_FUSION_MAX_TENSOR` | `fusion_max_tensor` | 1048576 | larger allreduces run alone, in place |
-//! | `HOROVOD_CYCLE_TIME` | `batch_window` | 1 (ms) | longest wait for a burst of submissions to end (there is no fixed cycle) |
-//! | `FERROGLOO_ENGINE_BATCH_GAP_US` | `batch_gap` | 100 (µs) | a burst has ended when no submission came for this long |
-//! | `HOROVOD_CACHE_CAPACITY` | `cache_capacity` | 1024 | response cache slots; 0 turns the cache off |
-//! | `HOROVOD_STALL_CHECK_TIME_SECONDS` | `stall_check` | 60 | report names missing on some ranks after this long |
-//! | `HOROVOD_STALL_CHECK_DISABLE` | `stall_check` | unset | `1` turns the stall report off |
-//! | `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` | `stall_shutdown` | 0 (off) | fail the engine on every rank after this long |
-//! | `HOROVOD_TIMELINE` | `timeline` | unset | write a Chrome-trace timeline to this file (rank 0) |
-//! | `FERROGLOO_TIMELINE_ALL_RANKS` | `timeline_all_ranks` | unset | `1`: every rank writes its own, `<file>.<rank>` |
+//! [`EngineConfig`]'s fields set the engine's behaviour in code; [`EngineConfig::from_env`]
+//! reads them from environment variables (Horovod's names where the meaning is the same:
+//! `HOROVOD_FUSION_THRESHOLD`, `HOROVOD_CYCLE_TIME`, `HOROVOD_CACHE_CAPACITY`,
+//! `HOROVOD_STALL_CHECK_TIME_SECONDS`, `HOROVOD_TIMELINE`, ...). Each field names its variable and
+//! default; the README's table of [environment variables](crate#environment-variables) (in the
+//! crate's documentation) lists them all.
 //!
 //! # Not (yet) done
 //!

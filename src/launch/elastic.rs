@@ -57,19 +57,16 @@
 //! ```
 
 use super::RankEnv;
+use crate::config::{FERROGLOO_ELASTIC, FERROGLOO_ELASTIC_TIMEOUT, FERROGLOO_WORKER, Vars};
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::rendezvous::{PrefixStore, Store};
 use std::time::{Duration, Instant};
 
-/// Set (to `1`) by `ferrogloo-run` for the workers of an elastic job.
-pub const ELASTIC_ENV: &str = "FERROGLOO_ELASTIC";
-/// This worker's id in an elastic job: stable across generations, unlike its rank.
-pub const WORKER_ENV: &str = "FERROGLOO_WORKER";
-/// How long a worker waits for the next generation after a membership error, in seconds
-/// (default 60).
-pub const ELASTIC_TIMEOUT_ENV: &str = "FERROGLOO_ELASTIC_TIMEOUT";
+/// How long a worker waits for the next generation after a membership error, unless
+/// [`FERROGLOO_ELASTIC_TIMEOUT`] says otherwise.
+const DEFAULT_WAIT: Duration = Duration::from_secs(60);
 
 /// The key holding the latest generation.
 const GENERATION_KEY: &str = "elastic.generation";
@@ -256,29 +253,29 @@ pub fn run<R>(
     mut work: impl FnMut(&Context, &Membership<'_>) -> Result<R>,
 ) -> Result<R> {
     let store = crate::rendezvous::open(&env.store)?;
-    if std::env::var(ELASTIC_ENV).ok().as_deref() != Some("1") {
+    let Some((me, wait_for)) = worker_in(&Vars::process())? else {
         let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, device)?;
         let fixed = crate::rendezvous::HashStore::new();
         return work(&ctx, &Membership { store: &fixed, generation: 0, worker: env.rank as u64 });
-    }
-    let me: u64 = std::env::var(WORKER_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| Error::invalid(format!("{ELASTIC_ENV}=1 but {WORKER_ENV} is not a worker id")))?;
-    let wait_for = match std::env::var(ELASTIC_TIMEOUT_ENV) {
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| (0.0..=1e9).contains(s))
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| {
-                Error::invalid(format!("{ELASTIC_TIMEOUT_ENV}={v:?} is not a number of seconds from 0 to 1e9"))
-            })?,
-        Err(_) => Duration::from_secs(60),
     };
     let worker = Worker { store: &*store, device, timeout, me, wait_for };
     worker.run(work)
+}
+
+/// This worker's id and how long it waits for a generation, when `vars` say it is a worker
+/// of an elastic job ([`FERROGLOO_ELASTIC`], [`FERROGLOO_WORKER`],
+/// [`FERROGLOO_ELASTIC_TIMEOUT`]); `None` outside one.
+pub(crate) fn worker_in(vars: &Vars<'_>) -> Result<Option<(u64, Duration)>> {
+    if !vars.is_one(FERROGLOO_ELASTIC) {
+        return Ok(None);
+    }
+    let me: u64 = vars
+        .parse(FERROGLOO_WORKER, "a worker id")?
+        .ok_or_else(|| Error::invalid(format!("{FERROGLOO_ELASTIC}=1 but {FERROGLOO_WORKER} is not a worker id")))?;
+    let wait_for = vars
+        .seconds(FERROGLOO_ELASTIC_TIMEOUT, |s| (0.0..=1e9).contains(&s), "a number of seconds from 0 to 1e9")?
+        .unwrap_or(DEFAULT_WAIT);
+    Ok(Some((me, wait_for)))
 }
 
 /// One worker of an elastic job, as [`run`] found it in its environment.

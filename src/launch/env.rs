@@ -31,14 +31,12 @@
 //! keeps port [`SLURM_PORT_BASE`] + job id mod 10000.
 
 use super::RankEnv;
+use crate::config::{
+    FERROGLOO_LAUNCHER, FERROGLOO_LOCAL_RANK, FERROGLOO_LOCAL_SIZE, FERROGLOO_RANK, FERROGLOO_SIZE, FERROGLOO_STORE,
+    HOROVOD_GLOO_IFACE, HOROVOD_GLOO_RENDEZVOUS_ADDR, HOROVOD_GLOO_RENDEZVOUS_PORT, HOROVOD_LOCAL_RANK,
+    HOROVOD_LOCAL_SIZE, HOROVOD_RANK, HOROVOD_SIZE, Vars,
+};
 use crate::error::{Error, Result};
-
-/// The environment variable that picks the launcher ([`Launcher::name`], or `none`).
-pub const LAUNCHER_ENV: &str = "FERROGLOO_LAUNCHER";
-/// This rank's index among the ranks of its host (ferrogloo-run and `--np` set it).
-pub const LOCAL_RANK_ENV: &str = "FERROGLOO_LOCAL_RANK";
-/// The number of ranks on this rank's host.
-pub const LOCAL_SIZE_ENV: &str = "FERROGLOO_LOCAL_SIZE";
 /// The first port of the stores rank 0 serves for Slurm jobs without `FERROGLOO_STORE`: ports
 /// run from here to `SLURM_PORT_BASE + 9999` (see [`slurm_store`]).
 pub const SLURM_PORT_BASE: u16 = 40000;
@@ -95,8 +93,8 @@ impl Launcher {
     /// The variable whose presence says this launcher started the process.
     fn marker(self) -> &'static str {
         match self {
-            Launcher::Ferrogloo => "FERROGLOO_RANK",
-            Launcher::Horovod => "HOROVOD_RANK",
+            Launcher::Ferrogloo => FERROGLOO_RANK,
+            Launcher::Horovod => HOROVOD_RANK,
             Launcher::Torchrun => "RANK",
             Launcher::OpenMpi => "OMPI_COMM_WORLD_RANK",
             Launcher::Mpich => "PMI_RANK",
@@ -107,8 +105,8 @@ impl Launcher {
     /// Rank, size, local rank and local size variables.
     fn vars(self) -> [&'static str; 4] {
         match self {
-            Launcher::Ferrogloo => ["FERROGLOO_RANK", "FERROGLOO_SIZE", LOCAL_RANK_ENV, LOCAL_SIZE_ENV],
-            Launcher::Horovod => ["HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"],
+            Launcher::Ferrogloo => [FERROGLOO_RANK, FERROGLOO_SIZE, FERROGLOO_LOCAL_RANK, FERROGLOO_LOCAL_SIZE],
+            Launcher::Horovod => [HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE],
             Launcher::Torchrun => ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
             Launcher::OpenMpi => [
                 "OMPI_COMM_WORLD_RANK",
@@ -144,19 +142,18 @@ impl std::str::FromStr for Launcher {
 /// when no launcher started this process (or `FERROGLOO_LAUNCHER=none`); an error when the
 /// variables are incomplete or contradict each other, naming them.
 pub fn detect(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<RankEnv>> {
-    detect_with(var, true)
+    detect_in(&Vars::lookup(var), true)
 }
 
-/// [`detect`], logging what it finds when `log`.
-pub(crate) fn detect_with(var: &dyn Fn(&str) -> Option<String>, log: bool) -> Result<Option<RankEnv>> {
-    let get = |name: &str| var(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
-    let launcher = match get(LAUNCHER_ENV).as_deref() {
-        Some("none") => {
-            tracing::debug!("{LAUNCHER_ENV}=none: not a rank of a launched job");
-            return Ok(None);
-        }
-        Some(name) => {
-            let l: Launcher = name.parse().map_err(|e: Error| Error::invalid(format!("{LAUNCHER_ENV}: {e}")))?;
+/// [`detect`] as `vars` give the variables, logging what it finds when `log`.
+pub(crate) fn detect_in(vars: &Vars<'_>, log: bool) -> Result<Option<RankEnv>> {
+    let get = |name: &str| vars.text(name);
+    if get(FERROGLOO_LAUNCHER).as_deref() == Some("none") {
+        tracing::debug!("{FERROGLOO_LAUNCHER}=none: not a rank of a launched job");
+        return Ok(None);
+    }
+    let launcher = match vars.parse_own::<Launcher>(FERROGLOO_LAUNCHER)? {
+        Some(l) => {
             if !present(l, &get) {
                 let missing = match l {
                     Launcher::Torchrun => {
@@ -172,7 +169,7 @@ pub(crate) fn detect_with(var: &dyn Fn(&str) -> Option<String>, log: bool) -> Re
                     l => format!("{} is not set", l.marker()),
                 };
                 return Err(Error::invalid(format!(
-                    "{LAUNCHER_ENV}={name}, but {missing}: this process was not started by {l}"
+                    "{FERROGLOO_LAUNCHER}={l}, but {missing}: this process was not started by {l}"
                 )));
             }
             l
@@ -232,12 +229,12 @@ fn read(l: Launcher, get: &dyn Fn(&str) -> Option<String>, log: bool) -> Result<
     env.local_rank = local_rank;
     env.local_size = local_size;
     env.launcher = Some(l);
-    let store = get(crate::rendezvous::STORE_ENV);
+    let store = get(FERROGLOO_STORE);
     env.store = match (l, store) {
         (_, Some(s)) => s,
-        (Launcher::Ferrogloo, None) => return Err(need(crate::rendezvous::STORE_ENV).unwrap_err()),
+        (Launcher::Ferrogloo, None) => return Err(need(FERROGLOO_STORE).unwrap_err()),
         (Launcher::Horovod, None) => {
-            let (addr, port) = (need("HOROVOD_GLOO_RENDEZVOUS_ADDR")?, need("HOROVOD_GLOO_RENDEZVOUS_PORT")?);
+            let (addr, port) = (need(HOROVOD_GLOO_RENDEZVOUS_ADDR)?, need(HOROVOD_GLOO_RENDEZVOUS_PORT)?);
             format!("http://{}:{}/ferrogloo", bracket(&addr), port)
         }
         (Launcher::Torchrun, None) => {
@@ -260,10 +257,10 @@ fn read(l: Launcher, get: &dyn Fn(&str) -> Option<String>, log: bool) -> Result<
                 .into_iter()
                 .find_map(|v| get(v).map(|n| (v, n)))
                 .ok_or_else(|| {
-                    Error::invalid(
-                        "started by srun without FERROGLOO_STORE, and neither SLURM_STEP_NODELIST nor \
+                    Error::invalid(format!(
+                        "started by srun without {FERROGLOO_STORE}, and neither SLURM_STEP_NODELIST nor \
                          SLURM_JOB_NODELIST names the node that would serve the store",
-                    )
+                    ))
                 })?;
             let first = expand_labelled(&nodes, &format!("{list_v}={nodes:?}"))?
                 .into_iter()
@@ -285,12 +282,12 @@ fn read(l: Launcher, get: &dyn Fn(&str) -> Option<String>, log: bool) -> Result<
             return Err(Error::invalid(format!(
                 "started by {l} (rank {rank} of {size}), but {} is not set: give every rank the same store \
                  (a shared directory, file:DIR, or a store server's URL)",
-                crate::rendezvous::STORE_ENV
+                FERROGLOO_STORE
             )));
         }
     };
     if l == Launcher::Horovod
-        && let Some(iface) = get("HOROVOD_GLOO_IFACE")
+        && let Some(iface) = get(HOROVOD_GLOO_IFACE)
     {
         env.iface = Some(iface);
     }

@@ -9,15 +9,15 @@
 //! rank started through a wrapper (`sh -c '… my-program'`, a container entry point, a profiler)
 //! is a grandchild, and the lifeline reaches it all the same, and with it everything in its
 //! process group.
+//!
+//! `FERROGLOO_LIFELINE` names the inherited read end: `FD:DEV:INO`, its descriptor number and
+//! the pipe's device and inode numbers (so that a descriptor a wrapper closed, and whose number
+//! the program reused for something else, is never taken for the lifeline).
 
+use crate::config::{FERROGLOO_LIFELINE, Vars};
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
-
-/// The variable naming the inherited read end: `FD:DEV:INO`, its descriptor number and the
-/// pipe's device and inode numbers (so that a descriptor a wrapper closed, and whose number
-/// the program reused for something else, is never taken for the lifeline).
-pub const LIFELINE_ENV: &str = "FERROGLOO_LIFELINE";
 
 /// This process's lifeline as a launcher: (read end, write end), both close-on-exec here; a
 /// child gets the read end without the flag ([`spawn_tied`](super::spawn_tied)).
@@ -39,7 +39,7 @@ pub(super) fn ends() -> Option<&'static (OwnedFd, OwnedFd)> {
     .as_ref()
 }
 
-/// The read end's number, and the value of [`LIFELINE_ENV`] for a child.
+/// The read end's number, and the value of [`FERROGLOO_LIFELINE`] for a child.
 pub(super) fn read_end() -> Option<(RawFd, String)> {
     let fd = ends()?.0.as_raw_fd();
     let (dev, ino) = pipe_id(fd)?;
@@ -51,7 +51,7 @@ pub(super) fn read_end() -> Option<(RawFd, String)> {
 pub(super) fn watch() -> bool {
     static WATCHING: OnceLock<bool> = OnceLock::new();
     *WATCHING.get_or_init(|| {
-        let Ok(spec) = std::env::var(LIFELINE_ENV) else {
+        let Some(spec) = Vars::process().raw(FERROGLOO_LIFELINE) else {
             return false;
         };
         let parsed: Option<(RawFd, u64, u64)> = (|| {
@@ -60,11 +60,11 @@ pub(super) fn watch() -> bool {
             it.next().is_none().then_some(t)
         })();
         let Some((fd, dev, ino)) = parsed else {
-            tracing::debug!(spec, "{LIFELINE_ENV} is not FD:DEV:INO; no lifeline watched");
+            tracing::debug!(spec, "{FERROGLOO_LIFELINE} is not FD:DEV:INO; no lifeline watched");
             return false;
         };
         if fd < 0 || pipe_id(fd) != Some((dev, ino)) {
-            tracing::debug!(fd, "{LIFELINE_ENV} names a pipe this process does not hold; no lifeline watched");
+            tracing::debug!(fd, "{FERROGLOO_LIFELINE} names a pipe this process does not hold; no lifeline watched");
             return false;
         }
         // This process's own lifeline pipe (when it is a launcher too) is a different one.

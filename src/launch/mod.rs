@@ -23,20 +23,17 @@ pub mod lifeline;
 
 pub use env::Launcher;
 
-use crate::device::{ADDR_ENV, HOSTNAME_ENV, IFACE_ENV};
+use crate::config::{
+    FERROGLOO_ADDR, FERROGLOO_HOSTNAME, FERROGLOO_IFACE, FERROGLOO_LOCAL_RANK, FERROGLOO_LOCAL_SIZE, FERROGLOO_RANK,
+    FERROGLOO_SECRET_FILE, FERROGLOO_SIZE, FERROGLOO_STORE, Vars,
+};
 use crate::error::{Error, Result};
-use crate::rendezvous::STORE_ENV;
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
-
-/// The environment variable holding this process's rank.
-pub const RANK_ENV: &str = "FERROGLOO_RANK";
-/// The environment variable holding the number of ranks.
-pub const SIZE_ENV: &str = "FERROGLOO_SIZE";
 
 /// A rank's place in a job, as given by its launcher.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,7 +74,7 @@ impl RankEnv {
     /// Whether a launcher started this process as a rank (see [`env::detect`]; `true` too when
     /// its variables are there but unusable, so that [`RankEnv::from_env`] says why).
     pub fn is_set() -> bool {
-        !matches!(env::detect_with(&|k| std::env::var(k).ok(), false), Ok(None))
+        !matches!(env::detect_in(&Vars::process(), false), Ok(None))
     }
 
     /// This rank's place, from the variables of whichever launcher started the process
@@ -95,11 +92,11 @@ impl RankEnv {
     /// ```
     pub fn from_env() -> Result<Self> {
         lifeline::watch();
-        env::detect(&|k| std::env::var(k).ok())?.ok_or_else(|| {
+        env::detect_in(&Vars::process(), true)?.ok_or_else(|| {
             Error::invalid(format!(
-                "{RANK_ENV} is not set, nor the variables of another launcher: start this program as a rank \
+                "{FERROGLOO_RANK} is not set, nor the variables of another launcher: start this program as a rank \
                  of a job (with --np N, ferrogloo-run, torchrun, horovodrun, mpirun or srun, or with \
-                 {RANK_ENV}, {SIZE_ENV} and {STORE_ENV} set)"
+                 {FERROGLOO_RANK}, {FERROGLOO_SIZE} and {FERROGLOO_STORE} set)"
             ))
         })
     }
@@ -202,20 +199,21 @@ pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
     // Kept until every rank has ended: its files go with it.
     let credentials = crate::credentials::JobCredentials::for_job()?;
     // Every rank runs on this host: loopback, unless the caller chose where to listen.
-    let chosen = [ADDR_ENV, IFACE_ENV, HOSTNAME_ENV].iter().any(|v| std::env::var_os(v).is_some());
+    let vars = Vars::process();
+    let chosen = [FERROGLOO_ADDR, FERROGLOO_IFACE, FERROGLOO_HOSTNAME].iter().any(|v| vars.is_set(v));
     let interrupts = Interrupts::install();
     let mut children: Vec<Child> = Vec::with_capacity(n);
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
         cmd.args(args)
-            .env(RANK_ENV, rank.to_string())
-            .env(SIZE_ENV, n.to_string())
-            .env(env::LOCAL_RANK_ENV, rank.to_string())
-            .env(env::LOCAL_SIZE_ENV, n.to_string())
-            .env(STORE_ENV, &url)
-            .env(crate::credentials::SECRET_FILE_ENV, credentials.secret_file());
+            .env(FERROGLOO_RANK, rank.to_string())
+            .env(FERROGLOO_SIZE, n.to_string())
+            .env(FERROGLOO_LOCAL_RANK, rank.to_string())
+            .env(FERROGLOO_LOCAL_SIZE, n.to_string())
+            .env(FERROGLOO_STORE, &url)
+            .env(FERROGLOO_SECRET_FILE, credentials.secret_file());
         if !chosen {
-            cmd.env(ADDR_ENV, "127.0.0.1");
+            cmd.env(FERROGLOO_ADDR, "127.0.0.1");
         }
         match spawn_tied(&mut cmd) {
             Ok(c) => children.push(c),
@@ -263,7 +261,7 @@ pub fn spawn_tied(cmd: &mut Command) -> io::Result<Child> {
     let parent = unsafe { libc::getpid() };
     cmd.process_group(0);
     let line = lifeline::read_end().map(|(fd, spec)| {
-        cmd.env(lifeline::LIFELINE_ENV, spec);
+        cmd.env(crate::config::FERROGLOO_LIFELINE, spec);
         fd
     });
     // SAFETY: the closure runs in the child between fork and exec, and calls only

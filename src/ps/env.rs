@@ -10,6 +10,10 @@
 //! used instead of the scheduler's store.
 
 use super::{Node, PsConfig, Role};
+use crate::config::{
+    DMLC_INTERFACE, DMLC_NUM_SERVER, DMLC_NUM_WORKER, DMLC_PS_ROOT_PORT, DMLC_PS_ROOT_URI, DMLC_ROLE, DMLC_SERVER_ID,
+    DMLC_WORKER_ID, FERROGLOO_STORE, Vars,
+};
 use crate::device::{Device, TcpAttr, Transport};
 use crate::error::{Error, Result};
 use crate::rendezvous::{Store, TcpStore, TcpStoreServer};
@@ -24,32 +28,51 @@ pub enum EnvRole {
     Scheduler,
 }
 
-fn var(k: &str) -> Result<String> {
-    std::env::var(k).map_err(|_| Error::invalid(format!("{k} is not set (a ps-lite job sets DMLC_ROLE, DMLC_NUM_WORKER, DMLC_NUM_SERVER, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")))
+/// What a ps-lite job sets, for the error when one is missing.
+fn hint() -> String {
+    format!(
+        "a ps-lite job sets {DMLC_ROLE}, {DMLC_NUM_WORKER}, {DMLC_NUM_SERVER}, {DMLC_PS_ROOT_URI} and {DMLC_PS_ROOT_PORT}"
+    )
 }
 
-fn num(k: &str) -> Result<usize> {
-    let v = var(k)?;
-    v.trim().parse().map_err(|_| Error::invalid(format!("{k}={v:?} is not a number")))
+/// `name`, which a ps-lite job sets, as a `T`; an error says it is not `what`.
+fn need<T: std::str::FromStr>(vars: &Vars<'_>, name: &str, what: &str) -> Result<T> {
+    vars.parse_required(name, what, &hint())
 }
 
 /// The role `DMLC_ROLE` names.
 pub fn role_from_env() -> Result<EnvRole> {
-    match var("DMLC_ROLE")?.trim() {
+    role_in(&Vars::process())
+}
+
+/// [`role_from_env`] as `vars` give the variables.
+pub(crate) fn role_in(vars: &Vars<'_>) -> Result<EnvRole> {
+    match vars.required(DMLC_ROLE, &hint())?.as_str() {
         "worker" => Ok(EnvRole::Node(Role::Worker)),
         "server" => Ok(EnvRole::Node(Role::Server)),
         "scheduler" => Ok(EnvRole::Scheduler),
-        other => Err(Error::invalid(format!("DMLC_ROLE={other:?}: worker, server or scheduler"))),
+        other => Err(Error::invalid(format!("{DMLC_ROLE}={other:?}: worker, server or scheduler"))),
     }
 }
 
 /// The job's shape from `DMLC_NUM_WORKER` and `DMLC_NUM_SERVER` (other settings default).
 pub fn config_from_env() -> Result<PsConfig> {
-    Ok(PsConfig::new(num("DMLC_NUM_WORKER")?, num("DMLC_NUM_SERVER")?))
+    config_in(&Vars::process())
 }
 
-fn root() -> Result<String> {
-    Ok(format!("{}:{}", var("DMLC_PS_ROOT_URI")?.trim(), num("DMLC_PS_ROOT_PORT")?))
+/// [`config_from_env`] as `vars` give the variables.
+pub(crate) fn config_in(vars: &Vars<'_>) -> Result<PsConfig> {
+    Ok(PsConfig::new(need(vars, DMLC_NUM_WORKER, "a number")?, need(vars, DMLC_NUM_SERVER, "a number")?))
+}
+
+/// The scheduler's port.
+fn root_port(vars: &Vars<'_>) -> Result<u16> {
+    need(vars, DMLC_PS_ROOT_PORT, "a port number")
+}
+
+/// The scheduler's store: `DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`.
+fn root(vars: &Vars<'_>) -> Result<String> {
+    Ok(format!("{}:{}", vars.required(DMLC_PS_ROOT_URI, &hint())?, root_port(vars)?))
 }
 
 const CONNECTED: &str = "ferrogloo-ps/connected";
@@ -58,35 +81,36 @@ impl Node {
     /// Joins the ps-lite-style job the environment describes (`DMLC_*`), with `cfg`'s
     /// settings (its counts are checked against `DMLC_NUM_WORKER`/`DMLC_NUM_SERVER`).
     pub fn from_env(cfg: PsConfig) -> Result<Node> {
-        let EnvRole::Node(role) = role_from_env()? else {
-            return Err(Error::invalid("DMLC_ROLE=scheduler: run ferrogloo::ps::run_scheduler instead"));
+        let vars = Vars::process();
+        let EnvRole::Node(role) = role_in(&vars)? else {
+            return Err(Error::invalid(format!("{DMLC_ROLE}=scheduler: run ferrogloo::ps::run_scheduler instead")));
         };
-        let shape = config_from_env()?;
+        let shape = config_in(&vars)?;
         if (shape.workers, shape.servers) != (cfg.workers, cfg.servers) {
             return Err(Error::invalid(format!(
                 "the environment says {} workers and {} servers, the configuration {} and {}",
                 shape.workers, shape.servers, cfg.workers, cfg.servers
             )));
         }
-        let store: std::sync::Arc<dyn Store> = match std::env::var(crate::rendezvous::STORE_ENV) {
-            Ok(url) => crate::rendezvous::open(&url)?.into(),
-            Err(_) => std::sync::Arc::new(TcpStore::connect(&root()?, "ferrogloo-ps", cfg.timeout)?),
+        let store: std::sync::Arc<dyn Store> = match vars.text(FERROGLOO_STORE) {
+            Some(url) => crate::rendezvous::open(&url)?.into(),
+            None => std::sync::Arc::new(TcpStore::connect(&root(&vars)?, "ferrogloo-ps", cfg.timeout)?),
         };
         let (id_var, counter) = match role {
-            Role::Worker => ("DMLC_WORKER_ID", "ferrogloo-ps/next-worker"),
-            Role::Server => ("DMLC_SERVER_ID", "ferrogloo-ps/next-server"),
+            Role::Worker => (DMLC_WORKER_ID, "ferrogloo-ps/next-worker"),
+            Role::Server => (DMLC_SERVER_ID, "ferrogloo-ps/next-server"),
         };
-        let id = match std::env::var(id_var) {
-            Ok(v) => v.trim().parse().map_err(|_| Error::invalid(format!("{id_var}={v:?} is not a number")))?,
-            Err(_) => {
+        let id = match vars.parse(id_var, "a number")? {
+            Some(id) => id,
+            None => {
                 usize::try_from(store.add(counter, 1)? - 1).map_err(|_| Error::invalid("a negative node number"))?
             }
         };
-        let mut attr = TcpAttr::from_env()?;
-        if let Ok(iface) = std::env::var("DMLC_INTERFACE") {
+        let mut attr = TcpAttr::read(&vars)?;
+        if let Some(iface) = vars.text(DMLC_INTERFACE) {
             attr.iface = Some(iface);
         }
-        let device = Device::with_transport(Transport::from_env()?, &attr)?;
+        let device = Device::with_transport(Transport::read(&vars)?, &attr)?;
         let node = Node::connect_shared(store.clone(), &device, role, id, cfg)?;
         store.add(CONNECTED, 1)?;
         Ok(node)
@@ -99,12 +123,9 @@ impl Node {
 /// restarted later rejoins through it, [`Node::rejoin`]); it returns once every node has
 /// exited or died.
 pub fn run_scheduler(timeout: Duration) -> Result<()> {
-    let cfg = config_from_env()?;
-    let port = num("DMLC_PS_ROOT_PORT")?;
-    let server = TcpStoreServer::start((
-        "0.0.0.0",
-        u16::try_from(port).map_err(|_| Error::invalid("DMLC_PS_ROOT_PORT is not a port"))?,
-    ))?;
+    let vars = Vars::process();
+    let cfg = config_in(&vars)?;
+    let server = TcpStoreServer::start(("0.0.0.0", root_port(&vars)?))?;
     schedule(&server, cfg.workers + cfg.servers, timeout)
 }
 

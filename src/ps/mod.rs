@@ -73,6 +73,8 @@ mod worker;
 
 pub use config::{Group, PsConfig, Role, Sharding};
 pub use env::{EnvRole, config_from_env, role_from_env, run_scheduler};
+#[cfg(test)]
+pub(crate) use env::{config_in, role_in};
 pub use handlers::{AsyncSgd, SumStore, SyncSgd};
 pub use node::Node;
 pub use pending::Reply;

@@ -33,7 +33,7 @@ pub use http::HttpStore;
 pub use prefix::PrefixStore;
 pub use server::{HttpStoreServer, ServerLimits};
 pub use tcpstore::{TcpStore, TcpStoreServer};
-pub use url::{STORE_ENV, StoreUrl, open, open_from_env};
+pub use url::{StoreUrl, open, open_from_env};
 
 use crate::error::{Error, Result};
 use std::time::{Duration, Instant};

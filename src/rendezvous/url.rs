@@ -1,13 +1,11 @@
 //! Store URLs: one syntax for naming a store everywhere.
 
 use super::{FileStore, HttpStore, Store, TcpStore};
+use crate::config::{FERROGLOO_STORE, Vars};
 use crate::context::default_timeout;
 use crate::error::{Error, Result};
 use std::path::PathBuf;
 use std::time::Duration;
-
-/// The environment variable holding the default store URL.
-pub const STORE_ENV: &str = "FERROGLOO_STORE";
 
 /// A parsed store URL.
 ///
@@ -132,17 +130,15 @@ fn check_authority(url: &str, authority: &str) -> Result<()> {
 const FORMS: &str = "file:DIR, http://HOST:PORT/SCOPE or tcpstore://HOST:PORT[/PREFIX]";
 
 /// Opens the store named by `url` (see [`StoreUrl`]), each request bounded by the default
-/// timeout of contexts: [`TIMEOUT_ENV`](crate::context::TIMEOUT_ENV) when set (an error when it
-/// is not a positive number of seconds), else 30 s ([`default_timeout`]).
+/// timeout of contexts: [`FERROGLOO_TIMEOUT`](crate::config::FERROGLOO_TIMEOUT) when set (an
+/// error when it is not a positive number of seconds), else 30 s ([`default_timeout`]).
 pub fn open(url: &str) -> Result<Box<dyn Store>> {
     StoreUrl::parse(url)?.open(default_timeout()?)
 }
 
-/// Opens the store named by `$FERROGLOO_STORE`, as [`open`] does.
+/// Opens the store named by [`FERROGLOO_STORE`], as [`open`] does.
 pub fn open_from_env() -> Result<Box<dyn Store>> {
-    let url =
-        std::env::var(STORE_ENV).map_err(|_| Error::invalid(format!("{STORE_ENV} is not set (expected {FORMS})")))?;
-    open(&url)
+    open(&Vars::process().required(FERROGLOO_STORE, &format!("expected {FORMS}"))?)
 }
 
 #[cfg(test)]
@@ -212,7 +208,7 @@ mod tests {
         let test = "rendezvous::url::tests::open_under_the_environment";
         let out = std::process::Command::new(exe)
             .args(["--ignored", "--exact", test, "--nocapture", "--test-threads=1"])
-            .env(crate::context::TIMEOUT_ENV, timeout)
+            .env(crate::config::FERROGLOO_TIMEOUT, timeout)
             .env(CHILD_ENV, "1")
             .output()
             .unwrap();

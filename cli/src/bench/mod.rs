@@ -152,7 +152,10 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
         Some(t) => {
             Duration::try_from_secs_f64(t).map_err(|_| Error::invalid(format!("--timeout {t} is not a duration")))?
         }
-        None if std::env::var_os(ferrogloo::context::TIMEOUT_ENV).is_some() => ferrogloo::context::default_timeout()?,
+        // Set (not blank, which counts as unset): its value, or the error that it is not one.
+        None if std::env::var(ferrogloo::config::FERROGLOO_TIMEOUT).is_ok_and(|v| !v.trim().is_empty()) => {
+            ferrogloo::context::default_timeout()?
+        }
         None => Duration::from_secs(120),
     };
     let setup = Setup {

@@ -5,8 +5,14 @@ use super::args::Args;
 use super::hosts::machine_of;
 use super::output::{Output, TAIL, relay};
 use super::ssh::{Ssh, handover};
-use ferrogloo::credentials::{JobCredentials, SECRET_ENV, STORE_TOKEN_ENV};
-use ferrogloo::launch::{elastic, spawn_tied};
+use ferrogloo::config::{
+    FERROGLOO_ADDR, FERROGLOO_ELASTIC, FERROGLOO_ELASTIC_TIMEOUT, FERROGLOO_IFACE, FERROGLOO_LOCAL_RANK,
+    FERROGLOO_LOCAL_SIZE, FERROGLOO_RANK, FERROGLOO_SECRET, FERROGLOO_SIZE, FERROGLOO_STORE, FERROGLOO_STORE_TOKEN,
+    FERROGLOO_WORKER, HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_RANK,
+    HOROVOD_SIZE,
+};
+use ferrogloo::credentials::JobCredentials;
+use ferrogloo::launch::spawn_tied;
 use ferrogloo::{Error, Result};
 use std::collections::VecDeque;
 use std::io::Write;
@@ -61,27 +67,27 @@ impl Starter<'_> {
     pub(super) fn start(&mut self, slot: &Slot, index: usize) -> Result<Child> {
         let args = self.args;
         let mut vars: Vec<(String, String)> = vec![
-            ("FERROGLOO_RANK".into(), slot.rank.to_string()),
-            ("FERROGLOO_SIZE".into(), slot.size.to_string()),
-            ("FERROGLOO_LOCAL_RANK".into(), slot.local_rank.to_string()),
-            ("FERROGLOO_LOCAL_SIZE".into(), slot.local_size.to_string()),
-            ("FERROGLOO_STORE".into(), self.store.clone()),
-            ("HOROVOD_RANK".into(), slot.rank.to_string()),
-            ("HOROVOD_SIZE".into(), slot.size.to_string()),
-            ("HOROVOD_LOCAL_RANK".into(), slot.local_rank.to_string()),
-            ("HOROVOD_LOCAL_SIZE".into(), slot.local_size.to_string()),
-            ("HOROVOD_CROSS_RANK".into(), slot.cross_rank.to_string()),
-            ("HOROVOD_CROSS_SIZE".into(), slot.cross_size.to_string()),
+            (FERROGLOO_RANK.into(), slot.rank.to_string()),
+            (FERROGLOO_SIZE.into(), slot.size.to_string()),
+            (FERROGLOO_LOCAL_RANK.into(), slot.local_rank.to_string()),
+            (FERROGLOO_LOCAL_SIZE.into(), slot.local_size.to_string()),
+            (FERROGLOO_STORE.into(), self.store.clone()),
+            (HOROVOD_RANK.into(), slot.rank.to_string()),
+            (HOROVOD_SIZE.into(), slot.size.to_string()),
+            (HOROVOD_LOCAL_RANK.into(), slot.local_rank.to_string()),
+            (HOROVOD_LOCAL_SIZE.into(), slot.local_size.to_string()),
+            (HOROVOD_CROSS_RANK.into(), slot.cross_rank.to_string()),
+            (HOROVOD_CROSS_SIZE.into(), slot.cross_size.to_string()),
         ];
         if args.min_np.is_some() {
-            vars.push((elastic::ELASTIC_ENV.into(), "1".into()));
-            vars.push((elastic::WORKER_ENV.into(), index.to_string()));
-            vars.push((elastic::ELASTIC_TIMEOUT_ENV.into(), args.elastic_timeout.to_string()));
+            vars.push((FERROGLOO_ELASTIC.into(), "1".into()));
+            vars.push((FERROGLOO_WORKER.into(), index.to_string()));
+            vars.push((FERROGLOO_ELASTIC_TIMEOUT.into(), args.elastic_timeout.to_string()));
         }
         if let Some(iface) = &args.network_interface {
-            vars.push(("FERROGLOO_IFACE".into(), iface.clone()));
+            vars.push((FERROGLOO_IFACE.into(), iface.clone()));
         } else if self.loopback {
-            vars.push(("FERROGLOO_ADDR".into(), "127.0.0.1".into()));
+            vars.push((FERROGLOO_ADDR.into(), "127.0.0.1".into()));
         }
         vars.extend(self.extra.iter().cloned());
         let host = &slot.host;
@@ -91,7 +97,7 @@ impl Starter<'_> {
         let (mut cmd, handed) = if slot.local {
             let mut c = Command::new(&args.command[0]);
             c.args(&args.command[1..]).envs(vars.iter().map(|(k, v)| (k, v)));
-            c.envs(self.credentials.rank_vars()).env_remove(SECRET_ENV).env_remove(STORE_TOKEN_ENV);
+            c.envs(self.credentials.rank_vars()).env_remove(FERROGLOO_SECRET).env_remove(FERROGLOO_STORE_TOKEN);
             (c, None)
         } else {
             (self.ssh.command(host, &vars, &args.command, self.grace), Some(handover(self.credentials)?))

@@ -10,13 +10,10 @@
 //! communicates from.
 
 use super::verbs::{Access, MemoryRegion, VerbsDevice};
+use crate::config::{FERROGLOO_IB_REG_CACHE, Vars};
 use crate::error::Result;
 use crate::sync::lock;
 use std::sync::{Arc, Mutex};
-
-/// The environment variable that turns the registration cache on (`1`) or off (`0`) whatever
-/// the provider.
-pub(crate) const REG_CACHE_ENV: &str = "FERROGLOO_IB_REG_CACHE";
 
 /// Registrations kept at most (the least recently used goes first).
 const MAX_ENTRIES: usize = 64;
@@ -38,11 +35,8 @@ pub(crate) struct RegCache {
 
 impl RegCache {
     pub(crate) fn new(dev: Arc<dyn VerbsDevice>) -> Self {
-        let enabled = match std::env::var(REG_CACHE_ENV).as_deref() {
-            Ok("1") => true,
-            Ok("0") => false,
-            _ => dev.coherent_registrations(),
-        };
+        // `1` turns the cache on, `0` off, whatever the provider.
+        let enabled = Vars::process().on_off(FERROGLOO_IB_REG_CACHE).unwrap_or_else(|| dev.coherent_registrations());
         RegCache { dev, enabled, entries: Mutex::new((Vec::new(), 0)) }
     }
 
