@@ -24,11 +24,10 @@
 //! rank must also have `SLURM_STEP_ID` (only `srun` sets it), so a batch shell is not mistaken
 //! for rank 0 of a job that waits for ranks that never start. Without `FERROGLOO_STORE`, rank 0
 //! serves an HTTP store on the first node of the step (`SLURM_STEP_NODELIST`, compressed lists
-//! like `gnode[01-04,10]` or `rack[1-2]n[01-16]` expanded; see [`expand_nodelist`]) at port
-//! [`SLURM_PORT_BASE`] + (job id + [`SLURM_STEP_PORT_STRIDE`] × step id) mod 10000, under the
-//! scope `slurm-<job id>.<step id>` (see [`slurm_store`]): concurrent `srun` steps of one
-//! allocation (step ids less than 10000 apart) get ports and scopes of their own, and step 0
-//! keeps port [`SLURM_PORT_BASE`] + job id mod 10000.
+//! like `gnode[01-04,10]` or `rack[1-2]n[01-16]` expanded) at port 40000 + (job id + 7919 ×
+//! step id) mod 10000, under the scope `slurm-<job id>.<step id>`: concurrent `srun` steps of
+//! one allocation (step ids less than 10000 apart) get ports and scopes of their own, and step 0
+//! keeps port 40000 + job id mod 10000.
 
 use super::RankEnv;
 use crate::config::{
@@ -39,13 +38,13 @@ use crate::config::{
 use crate::error::{Error, Result};
 /// The first port of the stores rank 0 serves for Slurm jobs without `FERROGLOO_STORE`: ports
 /// run from here to `SLURM_PORT_BASE + 9999` (see [`slurm_store`]).
-pub const SLURM_PORT_BASE: u16 = 40000;
+pub(crate) const SLURM_PORT_BASE: u16 = 40000;
 /// How far apart (mod 10000) the ports of consecutive steps of one Slurm job are: a prime, so
 /// steps less than 10000 apart never share a port, and step 1 of one job does not take the
 /// port of step 0 of the next job id.
-pub const SLURM_STEP_PORT_STRIDE: u64 = 7919;
+pub(crate) const SLURM_STEP_PORT_STRIDE: u64 = 7919;
 /// The most hosts [`expand_nodelist`] expands a list to; a longer list is refused.
-pub const MAX_NODELIST_HOSTS: usize = 1 << 20;
+pub(crate) const MAX_NODELIST_HOSTS: usize = 1 << 20;
 /// The longest host name [`expand_nodelist`] makes, in bytes.
 const MAX_NODE_NAME: usize = 255;
 
@@ -314,7 +313,7 @@ fn bracket(addr: &str) -> String {
 /// `FERROGLOO_STORE`: port [`SLURM_PORT_BASE`] + (`job` + [`SLURM_STEP_PORT_STRIDE`] × `step`)
 /// mod 10000 and scope `slurm-<job>.<step>`, so two steps of one allocation running at once
 /// (whose ids are less than 10000 apart) neither bind the same port nor read each other's keys.
-pub fn slurm_store(job: u64, step: u64) -> (u16, String) {
+pub(crate) fn slurm_store(job: u64, step: u64) -> (u16, String) {
     // Each term is reduced first: no product or sum can overflow.
     let offset = (job % 10_000 + (step % 10_000) * SLURM_STEP_PORT_STRIDE % 10_000) % 10_000;
     // offset < 10000, so the sum stays below 50000.
@@ -357,11 +356,12 @@ fn slurm_local_size(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<usize
 /// Malformed lists are errors naming the list: unbalanced or nested brackets, empty names or
 /// sets, members that are not numbers, ranges that run backwards, names longer than 255 bytes,
 /// and lists of more than [`MAX_NODELIST_HOSTS`] hosts.
-pub fn expand_nodelist(list: &str) -> Result<Vec<String>> {
+#[cfg(test)]
+pub(crate) fn expand_nodelist(list: &str) -> Result<Vec<String>> {
     expand_labelled(list, &format!("node list {list:?}"))
 }
 
-/// [`expand_nodelist`], its errors naming the list as `label` (`SLURM_STEP_NODELIST="..."`).
+/// Expands a compressed node list, its errors naming the list as `label` (`SLURM_STEP_NODELIST="..."`).
 fn expand_labelled(list: &str, label: &str) -> Result<Vec<String>> {
     let bad = |why: &str| Error::invalid(format!("{label}: {why}"));
     let too_many = || bad(&format!("more than {MAX_NODELIST_HOSTS} hosts"));

@@ -15,11 +15,16 @@
 //!
 //! No rank outlives its launcher: every rank process is started with [`spawn_tied`], in a
 //! process group of its own and with a parent-death signal, so killing the launcher (even with
-//! SIGKILL) kills its ranks, and SIGINT or SIGTERM to the launcher reach them through it.
+//! SIGKILL) kills its ranks, and SIGINT or SIGTERM to the launcher reach them through it. The
+//! parent-death signal reaches only direct children, so each rank also inherits the read end of
+//! a pipe only the launcher writes (its *lifeline*, named by `FERROGLOO_LIFELINE` as
+//! `FD:DEV:INO`); [`RankEnv::from_env`] watches it, and when the launcher ends, however it ends,
+//! the read end hangs up and the rank's process group is killed. This reaches ranks started
+//! through wrappers (`sh -c '…'`, a container entry point) too.
 
 pub mod elastic;
 pub mod env;
-pub mod lifeline;
+mod lifeline;
 
 pub use env::Launcher;
 
@@ -253,7 +258,7 @@ pub fn spawn_local_with(job: &LocalJob, args: &[String]) -> Result<()> {
 /// through this process), with a parent-death signal (SIGKILL when the thread that spawned it
 /// ends, which covers this process being killed). The child checks its parent right after
 /// setting the signal, so a parent that died in between is noticed too. It also inherits this
-/// process's [lifeline], which a ferrogloo program watches from
+/// process's lifeline (see the module's documentation), which a ferrogloo program watches from
 /// [`RankEnv::from_env`]: that reaches a rank started through a wrapper (a grandchild), which
 /// the parent-death signal does not.
 pub fn spawn_tied(cmd: &mut Command) -> io::Result<Child> {
