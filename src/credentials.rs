@@ -65,7 +65,8 @@ impl Credentials {
     }
 
     /// [`Credentials::from_env`], with the variables looked up through `var`.
-    pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+    #[cfg(test)]
+    pub(crate) fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
         Self::read(&Vars::lookup(var))
     }
 
@@ -203,7 +204,8 @@ impl JobCredentials {
     }
 
     /// [`JobCredentials::for_job`], with the variables looked up through `var`.
-    pub fn for_job_with(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+    #[cfg(test)]
+    pub(crate) fn for_job_with(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
         Self::for_job_in(&Vars::lookup(var))
     }
 

@@ -70,7 +70,8 @@ impl EngineConfig {
     }
 
     /// [`from_env`](Self::from_env) over any source of variables.
-    pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+    #[cfg(test)]
+    pub(crate) fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
         Self::read(&Vars::lookup(var))
     }
 
