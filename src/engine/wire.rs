@@ -326,6 +326,77 @@ mod tests {
         ));
     }
 
+    /// Bytes from hex, spaces ignored.
+    fn hex(s: &str) -> Vec<u8> {
+        let s: String = s.split_whitespace().collect();
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    // The encoding of 329d2e9, before the engine used the crate's codec: it must not change.
+    const META: &str = "01 01 01 01 00000000 000000000000e03f 0000000000000040 0700000000000000 02000000
+                        02000000 4000000000000000 0300000000000000";
+
+    #[test]
+    fn state_and_responses_bytes_are_unchanged() {
+        let s = State {
+            cycle: 9,
+            flags: JOINED | REQUESTS,
+            pending: vec![5],
+            invalidate: vec![],
+            requests: vec![Request { name: "ab".into(), meta: meta() }],
+        };
+        let want =
+            hex(&format!("01 0900000000000000 05 01000000 0500000000000000 00000000 01000000 02000000 6162 {META}"));
+        assert_eq!(s.encode(true), want);
+        let rs =
+            vec![Response { name: "b".into(), meta: meta(), slot: None, dims: vec![1], error: Some((2, "no".into())) }];
+        let want = hex(&format!(
+            "02 0400000000000000 01000000 01000000 62 {META} ffffffff 01000000 0100000000000000
+             01 02000000 02000000 6e6f"
+        ));
+        assert_eq!(encode_responses(4, &rs), want);
+        let rs = vec![Response { name: "".into(), meta: meta(), slot: Some(3), dims: vec![], error: None }];
+        let want = hex(&format!("02 0400000000000000 01000000 00000000 {META} 03000000 00000000 00"));
+        assert_eq!(encode_responses(4, &rs), want);
+    }
+
+    #[test]
+    fn malformed_messages_say_what_and_where() {
+        let text = |r: Result<State>| match r {
+            Err(Error::Protocol { peer: Some(3), detail }) => detail,
+            other => panic!("{other:?}"),
+        };
+        let good = State { cycle: 1, flags: 0, pending: vec![], invalidate: vec![], requests: vec![] }.encode(false);
+        assert_eq!(text(State::decode(&good[..5], 3)), "engine message from rank 3: cut short at byte 1 of 5");
+        assert_eq!(text(State::decode(&[2], 3)), "engine message from rank 3: not a state message at byte 1 of 1");
+        let mut long = good.clone();
+        long.push(0);
+        assert_eq!(text(State::decode(&long, 3)), "engine message from rank 3: trailing bytes at byte 22 of 23");
+        let mut count = good[..10].to_vec();
+        count.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            text(State::decode(&count, 3)),
+            "engine message from rank 3: a count larger than the message at byte 14 of 18"
+        );
+        let mut name = good[..18].to_vec();
+        name.extend_from_slice(&[1, 0, 0, 0, 1, 0, 0, 0, 0xff]);
+        name.extend_from_slice(&[0; 40]);
+        assert_eq!(
+            text(State::decode(&name, 3)),
+            "engine message from rank 3: a name that is not UTF-8 at byte 27 of 67"
+        );
+        let mut kind = good[..18].to_vec();
+        kind.extend_from_slice(&[1, 0, 0, 0, 1, 0, 0, 0, b'a', 99]);
+        kind.extend_from_slice(&[0; 40]);
+        assert_eq!(text(State::decode(&kind, 3)), "engine message from rank 3: an unknown collective at byte 28 of 68");
+        match decode_responses(&encode_responses(4, &[]), 0, 5) {
+            Err(Error::Protocol { peer: Some(0), detail }) => {
+                assert_eq!(detail, "engine message from rank 0: responses of cycle 4 in cycle 5 at byte 9 of 13")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     proptest! {
         // Any bytes decode to a message or a protocol error naming the peer, never a panic or
         // a huge allocation.

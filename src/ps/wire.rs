@@ -209,6 +209,55 @@ mod tests {
         assert_eq!(Message::decode(Message::control(Kind::Bye).encode(), 0).ok().map(|m| m.kind), Some(Kind::Bye));
     }
 
+    /// Bytes from hex, spaces ignored.
+    fn hex(s: &str) -> Vec<u8> {
+        let s: String = s.split_whitespace().collect();
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn message_bytes_are_unchanged() {
+        // The encoding of 329d2e9, before the parameter server used the crate's codec.
+        let m = Message {
+            kind: Kind::PushPull,
+            dtype: 1,
+            cmd: -7,
+            ts: 99,
+            shard: 3,
+            keys: vec![1, 5],
+            lens: vec![2, 0],
+            values: vec![9, 1, 2, 3, 4],
+            at: 1,
+        };
+        let want = hex("03 01 f9ffffff 6300000000000000 03000000 02000000 0100000000000000 0500000000000000
+             02000000 0200000000000000 0000000000000000 000000000000 01020304");
+        assert_eq!(m.encode(), want);
+        let mut head = vec![7; 3];
+        m.encode_head_into(&mut head, 4);
+        assert_eq!(head, want[..64]);
+        assert_eq!(
+            Message::control(Kind::Bye).encode(),
+            hex("06 00 00000000 0000000000000000 00000000 00000000 00000000 000000000000")
+        );
+    }
+
+    #[test]
+    fn malformed_messages_say_what() {
+        let text = |b: &[u8]| match Message::decode(b.to_vec(), 4) {
+            Err(Error::Protocol { peer: Some(4), detail }) => detail,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(text(&[3; 5]), "parameter-server message of 5 bytes from rank 4: cut short");
+        assert_eq!(text(&[0; 18]), "parameter-server message of 18 bytes from rank 4: an unknown kind");
+        assert_eq!(text(&[1; 21]), "parameter-server message of 21 bytes from rank 4: cut short");
+        let mut counts = Message::control(Kind::Pull).encode();
+        counts[18] = 1;
+        assert_eq!(text(&counts[..30]), "parameter-server message of 30 bytes from rank 4: cut short");
+        let bye = Message::control(Kind::Bye).encode();
+        assert_eq!(text(&bye[..26]), "parameter-server message of 26 bytes from rank 4: cut short");
+        assert!(Message::decode(bye[..32].to_vec(), 4).is_ok());
+    }
+
     proptest! {
         #[test]
         fn garbage_is_a_protocol_error_naming_the_sender(data in proptest::collection::vec(any::<u8>(), 0..120)) {

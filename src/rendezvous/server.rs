@@ -696,6 +696,20 @@ mod tests {
     }
 
     #[test]
+    fn journal_records_are_unchanged() {
+        // The record layout of 329d2e9, before the journal used the crate's codec: journals
+        // written then must replay.
+        let mut bytes = Vec::new();
+        Journal::encode(&mut bytes, Op::Set, &("job".to_string(), "a".to_string()), b"12");
+        Journal::encode(&mut bytes, Op::Delete, &("".to_string(), "bc".to_string()), b"");
+        let want: &[u8] = b"S\x03\0\0\0\x01\0\0\0\x02\0\0\0joba12D\0\0\0\0\x02\0\0\0\0\0\0\0bc";
+        assert_eq!(bytes, want);
+        let map = Journal::replay(want);
+        assert_eq!(map.len(), 1);
+        assert_eq!(map.get(&("job".to_string(), "a".to_string())).map(Vec::as_slice), Some(&b"12"[..]));
+    }
+
+    #[test]
     fn a_record_cut_short_is_dropped_and_everything_before_it_kept() {
         let mut bytes = Vec::new();
         let id = |k: &str| ("job".to_string(), k.to_string());

@@ -209,3 +209,38 @@ impl OpDesc {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn descriptor_bytes_are_unchanged() {
+        // The encoding of 329d2e9, before the descriptor used the crate's codec.
+        let d =
+            OpDesc::new(Call::Broadcast).dtype(DType::F32).count(1000).reduce(6).root(2).extra(0x0102_0304_0506_0708);
+        let d = OpDesc { algo: 0xa5, ..d };
+        assert_eq!(d.encode(), [5, 1, 6, 0xa5, 2, 0, 0, 0, 0xe8, 3, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(
+            OpDesc::P2P.encode(),
+            [0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn descriptors_round_trip(
+            call in any::<u8>(), dtype in any::<u8>(), reduce in any::<u8>(), algo in any::<u8>(),
+            root in any::<u32>(), count in any::<u64>(), extra in any::<u64>(),
+        ) {
+            let d = OpDesc { call, dtype, reduce, algo, root, count, extra };
+            prop_assert_eq!(OpDesc::decode(&d.encode()), d);
+        }
+
+        #[test]
+        fn any_bytes_decode_and_encode_back(b in any::<[u8; DESC_LEN]>()) {
+            prop_assert_eq!(OpDesc::decode(&b).encode(), b);
+        }
+    }
+}
