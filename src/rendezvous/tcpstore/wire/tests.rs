@@ -221,14 +221,27 @@ fn a_value_over_the_limit_names_its_key_and_nothing_is_allocated_for_it_first() 
     let mut d = RequestDecoder::new();
     assert_eq!(d.decode(&b), Ok(Decoded::NeedMore(MAX_VALUE - 10)));
     assert_eq!(d.op(), Some(SET));
-    let held = d.fields.body.as_ref().map(|(v, len)| (v.capacity(), *len));
-    assert!(matches!(held, Some((cap, len)) if cap < 1024 && len == MAX_VALUE), "{held:?}");
+    let held = &d.reading.held;
+    assert!(held.capacity() < 1024 && held[..] == b[..], "{} bytes held", held.capacity());
+    // The next bytes are taken as they come, and no more than the value needs.
+    let rest = vec![7; MAX_VALUE - 10];
+    assert_eq!(d.decode(&rest[..5]), Ok(Decoded::NeedMore(MAX_VALUE - 15)));
+    assert!(d.reading.held.capacity() < 1024);
+    let mut more = rest[5..].to_vec();
+    more.push(CANCEL_WAIT);
+    match d.decode(&more) {
+        Ok(Decoded::Done(Request::Set { key, value }, n)) => {
+            assert!(key == b"/k1" && value.len() == MAX_VALUE && value.iter().all(|&x| x == 7) && n == more.len() - 1)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(d.op(), None);
+    assert_eq!(d.decode(&more[more.len() - 1..]), Ok(Decoded::Done(Request::CancelWait, 1)));
 }
 
 #[test]
 fn a_request_over_its_total_is_refused_at_the_entry_that_crosses_it() {
-    let mut d = RequestDecoder::new();
-    d.limits = Limits { key: 4, value: 10, keys: 8, total: 20, message: "request" };
+    let mut d = RequestDecoder::with_limits(Limits { key: 4, value: 10, keys: 8, total: 20, message: "request" });
     let req = Request::MultiSet { pairs: vec![(b"a".to_vec(), vec![1; 9]), (b"b".to_vec(), vec![2; 9])] };
     let b = encoded(&req);
     assert!(matches!(d.decode(&b), Ok(Decoded::Done(r, n)) if r == req && n == b.len()), "20 bytes: at the limit");
@@ -279,7 +292,7 @@ fn wire_bytes_are_pytorchs() {
 fn every_request_and_reply_keeps_its_bytes() {
     // The bytes of 329d2e9, before the wire used the crate's codec (PyTorch's layout).
     let k = || b"k".to_vec();
-    let key = [&1u64.to_le_bytes()[..], b"k"].concat();
+    let key = [&le8(1)[..], b"k"].concat();
     let all_requests: [(Request, Vec<u8>); 15] = [
         (Request::Validate { magic: 7 }, vec![0, 7, 0, 0, 0]),
         (Request::Set { key: k(), value: b"vw".to_vec() }, [&[1][..], &key, &le8(2), b"vw"].concat()),
