@@ -22,9 +22,9 @@ pub enum DType {
     F32 = 1,
     /// `f64`
     F64 = 2,
-    /// [`f16`](struct@f16) (IEEE binary16)
+    /// [`f16`](half::f16) (IEEE binary16)
     F16 = 3,
-    /// [`bf16`] (bfloat16)
+    /// [`bf16`](half::bf16) (bfloat16)
     BF16 = 4,
     /// `i8`
     I8 = 5,
