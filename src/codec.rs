@@ -4,6 +4,9 @@
 //! types, written through [`bytes::BufMut`], and a [`Reader`] over received bytes that never
 //! panics: short input says how many more bytes it needs ([`DecodeError::Short`]), bad input
 //! says what is wrong ([`DecodeError::Malformed`]). quinn-proto's `coding` module is the model.
+//!
+//! Besides the primitives it holds what several wire types share: bytes after a bounded length,
+//! counts checked against what is left, and `u32`-counted runs of `u64` words.
 
 use bytes::BufMut;
 use std::fmt;
@@ -67,6 +70,25 @@ pub(crate) trait BufMutExt: BufMut + Sized {
         self.put_u32_le(n);
         self.put_slice(&bytes[..n as usize]);
     }
+
+    /// Appends a count of items as a `u32` (at most `u32::MAX`: callers bound their counts far
+    /// below that). [`Reader::count`] reads it back.
+    fn write_count(&mut self, n: usize) {
+        self.put_u32_le(u32::try_from(n).unwrap_or(u32::MAX));
+    }
+
+    /// Appends `words` after their count as a `u32` (at most `u32::MAX` of them).
+    /// [`Reader::counted_words`] reads them back.
+    fn write_words<I>(&mut self, words: I)
+    where
+        I: IntoIterator<Item = u64>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        let words = words.into_iter();
+        let n = u32::try_from(words.len()).unwrap_or(u32::MAX);
+        self.put_u32_le(n);
+        words.take(n as usize).for_each(|w| self.put_u64_le(w));
+    }
 }
 
 impl<B: BufMut> BufMutExt for B {}
@@ -80,6 +102,11 @@ pub(crate) struct Reader<'a> {
 impl<'a> Reader<'a> {
     pub(crate) fn new(bytes: &'a [u8]) -> Self {
         Reader { rest: bytes }
+    }
+
+    /// Bytes not read yet.
+    pub(crate) fn remaining(&self) -> usize {
+        self.rest.len()
     }
 
     /// [`DecodeError::Short`] unless `n` bytes are left.
@@ -144,6 +171,32 @@ impl<'a> Reader<'a> {
         self.bytes(n)
     }
 
+    /// Reads a count of items as a `u32`, for a message held whole: a count of items of at
+    /// least `min` bytes each that cannot fit in what is left is malformed, so a forged count
+    /// never sizes an allocation larger than the message. The count is read either way.
+    pub(crate) fn count(&mut self, min: usize) -> Decoded<usize> {
+        let n = self.get::<u32>()? as usize;
+        if n.saturating_mul(min.max(1)) > self.rest.len() {
+            return Err(DecodeError::malformed("a count larger than the message"));
+        }
+        Ok(n)
+    }
+
+    /// Reads `n` `u64` words. All their bytes must be there first ([`DecodeError::Short`]
+    /// otherwise), so nothing is allocated for words that did not arrive.
+    pub(crate) fn words(&mut self, n: usize) -> Decoded<Vec<u64>> {
+        let len = n.checked_mul(8).ok_or_else(|| DecodeError::malformed("a count too large"))?;
+        let (words, _) = self.bytes(len)?.as_chunks::<8>();
+        Ok(words.iter().map(|&w| u64::from_le_bytes(w)).collect())
+    }
+
+    /// Reads `u64` words after their count as a `u32` ([`BufMutExt::write_words`]); a count
+    /// larger than what is left is [`DecodeError::Short`], as the words may yet arrive.
+    pub(crate) fn counted_words(&mut self) -> Decoded<Vec<u64>> {
+        let n = self.get::<u32>()? as usize;
+        self.words(n)
+    }
+
     /// Succeeds when every byte was read.
     pub(crate) fn end(&self, what: &str) -> Decoded<()> {
         if self.rest.is_empty() {
@@ -182,7 +235,7 @@ macro_rules! le_int {
     )*};
 }
 
-le_int!(u16 => put_u16_le, u32 => put_u32_le, u64 => put_u64_le);
+le_int!(u16 => put_u16_le, u32 => put_u32_le, u64 => put_u64_le, i32 => put_i32_le, i64 => put_i64_le);
 
 impl Codec for u8 {
     fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
@@ -252,22 +305,104 @@ mod tests {
         );
     }
 
+    #[test]
+    fn counts_are_checked_against_what_is_left_and_words_against_what_arrived() {
+        let mut out = Vec::new();
+        out.write_count(2);
+        out.write_words([7u64, u64::MAX]);
+        assert_eq!(out.len(), 4 + 4 + 16);
+        let mut r = Reader::new(&out);
+        assert_eq!(r.count(8), Ok(2), "2 items of 8 bytes fit in the 20 left");
+        assert_eq!(r.counted_words(), Ok(vec![7, u64::MAX]));
+        assert_eq!(r.remaining(), 0);
+        // Items of 12 bytes do not fit: malformed, and the count is read.
+        let mut r = Reader::new(&out);
+        assert_eq!(r.count(12), Err(DecodeError::malformed("a count larger than the message")));
+        assert_eq!(r.remaining(), 20);
+        // A zero minimum counts items as one byte each.
+        assert_eq!(Reader::new(&[1, 0, 0, 0]).count(0), Err(DecodeError::malformed("a count larger than the message")));
+        // Words that did not all arrive are short by exactly the missing bytes, and nothing is
+        // read; a count of 4 billion words allocates nothing.
+        let mut r = Reader::new(&out[4..20]);
+        assert_eq!(r.counted_words(), Err(DecodeError::Short(4)));
+        assert_eq!(Reader::new(&[0xff; 12]).counted_words(), Err(DecodeError::Short(0xffff_ffff * 8 - 8)));
+        assert_eq!(Reader::new(&[]).words(0), Ok(vec![]));
+    }
+
+    #[test]
+    fn signed_integers_are_little_endian_twos_complement() {
+        let mut out = Vec::new();
+        out.write(-2i32);
+        out.write(-3i64);
+        out.write(i64::MIN);
+        assert_eq!(
+            out,
+            [
+                &[0xfe, 0xff, 0xff, 0xff][..],
+                &[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+                &[0, 0, 0, 0, 0, 0, 0, 0x80]
+            ]
+            .concat()
+        );
+        let mut r = Reader::new(&out);
+        assert_eq!((r.get::<i32>(), r.get::<i64>(), r.get::<i64>()), (Ok(-2), Ok(-3), Ok(i64::MIN)));
+    }
+
     proptest! {
         #[test]
-        fn integers_and_arrays_round_trip(a in any::<u8>(), b in any::<u16>(), c in any::<u32>(), d in any::<u64>(), e in any::<[u8; 16]>()) {
+        fn counted_words_round_trip_and_any_cut_is_short_by_what_is_missing(
+            words in proptest::collection::vec(any::<u64>(), 0..20),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let mut out = Vec::new();
+            out.write_words(words.iter().copied());
+            prop_assert_eq!(out.len(), 4 + 8 * words.len());
+            let mut r = Reader::new(&out);
+            prop_assert_eq!(r.counted_words(), Ok(words.clone()));
+            prop_assert_eq!(r.end("the words"), Ok(()));
+            let at = cut.index(out.len());
+            let want = if at < 4 { 4 - at } else { out.len() - at };
+            prop_assert_eq!(Reader::new(&out[..at]).counted_words(), Err(DecodeError::Short(want)));
+            let mut r = Reader::new(&out);
+            prop_assert_eq!(r.count(8), Ok(words.len()));
+            prop_assert_eq!(r.words(words.len()), Ok(words));
+        }
+
+        #[test]
+        fn a_count_is_accepted_exactly_when_its_items_fit(n in 0u32..64, min in 0usize..16, left in 0usize..128) {
+            let mut out = Vec::new();
+            out.write_count(n as usize);
+            out.resize(4 + left, 0);
+            let got = Reader::new(&out).count(min);
+            if (n as usize) * min.max(1) <= left {
+                prop_assert_eq!(got, Ok(n as usize));
+            } else {
+                prop_assert!(matches!(got, Err(DecodeError::Malformed(_))));
+            }
+        }
+
+        #[test]
+        fn integers_and_arrays_round_trip(a in any::<u8>(), b in any::<u16>(), c in any::<u32>(), d in any::<u64>(), e in any::<[u8; 16]>(), f in any::<i32>(), g in any::<i64>()) {
             let mut out = Vec::new();
             out.write(a);
             out.write(b);
             out.write(c);
             out.write(d);
             out.write(e);
-            prop_assert_eq!(out.len(), 1 + 2 + 4 + 8 + 16);
+            out.write(f);
+            out.write(g);
+            prop_assert_eq!(out.len(), 1 + 2 + 4 + 8 + 16 + 4 + 8);
+            prop_assert_eq!(&out[15..31], &e[..]);
+            prop_assert_eq!(&out[7..15], &d.to_le_bytes()[..]);
+            prop_assert_eq!(&out[31..35], &f.to_le_bytes()[..]);
             let mut r = Reader::new(&out);
             prop_assert_eq!(r.get::<u8>(), Ok(a));
             prop_assert_eq!(r.get::<u16>(), Ok(b));
             prop_assert_eq!(r.get::<u32>(), Ok(c));
             prop_assert_eq!(r.get::<u64>(), Ok(d));
             prop_assert_eq!(r.get::<[u8; 16]>(), Ok(e));
+            prop_assert_eq!(r.get::<i32>(), Ok(f));
+            prop_assert_eq!(r.get::<i64>(), Ok(g));
             prop_assert_eq!(r.end("x"), Ok(()));
         }
 

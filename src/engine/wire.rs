@@ -1,12 +1,15 @@
 //! The engine's messages: a rank's state in a cycle, and the coordinator's responses.
 //!
-//! Little-endian, length-prefixed; every decode is bounds-checked and a malformed message is
-//! [`Error::Protocol`] naming the peer.
+//! Written and read with the crate's codec ([`crate::codec`]): little-endian, length-prefixed;
+//! a count may not exceed what is left of the message, and a malformed message is
+//! [`Error::Protocol`] naming the peer and the byte where it went wrong.
 
 use super::meta::{Kind, Meta};
 use super::tensor::Compression;
+use crate::codec::{BufMutExt, Codec, DecodeError, Decoded, Reader};
 use crate::error::{Error, Result};
 use crate::types::{DType, Reduction};
+use bytes::BufMut;
 
 /// A rank woke itself (a submission arrived).
 pub(crate) const WAKE: u8 = 0;
@@ -76,211 +79,172 @@ fn op_from_code(c: u8) -> Option<Reduction> {
         .find(|&o| op_code(o) == c)
 }
 
-struct Writer(Vec<u8>);
-
-impl Writer {
-    fn u8(&mut self, v: u8) {
-        self.0.push(v);
-    }
-    fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn len(&mut self, n: usize) {
-        self.u32(u32::try_from(n).unwrap_or(u32::MAX));
-    }
-    fn str(&mut self, s: &str) {
-        self.len(s.len());
-        self.0.extend_from_slice(s.as_bytes());
-    }
-    fn words(&mut self, w: &[u64]) {
-        self.len(w.len());
-        for &x in w {
-            self.u64(x);
-        }
-    }
-    fn meta(&mut self, m: &Meta) {
-        self.u8(m.kind as u8);
-        self.u8(m.dtype as u8);
-        self.u8(op_code(m.op));
-        self.u8(m.compression.code());
-        self.u32(m.root);
-        self.u64(m.prescale.to_bits());
-        self.u64(m.postscale.to_bits());
-        self.u64(m.group);
-        self.u32(m.group_size);
-        self.words(&m.shape);
-    }
+/// Writes a name or an error text: its length as a `u32`, then its bytes.
+fn write_str(out: &mut impl BufMut, s: &str) {
+    out.write_u32_prefixed(s.as_bytes());
 }
 
-pub(crate) struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-    peer: usize,
+/// Reads what [`write_str`] wrote; its length may not exceed what is left.
+fn read_str(r: &mut Reader<'_>) -> Decoded<String> {
+    let n = r.count(1)?;
+    let b = r.bytes(n)?;
+    std::str::from_utf8(b).map(str::to_owned).map_err(|_| DecodeError::malformed("a name that is not UTF-8"))
 }
 
-impl<'a> Reader<'a> {
-    pub(crate) fn new(buf: &'a [u8], peer: usize) -> Self {
-        Reader { buf, pos: 0, peer }
-    }
+/// Reads `u64` words after their count, which may not exceed what is left.
+fn read_words(r: &mut Reader<'_>) -> Decoded<Vec<u64>> {
+    let n = r.count(8)?;
+    r.words(n)
+}
 
-    fn bad(&self, what: &str) -> Error {
-        Error::Protocol {
-            peer: Some(self.peer),
-            detail: format!(
-                "engine message from rank {}: {what} at byte {} of {}",
-                self.peer,
-                self.pos,
-                self.buf.len()
-            ),
-        }
-    }
+/// Reads a code and what it stands for, `what` when it stands for nothing.
+fn read_code<T>(r: &mut Reader<'_>, from: impl Fn(u8) -> Option<T>, what: &str) -> Decoded<T> {
+    from(r.get()?).ok_or_else(|| DecodeError::malformed(what))
+}
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| self.bad("cut short"))?;
-        let s = &self.buf[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-    fn u8(&mut self) -> Result<u8> {
-        Ok(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> Result<u32> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        let b = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
-    }
-    /// A count of items of at least `min` bytes each (so a forged count cannot allocate more
-    /// than the message holds).
-    fn count(&mut self, min: usize) -> Result<usize> {
-        let n = self.u32()? as usize;
-        if n.saturating_mul(min.max(1)) > self.buf.len() - self.pos {
-            return Err(self.bad("a count larger than the message"));
-        }
-        Ok(n)
-    }
-    fn str(&mut self) -> Result<String> {
-        let n = self.count(1)?;
-        let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| self.bad("a name that is not UTF-8"))
-    }
-    fn words(&mut self) -> Result<Vec<u64>> {
-        let n = self.count(8)?;
-        (0..n).map(|_| self.u64()).collect()
-    }
-    fn meta(&mut self) -> Result<Meta> {
-        let kind = Kind::from_code(self.u8()?).ok_or_else(|| self.bad("an unknown collective"))?;
-        let dtype = DType::from_code(self.u8()?).ok_or_else(|| self.bad("an unknown element type"))?;
-        let op = op_from_code(self.u8()?).ok_or_else(|| self.bad("an unknown reduction"))?;
-        let compression = Compression::from_code(self.u8()?).ok_or_else(|| self.bad("an unknown compression"))?;
-        let root = self.u32()?;
-        let prescale = f64::from_bits(self.u64()?);
-        let postscale = f64::from_bits(self.u64()?);
-        let group = self.u64()?;
-        let group_size = self.u32()?;
-        let shape = self.words()?;
+impl Codec for Meta {
+    fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
+        let kind = read_code(r, Kind::from_code, "an unknown collective")?;
+        let dtype = read_code(r, DType::from_code, "an unknown element type")?;
+        let op = read_code(r, op_from_code, "an unknown reduction")?;
+        let compression = read_code(r, Compression::from_code, "an unknown compression")?;
+        let root = r.get()?;
+        let prescale = f64::from_bits(r.get()?);
+        let postscale = f64::from_bits(r.get()?);
+        let group = r.get()?;
+        let group_size = r.get()?;
+        let shape = read_words(r)?;
         Ok(Meta { kind, dtype, shape, op, root, prescale, postscale, compression, group, group_size })
     }
-    fn end(&self) -> Result<()> {
-        if self.pos != self.buf.len() {
-            return Err(self.bad("trailing bytes"));
-        }
-        Ok(())
+
+    fn encode<B: BufMut>(&self, out: &mut B) {
+        out.put_slice(&[self.kind as u8, self.dtype as u8, op_code(self.op), self.compression.code()]);
+        out.write(self.root);
+        out.write(self.prescale.to_bits());
+        out.write(self.postscale.to_bits());
+        out.write(self.group);
+        out.write(self.group_size);
+        out.write_words(self.shape.iter().copied());
     }
+}
+
+impl Codec for Request {
+    fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
+        Ok(Request { name: read_str(r)?, meta: r.get()? })
+    }
+
+    fn encode<B: BufMut>(&self, out: &mut B) {
+        write_str(out, &self.name);
+        self.meta.encode(out);
+    }
+}
+
+impl Codec for Response {
+    fn decode(r: &mut Reader<'_>) -> Decoded<Self> {
+        let name = read_str(r)?;
+        let meta = r.get()?;
+        let slot = Some(r.get()?).filter(|&s| s != u32::MAX);
+        let dims = read_words(r)?;
+        let error = match r.get::<u8>()? {
+            0 => None,
+            1 => Some((r.get()?, read_str(r)?)),
+            _ => return Err(DecodeError::malformed("an unknown response kind")),
+        };
+        Ok(Response { name, meta, slot, dims, error })
+    }
+
+    fn encode<B: BufMut>(&self, out: &mut B) {
+        write_str(out, &self.name);
+        self.meta.encode(out);
+        out.write(self.slot.unwrap_or(u32::MAX));
+        out.write_words(self.dims.iter().copied());
+        match &self.error {
+            None => out.write(0u8),
+            Some((rank, text)) => {
+                out.write(1u8);
+                out.write(*rank);
+                write_str(out, text);
+            }
+        }
+    }
+}
+
+/// Decodes a whole message from rank `peer` with `read`: a message that does not decode, or
+/// has bytes after its end, is [`Error::Protocol`] saying what is wrong and at which byte.
+fn decode_message<T>(buf: &[u8], peer: usize, read: impl FnOnce(&mut Reader<'_>) -> Decoded<T>) -> Result<T> {
+    let mut r = Reader::new(buf);
+    let message = read(&mut r).and_then(|m| match r.remaining() {
+        0 => Ok(m),
+        _ => Err(DecodeError::malformed("trailing bytes")),
+    });
+    message.map_err(|e| {
+        let what = match e {
+            DecodeError::Short(_) => "cut short".to_string(),
+            DecodeError::Malformed(what) => what,
+        };
+        let (at, len) = (buf.len() - r.remaining(), buf.len());
+        Error::Protocol {
+            peer: Some(peer),
+            detail: format!("engine message from rank {peer}: {what} at byte {at} of {len}"),
+        }
+    })
+}
+
+/// Reads a message's type byte, which must be `want` (else `not`).
+fn read_type(r: &mut Reader<'_>, want: u8, not: &str) -> Decoded<()> {
+    if r.get::<u8>()? != want {
+        return Err(DecodeError::malformed(not));
+    }
+    Ok(())
 }
 
 impl State {
     pub(crate) fn encode(&self, with_requests: bool) -> Vec<u8> {
-        let mut w = Writer(Vec::with_capacity(32 + 8 * self.pending.len()));
-        w.u8(STATE);
-        w.u64(self.cycle);
-        w.u8(self.flags);
-        w.words(&self.pending);
-        w.words(&self.invalidate);
+        let mut out = Vec::with_capacity(32 + 8 * self.pending.len());
+        out.write(STATE);
+        out.write(self.cycle);
+        out.write(self.flags);
+        out.write_words(self.pending.iter().copied());
+        out.write_words(self.invalidate.iter().copied());
         let reqs: &[Request] = if with_requests { &self.requests } else { &[] };
-        w.len(reqs.len());
-        for r in reqs {
-            w.str(&r.name);
-            w.meta(&r.meta);
-        }
-        w.0
+        out.write_count(reqs.len());
+        reqs.iter().for_each(|r| r.encode(&mut out));
+        out
     }
 
     pub(crate) fn decode(buf: &[u8], peer: usize) -> Result<State> {
-        let mut r = Reader::new(buf, peer);
-        if r.u8()? != STATE {
-            return Err(r.bad("not a state message"));
-        }
-        let cycle = r.u64()?;
-        let flags = r.u8()?;
-        let pending = r.words()?;
-        let invalidate = r.words()?;
-        let n = r.count(40)?;
-        let mut requests = Vec::with_capacity(n);
-        for _ in 0..n {
-            let name = r.str()?;
-            let meta = r.meta()?;
-            requests.push(Request { name, meta });
-        }
-        r.end()?;
-        Ok(State { cycle, flags, pending, invalidate, requests })
+        decode_message(buf, peer, |r| {
+            read_type(r, STATE, "not a state message")?;
+            let cycle = r.get()?;
+            let flags = r.get()?;
+            let pending = read_words(r)?;
+            let invalidate = read_words(r)?;
+            let n = r.count(40)?;
+            let requests = (0..n).map(|_| r.get()).collect::<Decoded<_>>()?;
+            Ok(State { cycle, flags, pending, invalidate, requests })
+        })
     }
 }
 
 pub(crate) fn encode_responses(cycle: u64, responses: &[Response]) -> Vec<u8> {
-    let mut w = Writer(Vec::new());
-    w.u8(RESPONSES);
-    w.u64(cycle);
-    w.len(responses.len());
-    for x in responses {
-        w.str(&x.name);
-        w.meta(&x.meta);
-        w.u32(x.slot.unwrap_or(u32::MAX));
-        w.words(&x.dims);
-        match &x.error {
-            None => w.u8(0),
-            Some((rank, text)) => {
-                w.u8(1);
-                w.u32(*rank);
-                w.str(text);
-            }
-        }
-    }
-    w.0
+    let mut out = Vec::new();
+    out.write(RESPONSES);
+    out.write(cycle);
+    out.write_count(responses.len());
+    responses.iter().for_each(|x| x.encode(&mut out));
+    out
 }
 
 pub(crate) fn decode_responses(buf: &[u8], peer: usize, cycle: u64) -> Result<Vec<Response>> {
-    let mut r = Reader::new(buf, peer);
-    if r.u8()? != RESPONSES {
-        return Err(r.bad("not a response message"));
-    }
-    let c = r.u64()?;
-    if c != cycle {
-        return Err(r.bad(&format!("responses of cycle {c} in cycle {cycle}")));
-    }
-    let n = r.count(40)?;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let name = r.str()?;
-        let meta = r.meta()?;
-        let slot = Some(r.u32()?).filter(|&s| s != u32::MAX);
-        let dims = r.words()?;
-        let error = match r.u8()? {
-            0 => None,
-            1 => Some((r.u32()?, r.str()?)),
-            _ => return Err(r.bad("an unknown response kind")),
-        };
-        out.push(Response { name, meta, slot, dims, error });
-    }
-    r.end()?;
-    Ok(out)
+    decode_message(buf, peer, |r| {
+        read_type(r, RESPONSES, "not a response message")?;
+        let c = r.get::<u64>()?;
+        if c != cycle {
+            return Err(DecodeError::malformed(format!("responses of cycle {c} in cycle {cycle}")));
+        }
+        let n = r.count(40)?;
+        (0..n).map(|_| r.get()).collect()
+    })
 }
 
 #[cfg(test)]
@@ -324,6 +288,77 @@ mod tests {
             decode_responses(&encode_responses(4, &rs), 0, 5),
             Err(Error::Protocol { peer: Some(0), .. })
         ));
+    }
+
+    /// Bytes from hex, spaces ignored.
+    fn hex(s: &str) -> Vec<u8> {
+        let s: String = s.split_whitespace().collect();
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    // The encoding of 329d2e9, before the engine used the crate's codec: it must not change.
+    const META: &str = "01 01 01 01 00000000 000000000000e03f 0000000000000040 0700000000000000 02000000
+                        02000000 4000000000000000 0300000000000000";
+
+    #[test]
+    fn state_and_responses_bytes_are_unchanged() {
+        let s = State {
+            cycle: 9,
+            flags: JOINED | REQUESTS,
+            pending: vec![5],
+            invalidate: vec![],
+            requests: vec![Request { name: "ab".into(), meta: meta() }],
+        };
+        let want =
+            hex(&format!("01 0900000000000000 05 01000000 0500000000000000 00000000 01000000 02000000 6162 {META}"));
+        assert_eq!(s.encode(true), want);
+        let rs =
+            vec![Response { name: "b".into(), meta: meta(), slot: None, dims: vec![1], error: Some((2, "no".into())) }];
+        let want = hex(&format!(
+            "02 0400000000000000 01000000 01000000 62 {META} ffffffff 01000000 0100000000000000
+             01 02000000 02000000 6e6f"
+        ));
+        assert_eq!(encode_responses(4, &rs), want);
+        let rs = vec![Response { name: "".into(), meta: meta(), slot: Some(3), dims: vec![], error: None }];
+        let want = hex(&format!("02 0400000000000000 01000000 00000000 {META} 03000000 00000000 00"));
+        assert_eq!(encode_responses(4, &rs), want);
+    }
+
+    #[test]
+    fn malformed_messages_say_what_and_where() {
+        let text = |r: Result<State>| match r {
+            Err(Error::Protocol { peer: Some(3), detail }) => detail,
+            other => panic!("{other:?}"),
+        };
+        let good = State { cycle: 1, flags: 0, pending: vec![], invalidate: vec![], requests: vec![] }.encode(false);
+        assert_eq!(text(State::decode(&good[..5], 3)), "engine message from rank 3: cut short at byte 1 of 5");
+        assert_eq!(text(State::decode(&[2], 3)), "engine message from rank 3: not a state message at byte 1 of 1");
+        let mut long = good.clone();
+        long.push(0);
+        assert_eq!(text(State::decode(&long, 3)), "engine message from rank 3: trailing bytes at byte 22 of 23");
+        let mut count = good[..10].to_vec();
+        count.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            text(State::decode(&count, 3)),
+            "engine message from rank 3: a count larger than the message at byte 14 of 18"
+        );
+        let mut name = good[..18].to_vec();
+        name.extend_from_slice(&[1, 0, 0, 0, 1, 0, 0, 0, 0xff]);
+        name.extend_from_slice(&[0; 40]);
+        assert_eq!(
+            text(State::decode(&name, 3)),
+            "engine message from rank 3: a name that is not UTF-8 at byte 27 of 67"
+        );
+        let mut kind = good[..18].to_vec();
+        kind.extend_from_slice(&[1, 0, 0, 0, 1, 0, 0, 0, b'a', 99]);
+        kind.extend_from_slice(&[0; 40]);
+        assert_eq!(text(State::decode(&kind, 3)), "engine message from rank 3: an unknown collective at byte 28 of 68");
+        match decode_responses(&encode_responses(4, &[]), 0, 5) {
+            Err(Error::Protocol { peer: Some(0), detail }) => {
+                assert_eq!(detail, "engine message from rank 0: responses of cycle 4 in cycle 5 at byte 9 of 13")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     proptest! {

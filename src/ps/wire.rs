@@ -1,7 +1,9 @@
 //! Parameter-server messages: `kind u8 | dtype u8 | cmd i32 | timestamp u64 | shard u32 | key count u32 |
-//! keys u64… | length count u32 | lengths u64… | values (the rest)`, little-endian. Decoding
-//! is bounds-checked; a malformed message is [`Error::Protocol`] naming the sender.
+//! keys u64… | length count u32 | lengths u64… | padding to 8 bytes | values (the rest)`,
+//! little-endian, written and read with the crate's codec ([`crate::codec`]); a malformed
+//! message is [`Error::Protocol`] naming the sender.
 
+use crate::codec::{BufMutExt, DecodeError, Decoded, Reader};
 use crate::error::{Error, Result};
 
 /// Longest message a node receives.
@@ -99,80 +101,42 @@ impl Message {
     pub(crate) fn encode_head_into(&self, b: &mut Vec<u8>, extra: usize) {
         b.clear();
         b.reserve(40 + 8 * (self.keys.len() + self.lens.len()) + extra);
-        b.push(self.kind as u8);
-        b.push(self.dtype);
-        b.extend_from_slice(&self.cmd.to_le_bytes());
-        b.extend_from_slice(&self.ts.to_le_bytes());
-        b.extend_from_slice(&self.shard.to_le_bytes());
-        b.extend_from_slice(&(self.keys.len() as u32).to_le_bytes());
-        for k in &self.keys {
-            b.extend_from_slice(&k.to_le_bytes());
-        }
-        b.extend_from_slice(&(self.lens.len() as u32).to_le_bytes());
-        for l in &self.lens {
-            b.extend_from_slice(&(*l as u64).to_le_bytes());
-        }
+        b.write(self.kind as u8);
+        b.write(self.dtype);
+        b.write(self.cmd);
+        b.write(self.ts);
+        b.write(self.shard);
+        b.write_words(self.keys.iter().copied());
+        b.write_words(self.lens.iter().map(|&l| l as u64));
         b.resize(b.len().next_multiple_of(8), 0);
     }
 
     pub(crate) fn decode(buf: Vec<u8>, peer: usize) -> Result<Message> {
-        let b = &buf[..];
-        let mut r = Reader { b, at: 0, peer };
-        let head = r.take(18)?;
-        let kind = Kind::from_code(head[0]).ok_or_else(|| r.bad("an unknown kind"))?;
-        let dtype = head[1];
-        let cmd = i32::from_le_bytes([head[2], head[3], head[4], head[5]]);
-        let mut ts = [0u8; 8];
-        ts.copy_from_slice(&head[6..14]);
-        let ts = u64::from_le_bytes(ts);
-        let shard = u32::from_le_bytes([head[14], head[15], head[16], head[17]]);
-        let keys = r.words()?;
-        let lens = r
-            .words()?
-            .into_iter()
-            .map(|l| usize::try_from(l).map_err(|_| r.bad("a length too large")))
-            .collect::<Result<Vec<usize>>>()?;
-        let at = r.at.next_multiple_of(8);
-        if at > b.len() {
-            return Err(r.bad("cut short"));
-        }
-        Ok(Message { kind, dtype, cmd, ts, shard, keys, lens, values: buf, at })
-    }
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
-    peer: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn bad(&self, what: &str) -> Error {
-        Error::Protocol {
-            peer: Some(self.peer),
-            detail: format!("parameter-server message of {} bytes from rank {}: {what}", self.b.len(), self.peer),
-        }
+        let bad = |what: &str| Error::Protocol {
+            peer: Some(peer),
+            detail: format!("parameter-server message of {} bytes from rank {peer}: {what}", buf.len()),
+        };
+        let mut r = Reader::new(&buf);
+        let mut m = Self::decode_head(&mut r).map_err(|e| match e {
+            DecodeError::Short(_) => bad("cut short"),
+            DecodeError::Malformed(what) => bad(&what),
+        })?;
+        m.at = buf.len() - r.remaining();
+        m.values = buf;
+        Ok(m)
     }
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| self.bad("cut short"))?;
-        let s = &self.b[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-
-    fn words(&mut self) -> Result<Vec<u64>> {
-        let c = self.take(4)?;
-        let n = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
-        let raw = self.take(n.checked_mul(8).ok_or_else(|| self.bad("a count too large"))?)?;
-        Ok(raw
-            .chunks_exact(8)
-            .map(|c| {
-                let mut w = [0u8; 8];
-                w.copy_from_slice(c);
-                u64::from_le_bytes(w)
-            })
-            .collect())
+    /// Everything but the values, and the padding before them: a message without values.
+    fn decode_head(r: &mut Reader<'_>) -> Decoded<Message> {
+        r.require(18)?;
+        let kind = Kind::from_code(r.get()?).ok_or_else(|| DecodeError::malformed("an unknown kind"))?;
+        let (dtype, cmd, ts, shard) = (r.get()?, r.get()?, r.get()?, r.get()?);
+        let keys = r.counted_words()?;
+        let lens = r.counted_words()?.into_iter().map(usize::try_from).collect::<std::result::Result<Vec<_>, _>>();
+        let lens = lens.map_err(|_| DecodeError::malformed("a length too large"))?;
+        let at = 18 + 8 + 8 * (keys.len() + lens.len());
+        r.bytes(at.next_multiple_of(8) - at)?;
+        Ok(Message { kind, dtype, cmd, ts, shard, keys, lens, values: Vec::new(), at: 0 })
     }
 }
 
@@ -207,6 +171,55 @@ mod tests {
         assert_eq!(oversize(1, 1, Some(MAX_MESSAGE)).as_deref(), Some("1073741872 bytes"));
         assert_eq!(oversize(1, 1, None).as_deref(), Some("more than usize::MAX bytes"));
         assert_eq!(Message::decode(Message::control(Kind::Bye).encode(), 0).ok().map(|m| m.kind), Some(Kind::Bye));
+    }
+
+    /// Bytes from hex, spaces ignored.
+    fn hex(s: &str) -> Vec<u8> {
+        let s: String = s.split_whitespace().collect();
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn message_bytes_are_unchanged() {
+        // The encoding of 329d2e9, before the parameter server used the crate's codec.
+        let m = Message {
+            kind: Kind::PushPull,
+            dtype: 1,
+            cmd: -7,
+            ts: 99,
+            shard: 3,
+            keys: vec![1, 5],
+            lens: vec![2, 0],
+            values: vec![9, 1, 2, 3, 4],
+            at: 1,
+        };
+        let want = hex("03 01 f9ffffff 6300000000000000 03000000 02000000 0100000000000000 0500000000000000
+             02000000 0200000000000000 0000000000000000 000000000000 01020304");
+        assert_eq!(m.encode(), want);
+        let mut head = vec![7; 3];
+        m.encode_head_into(&mut head, 4);
+        assert_eq!(head, want[..64]);
+        assert_eq!(
+            Message::control(Kind::Bye).encode(),
+            hex("06 00 00000000 0000000000000000 00000000 00000000 00000000 000000000000")
+        );
+    }
+
+    #[test]
+    fn malformed_messages_say_what() {
+        let text = |b: &[u8]| match Message::decode(b.to_vec(), 4) {
+            Err(Error::Protocol { peer: Some(4), detail }) => detail,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(text(&[3; 5]), "parameter-server message of 5 bytes from rank 4: cut short");
+        assert_eq!(text(&[0; 18]), "parameter-server message of 18 bytes from rank 4: an unknown kind");
+        assert_eq!(text(&[1; 21]), "parameter-server message of 21 bytes from rank 4: cut short");
+        let mut counts = Message::control(Kind::Pull).encode();
+        counts[18] = 1;
+        assert_eq!(text(&counts[..30]), "parameter-server message of 30 bytes from rank 4: cut short");
+        let bye = Message::control(Kind::Bye).encode();
+        assert_eq!(text(&bye[..26]), "parameter-server message of 26 bytes from rank 4: cut short");
+        assert!(Message::decode(bye[..32].to_vec(), 4).is_ok());
     }
 
     proptest! {

@@ -66,13 +66,12 @@ impl FileStore {
     }
 
     fn temp_path(&self) -> PathBuf {
-        let mut rnd = [0u8; 8];
         // A failing entropy source only weakens uniqueness; pid and a counter still separate
         // writers of this host.
-        let _ = getrandom::fill(&mut rnd);
+        let rnd = getrandom::u64().unwrap_or(0);
         static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.dir.join(format!(".tmp-{}-{}-{:016x}", std::process::id(), n, u64::from_le_bytes(rnd)))
+        self.dir.join(format!(".tmp-{}-{}-{rnd:016x}", std::process::id(), n))
     }
 
     fn publish(&self, key: &str, value: &[u8]) -> Result<()> {

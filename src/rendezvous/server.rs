@@ -6,9 +6,10 @@
 //! its status and the connection is closed, not drained; the server goes on serving the others.
 
 use super::{checked_add, parse_counter};
+use crate::codec::{DecodeError, Decoded, Reader};
 use crate::error::{Error, Result};
 use crate::sync::lock;
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -481,38 +482,48 @@ impl Journal {
     }
 
     fn encode(out: &mut Vec<u8>, op: Op, id: &Key, value: &[u8]) {
-        out.push(op as u8);
+        out.put_u8(op as u8);
         for len in [id.0.len(), id.1.len(), value.len()] {
             // Scope and key come from a request line and values are capped by the server's limit.
-            out.extend_from_slice(&(len as u32).to_le_bytes());
+            out.put_u32_le(len as u32);
         }
-        out.extend_from_slice(id.0.as_bytes());
-        out.extend_from_slice(id.1.as_bytes());
-        out.extend_from_slice(value);
+        out.put_slice(id.0.as_bytes());
+        out.put_slice(id.1.as_bytes());
+        out.put_slice(value);
+    }
+
+    /// Reads one record: an entry and its value, set, or none, deleted.
+    fn record(r: &mut Reader<'_>) -> Decoded<(Key, Option<Vec<u8>>)> {
+        let tag = r.get::<u8>()?;
+        let (s, k, v) = (r.get::<u32>()? as usize, r.get::<u32>()? as usize, r.get::<u32>()? as usize);
+        let text = |b: &[u8]| {
+            std::str::from_utf8(b).map(str::to_string).map_err(|_| DecodeError::malformed("a name that is not UTF-8"))
+        };
+        let id = (text(r.bytes(s)?)?, text(r.bytes(k)?)?);
+        let value = r.bytes(v)?;
+        match tag {
+            b'S' => Ok((id, Some(value.to_vec()))),
+            b'D' => Ok((id, None)),
+            _ => Err(DecodeError::malformed(format!("an unknown record tag {tag}"))),
+        }
     }
 
     /// Replays the entries of `bytes`, stopping at the first record that is cut short or
     /// malformed (what a crash in the middle of an append leaves).
     fn replay(bytes: &[u8]) -> HashMap<Key, Vec<u8>> {
         let mut map = HashMap::new();
-        let mut rest = bytes;
-        while rest.len() >= Self::HEADER {
-            let len = |i: usize| u32::from_le_bytes([rest[i], rest[i + 1], rest[i + 2], rest[i + 3]]) as usize;
-            let (s, k, v) = (len(1), len(5), len(9));
-            let Some(body) = rest.get(Self::HEADER..Self::HEADER + s + k + v) else { break };
-            let (Ok(scope), Ok(key)) = (std::str::from_utf8(&body[..s]), std::str::from_utf8(&body[s..s + k])) else {
-                break;
+        let mut r = Reader::new(bytes);
+        loop {
+            let mut next = r.clone();
+            match Self::record(&mut next) {
+                Ok((id, Some(value))) => map.insert(id, value),
+                Ok((id, None)) => map.remove(&id),
+                Err(_) => break,
             };
-            let id = (scope.to_string(), key.to_string());
-            match rest[0] {
-                b'S' => map.insert(id, body[s + k..].to_vec()),
-                b'D' => map.remove(&id),
-                _ => break,
-            };
-            rest = &rest[Self::HEADER + body.len()..];
+            r = next;
         }
-        if !rest.is_empty() {
-            tracing::warn!(dropped = rest.len(), "store journal ends in a partial record; dropping it");
+        if r.remaining() > 0 {
+            tracing::warn!(dropped = r.remaining(), "store journal ends in a partial record; dropping it");
         }
         map
     }
@@ -693,6 +704,20 @@ mod tests {
         );
         // The token never shows in debug output.
         assert!(!format!("{with:?}").contains("s3cr3t"));
+    }
+
+    #[test]
+    fn journal_records_are_unchanged() {
+        // The record layout of 329d2e9, before the journal used the crate's codec: journals
+        // written then must replay.
+        let mut bytes = Vec::new();
+        Journal::encode(&mut bytes, Op::Set, &("job".to_string(), "a".to_string()), b"12");
+        Journal::encode(&mut bytes, Op::Delete, &("".to_string(), "bc".to_string()), b"");
+        let want: &[u8] = b"S\x03\0\0\0\x01\0\0\0\x02\0\0\0joba12D\0\0\0\0\x02\0\0\0\0\0\0\0bc";
+        assert_eq!(bytes, want);
+        let map = Journal::replay(want);
+        assert_eq!(map.len(), 1);
+        assert_eq!(map.get(&("job".to_string(), "a".to_string())).map(Vec::as_slice), Some(&b"12"[..]));
     }
 
     #[test]

@@ -597,6 +597,7 @@ mod tests {
     use super::super::tests::{closed_by_server, encoded, pings, validated};
     use super::super::wire::{APPEND, MULTI_SET, ResponseDecoder, SET};
     use super::*;
+    use crate::codec::Reader;
     use crate::rendezvous::{Store, TcpStore};
     use std::io::Write;
 
@@ -660,7 +661,7 @@ mod tests {
         }
         let mut echo = [0u8; 4];
         (&s).read_exact(&mut echo).unwrap();
-        assert_eq!(u32::from_le_bytes(echo), 9);
+        assert_eq!(Reader::new(&echo).get::<u32>(), Ok(9));
         // Many in one write, each answered in turn.
         let mut many = Vec::new();
         for n in 0..50u32 {
@@ -671,8 +672,8 @@ mod tests {
         for n in 0..50u32 {
             let mut reply = [0u8; 12];
             (&s).read_exact(&mut reply).unwrap();
-            assert_eq!(reply[..8], (i64::from(n) + 1).to_le_bytes());
-            assert_eq!(reply[8..], n.to_le_bytes());
+            let mut r = Reader::new(&reply);
+            assert_eq!((r.get::<i64>(), r.get::<u32>()), (Ok(i64::from(n) + 1), Ok(n)));
         }
         assert_eq!(exchange(&s, Request::Get { key: b"/k" }), Some(Response::Value(b"value".to_vec())));
     }
@@ -702,12 +703,12 @@ mod tests {
         let (mut len, mut v) = ([0u8; 8], vec![0u8; big.len()]);
         for _ in 0..copies {
             (&s).read_exact(&mut len).unwrap();
-            assert_eq!(u64::from_le_bytes(len), big.len() as u64);
+            assert_eq!(Reader::new(&len).get::<u64>(), Ok(big.len() as u64));
             (&s).read_exact(&mut v).unwrap();
             assert!(v == big);
         }
         (&s).read_exact(&mut len).unwrap();
-        assert_eq!(u64::from_le_bytes(len), 0, "a missing key reads as empty");
+        assert_eq!(Reader::new(&len).get::<u64>(), Ok(0), "a missing key reads as empty");
         assert!(pings(&s), "the connection goes on");
     }
 

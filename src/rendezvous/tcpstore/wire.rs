@@ -8,7 +8,13 @@
 //! count and its entries (a MULTI_GET reply's count is that of its request's keys). A decoder
 //! checks a length or a count against its limits as soon as it arrives, before the bytes it
 //! announces: nothing is allocated for what a peer only announces.
+//!
+//! Fields are read with the crate's codec ([`crate::codec`]). A message is read in parts — what
+//! comes before its list, then each entry of the list — and a part whose bytes straddle reads
+//! is held until the codec no longer finds it short; it asks for exactly the bytes it misses,
+//! so a part never takes bytes of the next.
 
+use crate::codec::{Codec, DecodeError, Reader};
 use std::convert::Infallible;
 use std::io::Write;
 
@@ -197,23 +203,36 @@ trait Put {
     type Error;
     fn put(&mut self, b: &[u8]) -> Result<(), Self::Error>;
 
-    /// The low `width` bytes of `v`, little-endian.
-    fn int(&mut self, v: u64, width: usize) -> Result<(), Self::Error> {
-        self.put(&v.to_le_bytes()[..width])
+    /// An integer field.
+    fn int(&mut self, v: impl Int) -> Result<(), Self::Error> {
+        let mut b = [0u8; 8];
+        let left = {
+            let mut w = &mut b[..];
+            v.encode(&mut w);
+            w.len()
+        };
+        self.put(&b[..8 - left])
     }
 
     /// A key or value: its `u64` length, then its bytes.
     fn bytes(&mut self, b: &[u8]) -> Result<(), Self::Error> {
-        self.int(b.len() as u64, 8)?;
+        self.int(b.len() as u64)?;
         self.put(b)
     }
 
     /// A count, then each key or value.
     fn list<B: AsRef<[u8]>>(&mut self, items: &[B]) -> Result<(), Self::Error> {
-        self.int(items.len() as u64, 8)?;
+        self.int(items.len() as u64)?;
         items.iter().try_for_each(|b| self.bytes(b.as_ref()))
     }
 }
+
+/// The integers of the protocol's fields: at most 8 bytes each.
+trait Int: Codec {}
+impl Int for u8 {}
+impl Int for u32 {}
+impl Int for u64 {}
+impl Int for i64 {}
 
 impl Put for Vec<u8> {
     type Error = Infallible;
@@ -233,251 +252,230 @@ impl<W: Write> Put for Writer<W> {
     }
 }
 
-/// The low `bytes.len()` bytes of an integer, little-endian.
-fn le(bytes: &[u8]) -> u64 {
-    bytes.iter().rev().fold(0, |v, &b| (v << 8) | u64::from(b))
+/// Why a part of a message does not decode.
+enum Fail {
+    /// It is cut short: at least this many more bytes are needed, and it takes that many more.
+    Short(usize),
+    /// It is not the protocol, or breaks a limit.
+    Wire(WireError),
 }
 
-/// A field of a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Field {
-    /// An opcode, or a one-byte answer.
-    U8,
-    U32,
-    /// A `u64` or an `i64`.
-    U64,
-    /// The number of entries that follow, checked against the limit.
-    Count,
-    /// A `u64` length and that many bytes, checked against the key limit.
-    Key,
-    /// A `u64` length and that many bytes, checked against the value limit.
-    Value,
-}
-
-impl Field {
-    /// Bytes of the field's fixed part (a key's or value's length).
-    fn width(self) -> usize {
-        match self {
-            Field::U8 => 1,
-            Field::U32 => 4,
-            Field::U64 | Field::Count | Field::Key | Field::Value => 8,
+impl From<DecodeError> for Fail {
+    fn from(e: DecodeError) -> Self {
+        match e {
+            DecodeError::Short(n) => Fail::Short(n),
+            // The fields read here are integers and bytes, which are never malformed.
+            DecodeError::Malformed(what) => Fail::Wire(malformed("message", what)),
         }
     }
 }
 
-/// How a message is laid out: fixed fields, then, when `group` is not empty, that many groups
-/// of fields as `count` says, or else the last fixed field (a [`Field::Count`]).
-struct Layout {
-    /// The message's name, for errors.
+impl From<WireError> for Fail {
+    fn from(e: WireError) -> Self {
+        Fail::Wire(e)
+    }
+}
+
+/// The limits of the message being read, and what of them it used so far.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    limits: Limits,
+    /// The message's name, for errors: the request's name once its opcode is read.
     name: &'static str,
-    head: &'static [Field],
-    group: &'static [Field],
-    count: Option<u64>,
-}
-
-impl Layout {
-    /// The field after `items`, or none when the message is whole.
-    fn next(&self, items: &[Item]) -> Option<Field> {
-        if let Some(f) = self.head.get(items.len()) {
-            return Some(*f);
-        }
-        let count = match (self.count, self.head.len().checked_sub(1).and_then(|i| items.get(i))) {
-            (Some(n), _) => n,
-            (None, Some(Item::Int(n))) => *n,
-            _ => 0,
-        };
-        let i = (items.len() - self.head.len()) as u64;
-        let len = self.group.len() as u64;
-        (i < count.saturating_mul(len)).then(|| self.group[(i % len) as usize])
-    }
-}
-
-/// A field read whole.
-#[derive(Debug)]
-enum Item {
-    Int(u64),
-    Bytes(Vec<u8>),
-}
-
-/// The fields of one message as its bytes arrive: those read whole, and what there is of the
-/// one being read.
-#[derive(Default)]
-struct Fields {
-    items: Vec<Item>,
-    /// The fixed part of the field being read (an integer, or a key's or value's length).
-    head: [u8; 8],
-    have: usize,
-    /// The bytes of the key or value being read, and the length it will have.
-    body: Option<(Vec<u8>, usize)>,
     /// Bytes of keys and values so far, announced ones included.
     total: usize,
-    /// Where in `items` the last key is, for errors about its value.
-    key: Option<usize>,
 }
 
-/// How far a message got.
-enum Progress {
-    /// Whole, taking this many bytes of the input.
-    Whole(usize),
-    /// Not whole; the input is used up and at least this many more bytes are needed.
-    More(usize),
-}
-
-impl Fields {
-    /// Reads the fields `layout` calls for from `input`, until the message is whole or the
-    /// input used up.
-    fn read(
-        &mut self,
-        input: &[u8],
-        limits: &Limits,
-        layout: impl Fn(&[Item]) -> Result<Layout, WireError>,
-    ) -> Result<Progress, WireError> {
-        let mut used = 0;
-        loop {
-            let layout = layout(&self.items)?;
-            let Some(field) = layout.next(&self.items) else { return Ok(Progress::Whole(used)) };
-            let need = match &self.body {
-                Some((body, len)) => len - body.len(),
-                None => field.width() - self.have,
-            };
-            if used == input.len() {
-                return Ok(Progress::More(need));
-            }
-            let chunk = &input[used..used + need.min(input.len() - used)];
-            used += chunk.len();
-            if let Some((body, len)) = &mut self.body {
-                body.extend_from_slice(chunk);
-                if body.len() == *len
-                    && let Some((body, _)) = self.body.take()
-                {
-                    self.push(field, Item::Bytes(body));
-                }
-                continue;
-            }
-            self.head[self.have..self.have + chunk.len()].copy_from_slice(chunk);
-            self.have += chunk.len();
-            if self.have < field.width() {
-                continue;
-            }
-            let v = le(&self.head[..self.have]);
-            self.have = 0;
-            match field {
-                Field::Key | Field::Value => match self.announced(field, v, limits, layout.name)? {
-                    0 => self.push(field, Item::Bytes(Vec::new())),
-                    len => self.body = Some((Vec::new(), len)),
-                },
-                Field::Count if v > limits.keys as u64 => {
-                    let (max, message) = (limits.keys, limits.message);
-                    return Err(self.limit(
-                        layout.name,
-                        false,
-                        format!("{v} keys in one {message}, over the limit of {max}"),
-                    ));
-                }
-                _ => self.items.push(Item::Int(v)),
-            }
-        }
+impl Budget {
+    /// A message named `name`, before any of its bytes.
+    fn new(limits: Limits, name: &'static str) -> Self {
+        Budget { limits, name, total: 0 }
     }
 
-    /// Checks the length `v` of a key or value against the limits, and counts it.
-    fn announced(&mut self, field: Field, v: u64, limits: &Limits, name: &'static str) -> Result<usize, WireError> {
-        let (what, max) = if field == Field::Key { ("key", limits.key) } else { ("value", limits.value) };
-        let value = field == Field::Value;
+    /// A `u64` count of keys, checked against the limit.
+    fn count(&self, r: &mut Reader<'_>) -> Result<u64, Fail> {
+        let n = r.get::<u64>()?;
+        let (max, message) = (self.limits.keys, self.limits.message);
+        if n > max as u64 {
+            return Err(self.limit(None, format!("{n} keys in one {message}, over the limit of {max}")));
+        }
+        Ok(n)
+    }
+
+    /// A key: its `u64` length, checked against the limits before its bytes, then its bytes.
+    fn key(&mut self, r: &mut Reader<'_>) -> Result<Vec<u8>, Fail> {
+        self.bytes(r, "key", self.limits.key, None)
+    }
+
+    /// A value, likewise; a limit it breaks names `key`.
+    fn value(&mut self, r: &mut Reader<'_>, key: Option<&[u8]>) -> Result<Vec<u8>, Fail> {
+        self.bytes(r, "value", self.limits.value, key)
+    }
+
+    fn bytes(&mut self, r: &mut Reader<'_>, what: &str, max: usize, key: Option<&[u8]>) -> Result<Vec<u8>, Fail> {
+        let v = r.get::<u64>()?;
         if v > max as u64 {
-            return Err(self.limit(name, value, format!("a {what} of {v} bytes, over the limit of {max}")));
+            return Err(self.limit(key, format!("a {what} of {v} bytes, over the limit of {max}")));
         }
         let (n, total) = (v as usize, self.total.saturating_add(v as usize));
-        if total > limits.total {
-            let (max, message) = (limits.total, limits.message);
+        if total > self.limits.total {
+            let (max, message) = (self.limits.total, self.limits.message);
             return Err(self.limit(
-                name,
-                value,
+                key,
                 format!("a {what} of {n} bytes makes {total} bytes in one {message}, over the limit of {max}"),
             ));
         }
         self.total = total;
-        Ok(n)
+        Ok(r.bytes(n)?.to_vec())
     }
 
-    /// A limit broken by message `name`, naming the last key when it is about its value.
-    fn limit(&self, name: &'static str, value: bool, detail: String) -> WireError {
-        let key = match self.key.and_then(|i| self.items.get(i)) {
-            Some(Item::Bytes(k)) if value => Some(k.clone()),
-            _ => None,
+    /// A limit broken, naming `key` when it is about its value.
+    fn limit(&self, key: Option<&[u8]>, detail: String) -> Fail {
+        Fail::Wire(WireError { op: self.name, key: key.map(<[u8]>::to_vec), detail, limit: true })
+    }
+}
+
+/// What reading one part of a message found.
+enum Step<T> {
+    /// The part, and how many bytes of the input it took.
+    Got(T, usize),
+    /// The input is used up, and the part needs at least this many more bytes.
+    More(usize),
+}
+
+/// One message as its bytes arrive: the message read so far, with how many entries of its
+/// list are still to come, and the bytes of a part that straddles inputs.
+struct Reading<M> {
+    read: Option<(M, u64)>,
+    /// The bytes of the part being read, when it began in an earlier input (else empty).
+    held: Vec<u8>,
+    /// The bytes the held part needs at least.
+    need: usize,
+    /// The budget of the message: what its parts read whole used of it.
+    budget: Budget,
+    /// A new message's budget.
+    fresh: Budget,
+}
+
+impl<M> Reading<M> {
+    fn new(budget: Budget) -> Self {
+        Reading { read: None, held: Vec::new(), need: 0, budget, fresh: budget }
+    }
+
+    /// Reads a message from `input`: with `head` what comes before its list (the message,
+    /// with its list empty, and how many entries it has), then with `entry` each entry (which
+    /// adds it to the message as its last step, once nothing it reads can be short).
+    fn decode(
+        &mut self,
+        input: &[u8],
+        mut head: impl FnMut(&mut Reader<'_>, &mut Budget) -> Result<(M, u64), Fail>,
+        mut entry: impl FnMut(&mut M, &mut Reader<'_>, &mut Budget) -> Result<(), Fail>,
+    ) -> Result<Decoded<M>, WireError> {
+        let mut used = 0;
+        loop {
+            let (mut m, left) = match self.read.take() {
+                Some(read) => read,
+                None => match self.part(&input[used..], &mut head)? {
+                    Step::Got(read, n) => {
+                        used += n;
+                        read
+                    }
+                    Step::More(n) => return Ok(Decoded::NeedMore(n)),
+                },
+            };
+            if left == 0 {
+                self.budget = self.fresh;
+                return Ok(Decoded::Done(m, used));
+            }
+            let step = self.part(&input[used..], |r, b| entry(&mut m, r, b))?;
+            let left = match step {
+                Step::Got((), n) => {
+                    used += n;
+                    left - 1
+                }
+                Step::More(_) => left,
+            };
+            self.read = Some((m, left));
+            if let Step::More(n) = step {
+                return Ok(Decoded::NeedMore(n));
+            }
+        }
+    }
+
+    /// Reads one part with `parse`, from the held bytes and `input`: when the part is short,
+    /// all of the input is its, and is held.
+    fn part<T>(
+        &mut self,
+        input: &[u8],
+        mut parse: impl FnMut(&mut Reader<'_>, &mut Budget) -> Result<T, Fail>,
+    ) -> Result<Step<T>, WireError> {
+        let budget = self.budget;
+        let mut attempt = |bytes: &[u8]| {
+            let (mut b, mut r) = (budget, Reader::new(bytes));
+            match parse(&mut r, &mut b) {
+                Ok(t) => Ok(Ok((t, bytes.len() - r.remaining(), b))),
+                Err(Fail::Short(n)) => Ok(Err(n)),
+                Err(Fail::Wire(e)) => Err(e),
+            }
         };
-        WireError { op: name, key, detail, limit: true }
-    }
-
-    fn push(&mut self, field: Field, item: Item) {
-        if field == Field::Key {
-            self.key = Some(self.items.len());
+        if self.held.is_empty() {
+            return Ok(match attempt(input)? {
+                Ok((t, used, b)) => {
+                    self.budget = b;
+                    Step::Got(t, used)
+                }
+                Err(n) => {
+                    self.held.extend_from_slice(input);
+                    self.need = n;
+                    Step::More(n)
+                }
+            });
         }
-        self.items.push(item);
-    }
-
-    /// The fields of the message just read whole, leaving none for the next.
-    fn take(&mut self) -> Taken {
-        self.total = 0;
-        self.key = None;
-        Taken(std::mem::take(&mut self.items).into_iter())
+        let mut used = 0;
+        loop {
+            // Only the bytes the part needs, so that it never takes bytes of the next.
+            let take = self.need.min(input.len() - used);
+            self.held.extend_from_slice(&input[used..used + take]);
+            used += take;
+            if take < self.need {
+                self.need -= take;
+                return Ok(Step::More(self.need));
+            }
+            match attempt(&self.held)? {
+                Ok((t, _, b)) => {
+                    self.budget = b;
+                    self.held = Vec::new();
+                    return Ok(Step::Got(t, used));
+                }
+                Err(n) => self.need = n,
+            }
+        }
     }
 }
 
-/// The fields of a whole message, taken in order. Its layout made them, so each is of the
-/// kind asked for.
-struct Taken(std::vec::IntoIter<Item>);
-
-impl Taken {
-    fn int(&mut self) -> u64 {
-        match self.0.next() {
-            Some(Item::Int(v)) => v,
-            _ => 0,
-        }
-    }
-
-    fn bytes(&mut self) -> Vec<u8> {
-        match self.0.next() {
-            Some(Item::Bytes(b)) => b,
-            _ => Vec::new(),
-        }
-    }
-
-    /// A count, then that many keys or values.
-    fn list(&mut self) -> Vec<Vec<u8>> {
-        let n = self.int();
-        (0..n).map(|_| self.bytes()).collect()
-    }
-
-    /// The keys or values that are left.
-    fn rest(self) -> Vec<Vec<u8>> {
-        self.0.filter_map(|i| if let Item::Bytes(b) = i { Some(b) } else { None }).collect()
-    }
-}
-
-/// A request's name and layout (after its opcode), or none for an opcode we do not serve.
-fn request_layout(op: u8) -> Option<(&'static str, &'static [Field], &'static [Field])> {
-    use Field::{Count, Key, U8, U32, U64, Value};
+/// A request's name, or none for an opcode we do not serve.
+fn request_name(op: u8) -> Option<&'static str> {
     Some(match op {
-        VALIDATE => ("VALIDATE", &[U8, U32], &[]),
-        SET => ("SET", &[U8, Key, Value], &[]),
-        COMPARE_SET => ("COMPARE_SET", &[U8, Key, Value, Value], &[]),
-        GET => ("GET", &[U8, Key], &[]),
-        ADD => ("ADD", &[U8, Key, U64], &[]),
-        CHECK => ("CHECK", &[U8, Count], &[Key]),
-        WAIT => ("WAIT", &[U8, Count], &[Key]),
-        GETNUMKEYS => ("GETNUMKEYS", &[U8], &[]),
-        DELETE_KEY => ("DELETE_KEY", &[U8, Key], &[]),
-        APPEND => ("APPEND", &[U8, Key, Value], &[]),
-        MULTI_GET => ("MULTI_GET", &[U8, Count], &[Key]),
-        MULTI_SET => ("MULTI_SET", &[U8, Count], &[Key, Value]),
-        CANCEL_WAIT => ("CANCEL_WAIT", &[U8], &[]),
-        PING => ("PING", &[U8, U32], &[]),
-        LIST_KEYS => ("LIST_KEYS", &[U8], &[]),
+        VALIDATE => "VALIDATE",
+        SET => "SET",
+        COMPARE_SET => "COMPARE_SET",
+        GET => "GET",
+        ADD => "ADD",
+        CHECK => "CHECK",
+        WAIT => "WAIT",
+        GETNUMKEYS => "GETNUMKEYS",
+        DELETE_KEY => "DELETE_KEY",
+        APPEND => "APPEND",
+        MULTI_GET => "MULTI_GET",
+        MULTI_SET => "MULTI_SET",
+        CANCEL_WAIT => "CANCEL_WAIT",
+        PING => "PING",
+        LIST_KEYS => "LIST_KEYS",
         _ => return None,
     })
 }
 
-fn unknown(op: u64) -> WireError {
+fn unknown(op: u8) -> WireError {
     malformed("request", format!("unknown opcode {op} (not a TCPStore request this server serves)"))
 }
 
@@ -505,7 +503,7 @@ impl<B> Request<B> {
 
     /// The name, as PyTorch calls it ("SET").
     pub(super) fn name(&self) -> &'static str {
-        request_layout(self.op()).map_or("request", |(name, ..)| name)
+        request_name(self.op()).unwrap_or("request")
     }
 
     /// The kind of reply it gets; none for VALIDATE, SET, APPEND and MULTI_SET.
@@ -532,9 +530,9 @@ impl<B: AsRef<[u8]>> Request<B> {
     }
 
     fn put<P: Put>(&self, p: &mut P) -> Result<(), P::Error> {
-        p.put(&[self.op()])?;
+        p.int(self.op())?;
         match self {
-            Request::Validate { magic: n } | Request::Ping { nonce: n } => p.int(u64::from(*n), 4),
+            Request::Validate { magic: n } | Request::Ping { nonce: n } => p.int(*n),
             Request::Set { key, value: v } | Request::Append { key, value: v } => {
                 p.bytes(key.as_ref())?;
                 p.bytes(v.as_ref())
@@ -547,11 +545,11 @@ impl<B: AsRef<[u8]>> Request<B> {
             Request::Get { key } | Request::DeleteKey { key } => p.bytes(key.as_ref()),
             Request::Add { key, delta } => {
                 p.bytes(key.as_ref())?;
-                p.int(*delta as u64, 8)
+                p.int(*delta)
             }
             Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => p.list(keys),
             Request::MultiSet { pairs } => {
-                p.int(pairs.len() as u64, 8)?;
+                p.int(pairs.len() as u64)?;
                 pairs.iter().try_for_each(|(k, v)| {
                     p.bytes(k.as_ref())?;
                     p.bytes(v.as_ref())
@@ -562,69 +560,82 @@ impl<B: AsRef<[u8]>> Request<B> {
     }
 }
 
-impl Request {
-    /// The request from its fields (`t`, opcode first), read whole.
-    fn build(mut t: Taken) -> Result<Self, WireError> {
-        let op = t.int();
-        Ok(match u8::try_from(op).map_err(|_| unknown(op))? {
-            VALIDATE => Request::Validate { magic: t.int() as u32 },
-            SET => Request::Set { key: t.bytes(), value: t.bytes() },
-            COMPARE_SET => Request::CompareSet { key: t.bytes(), expected: t.bytes(), desired: t.bytes() },
-            GET => Request::Get { key: t.bytes() },
-            ADD => Request::Add { key: t.bytes(), delta: t.int() as i64 },
-            CHECK => Request::Check { keys: t.list() },
-            WAIT => Request::Wait { keys: t.list() },
-            GETNUMKEYS => Request::GetNumKeys,
-            DELETE_KEY => Request::DeleteKey { key: t.bytes() },
-            APPEND => Request::Append { key: t.bytes(), value: t.bytes() },
-            MULTI_GET => Request::MultiGet { keys: t.list() },
-            MULTI_SET => {
-                let n = t.int();
-                Request::MultiSet { pairs: (0..n).map(|_| (t.bytes(), t.bytes())).collect() }
-            }
-            CANCEL_WAIT => Request::CancelWait,
-            PING => Request::Ping { nonce: t.int() as u32 },
-            LIST_KEYS => Request::ListKeys,
-            _ => return Err(unknown(op)),
-        })
+/// What comes before a request's list: the request, with its list empty, and how many
+/// entries the list has.
+fn request_head(r: &mut Reader<'_>, b: &mut Budget) -> Result<(Request, u64), Fail> {
+    let op = r.get::<u8>()?;
+    b.name = request_name(op).ok_or_else(|| unknown(op))?;
+    let list = |b: &mut Budget, r: &mut Reader<'_>| b.count(r);
+    Ok(match op {
+        VALIDATE => (Request::Validate { magic: r.get()? }, 0),
+        SET | APPEND => {
+            let key = b.key(r)?;
+            let value = b.value(r, Some(&key))?;
+            (if op == SET { Request::Set { key, value } } else { Request::Append { key, value } }, 0)
+        }
+        COMPARE_SET => {
+            let key = b.key(r)?;
+            let expected = b.value(r, Some(&key))?;
+            let desired = b.value(r, Some(&key))?;
+            (Request::CompareSet { key, expected, desired }, 0)
+        }
+        GET => (Request::Get { key: b.key(r)? }, 0),
+        ADD => (Request::Add { key: b.key(r)?, delta: r.get()? }, 0),
+        CHECK => (Request::Check { keys: Vec::new() }, list(b, r)?),
+        WAIT => (Request::Wait { keys: Vec::new() }, list(b, r)?),
+        GETNUMKEYS => (Request::GetNumKeys, 0),
+        DELETE_KEY => (Request::DeleteKey { key: b.key(r)? }, 0),
+        MULTI_GET => (Request::MultiGet { keys: Vec::new() }, list(b, r)?),
+        MULTI_SET => (Request::MultiSet { pairs: Vec::new() }, list(b, r)?),
+        CANCEL_WAIT => (Request::CancelWait, 0),
+        PING => (Request::Ping { nonce: r.get()? }, 0),
+        LIST_KEYS => (Request::ListKeys, 0),
+        _ => return Err(unknown(op).into()),
+    })
+}
+
+/// An entry of a request's list, added to it.
+fn request_entry(req: &mut Request, r: &mut Reader<'_>, b: &mut Budget) -> Result<(), Fail> {
+    match req {
+        Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => keys.push(b.key(r)?),
+        Request::MultiSet { pairs } => {
+            let key = b.key(r)?;
+            let value = b.value(r, Some(&key))?;
+            pairs.push((key, value));
+        }
+        // No other request has a list, so none has entries to read.
+        _ => {}
     }
+    Ok(())
 }
 
 /// Decodes the requests a server is sent, one after another, from bytes as they arrive.
 pub(super) struct RequestDecoder {
-    fields: Fields,
-    limits: Limits,
+    reading: Reading<Request>,
 }
 
 impl RequestDecoder {
     /// A decoder with the server's limits: a key of at most 8 KiB, a value of at most 8 MiB,
     /// at most 131,072 keys and 64 MiB of keys and values in one request.
     pub(super) fn new() -> Self {
-        RequestDecoder { fields: Fields::default(), limits: Limits::REQUEST }
+        Self::with_limits(Limits::REQUEST)
+    }
+
+    fn with_limits(limits: Limits) -> Self {
+        RequestDecoder { reading: Reading::new(Budget::new(limits, "request")) }
     }
 
     /// The opcode of the request being read, once read.
     pub(super) fn op(&self) -> Option<u8> {
-        match self.fields.items.first() {
-            Some(Item::Int(op)) => Some(*op as u8),
-            _ => None,
+        match &self.reading.read {
+            Some((req, _)) => Some(req.op()),
+            None => self.reading.held.first().copied(),
         }
     }
 
     /// Takes `input`, the bytes that follow those given before.
     pub(super) fn decode(&mut self, input: &[u8]) -> Result<Decoded<Request>, WireError> {
-        let layout = |items: &[Item]| match items.first() {
-            None => Ok(Layout { name: "request", head: &[Field::U8], group: &[], count: None }),
-            Some(Item::Int(op)) => match u8::try_from(*op).ok().and_then(request_layout) {
-                Some((name, head, group)) => Ok(Layout { name, head, group, count: None }),
-                None => Err(unknown(*op)),
-            },
-            Some(Item::Bytes(_)) => Err(unknown(u64::MAX)),
-        };
-        Ok(match self.fields.read(input, &self.limits, layout)? {
-            Progress::More(n) => Decoded::NeedMore(n),
-            Progress::Whole(used) => Decoded::Done(Request::build(self.fields.take())?, used),
-        })
+        self.reading.decode(input, request_head, request_entry)
     }
 }
 
@@ -652,70 +663,68 @@ impl<B: AsRef<[u8]>> Response<B> {
 
     fn put<P: Put>(&self, p: &mut P) -> Result<(), P::Error> {
         match self {
-            Response::Pong(n) => p.int(u64::from(*n), 4),
+            Response::Pong(n) => p.int(*n),
             Response::Value(v) => p.bytes(v.as_ref()),
-            Response::Int(n) => p.int(*n as u64, 8),
-            Response::Check(ready) => p.put(&[if *ready { READY } else { NOT_READY }]),
-            Response::WaitDone => p.put(&[STOP_WAITING]),
-            Response::WaitCanceled => p.put(&[WAIT_CANCELED]),
+            Response::Int(n) => p.int(*n),
+            Response::Check(ready) => p.int(if *ready { READY } else { NOT_READY }),
+            Response::WaitDone => p.int(STOP_WAITING),
+            Response::WaitCanceled => p.int(WAIT_CANCELED),
             Response::Values(values) => values.iter().try_for_each(|v| p.bytes(v.as_ref())),
             Response::Keys(keys) => p.list(keys),
         }
     }
 }
 
+/// A one-byte answer: the reply of the two it may be, else a protocol error about `what`.
+fn answer(r: &mut Reader<'_>, [(b0, r0), (b1, r1)]: [(u8, Response); 2], what: &str) -> Result<Response, Fail> {
+    match r.get::<u8>()? {
+        x if x == b0 => Ok(r0),
+        x if x == b1 => Ok(r1),
+        x => Err(malformed("reply", format!("{x} answers {what} (expected {b0} or {b1})")).into()),
+    }
+}
+
 /// Decodes one reply of a known shape from bytes as they arrive.
 pub(super) struct ResponseDecoder {
-    fields: Fields,
+    reading: Reading<Response>,
     shape: Shape,
 }
 
 impl ResponseDecoder {
     /// A decoder of the reply to a request of `shape`, taking at most 64 MiB of values.
     pub(super) fn new(shape: Shape) -> Self {
-        ResponseDecoder { fields: Fields::default(), shape }
+        ResponseDecoder { reading: Reading::new(Budget::new(Limits::REPLY, "reply")), shape }
     }
 
     /// Takes `input`, the bytes that follow those given before.
     pub(super) fn decode(&mut self, input: &[u8]) -> Result<Decoded<Response>, WireError> {
-        use Field::{Count, Key, U8, U32, U64, Value};
-        let (head, group, count): (&'static [Field], &'static [Field], _) = match self.shape {
-            Shape::Pong => (&[U32], &[], None),
-            Shape::Value => (&[Value], &[], None),
-            Shape::Int => (&[U64], &[], None),
-            Shape::Check | Shape::Wait => (&[U8], &[], None),
-            Shape::Values(n) => (&[], &[Value], Some(n as u64)),
-            Shape::Keys => (&[Count], &[Key], None),
+        let shape = self.shape;
+        let head = |r: &mut Reader<'_>, b: &mut Budget| {
+            Ok(match shape {
+                Shape::Pong => (Response::Pong(r.get()?), 0),
+                Shape::Value => (Response::Value(b.value(r, None)?), 0),
+                Shape::Int => (Response::Int(r.get()?), 0),
+                Shape::Check => {
+                    (answer(r, [(READY, Response::Check(true)), (NOT_READY, Response::Check(false))], "a CHECK")?, 0)
+                }
+                Shape::Wait => (
+                    answer(r, [(STOP_WAITING, Response::WaitDone), (WAIT_CANCELED, Response::WaitCanceled)], "a WAIT")?,
+                    0,
+                ),
+                Shape::Values(n) => (Response::Values(Vec::new()), n as u64),
+                Shape::Keys => (Response::Keys(Vec::new()), b.count(r)?),
+            })
         };
-        let layout = |_: &[Item]| Ok(Layout { name: "reply", head, group, count });
-        let used = match self.fields.read(input, &Limits::REPLY, layout)? {
-            Progress::More(n) => return Ok(Decoded::NeedMore(n)),
-            Progress::Whole(used) => used,
-        };
-        let mut t = self.fields.take();
-        let byte = |t: &mut Taken, ok: [(u8, Response); 2], what: &str| {
-            let b = t.int();
-            let [(b0, r0), (b1, r1)] = ok;
-            match u8::try_from(b) {
-                Ok(x) if x == b0 => Ok(r0),
-                Ok(x) if x == b1 => Ok(r1),
-                _ => Err(malformed("reply", format!("{b} answers {what} (expected {b0} or {b1})"))),
+        let entry = |resp: &mut Response, r: &mut Reader<'_>, b: &mut Budget| {
+            match resp {
+                Response::Values(values) => values.push(b.value(r, None)?),
+                Response::Keys(keys) => keys.push(b.key(r)?),
+                // No other reply has a list.
+                _ => {}
             }
+            Ok(())
         };
-        let r = match self.shape {
-            Shape::Pong => Response::Pong(t.int() as u32),
-            Shape::Value => Response::Value(t.bytes()),
-            Shape::Int => Response::Int(t.int() as i64),
-            Shape::Check => {
-                byte(&mut t, [(READY, Response::Check(true)), (NOT_READY, Response::Check(false))], "a CHECK")?
-            }
-            Shape::Wait => {
-                byte(&mut t, [(STOP_WAITING, Response::WaitDone), (WAIT_CANCELED, Response::WaitCanceled)], "a WAIT")?
-            }
-            Shape::Values(_) => Response::Values(t.rest()),
-            Shape::Keys => Response::Keys(t.list()),
-        };
-        Ok(Decoded::Done(r, used))
+        self.reading.decode(input, head, entry)
     }
 }
 

@@ -221,14 +221,27 @@ fn a_value_over_the_limit_names_its_key_and_nothing_is_allocated_for_it_first() 
     let mut d = RequestDecoder::new();
     assert_eq!(d.decode(&b), Ok(Decoded::NeedMore(MAX_VALUE - 10)));
     assert_eq!(d.op(), Some(SET));
-    let held = d.fields.body.as_ref().map(|(v, len)| (v.capacity(), *len));
-    assert!(matches!(held, Some((cap, len)) if cap < 1024 && len == MAX_VALUE), "{held:?}");
+    let held = &d.reading.held;
+    assert!(held.capacity() < 1024 && held[..] == b[..], "{} bytes held", held.capacity());
+    // The next bytes are taken as they come, and no more than the value needs.
+    let rest = vec![7; MAX_VALUE - 10];
+    assert_eq!(d.decode(&rest[..5]), Ok(Decoded::NeedMore(MAX_VALUE - 15)));
+    assert!(d.reading.held.capacity() < 1024);
+    let mut more = rest[5..].to_vec();
+    more.push(CANCEL_WAIT);
+    match d.decode(&more) {
+        Ok(Decoded::Done(Request::Set { key, value }, n)) => {
+            assert!(key == b"/k1" && value.len() == MAX_VALUE && value.iter().all(|&x| x == 7) && n == more.len() - 1)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(d.op(), None);
+    assert_eq!(d.decode(&more[more.len() - 1..]), Ok(Decoded::Done(Request::CancelWait, 1)));
 }
 
 #[test]
 fn a_request_over_its_total_is_refused_at_the_entry_that_crosses_it() {
-    let mut d = RequestDecoder::new();
-    d.limits = Limits { key: 4, value: 10, keys: 8, total: 20, message: "request" };
+    let mut d = RequestDecoder::with_limits(Limits { key: 4, value: 10, keys: 8, total: 20, message: "request" });
     let req = Request::MultiSet { pairs: vec![(b"a".to_vec(), vec![1; 9]), (b"b".to_vec(), vec![2; 9])] };
     let b = encoded(&req);
     assert!(matches!(d.decode(&b), Ok(Decoded::Done(r, n)) if r == req && n == b.len()), "20 bytes: at the limit");
@@ -273,4 +286,50 @@ fn wire_bytes_are_pytorchs() {
     assert_eq!(Request::<Vec<u8>>::Wait { keys: vec![] }.shape(), Some(Shape::Wait));
     assert_eq!(Request::<Vec<u8>>::Append { key: vec![], value: vec![] }.shape(), None);
     assert_eq!(Request::<Vec<u8>>::ListKeys.name(), "LIST_KEYS");
+}
+
+#[test]
+fn every_request_and_reply_keeps_its_bytes() {
+    // The bytes of 329d2e9, before the wire used the crate's codec (PyTorch's layout).
+    let k = || b"k".to_vec();
+    let key = [&le8(1)[..], b"k"].concat();
+    let all_requests: [(Request, Vec<u8>); 15] = [
+        (Request::Validate { magic: 7 }, vec![0, 7, 0, 0, 0]),
+        (Request::Set { key: k(), value: b"vw".to_vec() }, [&[1][..], &key, &le8(2), b"vw"].concat()),
+        (
+            Request::CompareSet { key: k(), expected: vec![], desired: b"d".to_vec() },
+            [&[2][..], &key, &le8(0), &le8(1), b"d"].concat(),
+        ),
+        (Request::Get { key: k() }, [&[3][..], &key].concat()),
+        (Request::Add { key: k(), delta: 258 }, [&[4][..], &key, &[2, 1, 0, 0, 0, 0, 0, 0]].concat()),
+        (Request::Check { keys: vec![k(), k()] }, [&[5][..], &le8(2), &key, &key].concat()),
+        (Request::Wait { keys: vec![] }, [&[6][..], &le8(0)].concat()),
+        (Request::GetNumKeys, vec![7]),
+        (Request::DeleteKey { key: k() }, [&[8][..], &key].concat()),
+        (Request::Append { key: k(), value: vec![] }, [&[9][..], &key, &le8(0)].concat()),
+        (Request::MultiGet { keys: vec![k()] }, [&[10][..], &le8(1), &key].concat()),
+        (Request::MultiSet { pairs: vec![(k(), b"x".to_vec())] }, [&[11][..], &le8(1), &key, &le8(1), b"x"].concat()),
+        (Request::CancelWait, vec![12]),
+        (Request::Ping { nonce: 0x0102_0304 }, vec![13, 4, 3, 2, 1]),
+        (Request::ListKeys, vec![17]),
+    ];
+    for (req, want) in all_requests {
+        assert_eq!(encoded(&req), want, "{req:?}");
+        assert_eq!(requests(&[&want]), Ok(Decoded::Done(req, want.len())));
+    }
+    let all_replies: [(Response, Vec<u8>); 9] = [
+        (Response::Pong(0x0102_0304), vec![4, 3, 2, 1]),
+        (Response::Value(b"vw".to_vec()), [&le8(2)[..], b"vw"].concat()),
+        (Response::Int(-1), vec![0xff; 8]),
+        (Response::Check(true), vec![0]),
+        (Response::Check(false), vec![1]),
+        (Response::WaitDone, vec![0]),
+        (Response::WaitCanceled, vec![1]),
+        (Response::Values(vec![k(), vec![]]), [&key[..], &le8(0)].concat()),
+        (Response::Keys(vec![k()]), [&le8(1)[..], &key].concat()),
+    ];
+    for (resp, want) in all_replies {
+        assert_eq!(written(&resp), want, "{resp:?}");
+        assert_eq!(replies(resp.shape(), &[&want]), Ok(Decoded::Done(resp, want.len())));
+    }
 }
