@@ -19,6 +19,7 @@ pub(crate) mod pair;
 pub(crate) mod progress;
 pub(crate) mod ring;
 pub(crate) mod segment;
+pub(crate) mod wire;
 
 use crate::error::{Error, Result};
 use crate::transport::wake::{EventFd, poll_fds};

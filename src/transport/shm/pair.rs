@@ -1,17 +1,7 @@
 //! One shared-memory pair: this rank's ring in the peer's segment (outbound) and the peer's ring
 //! in this rank's segment (inbound), the two doorbells, and a Unix socket kept open as a
-//! lifeline (its end closes when the peer dies) and for abort causes.
-//!
-//! Records in a ring (see [`super::ring`]):
-//!
-//! ```text
-//! MSG   header (48 B: group, tag, descriptor, length) + the payload: messages up to INLINE_MAX
-//! START header; the payload follows in FRAG records: larger messages, without CMA
-//! FRAG  u32 length, 4 B padding, payload bytes
-//! CMA   header + address (u64) + sequence (u64): the receiver copies the payload straight out
-//!       of the sender's memory (process_vm_readv) and answers ACK
-//! ACK   sequence (u64): a CMA message was read; its send completes
-//! ```
+//! lifeline (its end closes when the peer dies) and for abort causes. What the records and
+//! the lifeline's messages hold is in [`super::wire`].
 //!
 //! Progress is made by whoever holds the pair's lock: a posting thread writes what fits into the
 //! ring at once, and a waiting thread ([`super::progress`]) writes the rest and reads what came.
@@ -20,26 +10,22 @@
 
 use super::ring::{Consumer, Producer, Published, Pushed, Record, RingMem};
 use super::segment::{Segment, ShmRing};
+use super::wire::{
+    ACK, ACK_LEN, AbortMsg, Ack, CMA, CMA_REF, CmaRef, FRAG, FRAG_HEAD, Fixed, FragHead, HDR, MSG, MsgHeader, START,
+    next_abort,
+};
 use crate::error::{Error, Result};
+use crate::transport::handshake::codec::to_vec;
 use crate::transport::matching::{Delivery, Dispatch, EarlyRx, Header, Matcher, RecvOp};
 use crate::transport::wake::EventFd;
-use crate::transport::{AbortCause, Completion, Done, Key, MAX_CAUSE, Pair, RecvTarget, SendBuf};
-use crate::types::{DESC_LEN, OpDesc};
+use crate::transport::{AbortCause, Completion, Done, Key, Pair, RecvTarget, SendBuf};
+use crate::types::OpDesc;
 use std::collections::VecDeque;
 use std::io::{IoSliceMut, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-const MSG: u32 = 1;
-const START: u32 = 2;
-const FRAG: u32 = 3;
-const CMA: u32 = 4;
-const ACK: u32 = 5;
-
-/// Bytes of a message header in a record.
-const HDR: usize = 24 + DESC_LEN;
 
 /// Messages up to this many bytes travel inside the ring (two copies: in and out); larger ones
 /// go through the ring in fragments, or, with single copy on and the kernel allowing it, are
@@ -52,22 +38,6 @@ const FRAG_MAX: usize = 128 << 10;
 /// with one copy instead of two (as the TCP pair does).
 const HOLD_MIN: usize = 64 << 10;
 const HOLD: Duration = Duration::from_millis(2);
-
-fn encode_header(key: Key, desc: &OpDesc, len: usize) -> [u8; HDR] {
-    let mut b = [0u8; HDR];
-    b[0..8].copy_from_slice(&key.group.to_le_bytes());
-    b[8..16].copy_from_slice(&key.tag.to_le_bytes());
-    b[16..24].copy_from_slice(&(len as u64).to_le_bytes());
-    b[24..].copy_from_slice(&desc.encode());
-    b
-}
-
-fn decode_header(b: &[u8; HDR]) -> Header {
-    let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-    let mut desc = [0u8; DESC_LEN];
-    desc.copy_from_slice(&b[24..]);
-    Header { key: Key { group: word(0), tag: word(8) }, desc: OpDesc::decode(&desc), len: word(16) }
-}
 
 /// A send not yet (wholly) in the ring.
 struct Out {
@@ -275,20 +245,14 @@ impl ShmPair {
                 }
             }
         }
-        // Abort messages: group u64, cause length u32, cause.
-        while g.lifeline_buf.len() >= 12 {
-            let group = u64::from_le_bytes(g.lifeline_buf[..8].try_into().unwrap_or([0; 8]));
-            let len = u32::from_le_bytes(g.lifeline_buf[8..12].try_into().unwrap_or([0; 4])) as usize;
-            if len > MAX_CAUSE {
-                let e = Error::Protocol { peer: Some(self.peer), detail: format!("an abort message of {len} bytes") };
-                return self.fail(&mut g, e);
-            }
-            if g.lifeline_buf.len() < 12 + len {
-                break;
-            }
-            let cause = AbortCause::decode(&g.lifeline_buf[12..12 + len]);
-            g.lifeline_buf.drain(..12 + len);
-            let err = match cause {
+        loop {
+            let (AbortMsg { group, cause }, used) = match next_abort(&g.lifeline_buf) {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(why) => return self.fail(&mut g, self.protocol(format!("an abort message: {why}"))),
+            };
+            g.lifeline_buf.drain(..used);
+            let err = match AbortCause::decode(&cause) {
                 Ok(c) => c.into_error(),
                 Err(detail) => Error::Protocol { peer: Some(self.peer), detail },
             };
@@ -353,7 +317,7 @@ impl ShmPair {
     /// Writes the send queue into the ring, as far as it fits.
     fn flush(&self, g: &mut Inner) -> Result<()> {
         while let Some(seq) = g.acks.front().copied() {
-            match g.tx.push(ACK, &[&seq.to_le_bytes()]) {
+            match g.tx.push(ACK, &[&Ack { seq }.to_bytes()]) {
                 Pushed::Full => return Ok(()),
                 pushed => {
                     g.wake_peer |= pushed == Pushed::Wake;
@@ -363,7 +327,7 @@ impl ShmPair {
         }
         while let Some(o) = g.sendq.front_mut() {
             let len = o.buf.len;
-            let hdr = encode_header(o.key, &o.desc, len);
+            let hdr = MsgHeader(Header { key: o.key, desc: o.desc, len: len as u64 }).to_bytes();
             // SAFETY: the poster lent the buffer until the send completes (Pair::post_send).
             let payload = unsafe { std::slice::from_raw_parts(o.buf.ptr, len) };
             if len <= INLINE_MAX {
@@ -376,8 +340,8 @@ impl ShmPair {
                 }
             } else if self.peer_reads_mine {
                 let seq = g.next_seq;
-                let (addr, seqb) = ((o.buf.ptr as u64).to_le_bytes(), seq.to_le_bytes());
-                match g.tx.push(CMA, &[&hdr, &addr, &seqb]) {
+                let cma = CmaRef { addr: o.buf.ptr as u64, seq }.to_bytes();
+                match g.tx.push(CMA, &[&hdr, &cma]) {
                     Pushed::Full => return Ok(()),
                     pushed => g.wake_peer |= pushed == Pushed::Wake,
                 }
@@ -386,7 +350,7 @@ impl ShmPair {
                     g.unacked.push_back((seq, o.done, len));
                 }
             } else {
-                let frag_max = FRAG_MAX.min(g.tx.max_body() - 8);
+                let frag_max = FRAG_MAX.min(g.tx.max_body() - FRAG_HEAD);
                 if o.sent.is_none() {
                     match g.tx.push(START, &[&hdr]) {
                         Pushed::Full => return Ok(()),
@@ -396,7 +360,8 @@ impl ShmPair {
                 }
                 while let Some(sent) = o.sent.filter(|&s| s < len) {
                     let n = frag_max.min(len - sent);
-                    match g.tx.push(FRAG, &[&(n as u32).to_le_bytes(), &[0u8; 4], &payload[sent..sent + n]]) {
+                    let head = FragHead { len: n as u32 }.to_bytes();
+                    match g.tx.push(FRAG, &[&head, &payload[sent..sent + n]]) {
                         Pushed::Full => return Ok(()),
                         pushed => g.wake_peer |= pushed == Pushed::Wake,
                     }
@@ -416,7 +381,7 @@ impl ShmPair {
         while let Some(r) = g.rx.peek() {
             match r.kind {
                 ACK => {
-                    let seq = Self::word(&g.rx, r, 0);
+                    let Ack { seq } = self.decode::<ACK_LEN, Ack>(&g.rx, r, 0)?;
                     g.rx.consume(r);
                     match g.unacked.iter().position(|(s, _, _)| *s == seq) {
                         Some(i) => {
@@ -428,11 +393,11 @@ impl ShmPair {
                     }
                 }
                 FRAG => {
-                    let n = Self::word(&g.rx, r, 0) as u32 as usize;
-                    if n + 8 > r.room {
+                    let n = self.decode::<FRAG_HEAD, FragHead>(&g.rx, r, 0)?.len as usize;
+                    if n + FRAG_HEAD > r.room {
                         return Err(self.protocol(format!("a fragment of {n} bytes in a record of {}", r.room)));
                     }
-                    let src = g.inbound.data_at(r.off + 8, n);
+                    let src = g.inbound.data_at(r.off + FRAG_HEAD, n);
                     // SAFETY: a published record of the ring, ours until consumed.
                     let bytes = unsafe { std::slice::from_raw_parts(src, n) };
                     let done = match &mut g.rx_state {
@@ -461,12 +426,7 @@ impl ShmPair {
                     if !matches!(g.rx_state, Rx::Idle) {
                         return Err(self.protocol("a new message inside a fragmented one".into()));
                     }
-                    if r.room < HDR {
-                        return Err(self.protocol(format!("a message record of {} bytes", r.room)));
-                    }
-                    let mut raw = [0u8; HDR];
-                    g.rx.mem().read(r.off, &mut raw);
-                    let h = decode_header(&raw);
+                    let MsgHeader(h) = self.decode::<HDR, MsgHeader>(&g.rx, r, 0)?;
                     let len = usize::try_from(h.len).unwrap_or(usize::MAX);
                     if r.kind == MSG && len > r.room - HDR {
                         return Err(self.protocol(format!("a message of {len} bytes in a record of {}", r.room)));
@@ -492,7 +452,7 @@ impl ShmPair {
                                 d.finish(self.peer);
                             }
                             CMA => {
-                                let (addr, seq) = (Self::word(&g.rx, r, HDR), Self::word(&g.rx, r, HDR + 8));
+                                let CmaRef { addr, seq } = self.decode::<CMA_REF, CmaRef>(&g.rx, r, HDR)?;
                                 g.rx.consume(r);
                                 if let Err(e) = self.cma_read(g, d.dst(), addr) {
                                     // The receive has left the matching: fail it here.
@@ -522,7 +482,7 @@ impl ShmPair {
                                 g.matcher.early_arrived(e);
                             }
                             CMA => {
-                                let (addr, seq) = (Self::word(&g.rx, r, HDR), Self::word(&g.rx, r, HDR + 8));
+                                let CmaRef { addr, seq } = self.decode::<CMA_REF, CmaRef>(&g.rx, r, HDR)?;
                                 g.rx.consume(r);
                                 let mut res = Ok(());
                                 e.fill(len, |dst| {
@@ -549,7 +509,7 @@ impl ShmPair {
                         },
                         Dispatch::Discard => {
                             if r.kind == CMA {
-                                g.acks.push_back(Self::word(&g.rx, r, HDR + 8));
+                                g.acks.push_back(self.decode::<CMA_REF, CmaRef>(&g.rx, r, HDR)?.seq);
                             } else if r.kind == START && len > 0 {
                                 g.rx_state = Rx::Discard { remaining: len };
                             }
@@ -589,13 +549,15 @@ impl ShmPair {
         self.lock().held_since.map(|t| t + HOLD)
     }
 
-    /// The little-endian word at `at` of record `r`'s body.
-    fn word(rx: &Consumer<ShmRing>, r: Record, at: usize) -> u64 {
-        let mut b = [0u8; 8];
-        if at + 8 <= r.room {
-            rx.mem().read(r.off + at, &mut b);
+    /// The value of `N` bytes at `at` of record `r`'s body; a protocol error where the record
+    /// has no room for it or it does not decode.
+    fn decode<const N: usize, T: Fixed<N>>(&self, rx: &Consumer<ShmRing>, r: Record, at: usize) -> Result<T> {
+        if at + N > r.room {
+            return Err(self.protocol(format!("a record of kind {} with {} bytes of room", r.kind, r.room)));
         }
-        u64::from_le_bytes(b)
+        let mut b = [0u8; N];
+        rx.mem().read(r.off + at, &mut b);
+        T::from_bytes(&b).map_err(|why| self.protocol(format!("a record of kind {}: {why}", r.kind)))
     }
 
     /// Copies `dst.len()` bytes from the peer's memory at `addr`, then makes sure the peer had
@@ -640,11 +602,7 @@ impl ShmPair {
 
     /// Sends an abort message for `group` over the lifeline (best effort).
     fn send_abort(&self, group: u64, cause: &AbortCause) {
-        let c = cause.encode();
-        let mut m = Vec::with_capacity(12 + c.len());
-        m.extend_from_slice(&group.to_le_bytes());
-        m.extend_from_slice(&(c.len() as u32).to_le_bytes());
-        m.extend_from_slice(&c);
+        let m = to_vec(&AbortMsg { group, cause: cause.encode() });
         // Small and rare: the socket buffer takes it, or the peer is gone. A lifeline that
         // cannot take a whole message within a moment is shut: a truncated message would
         // garble every later one, an ended lifeline only tells the peer this rank is gone.
