@@ -7,6 +7,8 @@
 //!   `rdma-sys` (libibverbs) and [`sim`], a simulated fabric in this process that the tests run
 //!   on (no machine here has an RDMA device).
 //! - [`reg`]: registration of user buffers, cached where that is sound.
+//! - [`wire`]: what the two sides of a pair send each other besides payloads (slot headers,
+//!   immediates, lifeline frames), through the one codec.
 //! - [`pair`]: the protocol of one pair over a reliable-connected queue pair (eager messages
 //!   through registered rings, large ones read by the receiver straight from the sender's
 //!   buffer, credits, aborts on a TCP lifeline).
@@ -35,6 +37,8 @@ pub(crate) mod reg;
 pub(crate) mod sim;
 #[cfg(all(test, feature = "ibverbs"))]
 mod tests;
+#[cfg(any(feature = "ibverbs", feature = "fuzzing", test))]
+pub(crate) mod wire;
 
 /// What an ibverbs device is opened with (what `IbAttr` says, with
 /// the handshake address resolved).
