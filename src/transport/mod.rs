@@ -71,6 +71,7 @@
 //! backend, under the same rules.
 
 mod abort;
+pub(crate) mod accepting;
 pub(crate) mod auth;
 pub(crate) mod auto;
 mod completion;

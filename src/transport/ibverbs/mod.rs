@@ -17,7 +17,8 @@
 //!   ([`crate::transport::handshake`]) over a TCP connection that stays as the pair's
 //!   lifeline: each side's queue pair address and ring (address and key) are its payload, handed
 //!   only to a peer that proved the job's secret, and each side brings its queue pair up only
-//!   then; and the progress thread that polls the completion queue (busy for a moment, then
+//!   then (the listening side handshakes with each connection on its own, several at once:
+//!   [`crate::transport::accepting`]); and the progress thread that polls the completion queue (busy for a moment, then
 //!   asleep on the completion channel and the lifelines).
 //!
 //! What is verified where: the whole backend runs the transport contract suite and the
@@ -75,15 +76,16 @@ mod backend {
     use super::verbs::{Access, CompletionQueue, QpAddr, QueuePair, VerbsDevice, Wc};
     use super::{rdma, sim};
     use crate::error::{Error, Result};
+    use crate::transport::accepting::{Accepting, Acceptor};
     use crate::transport::handshake::codec::{BufMutExt, Codec, DecodeError, Decoded, Reader, decode_all, to_vec};
     use crate::transport::handshake::messages::MAX_MESSAGE;
-    use crate::transport::handshake::{BackendKind, Dial, Event, Handshake, Local, Status};
+    use crate::transport::handshake::{BackendKind, Dial, Done, Event, Handshake, Local, Status};
     use crate::transport::wake::{EventFd, poll_fds};
     use crate::transport::{Backend, ConnectError, ContextId, Endpoint, EndpointSpec, Mesh, Pair, Passive, random16};
     use bytes::BufMut;
     use std::io::{Read, Write};
     use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
-    use std::os::fd::AsRawFd;
+    use std::os::fd::{AsRawFd, RawFd};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::thread::JoinHandle;
@@ -93,8 +95,10 @@ mod backend {
     /// The address blob's version (2: the lifeline's address only; the queue pairs and rings
     /// travel in the handshake).
     const BLOB_VERSION: u16 = 2;
-    /// How long a handshake's reads may take.
+    /// How long a handshake may take.
     const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Handshakes an endpoint runs at once; a new connection evicts the oldest.
+    const MAX_PENDING: usize = 64;
 
     /// Opens the backend `attr` describes.
     pub(crate) fn open(attr: &IbOptions) -> Result<Arc<dyn Backend>> {
@@ -157,6 +161,8 @@ mod backend {
         listener: TcpListener,
         preps: Vec<Option<Prep>>,
         links: Vec<Option<Arc<Link>>>,
+        /// Connections in their handshake.
+        accepting: Accepting<IbConn>,
     }
 
     fn psn() -> u32 {
@@ -262,6 +268,7 @@ mod backend {
                 cq,
                 listener,
                 preps,
+                accepting: Accepting::new(BackendKind::Ibverbs, HANDSHAKE_TIMEOUT, MAX_PENDING),
             })
         }
 
@@ -334,35 +341,82 @@ mod backend {
             })?;
             Ok((theirs.ring, theirs.rkey))
         }
+    }
 
-        /// Answers one handshake on the listener (the lower rank's side).
-        fn accept(&mut self, mut s: TcpStream) -> std::result::Result<(), String> {
-            s.set_nonblocking(false).map_err(|e| e.to_string())?;
-            s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
-            s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| e.to_string())?;
-            let mut hs = Handshake::accept(BackendKind::Ibverbs, random16());
-            let (local, address) = (self.local(), self.address());
-            let mut ring = None;
-            let done = run(&mut s, &mut hs, |hs, ev| match ev {
+    /// A connection the acceptor handshakes on, and the peer's ring once it proved the secret
+    /// and this side's queue pair is up towards its own.
+    pub(super) struct IbConn {
+        stream: TcpStream,
+        ring: Option<(u64, u32)>,
+    }
+
+    impl Acceptor for IbEndpoint {
+        type Conn = IbConn;
+        const NAME: &'static str = "ibverbs";
+
+        fn accept(&mut self) -> std::io::Result<Option<IbConn>> {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    stream.set_nonblocking(true)?;
+                    Ok(Some(IbConn { stream, ring: None }))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+                Err(e) => Err(e),
+            }
+        }
+
+        fn listener_fd(&self) -> RawFd {
+            self.listener.as_raw_fd()
+        }
+
+        fn fd(conn: &IbConn) -> RawFd {
+            conn.stream.as_raw_fd()
+        }
+
+        fn send(&self, conn: &mut IbConn, bytes: &[u8], _: bool) -> std::io::Result<()> {
+            match conn.stream.write(bytes)? {
+                n if n == bytes.len() => Ok(()),
+                _ => Err(std::io::ErrorKind::WriteZero.into()),
+            }
+        }
+
+        fn recv(&self, conn: &mut IbConn, buf: &mut [u8]) -> std::io::Result<usize> {
+            conn.stream.read(buf)
+        }
+
+        fn decide(&mut self, hs: &mut Handshake, ev: &Event, conn: &mut IbConn) {
+            match ev {
                 Event::Hello(h) => {
                     let taken = self.links.get(h.from as usize).is_some_and(Option::is_some);
-                    hs.admit(Some(&local), &address, taken);
+                    hs.admit(Some(&self.local()), &self.address(), taken);
                 }
+                Event::Proved(p) if self.links.get(p.rank).is_some_and(Option::is_some) => hs.refuse(Status::Duplicate),
                 Event::Proved(p) => match self.take_offer(p.rank, hs.payload()) {
                     Ok(r) => match self.offer(p.rank) {
                         Some(mine) => {
                             hs.respond(&to_vec(&mine));
-                            ring = Some(r);
+                            conn.ring = Some(r);
                         }
                         None => hs.refuse(Status::BadRank),
                     },
                     Err(status) => hs.refuse(status),
                 },
                 _ => {}
-            })
-            .map_err(|(e, _)| e)?;
-            let ring = ring.ok_or("no ring")?;
-            self.make_link(done.peer.rank, ring, s).map_err(|e| e.to_string())
+            }
+        }
+
+        fn finished(&mut self, conn: IbConn, done: Done) {
+            let peer = done.peer.rank;
+            let Some(ring) = conn.ring else {
+                return tracing::warn!(
+                    rank = self.spec.rank,
+                    peer,
+                    "an ibverbs handshake ended without the peer's ring"
+                );
+            };
+            if let Err(e) = self.make_link(peer, ring, conn.stream) {
+                tracing::warn!(rank = self.spec.rank, peer, error = %e, "refused an ibverbs connection");
+            }
         }
     }
 
@@ -372,7 +426,7 @@ mod backend {
         s: &mut TcpStream,
         hs: &mut Handshake,
         mut decide: impl FnMut(&mut Handshake, &Event),
-    ) -> std::result::Result<crate::transport::handshake::Done, (String, bool)> {
+    ) -> std::result::Result<Done, (String, bool)> {
         let mut buf = [0u8; MAX_MESSAGE];
         loop {
             match hs.poll() {
@@ -455,29 +509,12 @@ mod backend {
         }
 
         fn wait_connected(&mut self, peers: &[usize], until: Instant) -> Vec<usize> {
-            loop {
-                let missing: Vec<usize> = peers.iter().copied().filter(|&p| self.links[p].is_none()).collect();
-                let now = Instant::now();
-                if missing.is_empty() || now >= until {
-                    return missing;
-                }
-                match self.listener.accept() {
-                    Ok((s, from)) => {
-                        if let Err(why) = self.accept(s) {
-                            tracing::debug!(rank = self.spec.rank, %from, "ibverbs handshake refused: {why}");
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        let mut fds =
-                            [libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
-                        let _ = poll_fds(&mut fds, (until - now).min(Duration::from_millis(100)));
-                    }
-                    Err(e) => {
-                        tracing::debug!(rank = self.spec.rank, "accepting an ibverbs handshake: {e}");
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                }
-            }
+            // Each connection handshakes on its own, with its own time, several at once.
+            let mut accepting = self.accepting.take();
+            let missing =
+                accepting.wait(self, until, |ep| peers.iter().copied().filter(|&p| ep.links[p].is_none()).collect());
+            self.accepting = accepting;
+            missing
         }
 
         fn finish(self: Box<Self>) -> Mesh {
