@@ -105,17 +105,18 @@ impl<C> Accepting<C> {
         self.pending.push(Pending { conn, hs: Handshake::accept(self.kind, random16()), deadline });
     }
 
-    /// Takes every connection waiting on the listener.
-    fn accept_all<A: Acceptor<Conn = C>>(&mut self, a: &mut A) {
+    /// Takes every connection waiting on the listener; false when taking one failed (it stays
+    /// in the listener's backlog, which then stays readable).
+    fn accept_all<A: Acceptor<Conn = C>>(&mut self, a: &mut A) -> bool {
         loop {
             match a.accept() {
                 Ok(Some(conn)) => self.add::<A>(conn),
-                Ok(None) => return,
+                Ok(None) => return true,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    // Out of descriptors and the like: the connection stays in the backlog.
+                    // Out of descriptors and the like.
                     tracing::warn!(backend = A::NAME, error = %e, "accepting a connection failed");
-                    return;
+                    return false;
                 }
             }
         }
@@ -155,7 +156,7 @@ impl<C> Accepting<C> {
     ) -> Vec<usize> {
         let mut fds = Vec::new();
         loop {
-            self.accept_all(a);
+            let accepted = self.accept_all(a);
             self.step(a);
             let left = missing(a);
             let now = Instant::now();
@@ -163,6 +164,11 @@ impl<C> Accepting<C> {
                 return left;
             }
             let wake = self.pending.iter().map(|p| p.deadline).fold(until, Instant::min);
+            if !accepted {
+                // The listener stays readable: look at it again in a moment, not at once.
+                std::thread::sleep(Duration::from_millis(10).min(wake.saturating_duration_since(now)));
+                continue;
+            }
             fds.clear();
             fds.extend(
                 std::iter::once(a.listener_fd())
