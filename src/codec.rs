@@ -140,6 +140,11 @@ impl<'a> Reader<'a> {
         Ok(*head)
     }
 
+    /// How many bytes are left.
+    pub(crate) fn remaining(&self) -> usize {
+        self.rest.len()
+    }
+
     /// Reads everything that is left.
     pub(crate) fn rest(&mut self) -> &'a [u8] {
         std::mem::take(&mut self.rest)
@@ -213,6 +218,17 @@ pub(crate) fn decode_all<T: Codec>(bytes: &[u8], what: &str) -> Decoded<T> {
     let v = r.get()?;
     r.end(what)?;
     Ok(v)
+}
+
+/// A value's encoding in a fixed array of exactly its length: what the per-message headers
+/// use, so that encoding them allocates nothing. (`N` is the type's encoded length, which its
+/// round-trip tests check: a shorter encoding leaves zeros, a longer one is a bug that panics.)
+pub(crate) fn to_array<const N: usize, T: Codec>(v: &T) -> [u8; N] {
+    let mut b = [0u8; N];
+    let mut out: &mut [u8] = &mut b;
+    v.encode(&mut out);
+    debug_assert!(out.is_empty(), "an encoding {} bytes short of its fixed length {N}", out.len());
+    b
 }
 
 /// A value's encoding.

@@ -59,13 +59,14 @@ pub mod types;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    use crate::transport::handshake::codec::{Reader, to_vec};
+    use crate::transport::handshake::codec::{Codec, Reader, decode_all, to_vec};
     use crate::transport::handshake::messages::{Message, Status};
     use crate::transport::handshake::{BackendKind, Dial, Event, Handshake, Local};
     use crate::transport::tcp::frame::{FrameHeader, HEADER_LEN};
 
-    /// Decodes `data` as a frame header and as a handshake message (whatever prefix fits);
-    /// whatever decodes must encode back to the same bytes. Then feeds `data` to both sides of
+    /// Decodes `data` as a frame header, as a handshake message, as the shared-memory and
+    /// ibverbs pairs' per-message headers and as their lifelines' abort messages (whatever
+    /// prefix fits); whatever decodes must encode back to the same bytes. Then feeds `data` to both sides of
     /// a handshake, with and without a secret: they may refuse, never panic, never ask for more
     /// than a message holds, and never finish on bytes that did not prove the secret. Panics
     /// only on a bug.
@@ -79,6 +80,7 @@ pub mod fuzzing {
             let bytes = to_vec(&m);
             assert_eq!(&data[..bytes.len().min(data.len())], &bytes[..], "handshake message does not round-trip");
         }
+        per_message(data);
         for (secret, kind) in [None, Some(b"k".to_vec())]
             .into_iter()
             .flat_map(|s| [BackendKind::Tcp, BackendKind::Shm].map(|k| (s.clone(), k)))
@@ -128,6 +130,53 @@ pub mod fuzzing {
         }
     }
 
+    /// The pairs' per-message wire types: a fixed-length value decodes from the first bytes
+    /// that fit it, a length-prefixed one from the front; each encodes back to its bytes.
+    fn per_message(data: &[u8]) {
+        use crate::transport::ibverbs::wire::{HDR, Imm, LifelineFrame, SlotHeader, next_frame};
+        use crate::transport::shm::wire::{
+            ACK_LEN, AbortMsg, Ack, CMA_REF, CmaRef, FRAG_HEAD, Fixed, FragHead, HDR as MSG_HDR, MsgHeader, next_abort,
+        };
+        fn fixed<const N: usize, T: Fixed<N> + std::fmt::Debug>(data: &[u8]) {
+            if let Some(b) = data.first_chunk::<N>()
+                && let Ok(v) = T::from_bytes(b)
+            {
+                assert_eq!(&v.to_bytes(), b, "{v:?} does not round-trip");
+            }
+        }
+        fixed::<MSG_HDR, MsgHeader>(data);
+        fixed::<FRAG_HEAD, FragHead>(data);
+        fixed::<CMA_REF, CmaRef>(data);
+        fixed::<ACK_LEN, Ack>(data);
+        if let Some(b) = data.first_chunk::<HDR>()
+            && let Ok(h) = SlotHeader::from_bytes(b)
+        {
+            assert_eq!(&h.to_bytes(), b, "slot header does not round-trip");
+        }
+        if let Some(b) = data.first_chunk::<4>()
+            && let Some(imm) = Imm::decode(u32::from_le_bytes(*b))
+        {
+            assert_eq!(imm.encode(), u32::from_le_bytes(*b), "immediate does not round-trip");
+        }
+        fn prefixed<T: Codec>(data: &[u8], next: Result<Option<(T, usize)>, String>) {
+            if let Ok(Some((v, used))) = next {
+                assert_eq!(to_vec(&v), data[..used], "a lifeline message does not round-trip");
+                assert!(decode_all::<T>(&data[..used], "a lifeline message").is_ok());
+            }
+        }
+        prefixed::<AbortMsg>(data, next_abort(data));
+        prefixed::<LifelineFrame>(data, next_frame(data));
+        for cause in [
+            next_abort(data).ok().flatten().map(|(m, _)| m.cause),
+            next_frame(data).ok().flatten().map(|(f, _)| f.cause),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let _ = crate::transport::AbortCause::decode(&cause).map(|c| c.into_error());
+        }
+    }
+
     #[cfg(test)]
     mod tests {
         use proptest::prelude::*;
@@ -161,6 +210,32 @@ pub mod fuzzing {
                 }
                 super::wire(&frame);
                 super::wire(&msg);
+            }
+
+            #[test]
+            fn the_fuzz_target_holds_on_mutated_per_message_headers(
+                flips in proptest::collection::vec((0usize..96, any::<u8>()), 0..4),
+                kind in 1u8..=2,
+                len in any::<u16>(),
+            ) {
+                // An ibverbs slot header (kind, a length, zero elsewhere), then the start of
+                // a lifeline message of `len` bytes (both lifelines' layouts).
+                let mut slot = vec![kind, 0, 0, 0, 0, 0, 0, 0];
+                slot.resize(96, 0);
+                slot[48..50].copy_from_slice(&len.to_le_bytes());
+                let mut ib_frame = (u32::from(len % 64) + 8).to_le_bytes().to_vec();
+                ib_frame.resize(96, 7);
+                let mut shm_abort = vec![0u8; 8];
+                shm_abort.extend_from_slice(&u32::from(len % 64).to_le_bytes());
+                shm_abort.resize(96, 7);
+                for (i, x) in &flips {
+                    slot[*i] ^= x;
+                    ib_frame[*i] ^= x;
+                    shm_abort[*i] ^= x;
+                }
+                super::wire(&slot);
+                super::wire(&ib_frame);
+                super::wire(&shm_abort);
             }
         }
     }

@@ -132,3 +132,92 @@ fn many_silent_connections_do_not_block_the_listener() {
     all_ok(results);
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
 }
+
+/// What rank `rank` published as its endpoint's address: the last field of its store entry
+/// (`ferrogloo-v2 <context> <size> <backend> <host> <address>`, percent-encoded).
+fn published_address(store: &HashStore, rank: usize) -> Vec<u8> {
+    use ferrogloo::rendezvous::Store;
+    let entry = store.get(&format!("ferrogloo.rank.{rank}"), TIMEOUT).expect("rank 0 publishes its entry");
+    let entry = String::from_utf8(entry).expect("an entry is text");
+    let field = entry.rsplit(' ').next().expect("an address field");
+    percent_encoding::percent_decode(field.as_bytes()).collect()
+}
+
+/// How long the real ranks of [`a_silent_stranger_does_not_hold_up_the_mesh`] may take to
+/// form their mesh once the strangers are in the listener's queue.
+const FORMS_WITHIN: Duration = Duration::from_secs(1);
+
+/// Rank 0 of 3 publishes its entry; strangers connect to its address (`knock` opens them:
+/// one that says nothing, one that stops halfway through a hello) before any real rank does;
+/// then ranks 1 and 2 start. The mesh must form within [`FORMS_WITHIN`] of their start (the
+/// acceptor handshakes each connection on its own, so the strangers wait for their deadline
+/// alone), and an allreduce over it must be right.
+fn a_silent_stranger_does_not_hold_up_the_mesh<C: Send>(devs: Vec<Device>, knock: impl Fn(&[u8]) -> Vec<C>) {
+    let n = devs.len();
+    let store = HashStore::new();
+    // Short enough that an acceptor held up by the strangers fails the test quickly.
+    let timeout = Duration::from_secs(5);
+    let connect = |rank: usize| -> ferrogloo::Result<(Instant, Vec<u64>)> {
+        let ctx = Context::builder(rank, n).timeout(timeout).connect(&store, &devs[rank])?;
+        let formed = Instant::now();
+        let mut v = vec![rank as u64 + 1; 1000];
+        ctx.allreduce(&mut v, ReduceOp::Sum)?;
+        Ok((formed, v))
+    };
+    let (start, results) = std::thread::scope(|s| {
+        let rank0 = s.spawn(|| connect(0));
+        let held = knock(&published_address(&store, 0));
+        assert!(!held.is_empty());
+        let start = Instant::now();
+        let others: Vec<_> = (1..n).map(|rank| s.spawn(move || connect(rank))).collect();
+        let results: Vec<_> = std::iter::once(rank0).chain(others).map(|h| h.join().unwrap()).collect();
+        drop(held);
+        (start, results)
+    });
+    let want = (n * (n + 1) / 2) as u64;
+    for (rank, (formed, v)) in all_ok(results).into_iter().enumerate() {
+        let took = formed.saturating_duration_since(start);
+        assert!(took < FORMS_WITHIN, "rank {rank} formed its mesh {took:?} after the real peers started");
+        assert!(v.iter().all(|&x| x == want), "rank {rank}: allreduce wrong");
+    }
+}
+
+/// A hello of backend `kind` (2 shared memory, 3 ibverbs), cut in half.
+fn half_hello(kind: u8) -> Vec<u8> {
+    let mut h = hello(b"FGLO", 4, [1; 16], 1, 0, 3);
+    h[8] = kind;
+    h.truncate(h.len() / 2);
+    h
+}
+
+#[test]
+fn a_silent_stranger_does_not_hold_up_a_shared_memory_mesh() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+    let devs = (0..3).map(|_| Device::shared_memory(&ferrogloo::device::ShmAttr::default())).collect();
+    a_silent_stranger_does_not_hold_up_the_mesh(devs, |name| {
+        let at = UnixAddr::from_abstract_name(name).expect("an abstract socket name");
+        let silent = UnixStream::connect_addr(&at).expect("the stranger connects");
+        let mut half = UnixStream::connect_addr(&at).expect("the stranger connects");
+        half.write_all(&half_hello(2)).expect("half a hello");
+        vec![silent, half]
+    });
+}
+
+#[cfg(feature = "ibverbs")]
+#[test]
+fn a_silent_stranger_does_not_hold_up_an_ibverbs_mesh() {
+    use ferrogloo::device::IbAttr;
+    let devs = (0..3).map(|_| Device::ibverbs(&IbAttr::simulated()).expect("the simulated provider")).collect();
+    a_silent_stranger_does_not_hold_up_the_mesh(devs, |blob| {
+        // The address blob: magic, version, context id, rank, size (30 bytes), then the
+        // lifeline listener's IPv6 (or mapped IPv4) address and port.
+        let ip = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&blob[30..46]).expect("an address"));
+        let port = u16::from_le_bytes([blob[46], blob[47]]);
+        let at = SocketAddr::new(ip.to_ipv4_mapped().map_or(ip.into(), Into::into), port);
+        let silent = TcpStream::connect(at).expect("the stranger connects");
+        let mut half = TcpStream::connect(at).expect("the stranger connects");
+        half.write_all(&half_hello(3)).expect("half a hello");
+        vec![silent, half]
+    });
+}

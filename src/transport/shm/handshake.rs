@@ -4,11 +4,15 @@
 //! `SCM_RIGHTS`, on the same message and on no other: the connector's on its proof (after the
 //! acceptor proved the secret), the acceptor's on its welcome (after the connector proved it).
 //! The connector's ready message says whether it can read the acceptor's memory.
+//!
+//! The connector runs its side blocking, with the socket's timeouts; the acceptor runs each
+//! connection's without blocking, through [`crate::transport::accepting`] ([`ShmConn`]).
 
 use super::pair::{PairParts, ShmPair};
 use super::segment::Segment;
 use super::{PROBE, ShmEndpoint};
-use crate::error::{Error, Result};
+use crate::error::Error;
+use crate::transport::accepting::Acceptor;
 use crate::transport::handshake::codec::{BufMutExt, Codec, Decoded, Reader, decode_all, to_vec};
 use crate::transport::handshake::messages::MAX_MESSAGE;
 use crate::transport::handshake::{BackendKind, Dial, Done, Event, Handshake, Local, Status};
@@ -17,10 +21,9 @@ use crate::transport::{ConnectError, random16};
 use bytes::BufMut;
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// What a side tells a proven peer about itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,55 +122,6 @@ impl ShmEndpoint {
                 .is_ok_and(|o| super::cma_works(o.pid as i32, o.probe))
     }
 
-    /// Accepts one connection and runs the acceptor's side of the handshake.
-    pub(super) fn accept_one(&mut self, stream: UnixStream, deadline: Instant) -> Result<usize> {
-        let t = self.deadline_from(deadline);
-        stream
-            .set_nonblocking(false)
-            .and_then(|()| stream.set_read_timeout(Some(t)))
-            .and_then(|()| stream.set_write_timeout(Some(t)))
-            .map_err(|e| Error::io("configuring a Unix socket", e))?;
-        let mut hs = Handshake::accept(BackendKind::Shm, random16());
-        let mut theirs = None;
-        let local = self.local();
-        let done = run(&stream, &mut hs, [self.segment_fd.as_fd(), self.bell.fd()], |hs, ev, fds| match ev {
-            Event::Hello(h) => {
-                let taken = self.pairs.get(h.from as usize).is_some_and(Option::is_some);
-                hs.admit(Some(&local), &self.name, taken);
-            }
-            Event::Proved(p) => match self.take_offer(p.rank, hs.payload(), fds) {
-                Ok(t) => {
-                    let reads_yours = self.can_read(hs.payload());
-                    hs.respond(&to_vec(&self.offer(reads_yours)));
-                    theirs = Some(t);
-                }
-                Err(status) => hs.refuse(status),
-            },
-            _ => {}
-        });
-        let done = done.map_err(|f| match f {
-            Failed::Io(e) => e,
-            Failed::Refused(detail) => Error::Protocol { peer: None, detail },
-        })?;
-        let peer = done.peer.rank;
-        let theirs = theirs.ok_or_else(|| Error::Protocol { peer: Some(peer), detail: "no segment".into() })?;
-        let pair = ShmPair::new(PairParts {
-            me: self.spec.rank,
-            peer,
-            early_budget: self.opts.early_budget,
-            mine: self.segment.clone(),
-            theirs: theirs.segment,
-            peer_bell: EventFd::from_fd(theirs.bell),
-            lifeline: stream,
-            peer_pid: theirs.pid,
-            // The connector's ready message: whether it reads this side's memory.
-            peer_reads_mine: done.ready.first().is_some_and(|&b| b != 0),
-        })
-        .map_err(|e| Error::io("setting up a shared-memory pair", e))?;
-        self.pairs[peer] = Some(pair);
-        Ok(peer)
-    }
-
     /// Connects to `peer`, whose endpoint listens at the abstract name `addr`, and runs the
     /// connector's side of the handshake on `stream`.
     pub(super) fn connect_on(
@@ -220,10 +174,10 @@ impl ShmEndpoint {
     }
 }
 
-/// Runs `hs` over `stream` until it ends: sends what it says (with `mine`, this side's
-/// descriptors, on the message that carries this side's payload and on no other), reads what
-/// it needs (keeping the descriptors that come), and lets `decide` answer its questions with
-/// the descriptors received so far.
+/// Runs `hs` over `stream` (blocking, with the socket's timeouts) until it ends: sends what it
+/// says (with `mine`, this side's descriptors, on the message that carries this side's payload
+/// and on no other), reads what it needs (keeping the descriptors that come), and lets
+/// `decide` answer its questions with the descriptors received so far.
 fn run(
     stream: &UnixStream,
     hs: &mut Handshake,
@@ -231,16 +185,21 @@ fn run(
     mut decide: impl FnMut(&mut Handshake, &Event, &mut Vec<OwnedFd>),
 ) -> std::result::Result<Done, Failed> {
     let mut fds = Vec::new();
+    let mut buf = [0u8; MAX_MESSAGE];
+    let io = |what: &str, e: std::io::Error| Failed::Io(Error::io(format!("{what} a shared-memory handshake"), e));
     loop {
         match hs.poll() {
             Event::Send(o) => {
                 let with: &[BorrowedFd<'_>] = if o.payload { &mine } else { &[] };
-                send_with_fds(stream, &o.bytes, with).map_err(Failed::Io)?;
+                send_with_fds(stream, &o.bytes, with).map_err(|e| io("sending", e))?;
             }
             Event::Need(n) => {
-                let (bytes, got) = recv_with_fds(stream, n.min(MAX_MESSAGE)).map_err(Failed::Io)?;
-                fds.extend(got);
-                hs.feed(&bytes);
+                let k =
+                    recv_with_fds(stream, &mut buf[..n.min(MAX_MESSAGE)], &mut fds).map_err(|e| io("receiving", e))?;
+                if k == 0 {
+                    return Err(io("receiving", std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                hs.feed(&buf[..k]);
             }
             Event::Done(d) => return Ok(d),
             Event::Refused(why) => return Err(Failed::Refused(why.to_string())),
@@ -249,48 +208,118 @@ fn run(
     }
 }
 
-/// Sends `bytes` with descriptors `fds` attached.
-fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+/// Sends the whole of `bytes` with descriptors `fds` attached, in one message.
+fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
     let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
     let cmsg = [ControlMessage::ScmRights(&raw)];
     let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsg };
     let iov = [IoSlice::new(bytes)];
-    let n = sendmsg::<()>(s.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)
-        .map_err(|e| Error::io("sending a shared-memory handshake", e.into()))?;
+    let n = sendmsg::<()>(s.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
     if n != bytes.len() {
-        return Err(Error::io(
-            "sending a shared-memory handshake",
-            std::io::Error::from(std::io::ErrorKind::WriteZero),
-        ));
+        return Err(std::io::ErrorKind::WriteZero.into());
     }
     Ok(())
 }
 
-/// Receives exactly `n` bytes and the descriptors that came with them.
-fn recv_with_fds(s: &UnixStream, n: usize) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
-    let mut buf = vec![0u8; n];
-    let mut fds = Vec::new();
-    let mut got = 0;
-    while got < n {
-        let mut space = nix::cmsg_space!([i32; 4]);
-        let mut iov = [IoSliceMut::new(&mut buf[got..])];
-        let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
-            .map_err(|e| Error::io("receiving a shared-memory handshake", e.into()))?;
-        if msg.bytes == 0 {
-            return Err(Error::io(
-                "receiving a shared-memory handshake",
-                std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
-            ));
+/// Receives at most `buf.len()` bytes, keeping the descriptors that come with them in `fds`;
+/// `Ok(0)` at the end of the stream.
+fn recv_with_fds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
+    let mut space = nix::cmsg_space!([i32; 4]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(list) = c {
+            // SAFETY: the kernel installed these descriptors in this process for us alone.
+            fds.extend(list.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
         }
-        for c in msg.cmsgs().map_err(|e| Error::io("reading descriptors", e.into()))? {
-            if let ControlMessageOwned::ScmRights(list) = c {
-                // SAFETY: the kernel installed these descriptors in this process for us alone.
-                fds.extend(list.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
-            }
-        }
-        got += msg.bytes;
     }
-    Ok((buf, fds))
+    Ok(msg.bytes)
+}
+
+/// A connection the acceptor handshakes on: the descriptors that came on it, and the peer's
+/// side once it proved the secret and its segment is mapped.
+pub(crate) struct ShmConn {
+    stream: UnixStream,
+    fds: Vec<OwnedFd>,
+    theirs: Option<Theirs>,
+}
+
+impl Acceptor for ShmEndpoint {
+    type Conn = ShmConn;
+    const NAME: &'static str = "shm";
+
+    fn accept(&mut self) -> std::io::Result<Option<ShmConn>> {
+        match self.listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(true)?;
+                Ok(Some(ShmConn { stream, fds: Vec::new(), theirs: None }))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn listener_fd(&self) -> RawFd {
+        self.listener.as_raw_fd()
+    }
+
+    fn fd(conn: &ShmConn) -> RawFd {
+        conn.stream.as_raw_fd()
+    }
+
+    fn send(&self, conn: &mut ShmConn, bytes: &[u8], payload: bool) -> std::io::Result<()> {
+        let mine = [self.segment_fd.as_fd(), self.bell.fd()];
+        send_with_fds(&conn.stream, bytes, if payload { &mine } else { &[] })
+    }
+
+    fn recv(&self, conn: &mut ShmConn, buf: &mut [u8]) -> std::io::Result<usize> {
+        recv_with_fds(&conn.stream, buf, &mut conn.fds)
+    }
+
+    fn decide(&mut self, hs: &mut Handshake, ev: &Event, conn: &mut ShmConn) {
+        match ev {
+            Event::Hello(h) => {
+                let taken = self.pairs.get(h.from as usize).is_some_and(Option::is_some);
+                hs.admit(Some(&self.local()), &self.name, taken);
+            }
+            Event::Proved(p) if self.pairs.get(p.rank).is_some_and(Option::is_some) => hs.refuse(Status::Duplicate),
+            Event::Proved(p) => match self.take_offer(p.rank, hs.payload(), &mut conn.fds) {
+                Ok(t) => {
+                    let reads_yours = self.can_read(hs.payload());
+                    hs.respond(&to_vec(&self.offer(reads_yours)));
+                    conn.theirs = Some(t);
+                }
+                Err(status) => hs.refuse(status),
+            },
+            _ => {}
+        }
+    }
+
+    fn finished(&mut self, conn: ShmConn, done: Done) {
+        let peer = done.peer.rank;
+        let Some(theirs) = conn.theirs else {
+            return tracing::warn!(peer, "a shared-memory handshake ended without the peer's segment");
+        };
+        if self.pairs.get(peer).is_none_or(Option::is_some) {
+            return tracing::warn!(peer, "refused a second shared-memory connection for one pair");
+        }
+        let pair = ShmPair::new(PairParts {
+            me: self.spec.rank,
+            peer,
+            early_budget: self.opts.early_budget,
+            mine: self.segment.clone(),
+            theirs: theirs.segment,
+            peer_bell: EventFd::from_fd(theirs.bell),
+            lifeline: conn.stream,
+            peer_pid: theirs.pid,
+            // The connector's ready message: whether it reads this side's memory.
+            peer_reads_mine: done.ready.first().is_some_and(|&b| b != 0),
+        });
+        match pair {
+            Ok(pair) => self.pairs[peer] = Some(pair),
+            Err(e) => tracing::warn!(peer, error = %e, "setting up a shared-memory pair failed"),
+        }
+    }
 }
 
 #[cfg(test)]

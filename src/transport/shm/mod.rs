@@ -3,7 +3,9 @@
 //! Each rank's endpoint creates its segment ([`segment`]) and a doorbell (an eventfd), and
 //! listens on an abstract Unix socket (no file anywhere, so a crashed job leaves nothing behind)
 //! named after the context and the rank: the address it publishes. The higher rank of a pair
-//! connects, and the two run the one handshake over it ([`handshake`]): once each has proved
+//! connects, and the two run the one handshake over it ([`handshake`]; the listening side
+//! handshakes with each connection on its own, several at once, [`crate::transport::accepting`],
+//! so that a silent stranger holds up no peer): once each has proved
 //! the job's secret to the other, they exchange, with `SCM_RIGHTS`, their segments and
 //! doorbells, each checks whether it can read the other's memory with `process_vm_readv`
 //! (large messages then move with one copy, [`pair`]), and they keep the socket as the pair's
@@ -19,15 +21,19 @@ pub(crate) mod pair;
 pub(crate) mod progress;
 pub(crate) mod ring;
 pub(crate) mod segment;
+pub(crate) mod wire;
 
 use crate::error::{Error, Result};
-use crate::transport::wake::{EventFd, poll_fds};
+use crate::transport::accepting::Accepting;
+use crate::transport::handshake::BackendKind;
+use crate::transport::wake::EventFd;
 use crate::transport::{Backend, ConnectError, Endpoint, EndpointSpec, Mesh, Pair, random16};
+use handshake::ShmConn;
 use pair::ShmPair;
 use progress::ShmProgress;
 use segment::{Layout, Segment};
 use std::io::IoSliceMut;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::Arc;
@@ -44,6 +50,8 @@ pub(crate) struct ShmOptions {
     pub(crate) early_budget: usize,
     /// Time a connection has to complete its handshake.
     pub(crate) handshake_timeout: Duration,
+    /// Handshakes an endpoint runs at once; a new connection evicts the oldest.
+    pub(crate) max_pending: usize,
     /// Whether this rank reads its peers' large messages straight from their memory, where
     /// the kernel allows it.
     pub(crate) single_copy: bool,
@@ -56,6 +64,7 @@ impl Default for ShmOptions {
             coll_bytes: 4 << 20,
             early_budget: 8 << 20,
             handshake_timeout: Duration::from_secs(10),
+            max_pending: 64,
             single_copy: false,
         }
     }
@@ -105,6 +114,8 @@ pub(crate) struct ShmEndpoint {
     segment_fd: OwnedFd,
     bell: Arc<EventFd>,
     pairs: Vec<Option<Arc<ShmPair>>>,
+    /// Connections in their handshake.
+    accepting: Accepting<ShmConn>,
 }
 
 /// Keeps a finished mesh's memory and doorbell alive, and closes its pairs' lifelines.
@@ -135,7 +146,8 @@ impl ShmEndpoint {
             UnixListener::bind_addr(&addr).map_err(|e| Error::io("listening on an abstract Unix socket", e))?;
         listener.set_nonblocking(true).map_err(|e| Error::io("configuring a Unix socket", e))?;
         let pairs = vec![None; spec.size];
-        Ok(ShmEndpoint { spec, opts, layout, name, listener, segment, segment_fd, bell, pairs })
+        let accepting = Accepting::new(BackendKind::Shm, opts.handshake_timeout, opts.max_pending);
+        Ok(ShmEndpoint { spec, opts, layout, name, listener, segment, segment_fd, bell, pairs, accepting })
     }
 
     fn deadline_from(&self, deadline: Instant) -> Duration {
@@ -166,30 +178,13 @@ impl Endpoint for ShmEndpoint {
     }
 
     fn wait_connected(&mut self, peers: &[usize], until: Instant) -> Vec<usize> {
-        loop {
-            let missing: Vec<usize> = peers.iter().copied().filter(|&p| self.pairs[p].is_none()).collect();
-            let now = Instant::now();
-            if missing.is_empty() || now >= until {
-                return missing;
-            }
-            match self.listener.accept() {
-                Ok((stream, _)) => {
-                    // The handshake gets its own time, not what is left of this wait (the
-                    // auto backend waits in short slices).
-                    if let Err(e) = self.accept_one(stream, Instant::now() + self.opts.handshake_timeout) {
-                        tracing::warn!(error = %e, "refused a shared-memory connection");
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    let mut fds = [libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
-                    let _ = poll_fds(&mut fds, until.saturating_duration_since(now));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting a shared-memory connection failed");
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
-        }
+        // Each connection handshakes on its own, with its own time (not what is left of this
+        // wait: the auto backend waits in short slices), and several at once.
+        let mut accepting = self.accepting.take();
+        let missing =
+            accepting.wait(self, until, |ep| peers.iter().copied().filter(|&p| ep.pairs[p].is_none()).collect());
+        self.accepting = accepting;
+        missing
     }
 
     fn finish(self: Box<Self>) -> Mesh {
