@@ -140,11 +140,6 @@ impl<'a> Reader<'a> {
         Ok(*head)
     }
 
-    /// How many bytes are left.
-    pub(crate) fn remaining(&self) -> usize {
-        self.rest.len()
-    }
-
     /// Reads everything that is left.
     pub(crate) fn rest(&mut self) -> &'a [u8] {
         std::mem::take(&mut self.rest)

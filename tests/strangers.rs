@@ -161,7 +161,7 @@ fn a_silent_stranger_does_not_hold_up_the_mesh<C: Send>(devs: Vec<Device>, knock
         let ctx = Context::builder(rank, n).timeout(timeout).connect(&store, &devs[rank])?;
         let formed = Instant::now();
         let mut v = vec![rank as u64 + 1; 1000];
-        ctx.allreduce(&mut v, ReduceOp::Sum)?;
+        ctx.allreduce(&mut v, Reduction::Sum)?;
         Ok((formed, v))
     };
     let (start, results) = std::thread::scope(|s| {

@@ -14,7 +14,7 @@
 //!   buffer, credits, aborts on a TCP lifeline).
 //! - [`device`]: the device and the endpoint (a queue pair and rings made per peer, brought up
 //!   once the handshake is through; the mesh made of the links).
-//! - [`handshake`]: the one handshake ([`crate::transport::handshake`]) over a TCP connection
+//! - `device/handshake.rs`: the one handshake ([`crate::transport::handshake`]) over a TCP connection
 //!   that stays as the pair's lifeline; the address blob in the store says where it listens,
 //!   nothing else. Each side's queue pair address and ring (address and key) are its payload,
 //!   handed only to a peer that proved the job's secret, and each side brings its queue pair up
@@ -67,8 +67,6 @@ pub(crate) fn open(attr: &IbOptions) -> crate::error::Result<std::sync::Arc<dyn 
 
 #[cfg(feature = "ibverbs")]
 mod device;
-#[cfg(feature = "ibverbs")]
-mod handshake;
 #[cfg(feature = "ibverbs")]
 mod progress;
 

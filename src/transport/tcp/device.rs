@@ -120,7 +120,7 @@ impl Route {
 }
 
 /// State shared by the device handle, its event loop and its pairs.
-pub(crate) struct Shared {
+pub(crate) struct DeviceState {
     pub(crate) registry: Arc<Registry>,
     pub(crate) parking: Arc<Parking>,
     pub(crate) addr: SocketAddr,
@@ -135,7 +135,7 @@ pub(crate) struct Shared {
 /// The TCP backend of a [`Device`](crate::device::Device): owns the listener and the
 /// event-loop thread; dropping it stops and joins the thread.
 pub(crate) struct TcpDevice {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<DeviceState>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -167,7 +167,7 @@ impl TcpDevice {
         let waker = Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the event-loop waker", e))?;
         let registry = Arc::new(poll.registry().try_clone().map_err(|e| Error::io("cloning the poll registry", e))?);
         let parking = Arc::new(Parking::new(waker));
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(DeviceState {
             registry,
             parking,
             addr,
@@ -196,7 +196,7 @@ impl Drop for TcpDevice {
     }
 }
 
-impl Shared {
+impl DeviceState {
     fn token(&self) -> Token {
         Token(self.next_token.fetch_add(1, Ordering::Relaxed))
     }
@@ -287,7 +287,7 @@ enum HandshakeStep {
 struct EventLoop {
     poll: Poll,
     listener: TcpListener,
-    shared: Arc<Shared>,
+    shared: Arc<DeviceState>,
     incoming: HashMap<Token, Box<Incoming>>,
 }
 

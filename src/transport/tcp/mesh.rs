@@ -3,7 +3,7 @@
 //! lanes with the connector's side of the handshake; the finished mesh drives its pairs with
 //! [`TcpProgress`].
 
-use super::device::{Route, Shared, TcpDevice, configure};
+use super::device::{DeviceState, Route, TcpDevice, configure};
 use super::pair::{Lane, TcpPair};
 use super::progress::TcpProgress;
 use crate::error::{Error, Result};
@@ -50,7 +50,7 @@ impl Backend for TcpDevice {
 
 /// One context's route in the TCP device while its mesh forms.
 struct TcpEndpoint {
-    shared: Arc<Shared>,
+    shared: Arc<DeviceState>,
     ctx: ContextId,
     route: Arc<Route>,
     /// Withdraw the route on drop (until the mesh is finished and owns it).
@@ -67,7 +67,7 @@ impl Drop for TcpEndpoint {
 
 /// Closes a finished mesh's pairs and withdraws its route when the mesh is dropped.
 struct RouteGuard {
-    shared: Arc<Shared>,
+    shared: Arc<DeviceState>,
     ctx: ContextId,
     rank: usize,
 }

@@ -5,13 +5,13 @@
 //! (blocking, with the socket's timeouts) and the acceptor's (each connection on its own,
 //! without blocking: [`crate::transport::accepting`]).
 
-use super::device::IbEndpoint;
-use super::verbs::QpAddr;
+use super::IbEndpoint;
 use crate::error::Error;
 use crate::transport::accepting::Acceptor;
 use crate::transport::handshake::codec::{BufMutExt, Codec, DecodeError, Decoded, Reader, decode_all, to_vec};
 use crate::transport::handshake::messages::MAX_MESSAGE;
 use crate::transport::handshake::{BackendKind, Dial, Done, Event, Handshake, Local, Status};
+use crate::transport::ibverbs::verbs::QpAddr;
 use crate::transport::{ConnectError, ContextId, Endpoint, random16};
 use bytes::BufMut;
 use std::io::{Read, Write};
@@ -24,9 +24,9 @@ const BLOB_MAGIC: u32 = u32::from_le_bytes(*b"FGIB");
 /// travel in the handshake).
 const BLOB_VERSION: u16 = 2;
 /// How long a handshake may take.
-pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(in crate::transport::ibverbs) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Handshakes an endpoint runs at once; a new connection evicts the oldest.
-pub(super) const MAX_PENDING: usize = 64;
+pub(in crate::transport::ibverbs) const MAX_PENDING: usize = 64;
 
 fn ip16(ip: IpAddr) -> [u8; 16] {
     match ip {
@@ -44,11 +44,11 @@ fn from_ip16(b: [u8; 16]) -> IpAddr {
 /// `magic "FGIB" | version u16 | context id [16] | rank u32 | size u32 | IPv6 (or mapped
 /// IPv4) [16] | port u16`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Blob {
-    pub(super) ctx: ContextId,
-    pub(super) rank: u32,
-    pub(super) size: u32,
-    pub(super) sock: SocketAddr,
+pub(in crate::transport::ibverbs) struct Blob {
+    pub(in crate::transport::ibverbs) ctx: ContextId,
+    pub(in crate::transport::ibverbs) rank: u32,
+    pub(in crate::transport::ibverbs) size: u32,
+    pub(in crate::transport::ibverbs) sock: SocketAddr,
 }
 
 impl Codec for Blob {
@@ -127,7 +127,7 @@ impl IbEndpoint {
 
     /// Connects to `peer`, whose endpoint published `addr`, and runs the connector's side of
     /// the handshake over a TCP connection that stays as the pair's lifeline.
-    pub(super) fn connect_to(
+    pub(in crate::transport::ibverbs) fn connect_to(
         &mut self,
         peer: usize,
         addr: &[u8],
@@ -192,7 +192,7 @@ impl IbEndpoint {
 
 /// A connection the acceptor handshakes on, and the peer's ring once it proved the secret
 /// and this side's queue pair is up towards its own.
-pub(super) struct IbConn {
+pub(in crate::transport::ibverbs) struct IbConn {
     stream: TcpStream,
     ring: Option<(u64, u32)>,
 }
@@ -290,11 +290,11 @@ fn run(
 mod attack_tests {
     //! The attacks of [`crate::transport::handshake::attacks`] on ibverbs endpoints
     //! (simulated provider), with the rings' addresses as what must not reach a stranger.
-    use super::super::device::IbDevice;
-    use super::super::reg::RegCache;
-    use super::super::sim;
+    use super::super::IbDevice;
     use super::*;
     use crate::transport::handshake::attacks::{Attack, Listener, attack, dial_tcp, spec};
+    use crate::transport::ibverbs::reg::RegCache;
+    use crate::transport::ibverbs::sim;
     use std::sync::Arc;
 
     fn device() -> IbDevice {

@@ -1,9 +1,10 @@
 //! The ibverbs backend's device (a verbs device, its registration cache, where handshakes
 //! listen) and its endpoint: a queue pair and rings made per peer before it connects, brought
-//! up once the handshake ([`super::handshake`]) is through, and the mesh made of the links.
+//! up once the handshake ([`handshake`]) is through, and the mesh made of the links.
+
+mod handshake;
 
 use super::IbOptions;
-use super::handshake::{Blob, HANDSHAKE_TIMEOUT, IbConn, MAX_PENDING};
 use super::pair::{self, IbPair, Link, LinkParts, RQ_DEPTH, Region, SLOT_BYTES, SLOTS, SQ_DEPTH, WrKind};
 use super::progress::{Guard, progress};
 use super::reg::RegCache;
@@ -15,6 +16,7 @@ use crate::transport::handshake::BackendKind;
 use crate::transport::handshake::codec::to_vec;
 use crate::transport::wake::EventFd;
 use crate::transport::{Backend, ConnectError, Endpoint, EndpointSpec, Mesh, Pair, Passive, random16};
+use handshake::{Blob, HANDSHAKE_TIMEOUT, IbConn, MAX_PENDING};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
