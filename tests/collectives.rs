@@ -979,3 +979,61 @@ fn two_threads_of_one_rank_in_the_shared_memory_area_at_once_are_refused_not_rac
     assert_eq!(results[0], (vec![3.0], 2), "one call ran (1 + 2), one was refused; then 1 + 1");
     assert_eq!(results[1], (vec![3.0], 2));
 }
+
+#[test]
+fn a_fold_that_panics_in_the_shared_memory_area_aborts_the_context_rather_than_misleading_a_peer() {
+    a_fold_that_panics(
+        &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
+        "inside the shared-memory area",
+    );
+}
+
+#[test]
+fn a_fold_that_panics_in_a_pair_based_allreduce_aborts_the_context() {
+    a_fold_that_panics(&|| Device::tcp(&TcpAttr::loopback()), "panicked");
+}
+
+/// Rank 0's custom fold panics halfway through an allreduce; rank 0 catches the panic and
+/// calls the allreduce again. Rank 1, still in the first call, must fail with the cause, not
+/// read rank 0's part of the second call as if it were the first's (through the area, whose
+/// steps are numbered per area, that read would be silent).
+fn a_fold_that_panics(device: &(dyn Fn() -> ferrogloo::Result<Device> + Sync), why: &str) {
+    let store = HashStore::new();
+    let results = all_ok(run_ranks_on(
+        2,
+        &store,
+        device,
+        |b| b.timeout(TIMEOUT),
+        |ctx| {
+            let o = CollectiveOptions::default();
+            let sum = |acc: &mut [f32], x: &[f32]| acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+            let mut warm = vec![1.0f32; 16384];
+            ctx.allreduce_custom(&mut warm, &sum, &o)?;
+            assert_eq!(warm[0], 2.0);
+            let mut v = vec![10.0f32 * (ctx.rank() as f32 + 1.0); 16384];
+            if ctx.rank() == 1 {
+                // Every element must agree (NaN stands for "not all the same").
+                let whole = |v: &[f32]| if v.iter().all(|&x| x == v[0]) { v[0] } else { f32::NAN };
+                return Ok(ctx.allreduce_custom(&mut v, &sum, &o).map(|()| whole(&v)).map_err(|e| e.to_string()));
+            }
+            let panicking = |_: &mut [f32], _: &[f32]| panic!("a fold that panics");
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _ = ctx.allreduce_custom(&mut v, &panicking, &o);
+            }));
+            assert!(caught.is_err(), "the fold panicked");
+            assert!(ctx.is_aborted(), "a panic inside a collective aborts the context");
+            let mut again = vec![10.0f32; 16384];
+            Ok(ctx.allreduce_custom(&mut again, &sum, &o).map(|()| again[0]).map_err(|e| e.to_string()))
+        },
+    ));
+    // Rank 0 is aborted; rank 1 fails with the cause, or (when its own part of the work was
+    // done before rank 0's fold ran) has the right sum: never another value.
+    match &results[0] {
+        Err(e) => assert!(e.contains(why), "rank 0: {e}"),
+        Ok(x) => panic!("rank 0 ran an allreduce ({x}) on a context a panic aborted"),
+    }
+    match &results[1] {
+        Err(e) => assert!(e.contains(why), "rank 1: {e}"),
+        Ok(x) => assert_eq!(*x, 30.0, "rank 1 completed with a wrong value after its peer's fold panicked"),
+    }
+}

@@ -103,7 +103,18 @@ pub(crate) fn run<R>(
     comm.check_usable()?;
     let key = comm.next_collective_key(opts.tag)?;
     let deadline = Instant::now() + opts.timeout.unwrap_or(comm.timeout());
-    let result = body(&Coll { comm, key, desc, deadline, what });
+    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        body(&Coll { comm, key, desc, deadline, what })
+    })) {
+        Ok(r) => r,
+        Err(panic) => {
+            // A panic (a custom fold's) left the call half done: the ranks' collective state no
+            // longer agrees, as after an error. The scope already withdrew its operations.
+            let rank = comm.world_rank(comm.rank()).unwrap_or(comm.rank());
+            comm.fail(&Error::Aborted { rank, reason: format!("{what} on rank {rank} panicked") });
+            std::panic::resume_unwind(panic)
+        }
+    };
     if let Err(e) = &result {
         comm.fail(e);
     }

@@ -8,7 +8,9 @@
 //! - this rank's slot is written only inside [`Local::step`] and [`Step::next`], through a
 //!   `&mut [T]` that lives for the `write` closure they run just before arriving (every earlier
 //!   step of this area was waited for: a [`Step`] exists only once its `wait_all` returned, and
-//!   a call that failed a wait aborts the communicator, so no later call takes a step);
+//!   a call that failed a wait, or that a panic left (a custom fold that panicked), aborts the
+//!   communicator ([`Local`]'s drop), so no later call takes a step: [`Local::new`] looks at the
+//!   abort state once it holds the area);
 //! - a slot of step `t` is read only through a [`Step`] of `t`, as `&[T]` borrowed from it;
 //!   arriving at `t + 1` consumes it ([`Step::next`]), and a fresh step needs the `&mut Local`
 //!   the [`Step`] borrows, so no view of `t` outlives the arrival at `t + 1`.
@@ -29,6 +31,8 @@ use std::time::{Duration, Instant};
 /// One collective call through an area: its steps go through `&mut self`, one at a time.
 pub(crate) struct Local<'a> {
     area: &'a dyn LocalArea,
+    /// The communicator to abort if a panic leaves the call half done (`None` in unit tests).
+    comm: Option<&'a Comm>,
     /// Held while the call runs (see [`World::area_busy`](crate::comm::World)).
     busy_flag: &'a AtomicBool,
     desc: OpDesc,
@@ -40,6 +44,17 @@ pub(crate) struct Local<'a> {
 
 impl Drop for Local<'_> {
     fn drop(&mut self) {
+        if std::thread::panicking()
+            && let Some(comm) = self.comm
+        {
+            // A panic left the call between steps: the members' step numbers no longer agree,
+            // and a later call of this rank would take steps the others read as this one's.
+            let rank = comm.world_rank(comm.rank()).unwrap_or(comm.rank());
+            comm.fail(&Error::Aborted {
+                rank,
+                reason: format!("{} on rank {rank} panicked inside the shared-memory area", self.what),
+            });
+        }
         self.busy_flag.store(false, Ordering::Release);
     }
 }
@@ -67,7 +82,12 @@ impl<'a> Local<'a> {
                 comm.rank()
             )));
         }
-        Ok(Local { area, busy_flag, desc, deadline, timeout, busy: comm.shared().spin, what })
+        let local =
+            Local { area, comm: Some(comm), busy_flag, desc, deadline, timeout, busy: comm.shared().spin, what };
+        // A call that failed (or panicked) in the area aborted the communicator before it let go
+        // of the area: looked at only now, no call slips in between.
+        comm.check_usable()?;
+        Ok(local)
     }
 
     /// Members of the area.
@@ -252,6 +272,7 @@ mod tests {
                         let flag = AtomicBool::new(false);
                         let mut l = Local {
                             area: &area,
+                            comm: None,
                             busy_flag: &flag,
                             desc,
                             deadline,
