@@ -6,7 +6,7 @@
 //! of corrupted data. Every call takes [`CollectiveOptions`] (tag, deadline, algorithm, segment
 //! size), except `allreduce` and `barrier`, whose `_with` forms take them.
 //!
-//! Each typed call has a runtime-typed twin over bytes and a [`DType`] (`allreduce_bytes`, ...)
+//! Each typed call has a runtime-typed twin over bytes and a [`DType`](crate::DType) (`allreduce_bytes`, ...)
 //! for engines and bindings that learn the element type at run time.
 //!
 //! Costs are per rank, for n ranks, S bytes of buffer, α the per-message latency and β the
@@ -19,9 +19,10 @@ use crate::algorithms::{
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::transport::LocalArea;
-use crate::types::{Call, DType, Element, Fold, OpDesc, Reduction};
-use std::borrow::Cow;
+use crate::types::{Call, Element, Fold, OpDesc, Reduction};
 use std::sync::Arc;
+
+mod bytes;
 
 /// `Auto` allreduce uses recursive doubling (fewest steps, but S·log₂p bytes per rank against
 /// halving-doubling's 2S(p-1)/p) while S·log₂p stays below this many bytes. Measured with
@@ -208,7 +209,7 @@ impl Context {
     /// [`allreduce`](Self::allreduce) with options.
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: Reduction, opts: &CollectiveOptions) -> Result<()> {
         op.check(T::DTYPE)?;
-        self.allreduce_fold(buf, &Fold::Builtin(op), opts)?;
+        self.allreduce_fold(buf, &Fold::Builtin(op), opts, 0)?;
         finish(op, buf, self.size())
     }
 
@@ -234,10 +235,18 @@ impl Context {
         fold: &(dyn Fn(&mut [T], &[T]) + Send + Sync),
         opts: &CollectiveOptions,
     ) -> Result<()> {
-        self.allreduce_fold(buf, &Fold::Custom(fold), opts)
+        self.allreduce_fold(buf, &Fold::Custom(fold), opts, 0)
     }
 
-    fn allreduce_fold<T: Element>(&self, buf: &mut [T], op: &Fold<'_, T>, opts: &CollectiveOptions) -> Result<()> {
+    /// The allreduce of every typed call; `extra` goes in the call's descriptor for the ranks to
+    /// compare (what else must agree, e.g. allreduce_multi's number of inputs for an average).
+    fn allreduce_fold<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: &Fold<'_, T>,
+        opts: &CollectiveOptions,
+        extra: u64,
+    ) -> Result<()> {
         let n = self.size();
         let area = self.whole_area(opts.tag);
         let hier = self.hierarchy().filter(|_| opts.tag == 0 && area.is_none());
@@ -254,7 +263,8 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let desc = OpDesc::new(Call::Allreduce).dtype(T::DTYPE).count(buf.len()).reduce(op.code()).algo(algo);
+        let desc =
+            OpDesc::new(Call::Allreduce).dtype(T::DTYPE).count(buf.len()).reduce(op.code()).algo(algo).extra(extra);
         if let (Some(_), Some(area)) = (shm, area) {
             return local::run(self.comm(), &**area, "allreduce", desc, opts, |l| local::allreduce(l, buf, op));
         }
@@ -296,7 +306,12 @@ impl Context {
             if let Some(lc) = leaders {
                 let n = lc.size();
                 let algo = allreduce_algorithm(n, bytes_of::<T>(buf.len()), Algorithm::Auto)?;
-                let cross = OpDesc::new(Call::Allreduce).dtype(T::DTYPE).count(buf.len()).reduce(op.code()).algo(algo);
+                let cross = OpDesc::new(Call::Allreduce)
+                    .dtype(T::DTYPE)
+                    .count(buf.len())
+                    .reduce(op.code())
+                    .algo(algo)
+                    .extra(desc.extra);
                 let o = CollectiveOptions {
                     timeout: Some(deadline.saturating_duration_since(std::time::Instant::now())),
                     algorithm: algo,
@@ -350,7 +365,9 @@ impl Context {
         for i in &inputs[1..] {
             fold.apply(acc, i);
         }
-        self.allreduce_fold(acc, &fold, opts)?;
+        // An average divides by every rank's number of inputs: the ranks check they agree on it.
+        let k = if op == Reduction::Average { inputs.len() as u64 } else { 0 };
+        self.allreduce_fold(acc, &fold, opts, k)?;
         finish(op, acc, inputs.len() * self.size())?;
         for o in rest {
             o.copy_from_slice(acc);
@@ -745,158 +762,4 @@ fn check_root(root: usize, n: usize, what: &str) -> Result<()> {
         return Err(Error::invalid(format!("{what}: root {root} is out of range for size {n}")));
     }
     Ok(())
-}
-
-/// `bytes` viewed as elements of `T`: borrowed when aligned, else an aligned copy.
-fn typed<'a, T: Element>(bytes: &'a [u8], what: &str) -> Result<Cow<'a, [T]>> {
-    whole::<T>(bytes.len(), what)?;
-    Ok(match bytemuck::try_cast_slice::<u8, T>(bytes) {
-        Ok(t) => Cow::Borrowed(t),
-        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
-    })
-}
-
-/// Runs `f` on `bytes` viewed as elements of `T`: in place when aligned, else on an aligned
-/// copy that is copied back afterwards.
-fn typed_mut<T: Element, R>(bytes: &mut [u8], what: &str, f: impl FnOnce(&mut [T]) -> Result<R>) -> Result<R> {
-    whole::<T>(bytes.len(), what)?;
-    if let Ok(t) = bytemuck::try_cast_slice_mut::<u8, T>(bytes) {
-        return f(t);
-    }
-    let mut copy: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
-    let r = f(&mut copy);
-    bytes.copy_from_slice(bytemuck::cast_slice(&copy));
-    r
-}
-
-/// Checks that `len` bytes are whole elements of `T`.
-fn whole<T: Element>(len: usize, what: &str) -> Result<()> {
-    let size = std::mem::size_of::<T>();
-    if !len.is_multiple_of(size) {
-        return Err(Error::invalid(format!(
-            "{what}: {len} bytes are not a whole number of {}-byte {} elements",
-            size,
-            T::DTYPE
-        )));
-    }
-    Ok(())
-}
-
-/// The runtime-typed collectives: the same calls on bytes holding elements of a [`DType`] (in
-/// native byte order), for engines and bindings that learn the type at run time. Lengths are
-/// in bytes and must be whole elements. A buffer not aligned for its element type works too,
-/// through an aligned copy (allocate with the type's alignment to avoid it).
-///
-/// ```
-/// # use ferrogloo::{Context, DType, Reduction, CollectiveOptions, device::Device, rendezvous::HashStore};
-/// # let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process())?;
-/// let mut grads: Vec<u8> = [1.5f32, 2.0].iter().flat_map(|x| x.to_ne_bytes()).collect();
-/// ctx.allreduce_bytes(&mut grads, DType::F32, Reduction::Sum, &CollectiveOptions::default())?;
-/// assert_eq!(grads[..4], (1.5 * ctx.size() as f32).to_ne_bytes());
-/// # Ok::<(), ferrogloo::Error>(())
-/// ```
-impl Context {
-    /// [`allreduce_with`](Self::allreduce_with) on bytes of `dtype`.
-    /// [`Reduction::Average`] sums, then scales every rank's result by 1 / [`size`](Self::size).
-    pub fn allreduce_bytes(&self, buf: &mut [u8], dtype: DType, op: Reduction, opts: &CollectiveOptions) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            typed_mut::<T, _>(buf, "allreduce", |b| self.allreduce_with(b, op, opts))
-        })
-    }
-
-    /// [`reduce_scatter`](Self::reduce_scatter) on bytes of `dtype`.
-    /// [`Reduction::Average`] sums, then scales every rank's block by 1 / [`size`](Self::size).
-    pub fn reduce_scatter_bytes(
-        &self,
-        input: &[u8],
-        output: &mut [u8],
-        dtype: DType,
-        op: Reduction,
-        opts: &CollectiveOptions,
-    ) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            let input = typed::<T>(input, "reduce_scatter")?;
-            typed_mut::<T, _>(output, "reduce_scatter", |o| self.reduce_scatter(&input, o, op, opts))
-        })
-    }
-
-    /// [`allgather`](Self::allgather) on bytes of `dtype`.
-    pub fn allgather_bytes(
-        &self,
-        input: &[u8],
-        output: &mut [u8],
-        dtype: DType,
-        opts: &CollectiveOptions,
-    ) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            let input = typed::<T>(input, "allgather")?;
-            typed_mut::<T, _>(output, "allgather", |o| self.allgather(&input, o, opts))
-        })
-    }
-
-    /// [`broadcast`](Self::broadcast) on bytes of `dtype`.
-    pub fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize, opts: &CollectiveOptions) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            typed_mut::<T, _>(buf, "broadcast", |b| self.broadcast(b, root, opts))
-        })
-    }
-
-    /// [`reduce`](Self::reduce) on bytes of `dtype`.
-    /// [`Reduction::Average`] sums, then scales the root's result by 1 / [`size`](Self::size).
-    pub fn reduce_bytes(
-        &self,
-        buf: &mut [u8],
-        dtype: DType,
-        root: usize,
-        op: Reduction,
-        opts: &CollectiveOptions,
-    ) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            typed_mut::<T, _>(buf, "reduce", |b| self.reduce(b, root, op, opts))
-        })
-    }
-
-    /// [`gather`](Self::gather) on bytes of `dtype`.
-    pub fn gather_bytes(
-        &self,
-        input: &[u8],
-        output: &mut [u8],
-        dtype: DType,
-        root: usize,
-        opts: &CollectiveOptions,
-    ) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            let input = typed::<T>(input, "gather")?;
-            typed_mut::<T, _>(output, "gather", |o| self.gather(&input, o, root, opts))
-        })
-    }
-
-    /// [`scatter`](Self::scatter) on bytes of `dtype`.
-    pub fn scatter_bytes(
-        &self,
-        input: &[u8],
-        output: &mut [u8],
-        dtype: DType,
-        root: usize,
-        opts: &CollectiveOptions,
-    ) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            let input = typed::<T>(input, "scatter")?;
-            typed_mut::<T, _>(output, "scatter", |o| self.scatter(&input, o, root, opts))
-        })
-    }
-
-    /// [`alltoall`](Self::alltoall) on bytes of `dtype`.
-    pub fn alltoall_bytes(
-        &self,
-        input: &[u8],
-        output: &mut [u8],
-        dtype: DType,
-        opts: &CollectiveOptions,
-    ) -> Result<()> {
-        crate::dispatch_dtype!(dtype, T => {
-            let input = typed::<T>(input, "alltoall")?;
-            typed_mut::<T, _>(output, "alltoall", |o| self.alltoall(&input, o, opts))
-        })
-    }
 }

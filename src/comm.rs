@@ -326,16 +326,22 @@ struct Op {
     pairs: Vec<Arc<dyn Pair>>,
     done: Arc<Completion>,
     what: &'static str,
-    /// The mesh's per-rank counts of outstanding operations, which this one is part of.
-    pending: Arc<[AtomicU32]>,
+    /// The mesh's per-rank counts of outstanding operations, when this one is part of them.
+    pending: Option<Arc<[AtomicU32]>>,
 }
 
 impl Op {
+    /// An operation the mesh counts as outstanding: other waits drive its pairs too.
     fn new(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str, shared: &World) -> Self {
         for p in &pairs {
             shared.pending[p.peer()].fetch_add(1, Ordering::Relaxed);
         }
-        Op { pairs, done, what, pending: shared.pending.clone() }
+        Op { pairs, done, what, pending: Some(shared.pending.clone()) }
+    }
+
+    /// An operation only its own waits drive (a background receive that stays posted).
+    fn uncounted(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str) -> Self {
+        Op { pairs, done, what, pending: None }
     }
 
     fn cancel(&self) {
@@ -402,8 +408,10 @@ impl Op {
 
 impl Drop for Op {
     fn drop(&mut self) {
-        for p in &self.pairs {
-            self.pending[p.peer()].fetch_sub(1, Ordering::Relaxed);
+        if let Some(pending) = &self.pending {
+            for p in &self.pairs {
+                pending[p.peer()].fetch_sub(1, Ordering::Relaxed);
+            }
         }
     }
 }

@@ -101,7 +101,12 @@ impl ContextBuilder {
         // A launched rank proves the job's secret without being told (see `credentials`).
         let secret = match secret {
             Some(s) => Some(s),
-            None => crate::credentials::Credentials::from_env()?.secret,
+            None => crate::credentials::Credentials::secret_from_env().map_err(|e| match e {
+                Error::InvalidArgument(m) => {
+                    Error::invalid(format!("forming the context of rank {rank} of {size}: the job's secret: {m}"))
+                }
+                other => other,
+            })?,
         };
         let spec = MeshSpec { rank, size, timeout, secret, host: device.host().to_string() };
         let (mesh, hosts) = mesh::form(store, device.backend(), &spec)?;

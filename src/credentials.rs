@@ -64,6 +64,18 @@ impl Credentials {
         Self::read(&Vars::process())
     }
 
+    /// The secret of this process's environment alone (what a context proves; a bad store
+    /// token does not keep a context from forming).
+    pub fn secret_from_env() -> Result<Option<Vec<u8>>> {
+        Self::read_secret(&Vars::process())
+    }
+
+    /// The store token of this process's environment alone (what an HTTP store sends; a bad
+    /// secret file does not keep a store from opening).
+    pub fn store_token_from_env() -> Result<Option<String>> {
+        Self::read_store_token(&Vars::process())
+    }
+
     /// [`Credentials::from_env`], with the variables looked up through `var`.
     #[cfg(test)]
     pub(crate) fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
@@ -72,13 +84,22 @@ impl Credentials {
 
     /// [`Credentials::from_env`] as `vars` give it.
     fn read(vars: &Vars<'_>) -> Result<Self> {
-        let get = |name: &str| vars.raw(name);
-        let secret = match (get(FERROGLOO_SECRET_FILE), get(FERROGLOO_SECRET)) {
+        Ok(Credentials { secret: Self::read_secret(vars)?, store_token: Self::read_store_token(vars)? })
+    }
+
+    /// The secret as `vars` give it.
+    fn read_secret(vars: &Vars<'_>) -> Result<Option<Vec<u8>>> {
+        Ok(match (vars.raw(FERROGLOO_SECRET_FILE), vars.raw(FERROGLOO_SECRET)) {
             (Some(path), _) => Some(read_private_file(Path::new(&path), FERROGLOO_SECRET_FILE)?),
             (None, Some(s)) => Some(without_line_break(s.into_bytes())).filter(|s| !s.is_empty()),
             (None, None) => None,
-        };
-        let store_token = match (get(FERROGLOO_STORE_TOKEN_FILE), get(FERROGLOO_STORE_TOKEN)) {
+        })
+    }
+
+    /// The store token as `vars` give it.
+    fn read_store_token(vars: &Vars<'_>) -> Result<Option<String>> {
+        let get = |name: &str| vars.raw(name);
+        Ok(match (get(FERROGLOO_STORE_TOKEN_FILE), get(FERROGLOO_STORE_TOKEN)) {
             (Some(path), _) => {
                 let raw = read_private_file(Path::new(&path), FERROGLOO_STORE_TOKEN_FILE)?;
                 let text = String::from_utf8(raw).map_err(|_| {
@@ -88,8 +109,7 @@ impl Credentials {
             }
             (None, Some(t)) => Some(check_token(&t, FERROGLOO_STORE_TOKEN)?),
             (None, None) => None,
-        };
-        Ok(Credentials { secret, store_token })
+        })
     }
 }
 
@@ -121,7 +141,8 @@ pub fn check_token(token: &str, what: &str) -> Result<String> {
 }
 
 /// The content of the secret or token file `path` (without its trailing line break), once it
-/// is known to be a regular file that neither its group nor other users can read or write.
+/// is known to be a regular file of this process's user that neither its group nor other users
+/// can read or write.
 /// `var` names the variable that named the file, for errors; they name the path and its mode.
 pub fn read_private_file(path: &Path, var: &str) -> Result<Vec<u8>> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -136,6 +157,15 @@ pub fn read_private_file(path: &Path, var: &str) -> Result<Vec<u8>> {
     let meta = file.metadata().map_err(|e| Error::io(format!("{shown}: reading its mode"), e))?;
     if !meta.is_file() {
         return Err(Error::invalid(format!("{shown}: not a regular file")));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(Error::invalid(format!(
+            "{shown}: the file belongs to user {}, not to this process's user {me}; its owner could read or \
+             change the secret",
+            meta.uid()
+        )));
     }
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
@@ -368,6 +398,21 @@ mod tests {
             let p = file(dir.path(), &format!("ok{mode:o}"), b"hunter2\n", mode);
             assert_eq!(read_private_file(&p, FERROGLOO_SECRET_FILE).unwrap(), b"hunter2", "mode {mode:o}");
         }
+    }
+
+    #[test]
+    fn a_private_file_of_another_user_is_refused_naming_its_owner() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = file(dir.path(), "theirs", b"chosen by them\n", 0o600);
+        // Only root can give a file away; elsewhere the check cannot be staged.
+        if std::os::unix::fs::chown(&p, Some(65534), None).is_err() {
+            eprintln!("skipped: giving a file to another user needs root");
+            return;
+        }
+        assert_eq!(std::fs::metadata(&p).unwrap().uid(), 65534);
+        let e = read_private_file(&p, FERROGLOO_SECRET_FILE).expect_err("another user's file").to_string();
+        assert!(e.contains("belongs to user 65534") && e.contains(&p.display().to_string()), "{e}");
     }
 
     #[test]

@@ -184,3 +184,15 @@ fn sum_on_one_rank_and_average_on_another_is_a_mismatch_in_words() {
     let words: Vec<String> = seen.iter().filter_map(|s| s.first.as_ref().map(|(e, _)| e.to_string())).collect();
     assert!(words.iter().any(|w| w.contains("average") && w.contains("sum")), "{words:?}");
 }
+
+#[test]
+fn averaging_a_different_number_of_inputs_per_rank_is_a_mismatch() {
+    // The mean of every input of every rank needs every rank to divide by the same total.
+    let seen = scenario(|ctx| {
+        let (a, b) = (vec![1.0f32; 50], vec![2.0f32; 50]);
+        let mut out = vec![0.0f32; 50];
+        let inputs: Vec<&[f32]> = if ctx.rank() == 1 { vec![&a] } else { vec![&a, &b] };
+        ctx.allreduce_multi(&inputs, &mut [&mut out], Reduction::Average, &CollectiveOptions::default())
+    });
+    assert_all_failed(&seen, true, "allreduce_multi averaging 1 input against 2");
+}

@@ -11,9 +11,11 @@
 //! finished by the pair that claimed it; an unclaimed one is withdrawn with no message lost).
 //!
 //! Messages are received into buffers of their own length (at most the receive's limit), so a
-//! persistent receive lends no memory of the caller's and needs no scope. It counts among the
-//! mesh's outstanding operations while posted, like any operation of a [`Scope`](super::Scope),
-//! so other waits on the mesh drive its pairs too.
+//! persistent receive lends no memory of the caller's and needs no scope. Unlike the operations
+//! of a [`Scope`](super::Scope) it does not count among the mesh's outstanding operations: it
+//! stays posted for as long as its loop runs, and counted it would make every other wait on the
+//! mesh (the engine's collectives, another process set's) poll its pairs too; its own waits
+//! drive them.
 
 use super::{Comm, Op, World, post_recv_any};
 use crate::error::{Error, Result};
@@ -154,7 +156,7 @@ impl PersistentRecv {
         // hands it over with the completion.
         let posted =
             unsafe { post_recv_any(&pairs, self.key, OpDesc::P2P, target, &done) }.map_err(|e| e.during(self.what))?;
-        Ok(Posted { from: from.to_vec(), op: Op::new(posted, done, self.what, &self.shared), claimed_at: None })
+        Ok(Posted { from: from.to_vec(), op: Op::uncounted(posted, done, self.what), claimed_at: None })
     }
 
     /// The message of the finished receive (or its error); nothing is posted afterwards.

@@ -96,13 +96,13 @@ variables! {
         "`1` caches the RDMA registrations of user buffers (sound only if the program never frees a buffer it communicates from), `0` never";
 
     // The job's secrets.
-    pub FERROGLOO_SECRET_FILE, default "unset", read by "`credentials::Credentials::from_env` (contexts), `JobCredentials::for_job`":
-        "a file holding the job's secret (its content without the final line break), readable by its owner only: a file its group or others can read or change is refused, naming it and its mode, and so is an empty one";
-    pub FERROGLOO_SECRET, default "unset", read by "`credentials::Credentials::from_env` (contexts), `JobCredentials::for_job`":
+    pub FERROGLOO_SECRET_FILE, default "unset", read by "`credentials::Credentials::secret_from_env` (contexts), `JobCredentials::for_job`":
+        "a file holding the job's secret (its content without the final line break), readable by its owner only: a file its group or others can read or change is refused, naming it and its mode, and so are an empty one and another user's";
+    pub FERROGLOO_SECRET, default "unset", read by "`credentials::Credentials::secret_from_env` (contexts), `JobCredentials::for_job`":
         "the secret itself: weaker (the process's environment shows it to its user and root, and every program it starts inherits it); the file wins when both are set";
-    pub FERROGLOO_STORE_TOKEN_FILE, default "unset", read by "`credentials::Credentials::from_env` (`rendezvous::open`, `ferrogloo-store-server`), `JobCredentials::for_job`":
+    pub FERROGLOO_STORE_TOKEN_FILE, default "unset", read by "`credentials::Credentials::store_token_from_env` (`rendezvous::open`, `ferrogloo-store-server`), `JobCredentials::for_job`":
         "a file holding the HTTP store's bearer token (same rules), sent as `Authorization: Bearer` with every request";
-    pub FERROGLOO_STORE_TOKEN, default "unset", read by "`credentials::Credentials::from_env` (`rendezvous::open`, `ferrogloo-store-server`), `JobCredentials::for_job`":
+    pub FERROGLOO_STORE_TOKEN, default "unset", read by "`credentials::Credentials::store_token_from_env` (`rendezvous::open`, `ferrogloo-store-server`), `JobCredentials::for_job`":
         "the token itself (weaker, as above)";
 
     // Launchers' plumbing: set by ferrogloo-run and `--np` for their ranks.

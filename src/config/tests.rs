@@ -437,3 +437,59 @@ fn no_default_reads_the_environment() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+#[ignore = "run as a child process by a_bad_token_does_not_stop_a_context_nor_a_bad_secret_a_store"]
+fn credentials_under_a_bad_environment() {
+    if Vars::process().raw(CHILD).is_none() {
+        return;
+    }
+    use crate::device::Device;
+    use crate::rendezvous::HashStore;
+    let which = Vars::process().raw("FERROGLOO_TEST_BAD").unwrap_or_default();
+    if which == "token" {
+        // A token that cannot go in a header: contexts form all the same.
+        let ctx = crate::Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process());
+        assert!(ctx.is_ok(), "{:?}", ctx.err());
+        let e = crate::credentials::Credentials::store_token_from_env().unwrap_err().to_string();
+        assert!(e.contains("FERROGLOO_STORE_TOKEN"), "{e}");
+    } else {
+        // A secret file others can read: stores open all the same, contexts refuse to form.
+        let store = crate::rendezvous::open("file:/tmp/ferrogloo-config-test-store");
+        assert!(store.is_ok(), "{:?}", store.err());
+        let e =
+            crate::Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process()).unwrap_err().to_string();
+        assert!(e.contains("forming the context of rank 0 of 1") && e.contains("FERROGLOO_SECRET_FILE"), "{e}");
+    }
+    println!("RESULT independent");
+}
+
+#[test]
+fn a_bad_token_does_not_stop_a_context_nor_a_bad_secret_a_store() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let open_secret = dir.path().join("secret");
+    std::fs::write(&open_secret, b"everyone can read this").unwrap();
+    std::fs::set_permissions(&open_secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let test = "config::tests::credentials_under_a_bad_environment";
+    for (bad, var, value) in [
+        ("token", FERROGLOO_STORE_TOKEN, "two words".to_string()),
+        ("secret", FERROGLOO_SECRET_FILE, open_secret.display().to_string()),
+    ] {
+        let out = std::process::Command::new(&exe)
+            .args(["--ignored", "--exact", test, "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env("FERROGLOO_TEST_BAD", bad)
+            .env(var, value)
+            .env_remove(FERROGLOO_SECRET)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("RESULT independent"),
+            "bad {bad}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -138,7 +138,7 @@ fn serve_store(url: &str) -> Result<()> {
         .and_then(|(_, p)| p.parse::<u16>().ok())
         .ok_or_else(|| Error::invalid(format!("cannot serve the store {url:?}: not http://HOST:PORT/SCOPE")))?;
     // The job's store token, when its ranks were given one, keeps strangers out of it.
-    let token = crate::credentials::Credentials::from_env()?.store_token;
+    let token = crate::credentials::Credentials::store_token_from_env()?;
     let server = crate::rendezvous::HttpStoreServer::start_authenticated(
         format!("0.0.0.0:{port}"),
         crate::rendezvous::ServerLimits::default(),

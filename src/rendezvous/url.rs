@@ -76,7 +76,7 @@ impl StoreUrl {
             StoreUrl::File(dir) => Box::new(FileStore::new(dir)?),
             StoreUrl::Http { base, scope } => {
                 let store = HttpStore::new(base, scope, timeout)?;
-                match crate::credentials::Credentials::from_env()?.store_token {
+                match crate::credentials::Credentials::store_token_from_env()? {
                     Some(token) => Box::new(store.with_token(&token)?),
                     None => Box::new(store),
                 }

@@ -188,7 +188,7 @@ impl OpDesc {
             with(theirs.algo_name(), mine.algo_name())
         } else {
             format!(
-                "rank {peer} called {call} with other per-rank counts or members than rank {me} \
+                "rank {peer} called {call} with other per-rank counts, members or numbers of inputs than rank {me} \
                  ({:#018x} against {:#018x})",
                 theirs.extra, mine.extra
             )

@@ -95,7 +95,7 @@ fn token(args: &Args) -> ferrogloo::Result<Option<String>> {
             let shown = format!("--token-file={}", path.display());
             check_token(&String::from_utf8_lossy(&raw), &shown).map(Some)
         }
-        None => Ok(Credentials::from_env()?.store_token),
+        None => Credentials::store_token_from_env(),
     }
 }
 

@@ -134,15 +134,27 @@ pub(super) fn launcher_argv(argv: Vec<String>) -> Vec<String> {
 }
 
 /// `-x NAME` or `-x NAME=VALUE` as pairs (NAME alone takes this process's value).
+/// The job's secret and store token are refused: every rank gets them without `-x` (remote ones
+/// over ssh's input), and `-x` would put them in ssh's command line, which `ps` shows.
 pub(super) fn pass_env(specs: &[String]) -> Result<Vec<(String, String)>> {
+    use ferrogloo::config::{FERROGLOO_SECRET, FERROGLOO_STORE_TOKEN};
     specs
         .iter()
-        .map(|s| match s.split_once('=') {
-            Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-            Some(_) => Err(Error::invalid(format!("-x {s:?}: no variable name"))),
-            None => std::env::var(s)
-                .map(|v| (s.clone(), v))
-                .map_err(|_| Error::invalid(format!("-x {s}: {s} is not set here"))),
+        .map(|s| {
+            let name = s.split_once('=').map_or(s.as_str(), |(k, _)| k);
+            if [FERROGLOO_SECRET, FERROGLOO_STORE_TOKEN].contains(&name) {
+                return Err(Error::invalid(format!(
+                    "-x {name}: every rank gets the job's secret and store token without -x (remote ranks \
+                     over ssh's input); passed with -x they would show in ssh's command line"
+                )));
+            }
+            match s.split_once('=') {
+                Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+                Some(_) => Err(Error::invalid(format!("-x {s:?}: no variable name"))),
+                None => std::env::var(s)
+                    .map(|v| (s.clone(), v))
+                    .map_err(|_| Error::invalid(format!("-x {s}: {s} is not set here"))),
+            }
         })
         .collect()
 }
@@ -155,4 +167,18 @@ pub(super) fn reachable_address(args: &Args) -> Result<String> {
         None => ferrogloo::device::TcpAttr::default(),
     };
     Ok(attr.resolve()?.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pass_env;
+
+    #[test]
+    fn the_job_s_secret_and_token_are_not_passed_with_x() {
+        for spec in ["FERROGLOO_SECRET", "FERROGLOO_SECRET=hunter2", "FERROGLOO_STORE_TOKEN=t0ken"] {
+            let e = pass_env(&[spec.to_string()]).unwrap_err().to_string();
+            assert!(e.contains("ssh's command line") && !e.contains("hunter2") && !e.contains("t0ken"), "{e}");
+        }
+        assert_eq!(pass_env(&["A=1".to_string()]).unwrap(), vec![("A".to_string(), "1".to_string())]);
+    }
 }

@@ -47,6 +47,7 @@ exit "$rc""#;
 /// secret and store token, a line each. A secret that is not one line (a line break or a NUL
 /// in it) cannot go this way: an error says so.
 pub(super) fn handover(credentials: &JobCredentials) -> Result<Vec<u8>> {
+    const MAX_HANDOVER: usize = 16 << 10;
     let secret = credentials.secret();
     if secret.iter().any(|b| matches!(b, b'\n' | b'\r' | 0)) {
         return Err(Error::invalid(format!(
@@ -55,7 +56,18 @@ pub(super) fn handover(credentials: &JobCredentials) -> Result<Vec<u8>> {
             credentials.secret_file().display()
         )));
     }
-    let mut lines = Vec::with_capacity(secret.len() + credentials.store_token().len() + 2);
+    // The lines go into the channel's empty pipe in one write, which must not block the
+    // launcher: a pipe holds 64 KiB.
+    let size = secret.len() + credentials.store_token().len() + 2;
+    if size > MAX_HANDOVER {
+        return Err(Error::invalid(format!(
+            "the job's secret ({}) and store token take {size} bytes: at most {} KiB can be handed to the \
+             ranks of other hosts",
+            credentials.secret_file().display(),
+            MAX_HANDOVER >> 10
+        )));
+    }
+    let mut lines = Vec::with_capacity(size);
     lines.extend_from_slice(secret);
     lines.push(b'\n');
     lines.extend_from_slice(credentials.store_token().as_bytes());

@@ -127,8 +127,15 @@ impl Status {
             Status::UnknownContext => "the peer has no context with this id (a stale or foreign rendezvous)",
             Status::BadRank => "the ranks or world size do not fit the peer's context",
             Status::Duplicate => "the peer already has a connection for this pair",
-            Status::SecretMismatch => "one side uses a shared secret and the other does not",
-            Status::WrongSecret => "the proof of the shared secret did not check (the secrets differ)",
+            Status::SecretMismatch => {
+                "one side uses a shared secret and the other does not (every rank of a job needs the job's \
+                 secret: ferrogloo-run and --np hand it to the ranks they start in FERROGLOO_SECRET_FILE)"
+            }
+            Status::WrongSecret => {
+                "the proof of the shared secret did not check: the secrets differ (ferrogloo-run and --np \
+                 make one per job, so parts of one job started by separate launchers need one file named by \
+                 FERROGLOO_SECRET_FILE for all of them)"
+            }
             Status::WrongBackend => "the peer's endpoint belongs to another transport",
             Status::Settings => "the two sides' transport settings differ (e.g. shared-memory segment sizes)",
             Status::Unavailable => "the peer could not set up its side of the connection",

@@ -141,10 +141,11 @@ struct Opening {
     hs: Handshake,
 }
 
-/// Runs the connector's handshakes of `lanes` together (each read waits for its own answer,
-/// which its acceptor sends whatever the other lane does), so that the lanes' round trips
-/// overlap. Returns each lane's connection, nonblocking, or why it failed: a connection that
-/// fails or breaks is worth retrying; an answer that refuses is not.
+/// Runs the connector's handshakes of `lanes` together, so that the lanes' round trips
+/// overlap: every lane sends what its handshake has to send before this thread blocks reading
+/// any lane's answer (each acceptor answers its own lane whatever the other does). Returns each
+/// lane's connection, nonblocking, or why it failed: a connection that fails or breaks is worth
+/// retrying; an answer that refuses is not.
 fn run_side_by_side(
     peer: usize,
     addr: SocketAddr,
@@ -152,12 +153,14 @@ fn run_side_by_side(
 ) -> Vec<(Lane, std::result::Result<std::net::TcpStream, ConnectError>)> {
     let io_err = |what: &str, e: io::Error| ConnectError::Retry(Error::io(format!("{what} rank {peer} at {addr}"), e));
     let refused = |detail: String| ConnectError::Refused(Error::Protocol { peer: Some(peer), detail });
-    let mut open: Vec<Option<Opening>> = lanes.into_iter().map(Some).collect();
+    // Each open lane, with the bytes its handshake waits for (once it has sent what it had).
+    let mut open: Vec<Option<(Opening, Option<usize>)>> = lanes.into_iter().map(|o| Some((o, None))).collect();
     let mut out = Vec::with_capacity(open.len());
     let mut buf = [0u8; MAX_MESSAGE];
     while open.iter().any(Option::is_some) {
+        // Every lane sends what it has, up to the answer it waits for.
         for slot in &mut open {
-            let Some(o) = slot.as_mut() else { continue };
+            let Some((o, need)) = slot.as_mut() else { continue };
             let end = loop {
                 match o.hs.poll() {
                     Event::Send(m) => {
@@ -166,15 +169,8 @@ fn run_side_by_side(
                         }
                     }
                     Event::Need(n) => {
-                        let got = &mut buf[..n.min(MAX_MESSAGE)];
-                        match o.stream.read_exact(got) {
-                            Ok(()) => {
-                                o.hs.feed(got);
-                                // The other lanes' next messages first.
-                                break None;
-                            }
-                            Err(e) => break Some(Err(io_err("reading the handshake answer of", e))),
-                        }
+                        *need = Some(n.min(MAX_MESSAGE));
+                        break None;
                     }
                     // A TCP connector is not asked to decide: its handshake ends with its proof.
                     Event::Hello(_) | Event::Proved(_) => {
@@ -187,10 +183,23 @@ fn run_side_by_side(
                 }
             };
             if let Some(end) = end
-                && let Some(o) = slot.take()
+                && let Some((o, _)) = slot.take()
             {
                 out.push((o.lane, end.map(|()| o.stream)));
             }
+        }
+        // Then each reads the answer it waits for.
+        for slot in &mut open {
+            let Some((o, need)) = slot.as_mut() else { continue };
+            let Some(n) = need.take() else { continue };
+            let got = &mut buf[..n];
+            if let Err(e) = o.stream.read_exact(got) {
+                if let Some((o, _)) = slot.take() {
+                    out.push((o.lane, Err(io_err("reading the handshake answer of", e))));
+                }
+                continue;
+            }
+            o.hs.feed(got);
         }
     }
     out.sort_by_key(|(lane, _)| *lane as u8);
