@@ -32,10 +32,9 @@ pub(crate) fn run<R>(
     opts: &CollectiveOptions,
     body: impl FnOnce(&mut Local<'_>) -> Result<R>,
 ) -> Result<R> {
-    comm.check_usable()?;
     let timeout = opts.timeout.unwrap_or(comm.timeout());
     // Refused while another thread's call runs through the area, before this one takes a
-    // sequence number.
+    // sequence number; and, once this call holds the area, when the context was aborted.
     let mut l = Local::new(comm, area, what, desc, Instant::now() + timeout, timeout)?;
     comm.next_collective_key(opts.tag)?;
     let result = body(&mut l);
