@@ -259,6 +259,7 @@ impl Comm {
                 }
                 Err(e)
             }
+            Ok(Ok(v)) if leftover.is_empty() => Ok(v),
             Ok(Ok(v)) => {
                 let deadline = Instant::now() + self.timeout;
                 let mut first = None;
