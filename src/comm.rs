@@ -276,6 +276,11 @@ impl Comm {
 
 /// FNV-1a over words: ids and hashes that must come out the same on every rank.
 pub(crate) fn fnv(words: &[u64]) -> u64 {
+    fnv_of(words.iter().copied())
+}
+
+/// [`fnv`] over words as they come (nothing collected first).
+pub(crate) fn fnv_of(words: impl IntoIterator<Item = u64>) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in words {
         for b in w.to_le_bytes() {
