@@ -16,6 +16,7 @@ use crate::transport::{
 };
 use crate::types::OpDesc;
 use bytemuck::Pod;
+use smallvec::{SmallVec, smallvec};
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -53,6 +54,16 @@ pub(crate) struct World {
     /// reads (see `algorithms::steps::Local`).
     pub(crate) area_busy: std::sync::atomic::AtomicBool,
 }
+
+/// The pairs an operation is posted to: one, but for a receive from any of several.
+type Pairs = SmallVec<[Arc<dyn Pair>; 1]>;
+
+/// Mesh ranks an operation waits on: a few, kept inline (a wait allocates nothing).
+type Ranks = SmallVec<[usize; 4]>;
+
+/// Operations a [`Scope`] holds without allocating: those of one phase of a collective on a
+/// few ranks (a 4-rank ring phase posts 6).
+const SCOPE_INLINE: usize = 8;
 
 /// What a rank may send itself before it posts the receive (a larger send waits for it).
 const SELF_BUDGET: usize = 8 << 20;
@@ -244,17 +255,20 @@ impl Comm {
     ) -> Result<R> {
         let scope = Scope { comm: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
         let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
-        let leftover: Vec<Op> = lock(&scope.ops).drain(..).flatten().collect();
+        // Taken out of the lock, which waiting does not hold; entries already waited for are
+        // `None`.
+        let mut leftover = std::mem::take(&mut *lock(&scope.ops));
+        leftover.retain(|op| op.is_some());
         match result {
             Err(panic) => {
-                for op in &leftover {
+                for op in leftover.iter().flatten() {
                     op.cancel();
                 }
                 resume_unwind(panic)
             }
             Ok(Err(e)) => {
                 // Whatever `f` left in flight is abandoned with it: cancel rather than wait.
-                for op in &leftover {
+                for op in leftover.iter().flatten() {
                     op.cancel();
                 }
                 Err(e)
@@ -263,7 +277,7 @@ impl Comm {
             Ok(Ok(v)) => {
                 let deadline = Instant::now() + self.timeout;
                 let mut first = None;
-                for op in leftover {
+                for op in leftover.into_iter().flatten() {
                     if let Err(e) = op.wait(deadline, &self.shared) {
                         first.get_or_insert(e);
                     }
@@ -309,7 +323,7 @@ unsafe fn post_recv_any(
     desc: OpDesc,
     target: RecvTarget,
     done: &Arc<Completion>,
-) -> Result<Vec<Arc<dyn Pair>>> {
+) -> Result<Pairs> {
     for (i, pair) in pairs.iter().enumerate() {
         // SAFETY: forwarded from this function's contract.
         if let Err(e) = unsafe { pair.post_recv(key, desc, target, done) } {
@@ -321,15 +335,15 @@ unsafe fn post_recv_any(
                 done.complete(Err(e.clone()));
                 return Err(e);
             }
-            return Ok(pairs[..i].to_vec());
+            return Ok(pairs[..i].iter().cloned().collect());
         }
     }
-    Ok(pairs.to_vec())
+    Ok(pairs.iter().cloned().collect())
 }
 
 /// One operation started in a scope.
 struct Op {
-    pairs: Vec<Arc<dyn Pair>>,
+    pairs: Pairs,
     done: Arc<Completion>,
     what: &'static str,
     /// The mesh's per-rank counts of outstanding operations, when this one is part of them.
@@ -338,7 +352,7 @@ struct Op {
 
 impl Op {
     /// An operation the mesh counts as outstanding: other waits drive its pairs too.
-    fn new(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str, shared: &World) -> Self {
+    fn new(pairs: Pairs, done: Arc<Completion>, what: &'static str, shared: &World) -> Self {
         for p in &pairs {
             shared.pending[p.peer()].fetch_add(1, Ordering::Relaxed);
         }
@@ -346,7 +360,7 @@ impl Op {
     }
 
     /// An operation only its own waits drive (a background receive that stays posted).
-    fn uncounted(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str) -> Self {
+    fn uncounted(pairs: Pairs, done: Arc<Completion>, what: &'static str) -> Self {
         Op { pairs, done, what, pending: None }
     }
 
@@ -363,7 +377,7 @@ impl Op {
     }
 
     /// The mesh ranks of the pairs it is posted to.
-    fn peers(&self) -> Vec<usize> {
+    fn peers(&self) -> Ranks {
         self.pairs.iter().map(|p| p.peer()).collect()
     }
 
@@ -376,7 +390,7 @@ impl Op {
         shared: &World,
         spin: BusyWait,
     ) -> Option<Result<Done>> {
-        let others: Vec<usize> = (0..shared.pending.len())
+        let others: SmallVec<[usize; 8]> = (0..shared.pending.len())
             .filter(|r| shared.pending[*r].load(Ordering::Relaxed) > 0 && !own.contains(r))
             .collect();
         shared.mesh.progress.wait(done, own, &others, deadline, spin)
@@ -395,7 +409,7 @@ impl Op {
                 self.done.outcome().unwrap_or_else(|| {
                     let e = Error::Timeout {
                         op: self.what.to_string(),
-                        ranks: own,
+                        ranks: own.to_vec(),
                         keys: Vec::new(),
                         waited: start.elapsed(),
                     };
@@ -426,7 +440,8 @@ impl Drop for Op {
 /// [`Context::scope`](crate::Context::scope).
 pub struct Scope<'scope, 'env: 'scope> {
     comm: &'env Comm,
-    ops: Mutex<Vec<Option<Op>>>,
+    /// Every operation started, by index; `None` once waited for.
+    ops: Mutex<SmallVec<[Option<Op>; SCOPE_INLINE]>>,
     _scope: PhantomData<&'scope mut &'scope ()>,
     _env: PhantomData<&'env mut &'env ()>,
 }
@@ -473,7 +488,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let done = Completion::new();
         // SAFETY: forwarded from this function's contract.
         unsafe { pair.post_send(key, desc, buf, &done) }.map_err(|e| e.during(what))?;
-        Ok(self.push(Op::new(vec![pair], done, what, &self.comm.shared)))
+        Ok(self.push(Op::new(smallvec![pair], done, what, &self.comm.shared)))
     }
 
     /// Waits for an operation of this scope until an absolute deadline.
@@ -511,7 +526,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         if peers.is_empty() {
             return Err(Error::invalid("receive from an empty set of ranks"));
         }
-        let pairs = peers.iter().map(|&p| self.comm.pair(p).cloned()).collect::<Result<Vec<_>>>()?;
+        let pairs = peers.iter().map(|&p| self.comm.pair(p).cloned()).collect::<Result<Pairs>>()?;
         let done = Completion::for_pairs(pairs.len());
         // SAFETY: forwarded from this function's contract: the operation is pushed to the
         // scope, which finishes or cancels it on every pair it is posted to before it ends.

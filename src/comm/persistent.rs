@@ -194,7 +194,7 @@ impl PersistentRecv {
         let ranks = posted.op.peers();
         let e = Error::Timeout {
             op: format!("{}: a message began arriving and stopped; dropped", self.what),
-            ranks,
+            ranks: ranks.to_vec(),
             keys: Vec::new(),
             waited: since.elapsed(),
         };
