@@ -253,31 +253,31 @@ impl Comm {
         &'env self,
         f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,
     ) -> Result<R> {
-        let scope = Scope { comm: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
+        let mut scope = Scope { comm: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
         let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
-        // Taken out of the lock, which waiting does not hold; entries already waited for are
-        // `None`.
-        let mut leftover = std::mem::take(&mut *lock(&scope.ops));
-        leftover.retain(|op| op.is_some());
+        // `f` has returned: nothing borrows the scope any more, so its operations are read in
+        // place, without the lock. Entries already waited for are `None`.
+        let ops = scope.ops.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut leftover = ops.iter().flatten().peekable();
         match result {
             Err(panic) => {
-                for op in leftover.iter().flatten() {
+                for op in leftover {
                     op.cancel();
                 }
                 resume_unwind(panic)
             }
             Ok(Err(e)) => {
                 // Whatever `f` left in flight is abandoned with it: cancel rather than wait.
-                for op in leftover.iter().flatten() {
+                for op in leftover {
                     op.cancel();
                 }
                 Err(e)
             }
-            Ok(Ok(v)) if leftover.is_empty() => Ok(v),
+            Ok(Ok(v)) if leftover.peek().is_none() => Ok(v),
             Ok(Ok(v)) => {
                 let deadline = Instant::now() + self.timeout;
                 let mut first = None;
-                for op in leftover.into_iter().flatten() {
+                for op in leftover {
                     if let Err(e) = op.wait(deadline, &self.shared) {
                         first.get_or_insert(e);
                     }
