@@ -318,7 +318,7 @@ pub(crate) fn fnv_of(words: impl IntoIterator<Item = u64>) -> u64 {
 /// The target's buffer must stay valid, and must not be read or written by anyone else, until
 /// `done` is completed or [`Pair::cancel`] for `done` has returned on every pair returned.
 unsafe fn post_recv_any(
-    pairs: &[Arc<dyn Pair>],
+    mut pairs: Pairs,
     key: Key,
     desc: OpDesc,
     target: RecvTarget,
@@ -335,10 +335,11 @@ unsafe fn post_recv_any(
                 done.complete(Err(e.clone()));
                 return Err(e);
             }
-            return Ok(pairs[..i].iter().cloned().collect());
+            pairs.truncate(i);
+            return Ok(pairs);
         }
     }
-    Ok(pairs.iter().cloned().collect())
+    Ok(pairs)
 }
 
 /// One operation started in a scope.
@@ -398,10 +399,24 @@ impl Op {
 
     /// [`wait`](Self::wait) with a busy-wait policy of its own.
     fn wait_spinning(&self, deadline: Instant, shared: &World, spin: BusyWait) -> Result<Done> {
+        // Finished already (a send the transport took whole, a message that was waiting):
+        // nothing to drive, no clock to read.
+        let outcome = match self.done.outcome() {
+            Some(o) => o,
+            None => self.wait_unfinished(deadline, shared, spin),
+        };
+        if self.pairs.len() > 1 {
+            // Receive from any: withdraw the entries the winner left on the other pairs.
+            self.cancel();
+        }
+        outcome.map_err(|e| e.during(self.what))
+    }
+
+    /// The waiting part of [`wait_spinning`](Self::wait_spinning).
+    fn wait_unfinished(&self, deadline: Instant, shared: &World, spin: BusyWait) -> Result<Done> {
         let start = Instant::now();
         let own = self.peers();
-        let finished = Self::wait_for(&self.done, &own, deadline, shared, spin);
-        let outcome = match finished {
+        match Self::wait_for(&self.done, &own, deadline, shared, spin) {
             Some(o) => o,
             None => {
                 self.cancel();
@@ -417,12 +432,7 @@ impl Op {
                     Err(e)
                 })
             }
-        };
-        if self.pairs.len() > 1 {
-            // Receive from any: withdraw the entries the winner left on the other pairs.
-            self.cancel();
         }
-        outcome.map_err(|e| e.during(self.what))
     }
 }
 
@@ -530,7 +540,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let done = Completion::for_pairs(pairs.len());
         // SAFETY: forwarded from this function's contract: the operation is pushed to the
         // scope, which finishes or cancels it on every pair it is posted to before it ends.
-        let posted = unsafe { post_recv_any(&pairs, key, desc, target, &done) }.map_err(|e| e.during(what))?;
+        let posted = unsafe { post_recv_any(pairs, key, desc, target, &done) }.map_err(|e| e.during(what))?;
         Ok(self.push(Op::new(posted, done, what, &self.comm.shared)))
     }
 
