@@ -16,6 +16,7 @@ use crate::transport::{
 };
 use crate::types::OpDesc;
 use bytemuck::Pod;
+use smallvec::{SmallVec, smallvec};
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -53,6 +54,16 @@ pub(crate) struct World {
     /// reads (see `algorithms::steps::Local`).
     pub(crate) area_busy: std::sync::atomic::AtomicBool,
 }
+
+/// The pairs an operation is posted to: one, but for a receive from any of several.
+type Pairs = SmallVec<[Arc<dyn Pair>; 1]>;
+
+/// Mesh ranks an operation waits on: a few, kept inline (a wait allocates nothing).
+type Ranks = SmallVec<[usize; 4]>;
+
+/// Operations a [`Scope`] holds without allocating: those of one phase of a collective on a
+/// few ranks (a 4-rank ring phase posts 6).
+const SCOPE_INLINE: usize = 8;
 
 /// What a rank may send itself before it posts the receive (a larger send waits for it).
 const SELF_BUDGET: usize = 8 << 20;
@@ -242,24 +253,27 @@ impl Comm {
         &'env self,
         f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> Result<R>,
     ) -> Result<R> {
-        let scope = Scope { comm: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
+        let mut scope = Scope { comm: self, ops: Mutex::default(), _scope: PhantomData, _env: PhantomData };
         let result = catch_unwind(AssertUnwindSafe(|| f(&scope)));
-        let leftover: Vec<Op> = lock(&scope.ops).drain(..).flatten().collect();
+        // `f` has returned: nothing borrows the scope any more, so its operations are read in
+        // place, without the lock. Entries already waited for are `None`.
+        let ops = scope.ops.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut leftover = ops.iter().flatten().peekable();
         match result {
             Err(panic) => {
-                for op in &leftover {
+                for op in leftover {
                     op.cancel();
                 }
                 resume_unwind(panic)
             }
             Ok(Err(e)) => {
                 // Whatever `f` left in flight is abandoned with it: cancel rather than wait.
-                for op in &leftover {
+                for op in leftover {
                     op.cancel();
                 }
                 Err(e)
             }
-            Ok(Ok(v)) if leftover.is_empty() => Ok(v),
+            Ok(Ok(v)) if leftover.peek().is_none() => Ok(v),
             Ok(Ok(v)) => {
                 let deadline = Instant::now() + self.timeout;
                 let mut first = None;
@@ -276,6 +290,11 @@ impl Comm {
 
 /// FNV-1a over words: ids and hashes that must come out the same on every rank.
 pub(crate) fn fnv(words: &[u64]) -> u64 {
+    fnv_of(words.iter().copied())
+}
+
+/// [`fnv`] over words as they come (nothing collected first).
+pub(crate) fn fnv_of(words: impl IntoIterator<Item = u64>) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in words {
         for b in w.to_le_bytes() {
@@ -299,12 +318,12 @@ pub(crate) fn fnv(words: &[u64]) -> u64 {
 /// The target's buffer must stay valid, and must not be read or written by anyone else, until
 /// `done` is completed or [`Pair::cancel`] for `done` has returned on every pair returned.
 unsafe fn post_recv_any(
-    pairs: &[Arc<dyn Pair>],
+    mut pairs: Pairs,
     key: Key,
     desc: OpDesc,
     target: RecvTarget,
     done: &Arc<Completion>,
-) -> Result<Vec<Arc<dyn Pair>>> {
+) -> Result<Pairs> {
     for (i, pair) in pairs.iter().enumerate() {
         // SAFETY: forwarded from this function's contract.
         if let Err(e) = unsafe { pair.post_recv(key, desc, target, done) } {
@@ -316,15 +335,16 @@ unsafe fn post_recv_any(
                 done.complete(Err(e.clone()));
                 return Err(e);
             }
-            return Ok(pairs[..i].to_vec());
+            pairs.truncate(i);
+            return Ok(pairs);
         }
     }
-    Ok(pairs.to_vec())
+    Ok(pairs)
 }
 
 /// One operation started in a scope.
 struct Op {
-    pairs: Vec<Arc<dyn Pair>>,
+    pairs: Pairs,
     done: Arc<Completion>,
     what: &'static str,
     /// The mesh's per-rank counts of outstanding operations, when this one is part of them.
@@ -333,7 +353,7 @@ struct Op {
 
 impl Op {
     /// An operation the mesh counts as outstanding: other waits drive its pairs too.
-    fn new(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str, shared: &World) -> Self {
+    fn new(pairs: Pairs, done: Arc<Completion>, what: &'static str, shared: &World) -> Self {
         for p in &pairs {
             shared.pending[p.peer()].fetch_add(1, Ordering::Relaxed);
         }
@@ -341,7 +361,7 @@ impl Op {
     }
 
     /// An operation only its own waits drive (a background receive that stays posted).
-    fn uncounted(pairs: Vec<Arc<dyn Pair>>, done: Arc<Completion>, what: &'static str) -> Self {
+    fn uncounted(pairs: Pairs, done: Arc<Completion>, what: &'static str) -> Self {
         Op { pairs, done, what, pending: None }
     }
 
@@ -358,7 +378,7 @@ impl Op {
     }
 
     /// The mesh ranks of the pairs it is posted to.
-    fn peers(&self) -> Vec<usize> {
+    fn peers(&self) -> Ranks {
         self.pairs.iter().map(|p| p.peer()).collect()
     }
 
@@ -371,7 +391,7 @@ impl Op {
         shared: &World,
         spin: BusyWait,
     ) -> Option<Result<Done>> {
-        let others: Vec<usize> = (0..shared.pending.len())
+        let others: SmallVec<[usize; 8]> = (0..shared.pending.len())
             .filter(|r| shared.pending[*r].load(Ordering::Relaxed) > 0 && !own.contains(r))
             .collect();
         shared.mesh.progress.wait(done, own, &others, deadline, spin)
@@ -379,10 +399,24 @@ impl Op {
 
     /// [`wait`](Self::wait) with a busy-wait policy of its own.
     fn wait_spinning(&self, deadline: Instant, shared: &World, spin: BusyWait) -> Result<Done> {
+        // Finished already (a send the transport took whole, a message that was waiting):
+        // nothing to drive, no clock to read.
+        let outcome = match self.done.outcome() {
+            Some(o) => o,
+            None => self.wait_unfinished(deadline, shared, spin),
+        };
+        if self.pairs.len() > 1 {
+            // Receive from any: withdraw the entries the winner left on the other pairs.
+            self.cancel();
+        }
+        outcome.map_err(|e| e.during(self.what))
+    }
+
+    /// The waiting part of [`wait_spinning`](Self::wait_spinning).
+    fn wait_unfinished(&self, deadline: Instant, shared: &World, spin: BusyWait) -> Result<Done> {
         let start = Instant::now();
         let own = self.peers();
-        let finished = Self::wait_for(&self.done, &own, deadline, shared, spin);
-        let outcome = match finished {
+        match Self::wait_for(&self.done, &own, deadline, shared, spin) {
             Some(o) => o,
             None => {
                 self.cancel();
@@ -390,7 +424,7 @@ impl Op {
                 self.done.outcome().unwrap_or_else(|| {
                     let e = Error::Timeout {
                         op: self.what.to_string(),
-                        ranks: own,
+                        ranks: own.to_vec(),
                         keys: Vec::new(),
                         waited: start.elapsed(),
                     };
@@ -398,12 +432,7 @@ impl Op {
                     Err(e)
                 })
             }
-        };
-        if self.pairs.len() > 1 {
-            // Receive from any: withdraw the entries the winner left on the other pairs.
-            self.cancel();
         }
-        outcome.map_err(|e| e.during(self.what))
     }
 }
 
@@ -421,7 +450,8 @@ impl Drop for Op {
 /// [`Context::scope`](crate::Context::scope).
 pub struct Scope<'scope, 'env: 'scope> {
     comm: &'env Comm,
-    ops: Mutex<Vec<Option<Op>>>,
+    /// Every operation started, by index; `None` once waited for.
+    ops: Mutex<SmallVec<[Option<Op>; SCOPE_INLINE]>>,
     _scope: PhantomData<&'scope mut &'scope ()>,
     _env: PhantomData<&'env mut &'env ()>,
 }
@@ -468,7 +498,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let done = Completion::new();
         // SAFETY: forwarded from this function's contract.
         unsafe { pair.post_send(key, desc, buf, &done) }.map_err(|e| e.during(what))?;
-        Ok(self.push(Op::new(vec![pair], done, what, &self.comm.shared)))
+        Ok(self.push(Op::new(smallvec![pair], done, what, &self.comm.shared)))
     }
 
     /// Waits for an operation of this scope until an absolute deadline.
@@ -506,11 +536,11 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         if peers.is_empty() {
             return Err(Error::invalid("receive from an empty set of ranks"));
         }
-        let pairs = peers.iter().map(|&p| self.comm.pair(p).cloned()).collect::<Result<Vec<_>>>()?;
+        let pairs = peers.iter().map(|&p| self.comm.pair(p).cloned()).collect::<Result<Pairs>>()?;
         let done = Completion::for_pairs(pairs.len());
         // SAFETY: forwarded from this function's contract: the operation is pushed to the
         // scope, which finishes or cancels it on every pair it is posted to before it ends.
-        let posted = unsafe { post_recv_any(&pairs, key, desc, target, &done) }.map_err(|e| e.during(what))?;
+        let posted = unsafe { post_recv_any(pairs, key, desc, target, &done) }.map_err(|e| e.during(what))?;
         Ok(self.push(Op::new(posted, done, what, &self.comm.shared)))
     }
 

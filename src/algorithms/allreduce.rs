@@ -1,11 +1,11 @@
 //! Allreduce: ring (pipelined) and recursive halving-doubling; the ring phases are shared
 //! with reduce-scatter and allgather.
 
-use super::{Coll, Phase, Sent, carve, carve2, partition, segments};
+use super::{Around, Coll, Phase, Sends, block_of, carve2, segment_runs, segments};
 use crate::error::Result;
 use crate::types::{Element, Fold};
 use bytemuck::Pod;
-use std::collections::VecDeque;
+use smallvec::SmallVec;
 use std::ops::Range;
 
 /// Receive slots of the ring reduce-scatter: segments in flight towards this rank. Step-0
@@ -64,48 +64,61 @@ pub(crate) enum RingBufs<'b, T> {
 
 /// The runs of a ring reduce-scatter's buffers, each lent on its own.
 struct RingRuns<'b, T> {
-    /// The step-0 segments, only read and sent.
-    first: Vec<&'b [T]>,
-    /// Where each received segment is reduced, in the order received.
-    dsts: Vec<&'b mut [T]>,
-    /// This rank's contribution to copy there first, when it is elsewhere.
-    mine: Vec<Option<&'b [T]>>,
+    /// The step-0 block, only read and sent.
+    first: &'b [T],
+    /// Where the blocks received are reduced (but the last step's, when it has `last`).
+    around: Around<'b, T>,
+    /// Where the block received in the last step is reduced, when apart.
+    last: Option<&'b mut [T]>,
+    /// This rank's contribution, to copy where a block is reduced first, when it lies apart.
+    input: Option<&'b [T]>,
 }
 
 impl<'b, T> RingBufs<'b, T> {
-    /// Cuts the runs: the step-0 segments `first`, and the destinations of the segments
-    /// `items` received (in step k, at a range of the blocks); the block of the last step,
-    /// `last_step`, starts at `last_start`. The step-0 block is never a destination
+    /// Cuts the runs around the step-0 block, block `b` at `at`. It is never a destination
     /// (recv_block(k) == send_block(0) has no solution k in 0..n-1), so it is read while the
     /// others are written.
-    fn runs(
-        self,
-        first: &[Range<usize>],
-        items: &[(usize, Range<usize>)],
-        last_step: usize,
-        last_start: usize,
-    ) -> RingRuns<'b, T> {
-        let ranges = items.iter().map(|(_, s)| s.clone());
+    fn runs(self, b: usize, at: Range<usize>) -> RingRuns<'b, T> {
         match self {
             RingBufs::InPlace(buf) => {
-                let mut runs = carve(buf, &first.iter().cloned().chain(ranges).collect::<Vec<_>>());
-                let dsts = runs.split_off(first.len());
-                let first = runs.into_iter().map(|r| &*r).collect();
-                RingRuns { first, dsts, mine: vec![None; items.len()] }
+                let (around, first) = Around::new(buf, b, at);
+                RingRuns { first, around, last: None, input: None }
             }
             RingBufs::Apart { input, work, last } => {
-                // The last step's block lies in `last`, the others in `work`.
-                let (early, late): (Vec<_>, Vec<_>) = items.iter().partition(|(k, _)| *k < last_step);
-                let mut dsts = carve(work, &early.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>());
-                let late: Vec<_> = late.iter().map(|(_, s)| s.start - last_start..s.end - last_start).collect();
-                dsts.extend(carve(last, &late));
-                RingRuns {
-                    first: first.iter().map(|r| &input[r.clone()]).collect(),
-                    dsts,
-                    mine: ranges.map(|r| Some(&input[r])).collect(),
-                }
+                // `work` is empty with two ranks: their only block received is the last step's.
+                let hole = if work.is_empty() { 0..0 } else { at.clone() };
+                let (around, _) = Around::new(work, b, hole);
+                RingRuns { first: &input[at], around, last: Some(last), input: Some(input) }
             }
         }
+    }
+}
+
+/// Forwarded segments waiting for credit, first in, first out; a few kept inline.
+struct Waiting<'s, T> {
+    runs: SmallVec<[&'s [T]; 4]>,
+    next: usize,
+}
+
+impl<'s, T> Waiting<'s, T> {
+    fn new() -> Self {
+        Waiting { runs: SmallVec::new(), next: 0 }
+    }
+
+    fn push(&mut self, run: &'s [T]) {
+        self.runs.push(run);
+    }
+
+    fn pop(&mut self) -> Option<&'s [T]> {
+        let run = self.runs.get(self.next).copied();
+        if run.is_some() {
+            self.next += 1;
+        } else {
+            // Empty: start again from the front.
+            self.runs.clear();
+            self.next = 0;
+        }
+        run
     }
 }
 
@@ -128,70 +141,86 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     let Some(ring) = Ring::of(c, shift) else { return Ok(()) };
     let (n, right, left) = (ring.n, ring.right, ring.left);
     // Every (step, segment) this rank receives, in order.
-    let items: Vec<(usize, Range<usize>)> =
-        (0..n - 1).flat_map(|k| segments(&blocks[ring.recv_block(k)], seg).map(move |s| (k, s))).collect();
-    let first: Vec<Range<usize>> = segments(&blocks[ring.send_block(0)], seg).collect();
-    let longest = items.iter().map(|(_, s)| s.len()).max().unwrap_or(0);
+    let items = (0..n - 1).flat_map(|k| segments(blocks[ring.recv_block(k)].clone(), seg).map(move |s| (k, s)));
+    let longest = items.clone().map(|(_, s)| s.len()).max().unwrap_or(0);
     let mut slot_mem = c.scratch::<T>(longest * RING_SLOTS);
-    let slot_ranges: Vec<Range<usize>> = (0..RING_SLOTS).map(|i| i * longest..(i + 1) * longest).collect();
-    let slots = carve(&mut slot_mem, &slot_ranges);
-
-    let RingRuns { first, dsts, mine } = bufs.runs(&first, &items, n - 2, blocks[ring.recv_block(n - 2)].start);
+    let mut rest: &mut [T] = &mut slot_mem;
+    let slots: [&mut [T]; RING_SLOTS] = std::array::from_fn(|_| {
+        let (slot, tail) = std::mem::take(&mut rest).split_at_mut(longest);
+        rest = tail;
+        slot
+    });
+    let b0 = ring.send_block(0);
+    let RingRuns { first, mut around, mut last, input } = bufs.runs(b0, blocks[b0].clone());
+    // Where each segment received is reduced, in the order received, with its step and range.
+    let dsts = (0..n - 1).flat_map(|k| {
+        let b = ring.recv_block(k);
+        let run = match last.take() {
+            Some(l) if k == n - 2 => l,
+            l => {
+                last = l;
+                around.take(b, blocks[b].clone())
+            }
+        };
+        segment_runs(run, blocks[b].clone(), seg).map(move |(s, dst)| (k, s, dst))
+    });
     c.phase(|p| {
         // Sends leave in one order (every step-0 segment, then each forwarded segment as it
         // is reduced), because the right neighbour matches them by order alone. They are
         // paced: one credit per receive slot to start, one more per segment received, so
         // segments land in the neighbour's posted slots instead of its early-arrival buffer.
-        let mut queue: VecDeque<&[T]> = first.into();
+        let at = blocks[b0].start;
+        let mut firsts = segments(blocks[b0].clone(), seg).map(|s| &first[s.start - at..s.end - at]);
+        let mut queue = Waiting::new();
         let mut credit = RING_SLOTS;
-        let mut sends = Vec::new();
-        pace(p, right, &mut queue, &mut credit, &mut sends, false)?;
-        // Each slot has at most one receive pending, and is read only once it came back.
-        let mut pending = VecDeque::new();
-        let mut next = 0;
-        for slot in slots {
-            if next < items.len() {
-                pending.push_back(p.recv_front(left, slot, items[next].1.len())?);
-                next += 1;
+        let mut sends = Sends::new();
+        pace(p, right, &mut firsts, &mut queue, &mut credit, &mut sends, false)?;
+        // Segment i is received into slot i mod RING_SLOTS, which has at most one receive
+        // pending and is read only once it came back.
+        let mut ahead = items.clone();
+        let mut pending: [Option<_>; RING_SLOTS] = std::array::from_fn(|_| None);
+        for (pending, slot) in pending.iter_mut().zip(slots) {
+            if let Some((_, s)) = ahead.next() {
+                *pending = Some(p.recv_front(left, slot, s.len())?);
             }
         }
-        for (((k, range), dst), mine) in items.iter().zip(dsts).zip(mine) {
-            let Some(got) = pending.pop_front() else { break };
+        for (i, (k, range, dst)) in dsts.enumerate() {
+            let Some(got) = pending[i % RING_SLOTS].take() else { break };
             let slot = p.filled(got)?;
             // `dst` (block recv_block(k)) was never sent before step k+1, and no receive
             // targets it; in place it already holds this rank's contribution.
-            if let Some(mine) = mine {
-                dst.copy_from_slice(mine);
+            if let Some(input) = input {
+                dst.copy_from_slice(&input[range.clone()]);
             }
             op.apply(dst, &slot[..range.len()]);
-            if next < items.len() {
-                pending.push_back(p.recv_front(left, slot, items[next].1.len())?);
-                next += 1;
+            if let Some((_, s)) = ahead.next() {
+                pending[i % RING_SLOTS] = Some(p.recv_front(left, slot, s.len())?);
             }
             // A forwarded segment is final: nothing writes it again.
             if k + 1 < n - 1 {
-                queue.push_back(dst);
+                queue.push(dst);
             }
             credit += 1;
-            pace(p, right, &mut queue, &mut credit, &mut sends, false)?;
+            pace(p, right, &mut firsts, &mut queue, &mut credit, &mut sends, false)?;
         }
-        pace(p, right, &mut queue, &mut credit, &mut sends, true)?;
+        pace(p, right, &mut firsts, &mut queue, &mut credit, &mut sends, true)?;
         p.wait_all(sends)
     })
 }
 
-/// Sends queued segments to `right` while there is credit (all of them with `all`), one
-/// credit each.
+/// Sends the step-0 segments left, then the forwarded ones queued, to `right` while there is
+/// credit (all of them with `all`), one credit each.
 fn pace<'s, T: Pod>(
     p: &Phase<'s, '_>,
     right: usize,
-    queue: &mut VecDeque<&'s [T]>,
+    firsts: &mut impl Iterator<Item = &'s [T]>,
+    queue: &mut Waiting<'s, T>,
     credit: &mut usize,
-    sends: &mut Vec<Sent>,
+    sends: &mut Sends,
     all: bool,
 ) -> Result<()> {
     while *credit > 0 || all {
-        let Some(s) = queue.pop_front() else { break };
+        let Some(s) = firsts.next().or_else(|| queue.pop()) else { break };
         sends.push(p.send(right, s)?);
         *credit = credit.saturating_sub(1);
     }
@@ -211,21 +240,21 @@ pub(crate) fn ring_allgather<T: Element>(
 ) -> Result<()> {
     let Some(ring) = Ring::of(c, shift) else { return Ok(()) };
     let (n, right, left) = (ring.n, ring.right, ring.left);
-    let first: Vec<Range<usize>> = segments(&blocks[ring.send_block(0)], seg).collect();
-    // The blocks received are pairwise distinct and distinct from the block sent first.
-    let items: Vec<(usize, Range<usize>)> =
-        (0..n - 1).flat_map(|k| segments(&blocks[ring.recv_block(k)], seg).map(move |s| (k, s))).collect();
-    let ranges: Vec<Range<usize>> = first.iter().cloned().chain(items.iter().map(|(_, s)| s.clone())).collect();
+    let b0 = ring.send_block(0);
     c.phase(|p| {
-        let mut runs = carve(buf, &ranges).into_iter();
-        let mut sends = Vec::new();
-        for s in runs.by_ref().take(first.len()) {
+        // The blocks received are pairwise distinct and distinct from the block sent first.
+        let (mut around, first) = Around::new(buf, b0, blocks[b0].clone());
+        let mut sends = Sends::new();
+        for (_, s) in segment_runs(first, blocks[b0].clone(), seg) {
             sends.push(p.send(right, &*s)?);
         }
         // Post every receive up front: each lands in its own place in `buf`.
-        let mut recvs = Vec::new();
-        for ((k, _), s) in items.iter().zip(runs) {
-            recvs.push((k, p.recv(left, s)?));
+        let mut recvs: SmallVec<[_; 8]> = SmallVec::new();
+        for k in 0..n - 1 {
+            let b = ring.recv_block(k);
+            for (_, s) in segment_runs(around.take(b, blocks[b].clone()), blocks[b].clone(), seg) {
+                recvs.push((k, p.recv(left, s)?));
+            }
         }
         for (k, got) in recvs {
             let s = p.filled(got)?;
@@ -240,7 +269,8 @@ pub(crate) fn ring_allgather<T: Element>(
 /// Ring allreduce: reduce-scatter then allgather. 2(n-1) steps; each rank sends and receives
 /// 2(n-1)/n of the buffer.
 pub(crate) fn ring<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &Fold<'_, T>, seg: usize) -> Result<()> {
-    let blocks = partition(buf.len(), c.size());
+    let n = c.size();
+    let blocks: SmallVec<[Range<usize>; 8]> = (0..n).map(|i| block_of(buf.len(), n, i)).collect();
     ring_reduce_scatter(c, RingBufs::InPlace(&mut *buf), &blocks, op, 0, seg)?;
     ring_allgather(c, buf, &blocks, 1, seg)
 }
@@ -366,8 +396,9 @@ pub(crate) fn halving_doubling<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &Fol
     let Some(g) = Group::enter(c, buf, &mut tmp, op)? else { return Ok(()) };
     let (p, v) = (g.p, g.v);
 
-    let blocks = partition(buf.len(), p);
-    let span = |lo: usize, hi: usize| blocks[lo].start..blocks[hi - 1].end;
+    let len = buf.len();
+    // Blocks lo..hi of the buffer split into p, as one run.
+    let span = |lo: usize, hi: usize| block_of(len, p, lo).start..block_of(len, p, hi - 1).end;
     let (mut lo, mut hi) = (0, p);
     let mut mask = p / 2;
     while mask > 0 {

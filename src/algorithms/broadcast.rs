@@ -1,9 +1,8 @@
 //! Broadcast: binomial tree for small messages, a pipelined chain for large ones.
 
-use super::{Coll, carve, segments};
+use super::{Coll, Receives, Sends, segment_runs, segments};
 use crate::error::Result;
 use bytemuck::Pod;
-use std::ops::Range;
 
 /// Binomial tree from `root`: ⌈log₂ n⌉ steps; the root sends the whole buffer ⌈log₂ n⌉ times.
 pub(crate) fn tree<T: Pod>(c: &Coll<'_>, buf: &mut [T], root: usize) -> Result<()> {
@@ -25,7 +24,7 @@ pub(crate) fn tree<T: Pod>(c: &Coll<'_>, buf: &mut [T], root: usize) -> Result<(
             }
             None => buf,
         };
-        let mut sends = Vec::new();
+        let mut sends = Sends::new();
         let mut mask = mask >> 1;
         while mask > 0 {
             if vr + mask < n {
@@ -43,19 +42,19 @@ pub(crate) fn pipeline<T: Pod>(c: &Coll<'_>, buf: &mut [T], root: usize, seg: us
     let (r, n) = (c.rank(), c.size());
     let vr = (r + n - root) % n;
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let segs: Vec<Range<usize>> = segments(&(0..buf.len()), seg).collect();
+    let whole = 0..buf.len();
     c.phase(|p| {
-        let mut sends = Vec::new();
+        let mut sends = Sends::new();
         if vr == 0 {
             // The root's buffer is only read.
             let buf: &[T] = buf;
-            for s in &segs {
-                sends.push(p.send(next, &buf[s.clone()])?);
+            for s in segments(whole, seg) {
+                sends.push(p.send(next, &buf[s])?);
             }
             return p.wait_all(sends);
         }
-        let mut recvs = Vec::new();
-        for s in carve(buf, &segs) {
+        let mut recvs = Receives::new();
+        for (_, s) in segment_runs(buf, whole, seg) {
             recvs.push(p.recv(prev, s)?);
         }
         for got in recvs {

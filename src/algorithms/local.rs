@@ -8,7 +8,7 @@
 //! large allreduce: reduce-scatter, then allgather).
 
 use super::steps::Local;
-use super::{CollectiveOptions, partition};
+use super::{CollectiveOptions, block_of};
 use crate::comm::Comm;
 use crate::error::Result;
 use crate::transport::LocalArea;
@@ -63,8 +63,7 @@ pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<
     for chunk in buf.chunks_mut(c) {
         let len = chunk.len();
         let t = l.step(|own: &mut [T]| own[..len].copy_from_slice(chunk))?;
-        let parts = partition(len, n);
-        let mine = parts[me].clone();
+        let mine = block_of(len, n, me);
         // In step u this rank writes only its own slice of its own slot.
         let u = t.next(|own: &mut [T], t| {
             let out = &mut own[mine.clone()];
@@ -73,8 +72,9 @@ pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<
                 op.apply(out, t.read(m, mine.clone()));
             }
         })?;
-        for (m, p) in parts.iter().enumerate() {
-            chunk[p.clone()].copy_from_slice(u.read(m, p.clone()));
+        for m in 0..n {
+            let p = block_of(len, n, m);
+            chunk[p.clone()].copy_from_slice(u.read(m, p));
         }
     }
     Ok(())

@@ -14,11 +14,12 @@ pub(crate) mod steps;
 
 pub use crate::types::Algorithm;
 
-use crate::comm::{Comm, Lent, Scope, fnv};
+use crate::comm::{Comm, Lent, Scope, fnv_of};
 use crate::error::{Error, Result};
 use crate::transport::Key;
 use crate::types::{Element, OpDesc};
 use bytemuck::Pod;
+use smallvec::SmallVec;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::Mutex;
@@ -159,6 +160,13 @@ pub(crate) struct Phase<'scope, 'env: 'scope> {
 #[must_use = "a send is waited for before the phase's result is known"]
 pub(crate) struct Sent(usize);
 
+/// The sends of a phase, to wait for at its end: those of a call on a few ranks inline.
+pub(crate) type Sends = SmallVec<[Sent; 8]>;
+
+/// The receives of a phase posted up front, to wait for in order: those of a call on a few
+/// ranks inline.
+pub(crate) type Receives<'scope, 'env, T> = SmallVec<[Lent<'scope, 'env, T>; 8]>;
+
 impl<'scope, 'env> Phase<'scope, 'env> {
     /// Starts sending `buf` to `peer`. `buf` stays borrowed (readable, not writable) for the
     /// rest of the phase.
@@ -263,27 +271,77 @@ impl<T> Drop for Scratch<'_, T> {
     }
 }
 
-/// Cuts the runs `ranges` out of `buf`, returned in the order given (each run lent on its own:
-/// one sent while another is received into or reduced). The runs must be disjoint and inside
-/// `buf` (an empty run too may not lie inside another); a violation is a bug in the algorithm, never
+/// Hands out runs of a buffer in the order of their place in it, each lent on its own (one sent
+/// while another is received into or reduced). Runs must be disjoint and come in ascending
+/// order (an empty run may lie anywhere between); a violation is a bug in the algorithm, never
 /// input-driven, and panics.
-pub(crate) fn carve<'b, T>(buf: &'b mut [T], ranges: &[Range<usize>]) -> Vec<&'b mut [T]> {
-    let mut order: Vec<usize> = (0..ranges.len()).collect();
-    order.sort_unstable_by_key(|&i| (ranges[i].start, ranges[i].end));
-    let mut out: Vec<Option<&'b mut [T]>> = (0..ranges.len()).map(|_| None).collect();
-    let (mut rest, mut at) = (buf, 0);
-    for i in order {
-        let r = &ranges[i];
-        assert!(at <= r.start && r.start <= r.end, "run {r:?} overlaps another run, or is reversed");
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
-        let (piece, tail) = tail.split_at_mut(r.len());
-        out[i] = Some(piece);
-        (rest, at) = (tail, r.end);
-    }
-    out.into_iter().flatten().collect()
+pub(crate) struct Upward<'b, T> {
+    rest: &'b mut [T],
+    /// Where `rest` starts in the buffer.
+    at: usize,
 }
 
-/// Two disjoint runs `a` and `b` of `buf` (see [`carve`]).
+impl<'b, T> Upward<'b, T> {
+    /// Runs of `buf`, indexed from its start.
+    pub(crate) fn new(buf: &'b mut [T]) -> Self {
+        Upward { rest: buf, at: 0 }
+    }
+
+    /// The run `r`: after every run handed out before, inside the buffer.
+    pub(crate) fn cut(&mut self, r: Range<usize>) -> &'b mut [T] {
+        assert!(
+            self.at <= r.start && r.start <= r.end && r.end - self.at <= self.rest.len(),
+            "run {r:?} overlaps an earlier run, comes before it, is reversed or lies outside the buffer"
+        );
+        let (_, tail) = std::mem::take(&mut self.rest).split_at_mut(r.start - self.at);
+        let (piece, tail) = tail.split_at_mut(r.len());
+        (self.rest, self.at) = (tail, r.end);
+        piece
+    }
+}
+
+/// Hands out the blocks of a buffer around one of them, the hole, in the order a ring receives
+/// them (block `hole - 1 - k mod n` in step k): down from the block below the hole to the first,
+/// then down from the last to the block above the hole. Blocks are named by index, with their
+/// runs; blocks of lower index lie lower in the buffer, disjoint (those of [`partition`] and
+/// [`blocks_of`]). A block out of that order, or overlapping one handed out before, is a bug in
+/// the algorithm, never input-driven, and panics.
+pub(crate) struct Around<'b, T> {
+    /// What is left below the hole.
+    below: &'b mut [T],
+    /// What is left above the hole, from `above_at` in the buffer.
+    above: &'b mut [T],
+    above_at: usize,
+    hole: usize,
+}
+
+impl<'b, T> Around<'b, T> {
+    /// The blocks of `buf` around block `hole`, whose run `at` is returned too.
+    pub(crate) fn new(buf: &'b mut [T], hole: usize, at: Range<usize>) -> (Self, &'b mut [T]) {
+        let (below, rest) = buf.split_at_mut(at.start);
+        let (mid, above) = rest.split_at_mut(at.len());
+        (Around { below, above, above_at: at.end, hole }, mid)
+    }
+
+    /// Block `b`, the run `r` of the buffer: each block handed out lies below the ones before it
+    /// on its side of the hole.
+    pub(crate) fn take(&mut self, b: usize, r: Range<usize>) -> &'b mut [T] {
+        let (part, at) = if b < self.hole { (&mut self.below, 0) } else { (&mut self.above, self.above_at) };
+        assert!(
+            b != self.hole && at <= r.start && r.start <= r.end && r.end - at <= part.len(),
+            "block {b} at {r:?} is the hole ({}), overlaps a block handed out before, is reversed or lies \
+             outside the buffer",
+            self.hole
+        );
+        let (rest, tail) = std::mem::take(part).split_at_mut(r.start - at);
+        *part = rest;
+        tail.split_at_mut(r.len()).0
+    }
+}
+
+/// Two disjoint runs `a` and `b` of `buf`, each lent on its own, in the order asked (an empty
+/// run may lie anywhere outside the other). Overlapping runs are a bug in the algorithm, never
+/// input-driven, and panic.
 pub(crate) fn carve2<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mut [T], &mut [T]) {
     // An empty run at the start of the other goes first.
     let swap = (b.start, b.end) < (a.start, a.end);
@@ -296,8 +354,13 @@ pub(crate) fn carve2<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mu
 
 /// Splits `count` elements into `n` contiguous blocks whose sizes differ by at most one.
 pub(crate) fn partition(count: usize, n: usize) -> Vec<Range<usize>> {
+    (0..n).map(|i| block_of(count, n, i)).collect()
+}
+
+/// Block `i` of [`partition`]`(count, n)`, computed on its own.
+pub(crate) fn block_of(count: usize, n: usize, i: usize) -> Range<usize> {
     let (q, r) = (count / n, count % n);
-    (0..n).map(|i| (i * q + i.min(r))..((i + 1) * q + (i + 1).min(r))).collect()
+    (i * q + i.min(r))..((i + 1) * q + (i + 1).min(r))
 }
 
 /// Blocks from per-rank counts.
@@ -314,9 +377,23 @@ pub(crate) fn blocks_of(counts: &[usize]) -> Vec<Range<usize>> {
 }
 
 /// The segments of a block for pipelining: at least one (possibly empty) segment.
-pub(crate) fn segments(block: &Range<usize>, seg: usize) -> impl Iterator<Item = Range<usize>> + '_ {
+pub(crate) fn segments(block: Range<usize>, seg: usize) -> impl Iterator<Item = Range<usize>> + Clone {
     let n = block.len().div_ceil(seg).max(1);
     (0..n).map(move |j| (block.start + j * seg).min(block.end)..(block.start + (j + 1) * seg).min(block.end))
+}
+
+/// The [`segments`] of `block` with their runs of `run`, which holds the block.
+pub(crate) fn segment_runs<T>(
+    run: &mut [T],
+    block: Range<usize>,
+    seg: usize,
+) -> impl Iterator<Item = (Range<usize>, &mut [T])> {
+    let start = block.start;
+    let mut runs = Upward::new(run);
+    segments(block, seg).map(move |s| {
+        let piece = runs.cut(s.start - start..s.end - start);
+        (s, piece)
+    })
 }
 
 /// Checks that `counts` has one entry per rank, and returns their sum.
@@ -332,8 +409,7 @@ pub(crate) fn check_counts(counts: &[usize], n: usize, what: &str) -> Result<usi
 
 /// A hash of per-rank counts, for [`OpDesc::extra`].
 pub(crate) fn counts_hash(counts: &[usize]) -> u64 {
-    let words: Vec<u64> = counts.iter().map(|&c| c as u64).collect();
-    fnv(&words)
+    fnv_of(counts.iter().map(|&c| c as u64))
 }
 
 #[cfg(test)]
@@ -385,16 +461,40 @@ mod tests {
     }
 
     #[test]
-    fn carve_hands_out_each_run_in_the_order_asked() {
+    fn upward_hands_out_each_run_in_order_empty_ones_anywhere_between() {
         let mut v: Vec<u32> = (0..10).collect();
-        let runs = [6..9, 0..2, 2..2, 9..10, 6..6, 2..6, 10..10];
-        let got: Vec<Vec<u32>> = carve(&mut v, &runs).into_iter().map(|p| p.to_vec()).collect();
+        let runs = [0..0, 0..2, 2..2, 2..6, 6..6, 6..9, 9..10, 10..10];
+        let mut up = Upward::new(&mut v);
+        let got: Vec<Vec<u32>> = runs.iter().map(|r| up.cut(r.clone()).to_vec()).collect();
         let want: Vec<Vec<u32>> = runs.iter().map(|r| (r.start as u32..r.end as u32).collect()).collect();
         assert_eq!(got, want);
-        let mut pieces = carve(&mut v, &[4..5, 1..3]);
-        pieces[0][0] = 40;
-        pieces[1].fill(10);
+        // Gaps are skipped; the pieces are the buffer's own memory.
+        let mut up = Upward::new(&mut v);
+        let (a, b) = (up.cut(1..3), up.cut(4..5));
+        a.fill(10);
+        b[0] = 40;
         assert_eq!(v, [0, 10, 10, 3, 40, 5, 6, 7, 8, 9]);
+    }
+
+    #[test]
+    fn around_hands_out_every_block_but_the_hole_in_ring_order() {
+        // Blocks as the ring has them, empty ones included (fewer elements than blocks).
+        for (count, n) in [(10usize, 4usize), (3, 5), (0, 3), (7, 1), (1, 2)] {
+            let blocks = partition(count, n);
+            for hole in 0..n {
+                let mut v: Vec<usize> = (0..count).collect();
+                let (mut around, mid) = Around::new(&mut v, hole, blocks[hole].clone());
+                assert_eq!(mid, &(blocks[hole].clone()).collect::<Vec<_>>()[..]);
+                mid.fill(usize::MAX);
+                for k in 0..n - 1 {
+                    let b = (hole + n - 1 - k) % n;
+                    let run = around.take(b, blocks[b].clone());
+                    assert_eq!(run, &(blocks[b].clone()).collect::<Vec<_>>()[..], "{count} in {n}, hole {hole}");
+                    run.fill(usize::MAX);
+                }
+                assert!(v.iter().all(|&x| x == usize::MAX), "{count} in {n}, hole {hole}: a block was left out");
+            }
+        }
     }
 
     #[test]
@@ -418,28 +518,69 @@ mod tests {
 
     #[test]
     #[should_panic(expected = "overlaps")]
-    fn carve_refuses_overlapping_runs() {
+    fn upward_refuses_a_run_below_an_earlier_one() {
         let mut v = [0u8; 8];
-        carve(&mut v, &[0..4, 3..5]);
+        let mut up = Upward::new(&mut v);
+        up.cut(0..4);
+        up.cut(3..5);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside")]
+    fn upward_refuses_a_run_past_the_end() {
+        let mut v = [0u8; 8];
+        Upward::new(&mut v).cut(6..9);
+    }
+
+    #[test]
+    #[should_panic(expected = "overlaps")]
+    fn around_refuses_blocks_out_of_ring_order() {
+        let blocks = partition(12, 4);
+        let mut v = [0u8; 12];
+        let (mut around, _) = Around::new(&mut v, 3, blocks[3].clone());
+        around.take(1, blocks[1].clone());
+        around.take(2, blocks[2].clone());
+    }
+
+    #[test]
+    #[should_panic(expected = "hole")]
+    fn around_refuses_the_hole() {
+        let blocks = partition(12, 4);
+        let mut v = [0u8; 12];
+        let (mut around, _) = Around::new(&mut v, 2, blocks[2].clone());
+        around.take(2, blocks[2].clone());
     }
 
     proptest! {
         #[test]
-        fn carving_the_pipeline_segments_of_blocks_covers_the_buffer_once(
-            counts in proptest::collection::vec(0usize..40, 1..9), seg in 1usize..16,
+        fn the_pipeline_segments_of_the_blocks_around_a_hole_cover_the_buffer_once(
+            counts in proptest::collection::vec(0usize..40, 1..9), seg in 1usize..16, hole in 0usize..8,
         ) {
+            let n = counts.len();
+            let hole = hole % n;
             let blocks = blocks_of(&counts);
             let total: usize = counts.iter().sum();
-            let runs: Vec<Range<usize>> = blocks.iter().rev().flat_map(|b| segments(b, seg)).collect();
             let mut v = vec![0usize; total];
-            for (i, piece) in carve(&mut v, &runs).into_iter().enumerate() {
-                prop_assert_eq!(piece.len(), runs[i].len());
+            let mut runs = Vec::new();
+            let (mut around, mid) = Around::new(&mut v, hole, blocks[hole].clone());
+            let mut pieces: Vec<(Range<usize>, &mut [usize])> = segment_runs(mid, blocks[hole].clone(), seg).collect();
+            for k in 0..n - 1 {
+                let b = (hole + n - 1 - k) % n;
+                pieces.extend(segment_runs(around.take(b, blocks[b].clone()), blocks[b].clone(), seg));
+            }
+            for (i, (r, piece)) in pieces.into_iter().enumerate() {
+                prop_assert_eq!(piece.len(), r.len());
                 prop_assert!(piece.len() <= seg);
                 piece.iter_mut().for_each(|x| *x += i + 1);
+                runs.push(r);
             }
+            // One (possibly empty) segment at least per block, each where its range says, and
+            // every element in exactly one.
+            prop_assert!(runs.len() >= n);
             for (i, r) in runs.iter().enumerate() {
                 prop_assert!(v[r.clone()].iter().all(|&x| x == i + 1));
             }
+            prop_assert!(v.iter().all(|&x| x > 0));
         }
     }
 }

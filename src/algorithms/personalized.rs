@@ -1,6 +1,6 @@
 //! Gather, scatter and all-to-all: every block goes straight from its sender to its receiver.
 
-use super::{Coll, carve};
+use super::{Around, Coll, Receives, Sends, Upward};
 use crate::error::Result;
 use bytemuck::Pod;
 use std::ops::Range;
@@ -21,12 +21,10 @@ pub(crate) fn gather<T: Pod>(
             return p.wait(s);
         }
         // The blocks are disjoint parts of `out`, each written by one receive.
-        let others: Vec<(usize, Range<usize>)> =
-            blocks.iter().cloned().enumerate().filter(|&(p, _)| p != root).collect();
-        let runs = carve(out, &others.iter().map(|(_, b)| b.clone()).collect::<Vec<_>>());
-        let mut recvs = Vec::new();
-        for ((peer, _), run) in others.iter().zip(runs) {
-            recvs.push(p.recv(*peer, run)?);
+        let mut runs = Upward::new(out);
+        let mut recvs = Receives::new();
+        for (peer, b) in blocks.iter().enumerate().filter(|&(p, _)| p != root) {
+            recvs.push(p.recv(peer, runs.cut(b.clone()))?);
         }
         recvs.into_iter().try_for_each(|got| p.filled(got).map(drop))
     })
@@ -49,7 +47,7 @@ pub(crate) fn scatter<T: Pod>(
             let got = p.recv(root, out)?;
             return p.filled(got).map(drop);
         }
-        let mut sends = Vec::new();
+        let mut sends = Sends::new();
         for (peer, b) in blocks.iter().enumerate().filter(|&(peer, _)| peer != root) {
             sends.push(p.send(peer, &input[b.clone()])?);
         }
@@ -69,15 +67,15 @@ pub(crate) fn alltoall<T: Pod>(
     recv_blocks: &[Range<usize>],
 ) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
-    let from: Vec<usize> = (1..n).map(|i| (r + n - i) % n).collect();
-    let runs = carve(out, &from.iter().map(|&f| recv_blocks[f].clone()).collect::<Vec<_>>());
     c.phase(|p| {
-        // Disjoint blocks of `out`, one receive each; `input` is only read.
-        let mut recvs = Vec::new();
-        for (&f, run) in from.iter().zip(runs) {
-            recvs.push(p.recv(f, run)?);
+        // Disjoint blocks of `out`, one receive each, from rank r-1 down and around to r+1;
+        // `input` is only read.
+        let (mut runs, _) = Around::new(out, r, recv_blocks[r].clone());
+        let mut recvs = Receives::new();
+        for f in (1..n).map(|i| (r + n - i) % n) {
+            recvs.push(p.recv(f, runs.take(f, recv_blocks[f].clone()))?);
         }
-        let mut sends = Vec::new();
+        let mut sends = Sends::new();
         for i in 1..n {
             let to = (r + i) % n;
             sends.push(p.send(to, &input[send_blocks[to].clone()])?);

@@ -65,6 +65,7 @@ impl<'a> Local<'a> {
     /// area, so a second call from another thread of this rank (collectives of tag 0 on two
     /// threads at once, which the ranks could not order alike anyway) would write slots the first
     /// reads. It is refused instead, before it takes a sequence number or sends anything.
+    #[inline]
     pub(crate) fn new(
         comm: &'a Comm,
         area: &'a dyn LocalArea,
@@ -91,21 +92,25 @@ impl<'a> Local<'a> {
     }
 
     /// Members of the area.
+    #[inline]
     pub(crate) fn n(&self) -> usize {
         self.area.members().len()
     }
 
     /// This rank's index among them.
+    #[inline]
     pub(crate) fn me(&self) -> usize {
         self.area.me()
     }
 
     /// Elements of `T` in a slot.
+    #[inline]
     pub(crate) fn elems<T>(&self) -> usize {
         (self.area.slot_bytes() / std::mem::size_of::<T>().max(1)).max(1)
     }
 
     /// Bytes in a slot.
+    #[inline]
     pub(crate) fn slot_bytes(&self) -> usize {
         self.area.slot_bytes()
     }
@@ -113,6 +118,7 @@ impl<'a> Local<'a> {
     /// A step: `write` fills this rank's slot of it (all [`elems`](Self::elems) of them are
     /// its), then this rank arrives and waits for the others. The step's slots may be read
     /// through the returned [`Step`] until the next step.
+    #[inline]
     pub(crate) fn step<T: Element>(&mut self, write: impl FnOnce(&mut [T])) -> Result<Step<'_, 'a>> {
         let t = self.area.next_step();
         write_own(self.area, t, write);
@@ -120,6 +126,7 @@ impl<'a> Local<'a> {
         Ok(Step { l: self, t })
     }
 
+    #[inline]
     fn arrive_and_wait(&self, t: u64) -> Result<()> {
         self.area.arrive(t, &self.desc);
         self.area.wait_all(t, &self.desc, self.deadline, self.busy).map_err(|w| self.error(w))
@@ -155,6 +162,7 @@ pub(crate) struct Step<'s, 'a> {
 impl<'s, 'a> Step<'s, 'a> {
     /// Elements `range` of member `m`'s slot of this step (this rank's own too). Panics if
     /// `range` is outside the slot (a bug in the algorithm, never input-driven).
+    #[inline]
     pub(crate) fn read<T: Element>(&self, m: usize, range: Range<usize>) -> &[T] {
         let area = self.l.area;
         // SAFETY: the area maps `slot_bytes` bytes at `slot(m, t)` for as long as it lives
@@ -171,6 +179,7 @@ impl<'s, 'a> Step<'s, 'a> {
     /// The next step: `write` fills this rank's slot of it, and may still read this step's
     /// slots (a different slot of each member); then this rank arrives and waits for the
     /// others.
+    #[inline]
     pub(crate) fn next<T: Element>(self, write: impl FnOnce(&mut [T], &Self)) -> Result<Self> {
         let area = self.l.area;
         let u = area.next_step();
@@ -183,6 +192,7 @@ impl<'s, 'a> Step<'s, 'a> {
 
 /// Runs `write` on this rank's slot of step `t`, just before it arrives at `t`. Called only by
 /// [`Local::step`] and [`Step::next`], after every earlier step was waited for.
+#[inline]
 fn write_own<T: Element>(area: &dyn LocalArea, t: u64, write: impl FnOnce(&mut [T])) {
     // SAFETY: the area maps `slot_bytes` bytes at this rank's `slot(me, t)` while it lives
     // (longer than this call), and only this rank writes them. No other member reads them

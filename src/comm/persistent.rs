@@ -17,7 +17,7 @@
 //! mesh (the engine's collectives, another process set's) poll its pairs too; its own waits
 //! drive them.
 
-use super::{Comm, Op, World, post_recv_any};
+use super::{Comm, Op, Pairs, World, post_recv_any};
 use crate::error::{Error, Result};
 use crate::transport::{BusyWait, Completion, Done, Key, Pair, RecvTarget};
 use crate::types::OpDesc;
@@ -149,13 +149,13 @@ impl PersistentRecv {
                     Error::invalid(format!("{}: rank {r} is out of range for size {}", self.what, self.pairs.len()))
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Pairs>>()?;
         let done = Completion::for_pairs(pairs.len());
         let target = RecvTarget::Owned { max: self.max };
         // SAFETY: an owned receive lends no memory: the pair allocates the message's buffer and
         // hands it over with the completion.
         let posted =
-            unsafe { post_recv_any(&pairs, self.key, OpDesc::P2P, target, &done) }.map_err(|e| e.during(self.what))?;
+            unsafe { post_recv_any(pairs, self.key, OpDesc::P2P, target, &done) }.map_err(|e| e.during(self.what))?;
         Ok(Posted { from: from.to_vec(), op: Op::uncounted(posted, done, self.what), claimed_at: None })
     }
 
@@ -194,7 +194,7 @@ impl PersistentRecv {
         let ranks = posted.op.peers();
         let e = Error::Timeout {
             op: format!("{}: a message began arriving and stopped; dropped", self.what),
-            ranks,
+            ranks: ranks.to_vec(),
             keys: Vec::new(),
             waited: since.elapsed(),
         };
