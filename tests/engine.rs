@@ -578,6 +578,36 @@ fn the_timeline_holds_negotiation_and_collective_spans_and_can_be_stopped_and_re
 }
 
 #[test]
+fn a_submission_right_after_start_timeline_is_in_that_timeline() {
+    // The engine's thread takes timeline commands and submissions from one queue; one taken
+    // before the other let a submission made just after `start_timeline` run with the timeline
+    // still stopped, in neither file. Many restarts, each followed at once by a submission.
+    const ROUNDS: usize = 200;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = |i: usize| dir.path().join(format!("tl-{i}.json"));
+    let r = engines(2, cfg(), |e| {
+        for i in 0..ROUNDS {
+            // Nothing after the last wait: a peer that finished drops its engine, which stops
+            // this one's too.
+            if i > 0 {
+                e.stop_timeline()?;
+            }
+            e.start_timeline(path(i))?;
+            e.allreduce(&format!("x{i}"), vec![1f32; 4], Reduction::Sum)?.wait()?;
+        }
+        Ok(())
+    });
+    all_ok(r);
+    for i in 0..ROUNDS {
+        let tl: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path(i)).expect("timeline")).expect("JSON");
+        let names: Vec<&str> =
+            tl["traceEvents"].as_array().expect("events").iter().filter_map(|e| e["name"].as_str()).collect();
+        assert!(names.contains(&"ALLREDUCE"), "round {i}: the allreduce is missing from its timeline: {names:?}");
+    }
+}
+
+#[test]
 fn dropping_one_engine_stops_the_others_with_its_rank_named() {
     let go = Barrier::new(2);
     let r = engines(2, cfg(), |e| {

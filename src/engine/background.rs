@@ -229,11 +229,15 @@ impl Core {
 
     /// Hands new submissions to the controller.
     fn drain(&mut self) {
-        self.timeline_commands();
-        let (items, shutdown) = {
+        // Timeline commands and submissions are taken together: a submission made just after
+        // `start_timeline` must not be taken (and run) before the command is.
+        let (commands, items, shutdown) = {
             let mut q = lock(&self.sh.queue);
-            (std::mem::take(&mut q.items), q.shutdown)
+            (std::mem::take(&mut q.timeline), std::mem::take(&mut q.items), q.shutdown)
         };
+        for c in commands {
+            self.timeline_command(c);
+        }
         if shutdown {
             self.ctl.shut_down();
         }
