@@ -66,12 +66,12 @@ fn keys_of(w: usize, step: usize) -> Vec<u64> {
 
 /// A store that holds requests with command 99 unanswered (to have requests pending).
 #[derive(Clone)]
-struct Holding(SumStore<i64>, Vec<Request<i64>>);
+struct Holding(SumStore<i64>, Vec<Request<'static, i64>>);
 
 impl Handler<i64> for Holding {
-    fn handle(&mut self, r: Request<i64>, responder: &Responder<i64>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, i64>, responder: &Responder<i64>) -> Result<()> {
         if r.meta.cmd == 99 {
-            self.1.push(r);
+            self.1.push(r.into_owned());
             return Ok(());
         }
         self.0.handle(r, responder)
@@ -539,7 +539,7 @@ struct Gated {
 }
 
 impl Handler<f32> for Gated {
-    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, f32>, responder: &Responder<f32>) -> Result<()> {
         let _ = self.arrived.send(r.meta.worker);
         if r.meta.worker == 0 && !self.held {
             self.held = true;
@@ -736,14 +736,14 @@ fn a_job_started_with_ps_lite_variables_runs() {
 /// A [`SumStore`] that answers requests with command 99 only when the next other request
 /// comes (before it), and those with command 98 never.
 #[derive(Clone, Default)]
-struct Deferred(SumStore<f32>, Vec<Request<f32>>);
+struct Deferred(SumStore<f32>, Vec<Request<'static, f32>>);
 
 impl Handler<f32> for Deferred {
-    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, f32>, responder: &Responder<f32>) -> Result<()> {
         match r.meta.cmd {
             98 => Ok(()),
             99 => {
-                self.1.push(r);
+                self.1.push(r.into_owned());
                 Ok(())
             }
             _ => {
@@ -822,7 +822,7 @@ fn wait_ends_at_the_deadline_even_while_the_receiving_thread_is_busy() {
 struct Stops;
 
 impl Handler<f32> for Stops {
-    fn handle(&mut self, r: Request<f32>, _: &Responder<f32>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, f32>, _: &Responder<f32>) -> Result<()> {
         Err(Error::invalid(format!("stopping at request {}", r.meta.timestamp)))
     }
 }
@@ -920,7 +920,7 @@ impl Observed {
 }
 
 impl Handler<f32> for Observed {
-    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, f32>, responder: &Responder<f32>) -> Result<()> {
         let worker = r.meta.worker;
         self.inner.handle(r, responder)?;
         let _ = self.took.send(worker);
@@ -1084,4 +1084,71 @@ fn a_first_sync_round_of_many_new_keys_is_answered_in_time() {
     let r = common::all_ok(r);
     assert_eq!(r[1], Some(vec![-1.0, -1.0]));
     assert_eq!(r[2], Some(vec![-1.0, -1.0]));
+}
+
+/// A [`SumStore`] that, on the push with command 1, keeps its borrowed values while the
+/// worker sends more pushes, then reports whether they were viewed in place and are intact.
+#[derive(Clone)]
+struct Lingering {
+    inner: SumStore<f32>,
+    holding: mpsc::Sender<()>,
+    sent: Arc<Mutex<mpsc::Receiver<()>>>,
+    report: mpsc::Sender<(bool, bool)>,
+}
+
+impl Handler<f32> for Lingering {
+    fn handle(&mut self, r: Request<'_, f32>, responder: &Responder<f32>) -> Result<()> {
+        if r.meta.cmd == 1 {
+            let _ = self.holding.send(());
+            let sent = self.sent.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+            sent.map_err(|_| Error::invalid("the worker never said it sent the others"))?;
+            let in_place = matches!(r.values, std::borrow::Cow::Borrowed(_));
+            let intact = r.values.iter().all(|&v| v == 1.0);
+            let _ = self.report.send((in_place, intact));
+        }
+        self.inner.handle(r, responder)
+    }
+}
+
+#[test]
+fn values_arriving_while_the_handler_holds_a_borrow_leave_it_intact() {
+    const LEN: usize = 1024;
+    const MORE: usize = 8;
+    let (holding_tx, holding) = mpsc::channel();
+    let (sent_tx, sent) = mpsc::channel();
+    let (report_tx, report) = mpsc::channel();
+    let handler = Lingering {
+        inner: SumStore::default(),
+        holding: holding_tx,
+        sent: Arc::new(Mutex::new(sent)),
+        report: report_tx,
+    };
+    let handler = Mutex::new(Some(handler));
+    let (holding, sent_tx) = (Mutex::new(holding), Mutex::new(sent_tx));
+    let r = members(2, |i, store| {
+        let cfg = PsConfig::new(1, 1);
+        if i == 0 {
+            let h = handler.lock().ok().and_then(|mut h| h.take()).ok_or_else(|| Error::invalid("no handler"))?;
+            Node::connect(&**store, &Device::in_process(), Role::Server, 0, cfg)?.server(h)?.run()?;
+            return Ok(Vec::new());
+        }
+        let w = Node::connect(&**store, &Device::in_process(), Role::Worker, 0, cfg)?.worker::<f32>()?;
+        let first = w.push_with(&[7], &[1.0; LEN], &[LEN], 1)?;
+        let held = holding.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+        held.map_err(|_| Error::invalid("the server never held the first push"))?;
+        // Sent (taken by the transport) while the handler still holds the first push's values.
+        let more: Vec<_> = (0..MORE).map(|k| w.push(&[7], &[k as f32 + 2.0; LEN], &[LEN])).collect::<Result<_>>()?;
+        let _ = sent_tx.lock().map(|t| t.send(()));
+        w.wait(first)?;
+        for ts in more {
+            w.wait(ts)?;
+        }
+        Ok(w.wait(w.pull(&[7])?)?.values)
+    });
+    let r = common::all_ok(r);
+    let (in_place, intact) = report.recv_timeout(common::TIMEOUT).expect("the handler reported");
+    assert!(in_place, "the push's values were copied out of the message");
+    assert!(intact, "the held values changed while more pushes arrived");
+    let want = 1.0 + (0..MORE).map(|k| k as f32 + 2.0).sum::<f32>();
+    assert_eq!(r[1], vec![want; LEN]);
 }

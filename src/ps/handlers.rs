@@ -8,7 +8,7 @@ use std::collections::{BTreeSet, HashMap};
 
 /// Splits a request's values by key (a request [`check_request`] passed: its lengths add up
 /// to its values; a key past the values would get none).
-fn per_key<'a, T>(r: &'a Request<T>) -> impl Iterator<Item = (u64, &'a [T])> + 'a {
+fn per_key<'a, T: Clone>(r: &'a Request<'_, T>) -> impl Iterator<Item = (u64, &'a [T])> + 'a {
     let mut at = 0usize;
     r.keys.iter().zip(&r.lens).map(move |(&k, &l)| {
         let end = at.saturating_add(l);
@@ -20,7 +20,7 @@ fn per_key<'a, T>(r: &'a Request<T>) -> impl Iterator<Item = (u64, &'a [T])> + '
 
 /// Refuses `r` if it is malformed (for requests handed to a handler by other code than the
 /// server, which checks them itself); `true` when it did.
-fn refused<T: Element>(r: &Request<T>, responder: &Responder<T>) -> Result<bool> {
+fn refused<T: Element>(r: &Request<'_, T>, responder: &Responder<T>) -> Result<bool> {
     match check_request(r) {
         Ok(()) => Ok(false),
         Err(e) => responder.refuse(&r.meta, &e.to_string()).map(|()| true),
@@ -58,7 +58,7 @@ impl<T> Default for SumStore<T> {
 }
 
 impl<T: Element> Handler<T> for SumStore<T> {
-    fn handle(&mut self, r: Request<T>, responder: &Responder<T>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, T>, responder: &Responder<T>) -> Result<()> {
         if refused(&r, responder)? {
             return Ok(());
         }
@@ -90,8 +90,8 @@ pub struct SyncSgd {
     /// The weights.
     pub weights: HashMap<u64, Vec<f32>>,
     live: BTreeSet<usize>,
-    round: Vec<Request<f32>>,
-    later: Vec<Request<f32>>,
+    round: Vec<Request<'static, f32>>,
+    later: Vec<Request<'static, f32>>,
 }
 
 impl SyncSgd {
@@ -103,7 +103,7 @@ impl SyncSgd {
     /// Why push `r` does not fit: a key whose weights, or whose push waiting in a round (a key
     /// new in this round), have another length. Pushes of different lengths to a new key
     /// would be summed in part.
-    fn misfit(&self, r: &Request<f32>) -> Option<String> {
+    fn misfit(&self, r: &Request<'_, f32>) -> Option<String> {
         // The keys of `r` that hold no weights yet, and their lengths in `r`.
         let mut new: HashMap<u64, usize> = HashMap::new();
         for (k, v) in per_key(r) {
@@ -183,7 +183,7 @@ impl SyncSgd {
 }
 
 impl Handler<f32> for SyncSgd {
-    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, f32>, responder: &Responder<f32>) -> Result<()> {
         if refused(&r, responder)? {
             return Ok(());
         }
@@ -192,6 +192,8 @@ impl Handler<f32> for SyncSgd {
         {
             return responder.refuse(&r.meta, &why);
         }
+        // Kept until the round completes: its values are copied out of the message.
+        let r = r.into_owned();
         if self.round.iter().any(|q| q.meta.worker == r.meta.worker) {
             self.later.push(r);
         } else {
@@ -232,7 +234,7 @@ impl AsyncSgd {
 }
 
 impl Handler<f32> for AsyncSgd {
-    fn handle(&mut self, r: Request<f32>, responder: &Responder<f32>) -> Result<()> {
+    fn handle(&mut self, r: Request<'_, f32>, responder: &Responder<f32>) -> Result<()> {
         if refused(&r, responder)? {
             return Ok(());
         }
@@ -258,12 +260,19 @@ mod tests {
     use crate::ps::wire::Kind;
     use proptest::prelude::*;
 
-    fn request<T>(worker: usize, ts: u64, push: bool, pull: bool, keys: &[u64], values: Vec<T>) -> Request<T> {
+    fn request<T: Clone>(
+        worker: usize,
+        ts: u64,
+        push: bool,
+        pull: bool,
+        keys: &[u64],
+        values: Vec<T>,
+    ) -> Request<'static, T> {
         let lens = if push && !keys.is_empty() { vec![values.len() / keys.len(); keys.len()] } else { Vec::new() };
         Request {
             meta: RequestMeta { worker, cmd: 0, timestamp: ts, push, pull, shard: 0 },
             keys: keys.to_vec(),
-            values,
+            values: values.into(),
             lens,
         }
     }

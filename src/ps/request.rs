@@ -7,18 +7,32 @@ use super::Timestamp;
 use super::wire::{Kind, Message};
 use crate::error::{Error, Result};
 use crate::types::Element;
+use std::borrow::Cow;
 
-/// A request as a server's handler sees it.
+/// A request as a server's handler sees it. Its values are borrowed from the received message
+/// (a server hands them over without copying them); a handler that keeps a request past its
+/// `handle` call takes it with [`into_owned`](Request::into_owned).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Request<T> {
+pub struct Request<'a, T: Clone> {
     /// Who sent it, and how to answer.
     pub meta: RequestMeta,
     /// The keys (sorted, unique), this server's share of them.
     pub keys: Vec<u64>,
-    /// The pushed values, concatenated (empty for a pull).
-    pub values: Vec<T>,
+    /// The pushed values, concatenated (empty for a pull): a view of the received bytes, or
+    /// owned where they could not be viewed in place (bytes not aligned for `T`) or were
+    /// taken.
+    pub values: Cow<'a, [T]>,
     /// Each key's number of values (empty for a pull).
     pub lens: Vec<usize>,
+}
+
+impl<T: Clone> Request<'_, T> {
+    /// The request with its values owned (copied if they were borrowed), to keep past the
+    /// handler's call (answered later, or held for a synchronous round).
+    pub fn into_owned(self) -> Request<'static, T> {
+        let Request { meta, keys, values, lens } = self;
+        Request { meta, keys, values: Cow::Owned(values.into_owned()), lens }
+    }
 }
 
 /// Who sent a request and what it asks; [`Responder::respond`] answers it.
@@ -50,8 +64,8 @@ pub(super) struct Refusal {
 
 /// The request message `m` from worker `worker` carries, checked ([`check_request`]), or why
 /// it is refused.
-pub(super) fn request_of<T: Element>(m: Message, worker: usize) -> std::result::Result<Request<T>, Refusal> {
-    let meta = meta_of(&m, worker);
+pub(super) fn request_of<T: Element>(m: &mut Message, worker: usize) -> std::result::Result<Request<'_, T>, Refusal> {
+    let meta = meta_of(m, worker);
     let refuse = |reason: String| Refusal { meta, reason };
     if m.dtype != T::DTYPE as u8 {
         return Err(refuse(format!("this server holds {} values, the request has type code {}", T::DTYPE, m.dtype)));
@@ -63,11 +77,15 @@ pub(super) fn request_of<T: Element>(m: Message, worker: usize) -> std::result::
             m.payload().len()
         )));
     }
-    let values: Vec<T> = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
-        Ok(v) => v.to_vec(),
-        Err(_) => bytemuck::pod_collect_to_vec(m.payload()),
+    let (keys, lens) = (std::mem::take(&mut m.keys), std::mem::take(&mut m.lens));
+    let m: &Message = m;
+    // In place where the bytes are aligned for `T` (a received buffer always is in practice:
+    // the values start 8-byte aligned within it); a copy otherwise.
+    let values = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
+        Ok(v) => Cow::Borrowed(v),
+        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(m.payload())),
     };
-    let req = Request { meta, keys: m.keys, values, lens: m.lens };
+    let req = Request { meta, keys, values, lens };
     match check_request(&req) {
         Ok(()) => Ok(req),
         Err(e) => Err(refuse(e.to_string())),
@@ -125,7 +143,7 @@ pub(super) fn check_keys(what: &str, keys: &[u64], values: Option<(usize, &[usiz
 /// A request's keys, lengths and values hold together (a worker checks them before sending;
 /// this is for requests that did not come from one): keys sorted and unique, a push's
 /// lengths one per key and adding up to its values, a pull with neither.
-pub(super) fn check_request<T>(r: &Request<T>) -> Result<()> {
+pub(super) fn check_request<T: Clone>(r: &Request<'_, T>) -> Result<()> {
     let what = match (r.meta.push, r.meta.pull) {
         (true, true) => "push_pull",
         (true, false) => "push",
@@ -171,8 +189,8 @@ mod tests {
         Message::decode(m.encode(), 3).expect("a message we encoded decodes")
     }
 
-    fn refusal<T: Element>(m: Message) -> String {
-        match request_of::<T>(m, 5) {
+    fn refusal<T: Element>(mut m: Message) -> String {
+        match request_of::<T>(&mut m, 5) {
             Ok(r) => panic!("accepted: {r:?}"),
             Err(Refusal { meta, reason }) => {
                 assert_eq!(
@@ -188,11 +206,14 @@ mod tests {
     #[test]
     fn a_push_pull_comes_out_as_the_worker_sent_it() {
         let values = [1.5f32, -2.0, 3.25];
-        let m = message(Kind::PushPull, f32::DTYPE as u8, &[4, 9], &[2, 1], bytemuck::cast_slice(&values));
-        let r = request_of::<f32>(m, 5).expect("a well-formed request");
+        let mut m = message(Kind::PushPull, f32::DTYPE as u8, &[4, 9], &[2, 1], bytemuck::cast_slice(&values));
+        let r = request_of::<f32>(&mut m, 5).expect("a well-formed request");
         assert_eq!(r.meta, RequestMeta { worker: 5, cmd: 7, timestamp: 42, push: true, pull: true, shard: 1 });
-        assert_eq!((r.keys, r.values, r.lens), (vec![4, 9], values.to_vec(), vec![2, 1]));
-        let pull = request_of::<f32>(message(Kind::Pull, f32::DTYPE as u8, &[1, 2], &[], &[]), 0).expect("a pull");
+        // Viewed in the received message, not copied out of it.
+        assert!(matches!(r.values, Cow::Borrowed(_)), "the values were copied");
+        assert_eq!((r.keys, &*r.values, r.lens), (vec![4, 9], &values[..], vec![2, 1]));
+        let mut pull = message(Kind::Pull, f32::DTYPE as u8, &[1, 2], &[], &[]);
+        let pull = request_of::<f32>(&mut pull, 0).expect("a pull");
         assert!(pull.meta.pull && !pull.meta.push && pull.values.is_empty());
     }
 
@@ -249,7 +270,7 @@ mod tests {
             let r = Request {
                 meta: RequestMeta { worker: 0, cmd: 0, timestamp: 1, push: true, pull: false, shard: 0 },
                 keys,
-                values: vec![0f32; values],
+                values: vec![0f32; values].into(),
                 lens,
             };
             prop_assert_eq!(check_request(&r).is_ok(), sorted && fits, "{:?}", r);

@@ -187,7 +187,7 @@ pub trait Handler<T: Element>: Send {
     /// be answered once, or its worker fails it at the deadline). The server checks requests
     /// before they get here (sorted unique keys, lengths that add up to the values, no values
     /// in a pull) and refuses those that fail.
-    fn handle(&mut self, request: Request<T>, responder: &Responder<T>) -> Result<()>;
+    fn handle(&mut self, request: Request<'_, T>, responder: &Responder<T>) -> Result<()>;
 
     /// Worker `worker` is gone (it said goodbye, its connection closed, or an answer to it
     /// could not be sent): a handler that waits for every worker (synchronous SGD) stops

@@ -339,9 +339,9 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
     }
 
     /// Hands one request to the handler (or the backup copy it is for), or refuses it.
-    fn serve_one(&mut self, m: Message, worker: usize) -> Result<()> {
+    fn serve_one(&mut self, mut m: Message, worker: usize) -> Result<()> {
         let responder = &self.responder;
-        let req = match request_of::<T>(m, worker) {
+        let req = match request_of::<T>(&mut m, worker) {
             Ok(req) => req,
             Err(refusal) => return responder.refuse(&refusal.meta, &refusal.reason),
         };
