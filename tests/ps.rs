@@ -1152,3 +1152,34 @@ fn values_arriving_while_the_handler_holds_a_borrow_leave_it_intact() {
     let want = 1.0 + (0..MORE).map(|k| k as f32 + 2.0).sum::<f32>();
     assert_eq!(r[1], vec![want; LEN]);
 }
+
+#[test]
+fn pull_into_reads_the_values_of_keys_on_several_servers_into_the_callers_buffer() {
+    let r = members(3, |i, store| {
+        let cfg = PsConfig::new(1, 2);
+        if i < 2 {
+            Node::connect(&**store, &Device::in_process(), Role::Server, i, cfg)?
+                .server(SumStore::<f32>::default())?
+                .run()?;
+            return Ok(None);
+        }
+        let w = Node::connect(&**store, &Device::in_process(), Role::Worker, 0, cfg)?.worker::<f32>()?;
+        // Keys spread over both servers by the default hash sharding, of lengths 1 to 6.
+        let keys: Vec<u64> = (1..=6).collect();
+        let lens: Vec<usize> = (1..=6).collect();
+        let values: Vec<f32> = (0..lens.iter().sum::<usize>()).map(|v| v as f32 * 0.5).collect();
+        w.wait(w.push(&keys, &values, &lens)?)?;
+        let mut into = vec![f32::NAN; values.len()];
+        let got_lens = w.pull_into(&keys, &mut into)?;
+        let reply = w.wait(w.pull(&keys)?)?;
+        let mut short = vec![0f32; values.len() - 1];
+        let refused = w.pull_into(&keys, &mut short).map_err(|e| e.to_string());
+        Ok(Some((values, lens, into, got_lens, reply.values, reply.lens, refused)))
+    });
+    let (values, lens, into, got_lens, reply_values, reply_lens, refused) =
+        common::all_ok(r).pop().flatten().expect("the worker's results");
+    assert_eq!((&into, &got_lens), (&values, &lens), "pull_into");
+    assert_eq!((&reply_values, &reply_lens), (&values, &lens), "pull");
+    let refused = refused.expect_err("a buffer one value short");
+    assert!(refused.contains("the 6 keys have 21 values, the buffer has room for 20"), "{refused}");
+}

@@ -10,7 +10,9 @@ use super::config::backup_of;
 use super::wire::{Kind, Message};
 use crate::error::{Error, Result};
 use crate::types::Element;
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
 /// A timestamp from a worker's request counter: the lowest bit says whether the request is a
@@ -48,6 +50,70 @@ impl<T> Default for Reply<T> {
     }
 }
 
+/// A finished request's answers, not read out yet: whoever takes the outcome reads them once,
+/// into a fresh [`Reply`] ([`KvWorker::wait`](super::KvWorker::wait)) or into the caller's
+/// buffer ([`KvWorker::wait_into`](super::KvWorker::wait_into)), on its own thread rather
+/// than the worker's receiving thread.
+#[derive(Debug)]
+pub(super) struct Answers<T> {
+    keys: Vec<u64>,
+    /// Each key's number of values.
+    lens: Vec<usize>,
+    /// Where each key's values are: which message, at which value.
+    from: Vec<(usize, usize)>,
+    messages: Vec<Message>,
+    _values: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> Answers<T> {
+    /// A push's (or a request with no keys): no keys, no values.
+    pub(super) fn none() -> Self {
+        Answers { keys: Vec::new(), lens: Vec::new(), from: Vec::new(), messages: Vec::new(), _values: PhantomData }
+    }
+
+    /// The values of every key, in key order.
+    fn runs(&self) -> impl Iterator<Item = Cow<'_, [T]>> {
+        self.lens.iter().zip(&self.from).map(|(&l, &(a, at))| {
+            let payload = self.messages.get(a).map_or(&[][..], |m| m.payload());
+            let bytes = size_of::<T>();
+            let run = payload.get(at * bytes..(at + l) * bytes).unwrap_or(&[]);
+            // In place where the message's bytes are aligned for `T`; a copy otherwise.
+            match bytemuck::try_cast_slice::<u8, T>(run) {
+                Ok(v) => Cow::Borrowed(v),
+                Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(run)),
+            }
+        })
+    }
+
+    /// The reply, its values read once from the answers into one allocation.
+    pub(super) fn into_reply(self) -> Reply<T> {
+        let mut values = Vec::with_capacity(self.lens.iter().sum());
+        for run in self.runs() {
+            values.extend_from_slice(&run);
+        }
+        Reply { values, keys: self.keys, lens: self.lens }
+    }
+
+    /// Reads the values into `out`, which must hold exactly all of them; returns each key's
+    /// number of values. `what` names the call in the error.
+    pub(super) fn read_into(self, out: &mut [T], what: &str) -> Result<Vec<usize>> {
+        let total: usize = self.lens.iter().sum();
+        if out.len() != total {
+            return Err(Error::invalid(format!(
+                "{what}: the {} keys have {total} values, the buffer has room for {}",
+                self.keys.len(),
+                out.len()
+            )));
+        }
+        let mut at = 0;
+        for run in self.runs() {
+            out[at..at + run.len()].copy_from_slice(&run);
+            at += run.len();
+        }
+        Ok(self.lens)
+    }
+}
+
 /// A request's callback ([`KvWorker::then`](super::KvWorker::then)).
 pub(super) type Callback<T> = Box<dyn FnOnce(Result<Reply<T>>) + Send>;
 
@@ -61,7 +127,7 @@ pub(super) struct Pending<T> {
     pub(super) wants_values: bool,
     pub(super) deadline: Instant,
     pub(super) what: &'static str,
-    pub(super) outcome: Option<Result<Reply<T>>>,
+    pub(super) outcome: Option<Result<Answers<T>>>,
     pub(super) callback: Option<Callback<T>>,
     /// A backup's answers for a shard whose primary is still alive (used if it dies).
     pub(super) stash: HashMap<usize, Message>,
@@ -135,7 +201,7 @@ impl<T: Element> Pending<T> {
         deadline: Instant,
         what: &'static str,
     ) -> Self {
-        let outcome = if keys.is_empty() { Some(Ok(Reply::default())) } else { None };
+        let outcome = if keys.is_empty() { Some(Ok(Answers::none())) } else { None };
         Pending {
             keys,
             parts,
@@ -152,7 +218,7 @@ impl<T: Element> Pending<T> {
 
     /// Takes the answer `m` for `shard`'s part; returns the request's outcome when this answer
     /// decides it: a refusal, an answer that does not fit the part, or the last part.
-    pub(super) fn take_answer(&mut self, shard: usize, m: Message) -> Option<Result<Reply<T>>> {
+    pub(super) fn take_answer(&mut self, shard: usize, m: Message) -> Option<Result<Answers<T>>> {
         let server = shard;
         if self.outcome.is_some() {
             return None;
@@ -188,25 +254,18 @@ impl<T: Element> Pending<T> {
         .or_else(|| self.parts.is_empty().then(|| Ok(self.assemble())))
     }
 
-    /// The reply of a request whose every part has been answered: the values in key order,
-    /// read once from the answers' buffers into one allocation.
-    fn assemble(&mut self) -> Reply<T> {
+    /// The answers of a request whose every part has been answered, in key order (read out
+    /// later, by whoever takes them).
+    fn assemble(&mut self) -> Answers<T> {
         if !self.wants_values {
-            return Reply::default();
+            return Answers::none();
         }
         let n = self.keys.len();
-        let mut reply = Reply { keys: self.keys.clone(), ..Reply::default() };
         let answers = std::mem::take(&mut self.answers);
-        let typed: Vec<std::borrow::Cow<'_, [T]>> = answers
-            .iter()
-            .map(|(_, m)| match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
-                Ok(v) => std::borrow::Cow::Borrowed(v),
-                Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(m.payload())),
-            })
-            .collect();
         let mut lens = vec![0usize; n];
         let mut from = vec![(0usize, 0usize); n];
-        for (a, (idx, m)) in answers.iter().enumerate() {
+        let mut messages = Vec::with_capacity(answers.len());
+        for (a, (idx, m)) in answers.into_iter().enumerate() {
             let mut at = 0;
             for (&i, &l) in idx.iter().zip(&m.lens) {
                 if let (Some(len), Some(f)) = (lens.get_mut(i), from.get_mut(i)) {
@@ -215,16 +274,9 @@ impl<T: Element> Pending<T> {
                 }
                 at += l;
             }
+            messages.push(m);
         }
-        reply.values.reserve(lens.iter().sum());
-        for (i, &l) in lens.iter().enumerate() {
-            let (a, at) = from[i];
-            if let Some(v) = typed.get(a).and_then(|t| t.get(at..at + l)) {
-                reply.values.extend_from_slice(v);
-            }
-        }
-        reply.lens = lens;
-        reply
+        Answers { keys: self.keys.clone(), lens, from, messages, _values: PhantomData }
     }
 
     /// `server` is gone (`cause`; `closed` says which servers are, `server` among them): what
@@ -334,10 +386,28 @@ mod tests {
         assert!(p.take_answer(1, answer(Kind::Reply, 1, &[2, 4], &[1, 2], &[0.0; 3])).is_none(), "answered twice");
         assert!(p.take_answer(2, answer(Kind::Reply, 2, &[2], &[1], &[0.0])).is_none(), "a server not asked");
         let done = p.take_answer(0, answer(Kind::Reply, 0, &[1, 3], &[2, 0], &[10.0, 11.0]));
-        let reply = done.expect("the last part decides").expect("a reply");
+        let answers = done.expect("the last part decides").expect("a reply");
+        // Read into a buffer of the right length, or into a fresh reply: the same values.
+        let mut into = [0f32; 5];
+        let lens = Answers::read_into(clone(&answers), &mut into, "pull").expect("fits");
+        assert_eq!((lens, into), (vec![2, 1, 0, 2], [10.0, 11.0, 20.0, 40.0, 41.0]));
+        let mut short = [0f32; 4];
+        let e = clone(&answers).read_into(&mut short, "pull").map_err(|e| e.to_string());
+        assert_eq!(e, Err("invalid argument: pull: the 4 keys have 5 values, the buffer has room for 4".into()));
+        let reply = answers.into_reply();
         assert_eq!(reply.keys, [1, 2, 3, 4]);
         assert_eq!(reply.lens, [2, 1, 0, 2]);
         assert_eq!(reply.values, [10.0, 11.0, 20.0, 40.0, 41.0]);
+    }
+
+    fn clone(a: &Answers<f32>) -> Answers<f32> {
+        Answers {
+            keys: a.keys.clone(),
+            lens: a.lens.clone(),
+            from: a.from.clone(),
+            messages: a.messages.clone(),
+            _values: PhantomData,
+        }
     }
 
     #[test]
@@ -346,18 +416,18 @@ mod tests {
         let mut p = Pending::<f32>::new(vec![5, 6], parts, false, Instant::now(), "push");
         assert!(p.take_answer(0, answer(Kind::Reply, 0, &[], &[], &[])).is_none());
         assert_eq!(
-            p.take_answer(1, answer(Kind::Reply, 1, &[], &[], &[])).map(|r| r.ok()),
+            p.take_answer(1, answer(Kind::Reply, 1, &[], &[], &[])).map(|r| r.ok().map(Answers::into_reply)),
             Some(Some(Reply::default()))
         );
         let empty = Pending::<f32>::new(vec![], HashMap::new(), true, Instant::now(), "pull");
-        assert!(matches!(empty.outcome, Some(Ok(ref r)) if *r == Reply::default()));
+        assert_eq!(empty.outcome.map(|o| o.ok().map(Answers::into_reply)), Some(Some(Reply::default())));
     }
 
     #[test]
     fn a_refusal_or_a_misfit_answer_decides_the_request_naming_the_server() {
         let mut p = pull(&[1, 2], &[(0, &[0]), (1, &[1])]);
         let refusal = Message { values: b"key 1 holds 2 values".to_vec(), at: 0, ..Message::control(Kind::Error) };
-        let e = p.take_answer(1, refusal).map(|r| r.map_err(|e| e.to_string()));
+        let e = p.take_answer(1, refusal).map(|r| r.map(Answers::into_reply).map_err(|e| e.to_string()));
         assert_eq!(e, Some(Err("rank 1 aborted the context: server 1 refused the pull: key 1 holds 2 values".into())));
         let mut p = pull(&[1, 2], &[(0, &[0]), (1, &[1])]);
         let other_key = p.take_answer(0, answer(Kind::Reply, 0, &[7], &[1], &[1.0]));
@@ -401,7 +471,7 @@ mod tests {
         assert!(matches!(&t[..], [Takeover::Fail(Error::PeerClosed { rank: 0, .. })]), "{t:?}");
         // A request decided already is left alone.
         let mut done = pull(&[1], &[(0, &[0])]);
-        done.outcome = Some(Ok(Reply::default()));
+        done.outcome = Some(Ok(Answers::none()));
         assert!(done.on_server_gone(0, &cause, false, 3, |s| closed.contains(&s)).is_empty());
     }
 

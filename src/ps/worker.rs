@@ -6,7 +6,9 @@
 
 use super::config::{Group, Role, backup_of};
 use super::node::barrier;
-use super::pending::{Callback, Pending, Route, Takeover, is_push, issued_push, route, server_gone, timestamp_of};
+use super::pending::{
+    Answers, Callback, Pending, Route, Takeover, is_push, issued_push, route, server_gone, timestamp_of,
+};
 use super::request::check_keys;
 use super::wire::{self, Kind, Message};
 use super::{Node, PS_RECEIVE, PS_TAG, PsConfig, Reply, SLICE, Timestamp};
@@ -254,12 +256,33 @@ impl<T: Element> KvWorker<T> {
     /// waited for or given to [`then`](Self::then). A push that failed is kept until waited for
     /// (or given to `then`), as is every pull; waiting for it again is an error.
     pub fn wait(&self, ts: Timestamp) -> Result<Reply<T>> {
+        self.take(ts).map(Answers::into_reply)
+    }
+
+    /// [`wait`](Self::wait), with the values read straight into `values`, which must hold
+    /// exactly all of them (the sum of the keys' lengths; a buffer of another length is
+    /// [`Error::InvalidArgument`] naming both, and the request is spent). Returns each key's
+    /// number of values. Nothing is allocated for the values.
+    pub fn wait_into(&self, ts: Timestamp, values: &mut [T]) -> Result<Vec<usize>> {
+        self.take(ts)?.read_into(values, &format!("worker {}: request {ts}", self.sh.id))
+    }
+
+    /// Pulls `keys` into `values` and waits: [`pull`](Self::pull) and
+    /// [`wait_into`](Self::wait_into). The values of key `keys[i]` come in order, each key's
+    /// number of them returned.
+    pub fn pull_into(&self, keys: &[u64], values: &mut [T]) -> Result<Vec<usize>> {
+        let ts = self.pull(keys)?;
+        self.wait_into(ts, values)
+    }
+
+    /// Takes request `ts`'s outcome once it is there (see [`wait`](Self::wait)).
+    fn take(&self, ts: Timestamp) -> Result<Answers<T>> {
         let sh = &self.sh;
         let mut p = lock(&sh.pending);
         loop {
             let Some(req) = p.get_mut(&ts) else {
                 if self.is_issued_push(ts) {
-                    return Ok(Reply::default());
+                    return Ok(Answers::none());
                 }
                 return Err(Error::invalid(format!(
                     "worker {}: no request {ts} in flight (already waited for, or given a callback)",
@@ -309,7 +332,7 @@ impl<T: Element> KvWorker<T> {
             let out = p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
             drop(p);
             spend(&self.sh, ts, &out);
-            run_callback(id, ts, what, Box::new(f), out)
+            run_callback(id, ts, what, Box::new(f), out.map(Answers::into_reply))
         } else {
             req.callback = Some(Box::new(f));
             Ok(())
@@ -349,7 +372,7 @@ impl<T: Element> Drop for KvWorker<T> {
 
 /// Completes request `ts` (the first outcome wins): runs its callback, or keeps the outcome
 /// for `wait` (a push's success is not kept: waiting for it returns at once).
-fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>) {
+fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Answers<T>>) {
     let cb = {
         let mut p = lock(&sh.pending);
         let Some(req) = p.get_mut(&ts) else { return };
@@ -375,7 +398,7 @@ fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>
     match cb {
         Some((cb, what, out)) => {
             spend(sh, ts, &out);
-            if let Err(e) = run_callback(sh.id, ts, what, cb, out) {
+            if let Err(e) = run_callback(sh.id, ts, what, cb, out.map(Answers::into_reply)) {
                 tracing::error!(worker = sh.id, request = ts, error = %e, "parameter-server callback panicked");
             }
         }
@@ -384,7 +407,7 @@ fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Reply<T>>
 }
 
 /// Remembers a push's failure once handed out (see [`WorkerShared::spent_failures`]).
-fn spend<T>(sh: &WorkerShared<T>, ts: Timestamp, out: &Result<Reply<T>>) {
+fn spend<T, A>(sh: &WorkerShared<T>, ts: Timestamp, out: &Result<A>) {
     if is_push(ts) && out.is_err() {
         lock(&sh.spent_failures).insert(ts);
     }
