@@ -230,6 +230,15 @@ impl Comm {
         }
     }
 
+    /// Gives a buffer that an owned receive from rank `from` handed over back to that rank's
+    /// pair once it has been read, to receive a later message into ([`Pair::recycle`]): a
+    /// stream of large messages then reuses mapped pages. Dropped for a rank out of range.
+    pub(crate) fn recycle(&self, from: usize, buf: Vec<u8>) {
+        if let Some(Some(p)) = self.pairs.get(from) {
+            p.recycle(buf);
+        }
+    }
+
     /// The key of user point-to-point messages with `tag`.
     pub(crate) fn p2p_key(&self, tag: u32) -> Key {
         Key { group: self.group, tag: NS_P2P | u64::from(tag) }

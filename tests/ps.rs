@@ -1183,3 +1183,48 @@ fn pull_into_reads_the_values_of_keys_on_several_servers_into_the_callers_buffer
     let refused = refused.expect_err("a buffer one value short");
     assert!(refused.contains("the 6 keys have 21 values, the buffer has room for 20"), "{refused}");
 }
+
+/// This process's resident memory, in KiB (`VmRSS` in /proc/self/status).
+fn resident_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("a VmRSS line");
+    line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("VmRSS in kB")
+}
+
+#[test]
+fn ten_thousand_requests_over_shared_memory_do_not_grow_the_process() {
+    // Every request's and answer's buffer is given back and received into again: after a
+    // warm-up the resident memory stays put, whatever the allocator does with freed memory.
+    const LEN: usize = 16 << 10; // 64 KiB of f32 per push and per answer
+    const WARM: usize = 500;
+    const MORE: usize = 10_000;
+    let store = HashStore::new();
+    let dev = || Device::shared_memory(&ferrogloo::device::ShmAttr::default());
+    let r = std::thread::scope(|s| {
+        let server = s.spawn(|| -> Result<u64> {
+            Node::connect(&store, &dev(), Role::Server, 0, PsConfig::new(1, 1))?
+                .server(SumStore::<f32>::default())?
+                .run()?;
+            Ok(0)
+        });
+        let worker = (|| -> Result<u64> {
+            let w = Node::connect(&store, &dev(), Role::Worker, 0, PsConfig::new(1, 1))?.worker::<f32>()?;
+            let (g, mut back) = (vec![1f32; LEN], vec![0f32; LEN]);
+            let mut before = 0;
+            for i in 0..WARM + MORE {
+                if i == WARM {
+                    before = resident_kib();
+                }
+                w.wait_into(w.push_pull(&[3], &g, &[LEN])?, &mut back)?;
+            }
+            if back[0] != (WARM + MORE) as f32 {
+                return Err(Error::invalid(format!("key 3 holds {} after {} pushes", back[0], WARM + MORE)));
+            }
+            Ok(resident_kib().saturating_sub(before))
+        })();
+        let server = server.join().map_err(|_| Error::invalid("the server panicked")).and_then(|r| r);
+        vec![worker, server]
+    });
+    let grew = common::all_ok(r)[0];
+    assert!(grew < 4 << 10, "resident memory grew {grew} KiB over {MORE} requests of {} KiB", (LEN * 4) >> 10);
+}

@@ -87,16 +87,26 @@ impl<T: Element> Answers<T> {
 
     /// The reply, its values read once from the answers into one allocation.
     pub(super) fn into_reply(self) -> Reply<T> {
+        self.reply()
+    }
+
+    /// [`into_reply`](Self::into_reply), the answers kept (to give their buffers back).
+    pub(super) fn reply(&self) -> Reply<T> {
         let mut values = Vec::with_capacity(self.lens.iter().sum());
         for run in self.runs() {
             values.extend_from_slice(&run);
         }
-        Reply { values, keys: self.keys, lens: self.lens }
+        Reply { values, keys: self.keys.clone(), lens: self.lens.clone() }
+    }
+
+    /// The answers' buffers, each with the server whose shard it answered.
+    pub(super) fn into_buffers(self) -> impl Iterator<Item = (usize, Vec<u8>)> {
+        self.messages.into_iter().map(|m| (m.shard as usize, m.values))
     }
 
     /// Reads the values into `out`, which must hold exactly all of them; returns each key's
     /// number of values. `what` names the call in the error.
-    pub(super) fn read_into(self, out: &mut [T], what: &str) -> Result<Vec<usize>> {
+    pub(super) fn read_into(&self, out: &mut [T], what: &str) -> Result<Vec<usize>> {
         let total: usize = self.lens.iter().sum();
         if out.len() != total {
             return Err(Error::invalid(format!(
@@ -110,7 +120,7 @@ impl<T: Element> Answers<T> {
             out[at..at + run.len()].copy_from_slice(&run);
             at += run.len();
         }
-        Ok(self.lens)
+        Ok(self.lens.clone())
     }
 }
 
@@ -389,25 +399,15 @@ mod tests {
         let answers = done.expect("the last part decides").expect("a reply");
         // Read into a buffer of the right length, or into a fresh reply: the same values.
         let mut into = [0f32; 5];
-        let lens = Answers::read_into(clone(&answers), &mut into, "pull").expect("fits");
+        let lens = answers.read_into(&mut into, "pull").expect("fits");
         assert_eq!((lens, into), (vec![2, 1, 0, 2], [10.0, 11.0, 20.0, 40.0, 41.0]));
         let mut short = [0f32; 4];
-        let e = clone(&answers).read_into(&mut short, "pull").map_err(|e| e.to_string());
+        let e = answers.read_into(&mut short, "pull").map_err(|e| e.to_string());
         assert_eq!(e, Err("invalid argument: pull: the 4 keys have 5 values, the buffer has room for 4".into()));
         let reply = answers.into_reply();
         assert_eq!(reply.keys, [1, 2, 3, 4]);
         assert_eq!(reply.lens, [2, 1, 0, 2]);
         assert_eq!(reply.values, [10.0, 11.0, 20.0, 40.0, 41.0]);
-    }
-
-    fn clone(a: &Answers<f32>) -> Answers<f32> {
-        Answers {
-            keys: a.keys.clone(),
-            lens: a.lens.clone(),
-            from: a.from.clone(),
-            messages: a.messages.clone(),
-            _values: PhantomData,
-        }
     }
 
     #[test]

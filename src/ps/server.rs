@@ -175,9 +175,16 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
                         tracing::warn!(server = id, worker = w, error = %e, "an undecodable message; skipped");
                         Ok(())
                     }
-                    Ok(m) => match m.kind {
+                    Ok(mut m) => match m.kind {
                         Kind::Bye => self.depart(w, false),
-                        Kind::Push | Kind::Pull | Kind::PushPull => self.serve_one(m, w),
+                        Kind::Push | Kind::Pull | Kind::PushPull => {
+                            let served = self.serve_one(&mut m, w);
+                            // The request's bytes, read: the next request is received into them.
+                            if let Some(link) = self.links.get(li) {
+                                link.ctx.comm().recycle(rank, std::mem::take(&mut m.values));
+                            }
+                            served
+                        }
                         other => {
                             tracing::warn!(server = id, worker = w, "a {other:?} message to a server; skipped");
                             Ok(())
@@ -339,9 +346,9 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
     }
 
     /// Hands one request to the handler (or the backup copy it is for), or refuses it.
-    fn serve_one(&mut self, mut m: Message, worker: usize) -> Result<()> {
+    fn serve_one(&mut self, m: &mut Message, worker: usize) -> Result<()> {
         let responder = &self.responder;
-        let req = match request_of::<T>(&mut m, worker) {
+        let req = match request_of::<T>(m, worker) {
             Ok(req) => req,
             Err(refusal) => return responder.refuse(&refusal.meta, &refusal.reason),
         };

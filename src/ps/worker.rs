@@ -256,7 +256,10 @@ impl<T: Element> KvWorker<T> {
     /// waited for or given to [`then`](Self::then). A push that failed is kept until waited for
     /// (or given to `then`), as is every pull; waiting for it again is an error.
     pub fn wait(&self, ts: Timestamp) -> Result<Reply<T>> {
-        self.take(ts).map(Answers::into_reply)
+        let answers = self.take(ts)?;
+        let reply = answers.reply();
+        self.give_back(answers);
+        Ok(reply)
     }
 
     /// [`wait`](Self::wait), with the values read straight into `values`, which must hold
@@ -264,7 +267,19 @@ impl<T: Element> KvWorker<T> {
     /// [`Error::InvalidArgument`] naming both, and the request is spent). Returns each key's
     /// number of values. Nothing is allocated for the values.
     pub fn wait_into(&self, ts: Timestamp, values: &mut [T]) -> Result<Vec<usize>> {
-        self.take(ts)?.read_into(values, &format!("worker {}: request {ts}", self.sh.id))
+        let answers = self.take(ts)?;
+        let lens = answers.read_into(values, &format!("worker {}: request {ts}", self.sh.id));
+        self.give_back(answers);
+        lens
+    }
+
+    /// Gives the buffers of answers read back to their servers' pairs, to receive later
+    /// answers into.
+    fn give_back(&self, answers: Answers<T>) {
+        let comm = self.sh.ctx.comm();
+        for (server, buf) in answers.into_buffers() {
+            comm.recycle(server, buf);
+        }
     }
 
     /// Pulls `keys` into `values` and waits: [`pull`](Self::pull) and

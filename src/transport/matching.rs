@@ -57,8 +57,16 @@ pub(crate) struct Delivery {
 }
 
 impl Delivery {
-    fn new(op: RecvOp, len: usize) -> Self {
-        let owned = matches!(op.target, RecvTarget::Owned { .. }).then(|| vec![0u8; len]);
+    /// A delivery of `len` bytes into `op`'s target; an owned receive's buffer is `spare`,
+    /// which has room for them.
+    fn new(op: RecvOp, len: usize, spare: impl FnOnce(usize) -> Vec<u8>) -> Self {
+        let owned = matches!(op.target, RecvTarget::Owned { .. }).then(|| {
+            // All `len` bytes are written before the receive completes: only a buffer shorter
+            // than that is extended (with zeros), a longer one is cut.
+            let mut v = spare(len);
+            v.resize(len, 0);
+            v
+        });
         Delivery { op, len, filled: 0, owned }
     }
 
@@ -285,7 +293,7 @@ impl Matcher {
                 continue; // taken by another pair (receive from any) or already finished
             }
             return match self.check(op, &h) {
-                Some(op) => Dispatch::Deliver(Delivery::new(op, h.len as usize)),
+                Some(op) => Dispatch::Deliver(Delivery::new(op, h.len as usize, |n| self.spare_buffer(n))),
                 None => Dispatch::Discard,
             };
         }
@@ -331,7 +339,8 @@ impl Matcher {
         if !takes || !front.done.try_claim() {
             return None;
         }
-        self.posted.pop_front().map(|op| Delivery::new(op, h.len as usize))
+        let op = self.posted.pop_front()?;
+        Some(Delivery::new(op, h.len as usize, |n| self.spare_buffer(n)))
     }
 
     /// An early payload is complete: hand it to a receive posted meanwhile, or keep it (or drop
@@ -452,6 +461,14 @@ impl Matcher {
 
     /// A buffer for an early payload of `len` bytes: the smallest spare that fits, else new.
     fn early_buffer(&mut self, len: usize) -> Vec<u8> {
+        let mut v = self.spare_buffer(len);
+        v.clear();
+        v
+    }
+
+    /// A spare buffer with room for `len` bytes, as it was left (its old length and bytes, so
+    /// that an owned receive writing all of them need not zero them first), or a new one.
+    fn spare_buffer(&mut self, len: usize) -> Vec<u8> {
         let best = self.spare.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
         match best.map(|(i, _)| i) {
             Some(i) => self.spare.swap_remove(i),
@@ -459,11 +476,12 @@ impl Matcher {
         }
     }
 
-    /// Keeps an emptied early buffer for reuse while the spares stay within their bounds.
-    fn recycle(&mut self, mut data: Vec<u8>) {
+    /// Keeps an emptied buffer (an early message's, or one an owned receive handed over and
+    /// its reader gave back, [`Pair::recycle`](super::Pair::recycle)) for reuse while the
+    /// spares stay within their bounds.
+    pub(crate) fn recycle(&mut self, data: Vec<u8>) {
         let held: usize = self.spare.iter().map(Vec::capacity).sum();
         if data.capacity() > 0 && self.spare.len() < SPARE_BUFFERS && held + data.capacity() <= self.budget {
-            data.clear();
             self.spare.push(data);
         }
     }
@@ -595,6 +613,36 @@ mod tests {
         m.post(op).unwrap();
         let e = done.outcome().unwrap().unwrap_err();
         assert!(e.to_string().contains("at most 2"), "{e}");
+    }
+
+    #[test]
+    fn an_owned_receive_reuses_a_buffer_given_back_and_spares_stay_within_the_budget() {
+        let mut m = Matcher::new(0, 1, 1024);
+        let owned = |m: &mut Matcher, payload: &[u8]| {
+            let done = Completion::new();
+            let op =
+                RecvOp { key: key(5), desc: OpDesc::P2P, target: RecvTarget::Owned { max: 1024 }, done: done.clone() };
+            m.post(op).unwrap();
+            let d = m.incoming(header(key(5), payload.len()));
+            feed(m, d, payload);
+            done.take_payload().unwrap()
+        };
+        let first = owned(&mut m, &[7; 300]);
+        let at = first.as_ptr();
+        m.recycle(first);
+        // A shorter message goes into the same memory, cut to its length, all its bytes its own.
+        let second = owned(&mut m, &[9; 200]);
+        assert_eq!((second.as_ptr(), &second[..]), (at, &[9u8; 200][..]));
+        m.recycle(second);
+        // A longer one than any spare gets a new buffer; the spare stays for later.
+        let third = owned(&mut m, &[1; 500]);
+        assert_ne!(third.as_ptr(), at);
+        assert_eq!(third, [1u8; 500]);
+        // Spares never hold more than the budget: this one would pass it, and is dropped.
+        m.recycle(third);
+        m.recycle(vec![0; 600]);
+        let held: usize = m.spare.iter().map(Vec::capacity).sum();
+        assert!(held <= 1024, "{held} bytes of spares for a budget of 1024");
     }
 
     #[test]

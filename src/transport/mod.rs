@@ -289,6 +289,14 @@ pub(crate) trait Pair: Send + Sync {
     /// Withdraws every operation of `done` from this pair. After it returns the pair no longer
     /// touches that operation's buffer.
     fn cancel(&self, done: &Arc<Completion>);
+
+    /// Takes back a buffer that an owned receive of this pair handed over, once its reader is
+    /// done with it, to receive a later message into: a stream of large messages then finds
+    /// its pages mapped instead of faulting fresh ones in for each. A pair keeps a few, within
+    /// its early budget, and drops the rest (this default keeps none).
+    fn recycle(&self, buf: Vec<u8>) {
+        drop(buf);
+    }
 }
 
 /// How a waiting thread busy-waits before it sleeps in the kernel: for `budget`, spinning

@@ -271,6 +271,10 @@ impl Pair for ShmPair {
         }
     }
 
+    fn recycle(&self, buf: Vec<u8>) {
+        self.lock().matcher.recycle(buf);
+    }
+
     fn cancel(&self, done: &Arc<Completion>) {
         let mut g = self.lock();
         if let Some(i) = g.sendq.iter().position(|o| Arc::ptr_eq(&o.done, done)) {

@@ -389,6 +389,10 @@ impl Pair for TcpPair {
         g.matcher.cancel(done);
         g.rx.cancel(done);
     }
+
+    fn recycle(&self, buf: Vec<u8>) {
+        self.lock().matcher.recycle(buf);
+    }
 }
 
 impl Drop for TcpPair {
