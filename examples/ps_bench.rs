@@ -20,7 +20,7 @@
 use clap::Parser;
 use ferrogloo::device::{Device, TcpAttr, Transport};
 use ferrogloo::launch::{RankEnv, spawn_local};
-use ferrogloo::ps::{Node, PsConfig, Role, SumStore};
+use ferrogloo::ps::{KvWorker, Node, PsConfig, Role, SumStore};
 use ferrogloo::rendezvous::PrefixStore;
 use ferrogloo::{Context, Error, Reduction, Result};
 use std::time::{Duration, Instant};
@@ -88,6 +88,20 @@ fn pingpong(ctx: &Context, servers: usize, bytes: usize, iters: usize) -> Result
     Ok(times.split_off(times.len().min(5)))
 }
 
+/// This rank's node of a parameter server meeting under `prefix`: a server runs (a
+/// [`SumStore`]) until every worker has said goodbye and gives `None`; a worker is returned.
+fn ps_node(args: &Args, env: &RankEnv, prefix: &str) -> Result<Option<KvWorker<f32>>> {
+    let (s, w) = (args.servers, args.workers);
+    let store = PrefixStore::new(prefix, ferrogloo::rendezvous::open(&env.store)?);
+    let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
+    let cfg = PsConfig::new(w, s);
+    if env.rank < s {
+        Node::connect(&store, &dev, Role::Server, env.rank, cfg)?.server(SumStore::<f32>::default())?.run()?;
+        return Ok(None);
+    }
+    Ok(Some(Node::connect(&store, &dev, Role::Worker, env.rank - s, cfg)?.worker::<f32>()?))
+}
+
 /// Worker `me`'s touched keys for each of `sets` steps: `share` of `0..model`, sorted and
 /// unique, from a fixed-seed generator (the same on every run).
 fn touched_sets(model: u64, share: f64, me: usize, sets: usize) -> Vec<Vec<u64>> {
@@ -130,14 +144,8 @@ fn sparse(args: &Args, env: &RankEnv, model: u64) -> Result<()> {
         allreduce = median(t.split_off(1));
     }
     ctx.barrier()?;
-    let store = PrefixStore::new("ps-bench/sparse", ferrogloo::rendezvous::open(&env.store)?);
-    let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
-    let cfg = PsConfig::new(w, s);
-    if env.rank < s {
-        return Node::connect(&store, &dev, Role::Server, env.rank, cfg)?.server(SumStore::<f32>::default())?.run();
-    }
+    let Some(worker) = ps_node(args, env, "ps-bench/sparse")? else { return Ok(()) };
     let me = env.rank - s;
-    let worker = Node::connect(&store, &dev, Role::Worker, me, cfg)?.worker::<f32>()?;
     let sets = touched_sets(model, args.touched, me, 4);
     let most = sets.iter().map(Vec::len).max().unwrap_or(0);
     let (grad, mut back) = (vec![1f32; most], vec![0f32; most]);
@@ -196,15 +204,8 @@ fn run(args: &Args, env: &RankEnv) -> Result<()> {
         }
     }
     ctx.barrier()?;
-    let store = ferrogloo::rendezvous::open(&env.store)?;
-    let store = PrefixStore::new("ps-bench/ps", store);
-    let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
-    let cfg = PsConfig::new(w, s);
-    if env.rank < s {
-        return Node::connect(&store, &dev, Role::Server, env.rank, cfg)?.server(SumStore::<f32>::default())?.run();
-    }
+    let Some(worker) = ps_node(args, env, "ps-bench/ps")? else { return Ok(()) };
     let me = env.rank - s;
-    let worker = Node::connect(&store, &dev, Role::Worker, me, cfg)?.worker::<f32>()?;
     for (i, &bytes) in args.sizes.iter().enumerate() {
         // Keys of their own per size (a key keeps the length of its first push).
         let keys: Vec<u64> = (0..KEYS).map(|k| i as u64 * 1000 + k).collect();
