@@ -273,12 +273,13 @@ impl<T: Element> KvWorker<T> {
         lens
     }
 
-    /// Gives the buffers of answers read back to their servers' pairs, to receive later
-    /// answers into.
+    /// Gives the buffers of answers read back to the pairs they came in on (a shard's server,
+    /// or its backup once it is gone), to receive later answers into.
     fn give_back(&self, answers: Answers<T>) {
         let comm = self.sh.ctx.comm();
-        for (server, buf) in answers.into_buffers() {
-            comm.recycle(server, buf);
+        let answering = self.sh.answering();
+        for (shard, buf) in answers.into_buffers() {
+            comm.recycle(answering(shard), buf);
         }
     }
 

@@ -20,6 +20,10 @@ use std::sync::Arc;
 /// a fresh multi-megabyte allocation per early message costs page faults on every touch.
 const SPARE_BUFFERS: usize = 8;
 
+/// A spare may be this much larger than the message it takes whatever the message's length
+/// (see [`Matcher::spare_buffer`]).
+const SPARE_SLACK: usize = 64 << 10;
+
 /// What an early message costs the budget beyond its payload (its place on the list), so that
 /// a flood of empty messages is bounded too.
 const EARLY_OVERHEAD: usize = 64;
@@ -59,13 +63,15 @@ pub(crate) struct Delivery {
 impl Delivery {
     /// A delivery of `len` bytes into `op`'s target; an owned receive's buffer is `spare`,
     /// which has room for them.
-    fn new(op: RecvOp, len: usize, spare: impl FnOnce(usize) -> Vec<u8>) -> Self {
-        let owned = matches!(op.target, RecvTarget::Owned { .. }).then(|| {
-            // All `len` bytes are written before the receive completes: only a buffer shorter
+    fn new(op: RecvOp, len: usize, spare: impl FnOnce(usize) -> Option<Vec<u8>>) -> Self {
+        let owned = matches!(op.target, RecvTarget::Owned { .. }).then(|| match spare(len) {
+            // All `len` bytes are written before the receive completes: only a spare shorter
             // than that is extended (with zeros), a longer one is cut.
-            let mut v = spare(len);
-            v.resize(len, 0);
-            v
+            Some(mut v) => {
+                v.resize(len, 0);
+                v
+            }
+            None => vec![0u8; len],
         });
         Delivery { op, len, filled: 0, owned }
     }
@@ -461,19 +467,21 @@ impl Matcher {
 
     /// A buffer for an early payload of `len` bytes: the smallest spare that fits, else new.
     fn early_buffer(&mut self, len: usize) -> Vec<u8> {
-        let mut v = self.spare_buffer(len);
+        let mut v = self.spare_buffer(len).unwrap_or_else(|| Vec::with_capacity(len));
         v.clear();
         v
     }
 
     /// A spare buffer with room for `len` bytes, as it was left (its old length and bytes, so
     /// that an owned receive writing all of them need not zero them first), or a new one.
-    fn spare_buffer(&mut self, len: usize) -> Vec<u8> {
-        let best = self.spare.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
-        match best.map(|(i, _)| i) {
-            Some(i) => self.spare.swap_remove(i),
-            None => Vec::with_capacity(len),
-        }
+    /// A spare fits a message of `len` bytes when it has room for them and is not much larger
+    /// (at most twice, or [`SPARE_SLACK`]): a small message does not take, and keep, a large
+    /// buffer that a large message could use.
+    fn spare_buffer(&mut self, len: usize) -> Option<Vec<u8>> {
+        let most = len.saturating_mul(2).max(SPARE_SLACK);
+        let fits = |b: &Vec<u8>| (len..=most).contains(&b.capacity());
+        let best = self.spare.iter().enumerate().filter(|(_, b)| fits(b)).min_by_key(|(_, b)| b.capacity());
+        best.map(|(i, _)| i).map(|i| self.spare.swap_remove(i))
     }
 
     /// Keeps an emptied buffer (an early message's, or one an owned receive handed over and
@@ -620,8 +628,8 @@ mod tests {
         let mut m = Matcher::new(0, 1, 1024);
         let owned = |m: &mut Matcher, payload: &[u8]| {
             let done = Completion::new();
-            let op =
-                RecvOp { key: key(5), desc: OpDesc::P2P, target: RecvTarget::Owned { max: 1024 }, done: done.clone() };
+            let target = RecvTarget::Owned { max: 1 << 20 };
+            let op = RecvOp { key: key(5), desc: OpDesc::P2P, target, done: done.clone() };
             m.post(op).unwrap();
             let d = m.incoming(header(key(5), payload.len()));
             feed(m, d, payload);
@@ -643,6 +651,13 @@ mod tests {
         m.recycle(vec![0; 600]);
         let held: usize = m.spare.iter().map(Vec::capacity).sum();
         assert!(held <= 1024, "{held} bytes of spares for a budget of 1024");
+        // A small message does not take a spare many times its size: it stays for a large one.
+        let mut m = Matcher::new(0, 1, 1 << 20);
+        m.recycle(Vec::with_capacity(200_000));
+        let small = owned(&mut m, &[3; 10]);
+        assert_eq!((small.len(), small.capacity() < 200_000, m.spare.len()), (10, true, 1));
+        let large = owned(&mut m, &[4; 150_000]);
+        assert_eq!((large.capacity() >= 200_000, m.spare.len()), (true, 0));
     }
 
     #[test]
