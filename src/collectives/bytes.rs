@@ -129,10 +129,7 @@ impl Context {
 /// `bytes` viewed as elements of `T`: borrowed when aligned, else an aligned copy.
 fn typed<'a, T: Element>(bytes: &'a [u8], what: &str) -> Result<Cow<'a, [T]>> {
     whole::<T>(bytes.len(), what)?;
-    Ok(match bytemuck::try_cast_slice::<u8, T>(bytes) {
-        Ok(t) => Cow::Borrowed(t),
-        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
-    })
+    Ok(crate::types::view_or_copy(bytes))
 }
 
 /// Runs `f` on `bytes` viewed as elements of `T`: in place when aligned, else on an aligned

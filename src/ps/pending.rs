@@ -76,27 +76,28 @@ impl<T: Element> Answers<T> {
         self.lens.iter().zip(&self.from).map(|(&l, &(a, at))| {
             let payload = self.messages.get(a).map_or(&[][..], |m| m.payload());
             let bytes = size_of::<T>();
-            let run = payload.get(at * bytes..(at + l) * bytes).unwrap_or(&[]);
-            // In place where the message's bytes are aligned for `T`; a copy otherwise.
-            match bytemuck::try_cast_slice::<u8, T>(run) {
-                Ok(v) => Cow::Borrowed(v),
-                Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(run)),
-            }
+            crate::types::view_or_copy(payload.get(at * bytes..(at + l) * bytes).unwrap_or(&[]))
         })
     }
 
     /// The reply, its values read once from the answers into one allocation.
     pub(super) fn into_reply(self) -> Reply<T> {
-        self.reply()
+        let values = self.values();
+        Reply { values, keys: self.keys, lens: self.lens }
     }
 
     /// [`into_reply`](Self::into_reply), the answers kept (to give their buffers back).
     pub(super) fn reply(&self) -> Reply<T> {
+        Reply { values: self.values(), keys: self.keys.clone(), lens: self.lens.clone() }
+    }
+
+    /// Every key's values, in key order, in one allocation.
+    fn values(&self) -> Vec<T> {
         let mut values = Vec::with_capacity(self.lens.iter().sum());
         for run in self.runs() {
             values.extend_from_slice(&run);
         }
-        Reply { values, keys: self.keys.clone(), lens: self.lens.clone() }
+        values
     }
 
     /// The answers' buffers, each with the server whose shard it answered.

@@ -79,12 +79,8 @@ pub(super) fn request_of<T: Element>(m: &mut Message, worker: usize) -> std::res
     }
     let (keys, lens) = (std::mem::take(&mut m.keys), std::mem::take(&mut m.lens));
     let m: &Message = m;
-    // In place where the bytes are aligned for `T` (a received buffer always is in practice:
-    // the values start 8-byte aligned within it); a copy otherwise.
-    let values = match bytemuck::try_cast_slice::<u8, T>(m.payload()) {
-        Ok(v) => Cow::Borrowed(v),
-        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(m.payload())),
-    };
+    // The values start 8-byte aligned within the message: viewed in place.
+    let values = crate::types::view_or_copy(m.payload());
     let req = Request { meta, keys, values, lens };
     match check_request(&req) {
         Ok(()) => Ok(req),

@@ -17,6 +17,16 @@ pub(crate) use reduction::scale_bytes;
 
 pub use half::{bf16, f16};
 
+/// `bytes` viewed as values of `T`: borrowed where they are aligned for `T` (a received
+/// buffer's always are in practice), else an aligned copy. The caller checked that they are a
+/// whole number of values.
+pub(crate) fn view_or_copy<T: bytemuck::Pod>(bytes: &[u8]) -> std::borrow::Cow<'_, [T]> {
+    match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(v) => std::borrow::Cow::Borrowed(v),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
 /// Runs `$body` with `$t` bound to the Rust type of the [`DType`] `$d`.
 #[doc(hidden)]
 #[macro_export]
