@@ -74,6 +74,28 @@ enum Failed {
 }
 
 impl ShmEndpoint {
+    /// The pair with `peer` over the segment and doorbell it handed over, with `lifeline` its
+    /// end of the handshake's socket; `peer_reads_mine` when the peer reads this side's memory.
+    fn pair_with(
+        &self,
+        peer: usize,
+        theirs: Theirs,
+        lifeline: UnixStream,
+        peer_reads_mine: bool,
+    ) -> std::io::Result<Arc<ShmPair>> {
+        ShmPair::new(PairParts {
+            me: self.spec.rank,
+            peer,
+            early_budget: self.opts.early_budget,
+            mine: self.segment.clone(),
+            theirs: theirs.segment,
+            peer_bell: EventFd::from_fd(theirs.bell),
+            lifeline,
+            peer_pid: theirs.pid,
+            peer_reads_mine,
+        })
+    }
+
     /// This side's offer.
     fn offer(&self, reads_yours: bool) -> Offer {
         Offer {
@@ -157,18 +179,10 @@ impl ShmEndpoint {
             Failed::Refused(why) => refused(why),
         })?;
         let theirs = theirs.ok_or_else(|| refused("its answer carries no segment and doorbell".into()))?;
-        let pair = ShmPair::new(PairParts {
-            me: self.spec.rank,
-            peer,
-            early_budget: self.opts.early_budget,
-            mine: self.segment.clone(),
-            theirs: theirs.segment,
-            peer_bell: EventFd::from_fd(theirs.bell),
-            lifeline: stream,
-            peer_pid: theirs.pid,
-            peer_reads_mine: theirs.reads_mine,
-        })
-        .map_err(|e| ConnectError::Retry(Error::io(format!("setting up the pair with rank {peer}"), e)))?;
+        let reads_mine = theirs.reads_mine;
+        let pair = self
+            .pair_with(peer, theirs, stream, reads_mine)
+            .map_err(|e| ConnectError::Retry(Error::io(format!("setting up the pair with rank {peer}"), e)))?;
         self.pairs[peer] = Some(pair);
         Ok(())
     }
@@ -303,18 +317,9 @@ impl Acceptor for ShmEndpoint {
         if self.pairs.get(peer).is_none_or(Option::is_some) {
             return tracing::warn!(peer, "refused a second shared-memory connection for one pair");
         }
-        let pair = ShmPair::new(PairParts {
-            me: self.spec.rank,
-            peer,
-            early_budget: self.opts.early_budget,
-            mine: self.segment.clone(),
-            theirs: theirs.segment,
-            peer_bell: EventFd::from_fd(theirs.bell),
-            lifeline: conn.stream,
-            peer_pid: theirs.pid,
-            // The connector's ready message: whether it reads this side's memory.
-            peer_reads_mine: done.ready.first().is_some_and(|&b| b != 0),
-        });
+        // The connector's ready message: whether it reads this side's memory.
+        let reads_mine = done.ready.first().is_some_and(|&b| b != 0);
+        let pair = self.pair_with(peer, theirs, conn.stream, reads_mine);
         match pair {
             Ok(pair) => self.pairs[peer] = Some(pair),
             Err(e) => tracing::warn!(peer, error = %e, "setting up a shared-memory pair failed"),
