@@ -78,7 +78,8 @@ impl Comm {
             pairs: self.pairs.clone(),
             key: self.p2p_key(tag),
             max,
-            spin,
+            // Ranks that share cores yield while they busy-wait, whatever the caller asked.
+            spin: BusyWait { yield_cpu: spin.yield_cpu || self.shared.spin.yield_cpu, ..spin },
             what,
             stall: self.timeout,
             posted: None,
