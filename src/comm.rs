@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod persistent;
-pub(crate) use persistent::{PersistentRecv, QUIET, SLEEPING, wait_any};
+pub(crate) use persistent::{Interrupter, PersistentRecv, QUIET, SLEEPING, wait_any};
 
 /// Tag namespace of user point-to-point messages.
 const NS_P2P: u64 = 1 << 62;

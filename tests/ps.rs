@@ -817,6 +817,50 @@ fn wait_ends_at_the_deadline_even_while_the_receiving_thread_is_busy() {
     assert!(e.contains("timed out after 2.0 s; still waiting for rank 0"), "{e}");
 }
 
+#[test]
+fn a_wait_receives_its_own_answer_while_a_callback_holds_the_receiving_thread() {
+    // The thread that waits receives its answer itself: a callback that keeps the receiving
+    // thread does not hold up a wait for another request (before, the wait ran to its
+    // deadline), on a transport the receiving thread would drive (TCP) and on one it would not.
+    let deadline = Duration::from_secs(10);
+    let loopback = || Device::loopback();
+    let in_process = || Ok(Device::in_process());
+    let devices: [&(dyn Fn() -> Result<Device> + Sync); 2] = [&loopback, &in_process];
+    for device in devices {
+        let (release, released) = mpsc::channel::<()>();
+        let (started, starts) = mpsc::channel::<()>();
+        let released = Mutex::new(Some((released, started)));
+        let starts = Mutex::new(starts);
+        let mut cfg = PsConfig::new(1, 1);
+        cfg.timeout = deadline;
+        let r = threads(cfg, device, &[(Role::Server, 0), (Role::Worker, 0)], |node| {
+            if node.role() == Role::Server {
+                node.server(SumStore::<f32>::default())?.run()?;
+                return Ok((Duration::ZERO, Vec::new()));
+            }
+            let w = node.worker::<f32>()?;
+            w.wait(w.push(&[1, 2], &[1.0, 2.0], &[])?)?;
+            let (rx, started) =
+                released.lock().ok().and_then(|mut r| r.take()).ok_or_else(|| Error::invalid("no channel"))?;
+            w.then(w.pull(&[1])?, move |_| {
+                let _ = started.send(());
+                let _ = rx.recv_timeout(common::TIMEOUT);
+            })?;
+            let ran = starts.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+            ran.map_err(|_| Error::invalid("the callback never ran"))?;
+            let start = Instant::now();
+            let got = w.wait(w.push_pull(&[1, 2], &[10.0, 20.0], &[])?)?.values;
+            let took = start.elapsed();
+            let _ = release.send(());
+            Ok((took, got))
+        });
+        let r = common::all_ok(r);
+        let (took, got) = &r[1];
+        assert_eq!(got, &[11.0, 22.0], "the push-pull's sums");
+        assert!(*took < deadline / 2, "the wait took {took:?}: it waited for the receiving thread");
+    }
+}
+
 /// A handler whose first request ends its server's run (as a crash would: its connections close).
 #[derive(Clone)]
 struct Stops;

@@ -21,7 +21,7 @@ use super::{Comm, Op, Pairs, World, post_recv_any};
 use crate::error::{Error, Result};
 use crate::transport::{BusyWait, Completion, Done, Key, Pair, RecvTarget};
 use crate::types::OpDesc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A background thread's wait: busy-waits 50 µs before it sleeps, long enough to catch the
@@ -56,6 +56,29 @@ pub(crate) struct PersistentRecv {
     /// How long a message may take to arrive once it began (the communicator's timeout).
     stall: Duration,
     posted: Option<Posted>,
+    /// What an [`Interrupter`] completes to end the interruptible wait in progress.
+    interrupt: Arc<Mutex<Option<Arc<Completion>>>>,
+}
+
+/// Ends another thread's [`PersistentRecv::wait_interruptibly`] early, so that the calling
+/// thread can take over the receive (a parameter-server worker's thread that waits for its own
+/// request receives the answer itself instead of being woken by the receiving thread).
+#[derive(Clone)]
+pub(crate) struct Interrupter {
+    slot: Arc<Mutex<Option<Arc<Completion>>>>,
+    shared: Arc<World>,
+}
+
+impl Interrupter {
+    /// Ends the interruptible wait in progress, if one is: it returns `None` as at a deadline,
+    /// with the receive still posted.
+    pub(crate) fn interrupt(&self) {
+        let listener = crate::sync::lock(&self.slot).take();
+        if let Some(l) = listener {
+            l.complete(Ok(Done { peer: 0, len: 0 }));
+            self.shared.mesh.progress.interrupt();
+        }
+    }
 }
 
 /// A posted receive.
@@ -83,6 +106,7 @@ impl Comm {
             what,
             stall: self.timeout,
             posted: None,
+            interrupt: Arc::default(),
         }
     }
 }
@@ -113,6 +137,44 @@ impl PersistentRecv {
             Some(outcome) => Some(self.finished(outcome)),
             None => self.check_stall(),
         }
+    }
+
+    /// What ends a [`wait_interruptibly`](Self::wait_interruptibly) of this receive from
+    /// another thread.
+    pub(crate) fn interrupter(&self) -> Interrupter {
+        Interrupter { slot: self.interrupt.clone(), shared: self.shared.clone() }
+    }
+
+    /// [`wait`](Self::wait), which an [`Interrupter`] of this receive ends early (`None`, the
+    /// receive still posted). `go_on` is asked once the wait can be interrupted: `false` ends
+    /// it at once. A thread that wants the wait to end sets what `go_on` reads before it
+    /// interrupts, so that either the wait sees it or the interrupt sees the wait.
+    pub(crate) fn wait_interruptibly(
+        &mut self,
+        from: &[usize],
+        deadline: Instant,
+        go_on: impl FnOnce() -> bool,
+    ) -> Option<Result<Message>> {
+        if let Err(e) = self.ensure_posted(from) {
+            return Some(Err(e));
+        }
+        let listener = Completion::new();
+        *crate::sync::lock(&self.interrupt) = Some(listener.clone());
+        if go_on() {
+            let posted = self.posted.as_ref()?;
+            posted.op.done.finish_with(&listener);
+            let own = posted.op.peers();
+            // Ends when the receive finishes, when interrupted, or at the deadline.
+            let _ = Op::wait_for(&listener, &own, deadline, &self.shared, self.spin);
+        }
+        crate::sync::lock(&self.interrupt).take();
+        if let Some(found) = self.ready() {
+            return Some(found);
+        }
+        if Instant::now() < deadline {
+            return None; // interrupted, or told not to wait
+        }
+        self.check_stall()
     }
 
     /// Withdraws the posted receive unless a message has claimed it (or it finished): that one

@@ -13,15 +13,21 @@ use super::request::check_keys;
 use super::wire::{self, Kind, Message};
 use super::{Node, PS_RECEIVE, PS_TAG, PsConfig, Reply, SLICE, Timestamp};
 use crate::Context;
-use crate::comm::QUIET;
+use crate::comm::{Interrupter, PersistentRecv, QUIET};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::types::Element;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long the receiving thread leaves answers that nobody waits for yet unread while a
+/// caller drives the receive or may be about to: it then looks whether to take over. Bounds
+/// the delay of a callback, and how long a server's large answer waits to be read, while
+/// the worker's callers are between waits.
+const LINGER: Duration = Duration::from_millis(1);
 
 struct WorkerShared<T> {
     ctx: Arc<Context>,
@@ -40,6 +46,75 @@ struct WorkerShared<T> {
     /// an error, not the empty success of an acknowledged push.
     spent_failures: Mutex<HashSet<Timestamp>>,
     stop: AtomicBool,
+    /// The receive of the servers' messages. Whoever holds it drives it: a caller waiting for
+    /// its request (no thread hop: the thread that waits reads its answer), else the receiving
+    /// thread (for callbacks, answers nobody waits for yet, heartbeats and closed servers).
+    inbox: Mutex<PersistentRecv>,
+    /// Ends the receiving thread's wait on `inbox` when a caller comes to wait.
+    interrupter: Interrupter,
+    /// Callers in [`KvWorker::wait`] and the like: while there are any, the receiving thread
+    /// leaves the receive to them.
+    waiting: AtomicUsize,
+    /// Wakes the receiving thread (with `pending`): a request to read answers for, a callback,
+    /// the end.
+    idle: Condvar,
+    /// The receiving thread sleeps with nothing to read for: a new request wakes it.
+    dozing: AtomicBool,
+    /// Callbacks of finished requests, for the receiving thread to run (whoever received the
+    /// answer: a caller that waits never runs another request's callback).
+    callbacks: Mutex<Vec<ReadyCallback<T>>>,
+    /// Threads asleep on `done` (counted under `pending`): finishing a request wakes them.
+    sleepers: AtomicUsize,
+}
+
+/// A callback with its request's outcome: the request, what it was, the callback, the outcome.
+type ReadyCallback<T> = (Timestamp, &'static str, Callback<T>, Result<Answers<T>>);
+
+/// A caller in a wait (see [`WorkerShared::waiting`]); leaving hands the receive on.
+struct Waiter<'a, T> {
+    sh: &'a WorkerShared<T>,
+    drove: bool,
+}
+
+impl<'a, T> Waiter<'a, T> {
+    fn enter(sh: &'a WorkerShared<T>) -> Self {
+        sh.waiting.fetch_add(1, Ordering::SeqCst);
+        // The receiving thread lets go of the receive (it sees `waiting` or is interrupted).
+        sh.interrupter.interrupt();
+        Waiter { sh, drove: false }
+    }
+}
+
+impl<T> Drop for Waiter<'_, T> {
+    fn drop(&mut self) {
+        let others = self.sh.waiting.fetch_sub(1, Ordering::SeqCst) > 1;
+        if self.drove && others {
+            // Another caller sleeps until someone drives: its turn.
+            let _p = lock(&self.sh.pending);
+            self.sh.done.notify_all();
+        }
+    }
+}
+
+/// Sleeps on `done` for at most `timeout`, counted among its sleepers.
+fn sleep_on_done<'a, T>(
+    sh: &'a WorkerShared<T>,
+    p: MutexGuard<'a, HashMap<Timestamp, Pending<T>>>,
+    timeout: Duration,
+) -> MutexGuard<'a, HashMap<Timestamp, Pending<T>>> {
+    sh.sleepers.fetch_add(1, Ordering::SeqCst);
+    let p = crate::sync::wait_timeout(&sh.done, p, timeout);
+    sh.sleepers.fetch_sub(1, Ordering::SeqCst);
+    p
+}
+
+/// `m` locked if nobody holds it (poison ignored).
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 impl<T> WorkerShared<T> {
@@ -65,6 +140,8 @@ impl<T: Element> std::fmt::Debug for KvWorker<T> {
 
 impl<T: Element> KvWorker<T> {
     pub(super) fn start(node: Node) -> Result<Self> {
+        // One receive stays posted from wait to wait: a reply half read is not lost.
+        let inbox = node.ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE);
         let sh = Arc::new(WorkerShared {
             ctx: node.ctx,
             next: AtomicU64::new(1),
@@ -75,6 +152,13 @@ impl<T: Element> KvWorker<T> {
             scratch: Mutex::new(Vec::new()),
             spent_failures: Mutex::new(HashSet::new()),
             stop: AtomicBool::new(false),
+            interrupter: inbox.interrupter(),
+            inbox: Mutex::new(inbox),
+            waiting: AtomicUsize::new(0),
+            idle: Condvar::new(),
+            dozing: AtomicBool::new(false),
+            callbacks: Mutex::new(Vec::new()),
+            sleepers: AtomicUsize::new(0),
             id: node.id,
             cfg: node.cfg,
         });
@@ -195,6 +279,10 @@ impl<T: Element> KvWorker<T> {
             return Ok(ts);
         }
         lock(&sh.pending).insert(ts, pending);
+        if sh.dozing.load(Ordering::SeqCst) {
+            // Its answers are to be read even if nobody waits for them.
+            sh.idle.notify_one();
+        }
         let mut failed: Vec<(usize, Error)> = Vec::new();
         for (s, idx) in parts {
             let ks: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
@@ -291,9 +379,11 @@ impl<T: Element> KvWorker<T> {
         self.wait_into(ts, values)
     }
 
-    /// Takes request `ts`'s outcome once it is there (see [`wait`](Self::wait)).
+    /// Takes request `ts`'s outcome once it is there (see [`wait`](Self::wait)). The calling
+    /// thread receives the answers itself while no other thread does.
     fn take(&self, ts: Timestamp) -> Result<Answers<T>> {
         let sh = &self.sh;
+        let mut waiter = Waiter::enter(sh);
         let mut p = lock(&sh.pending);
         loop {
             let Some(req) = p.get_mut(&ts) else {
@@ -322,8 +412,23 @@ impl<T: Element> KvWorker<T> {
                     None => Error::invalid("no outcome"),
                 });
             }
-            let left = req.deadline - now;
-            p = crate::sync::wait_timeout(&sh.done, p, left);
+            let until = req.deadline.min(now + SLICE);
+            match try_lock(&sh.inbox) {
+                Some(mut inbox) => {
+                    drop(p);
+                    waiter.drove = true;
+                    let got = receive_one(sh, &mut inbox, until, false);
+                    drop(inbox);
+                    p = lock(&sh.pending);
+                    if got == Received::NoServer {
+                        // Nothing can answer: the request is failed by now, or at its deadline.
+                        p = sleep_on_done(sh, p, until.saturating_duration_since(Instant::now()));
+                    }
+                }
+                // Another thread drives: it wakes this one when it finishes a request or
+                // leaves the receive.
+                None => p = sleep_on_done(sh, p, until - now),
+            }
         }
     }
 
@@ -351,6 +456,9 @@ impl<T: Element> KvWorker<T> {
             run_callback(id, ts, what, Box::new(f), out.map(Answers::into_reply))
         } else {
             req.callback = Some(Box::new(f));
+            drop(p);
+            // The receiving thread runs it when no caller drives.
+            self.sh.idle.notify_one();
             Ok(())
         }
     }
@@ -380,6 +488,11 @@ impl<T: Element> Drop for KvWorker<T> {
             let _ = self.sh.ctx.send(s, PS_TAG, &bye);
         }
         self.sh.stop.store(true, Ordering::SeqCst);
+        {
+            let _p = lock(&self.sh.pending);
+            self.sh.idle.notify_all();
+        }
+        self.sh.interrupter.interrupt();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -389,36 +502,44 @@ impl<T: Element> Drop for KvWorker<T> {
 /// Completes request `ts` (the first outcome wins): runs its callback, or keeps the outcome
 /// for `wait` (a push's success is not kept: waiting for it returns at once).
 fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Answers<T>>) {
-    let cb = {
-        let mut p = lock(&sh.pending);
-        let Some(req) = p.get_mut(&ts) else { return };
-        if req.outcome.is_some() {
-            return;
-        }
-        match req.callback.take() {
-            Some(cb) => {
-                let what = req.what;
-                p.remove(&ts);
-                Some((cb, what, out))
-            }
-            None if out.is_ok() && !req.wants_values => {
-                p.remove(&ts);
-                None
-            }
-            None => {
-                req.outcome = Some(out);
-                None
-            }
-        }
-    };
-    match cb {
-        Some((cb, what, out)) => {
+    let mut p = lock(&sh.pending);
+    let Some(req) = p.get_mut(&ts) else { return };
+    if req.outcome.is_some() {
+        return;
+    }
+    match req.callback.take() {
+        Some(cb) => {
+            let what = req.what;
+            p.remove(&ts);
+            drop(p);
             spend(sh, ts, &out);
-            if let Err(e) = run_callback(sh.id, ts, what, cb, out.map(Answers::into_reply)) {
-                tracing::error!(worker = sh.id, request = ts, error = %e, "parameter-server callback panicked");
+            lock(&sh.callbacks).push((ts, what, cb, out));
+            // The receiving thread runs it; if it is the one here, after letting go of the
+            // receive.
+            sh.idle.notify_one();
+        }
+        None => {
+            if out.is_ok() && !req.wants_values {
+                p.remove(&ts);
+            } else {
+                req.outcome = Some(out);
+            }
+            let sleepers = sh.sleepers.load(Ordering::SeqCst) > 0;
+            drop(p);
+            if sleepers {
+                sh.done.notify_all();
             }
         }
-        None => sh.done.notify_all(),
+    }
+}
+
+/// Runs the callbacks of finished requests (on the receiving thread, holding no lock).
+fn run_callbacks<T: Element>(sh: &WorkerShared<T>) {
+    let ready = std::mem::take(&mut *lock(&sh.callbacks));
+    for (ts, what, cb, out) in ready {
+        if let Err(e) = run_callback(sh.id, ts, what, cb, out.map(Answers::into_reply)) {
+            tracing::error!(worker = sh.id, request = ts, error = %e, "parameter-server callback panicked");
+        }
     }
 }
 
@@ -437,55 +558,127 @@ fn run_callback<T>(worker: usize, ts: Timestamp, what: &str, cb: Callback<T>, ou
     })
 }
 
-/// The worker's receiving thread: replies, heartbeats, closed servers, deadlines.
+/// The worker's receiving thread: the callbacks, the answers nobody waits for yet, heartbeats,
+/// closed servers, deadlines. It drives the receive only while no caller waits (callers
+/// receive their answers themselves, see [`KvWorker::take`]), and lets go of it as soon as one
+/// comes.
 fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
-    // One receive stays posted from slice to slice: a reply half read is not lost.
-    let mut inbox = sh.ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE);
+    let mut last_look = Instant::now();
     while !sh.stop.load(Ordering::SeqCst) {
-        let live: Vec<usize> = {
-            let closed = lock(&sh.closed);
-            (0..sh.cfg.servers).filter(|s| !closed.contains_key(s)).collect()
-        };
-        let got = if live.is_empty() {
-            inbox.withdraw();
-            std::thread::sleep(SLICE);
-            None
-        } else {
-            inbox.wait(&live, Instant::now() + SLICE)
-        };
-        match got {
-            Some(Ok((server, bytes))) => {
-                if let Some(h) = lock(&sh.heard).get_mut(server) {
-                    *h = Instant::now();
-                }
-                match Message::decode(bytes, server) {
-                    Ok(m) => on_reply(sh, server, m),
-                    Err(e) => fail_server(sh, server, e),
+        expire(sh);
+        run_callbacks(sh);
+        let unanswered = lock(&sh.pending).values().any(|r| r.outcome.is_none());
+        if sh.waiting.load(Ordering::SeqCst) == 0
+            && (unanswered || last_look.elapsed() >= SLICE)
+            && let Some(mut inbox) = try_lock(&sh.inbox)
+        {
+            if unanswered {
+                // Answers to read: until the next slice, or until a caller comes.
+                receive_one(sh, &mut inbox, Instant::now() + SLICE, true);
+            } else {
+                // A look at what came (heartbeats, closures): what is there, no wait.
+                let mut n = 0;
+                while n < LOOK_AT_MOST && receive_one(sh, &mut inbox, Instant::now(), true) == Received::Message {
+                    n += 1;
                 }
             }
-            // A quiet slice, or a reply that began arriving and stopped (dropped).
-            None | Some(Err(Error::Timeout { .. })) => {}
-            Some(Err(e)) => {
-                // Which server: the error names it (a closed connection), else every live one
-                // is suspect; the context itself is unusable then.
-                let server = match &e {
-                    Error::PeerClosed { rank, .. } | Error::PeerTimedOut { rank, .. } if *rank < sh.cfg.servers => {
-                        Some(*rank)
-                    }
-                    _ => None,
-                };
-                match server {
-                    Some(s) => fail_server(sh, s, e),
-                    None => {
-                        for s in live {
-                            fail_server(sh, s, e.clone());
-                        }
+            last_look = Instant::now();
+            drop(inbox);
+            if sh.waiting.load(Ordering::SeqCst) > 0 {
+                // A caller interrupted the wait and sleeps until the receive is free.
+                let _p = lock(&sh.pending);
+                sh.done.notify_all();
+            }
+            continue;
+        }
+        let p = lock(&sh.pending);
+        if sh.stop.load(Ordering::SeqCst) || !lock(&sh.callbacks).is_empty() {
+            continue;
+        }
+        let busy = sh.waiting.load(Ordering::SeqCst) > 0 || p.values().any(|r| r.outcome.is_none());
+        // With requests in flight or callers waiting, look again shortly (a caller may leave
+        // answers behind); else until the next look, or until a request or callback comes.
+        let nap = if busy { LINGER } else { SLICE.saturating_sub(last_look.elapsed()).max(LINGER) };
+        sh.dozing.store(!busy, Ordering::SeqCst);
+        drop(crate::sync::wait_timeout(&sh.idle, p, nap));
+        sh.dozing.store(false, Ordering::SeqCst);
+    }
+    lock(&sh.inbox).withdraw();
+    run_callbacks(sh);
+}
+
+/// The most messages the receiving thread's look at the receive takes in at once.
+const LOOK_AT_MOST: usize = 64;
+
+/// What [`receive_one`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Received {
+    /// A message, or an error that was taken in.
+    Message,
+    /// Nothing by the deadline (or interrupted).
+    Nothing,
+    /// No live server to receive from.
+    NoServer,
+}
+
+/// Receives one message from the live servers (waiting until `until`; `interruptible`: ended
+/// early when a caller comes to wait) and takes it in, then fails the requests past their
+/// deadline.
+fn receive_one<T: Element>(
+    sh: &WorkerShared<T>,
+    inbox: &mut PersistentRecv,
+    until: Instant,
+    interruptible: bool,
+) -> Received {
+    let live: Vec<usize> = {
+        let closed = lock(&sh.closed);
+        (0..sh.cfg.servers).filter(|s| !closed.contains_key(s)).collect()
+    };
+    let got = if live.is_empty() {
+        inbox.withdraw();
+        expire(sh);
+        return Received::NoServer;
+    } else if interruptible {
+        inbox.wait_interruptibly(&live, until, || sh.waiting.load(Ordering::SeqCst) == 0)
+    } else {
+        inbox.wait(&live, until)
+    };
+    match got {
+        Some(Ok((server, bytes))) => {
+            if let Some(h) = lock(&sh.heard).get_mut(server) {
+                *h = Instant::now();
+            }
+            match Message::decode(bytes, server) {
+                Ok(m) => on_reply(sh, server, m),
+                Err(e) => fail_server(sh, server, e),
+            }
+        }
+        // A quiet slice, or a reply that began arriving and stopped (dropped).
+        None | Some(Err(Error::Timeout { .. })) => {
+            expire(sh);
+            return Received::Nothing;
+        }
+        Some(Err(e)) => {
+            // Which server: the error names it (a closed connection), else every live one
+            // is suspect; the context itself is unusable then.
+            let server = match &e {
+                Error::PeerClosed { rank, .. } | Error::PeerTimedOut { rank, .. } if *rank < sh.cfg.servers => {
+                    Some(*rank)
+                }
+                _ => None,
+            };
+            match server {
+                Some(s) => fail_server(sh, s, e),
+                None => {
+                    for s in live {
+                        fail_server(sh, s, e.clone());
                     }
                 }
             }
         }
-        expire(sh);
     }
+    expire(sh);
+    Received::Message
 }
 
 /// Marks `server` gone: requests waiting for it go to its backup (with replication, when the

@@ -159,6 +159,11 @@ struct AutoProgress {
 }
 
 impl Progress for AutoProgress {
+    fn interrupt(&self) {
+        self.remote.interrupt();
+        self.local.interrupt();
+    }
+
     fn wait(
         &self,
         done: &Completion,

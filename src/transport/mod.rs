@@ -326,6 +326,12 @@ pub(crate) trait Progress: Send + Sync {
         deadline: Instant,
         busy: BusyWait,
     ) -> Option<Result<Done>>;
+
+    /// Wakes the waits sleeping in this engine so that they look at their completions again:
+    /// called by a thread that completed another thread's completion from outside the
+    /// transport (an interrupted wait, see `comm::Interrupter`). Waits that sleep on the
+    /// completion itself need nothing (this default).
+    fn interrupt(&self) {}
 }
 
 /// Progress made by backend threads (or posters) alone: a wait just sleeps on its completion.

@@ -125,6 +125,14 @@ impl TcpProgress {
 }
 
 impl Progress for TcpProgress {
+    fn interrupt(&self) {
+        // A driving wait polls its pairs' eventfds (and the event loop those of the others):
+        // a spurious wake-up costs them one look at their pairs.
+        for p in self.pairs.iter().flatten() {
+            p.wake().signal();
+        }
+    }
+
     fn wait(
         &self,
         done: &Completion,
