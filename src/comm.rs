@@ -510,6 +510,26 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         Ok(self.push(Op::new(smallvec![pair], done, what, &self.comm.shared)))
     }
 
+    /// Starts sending one message made of `parts`, one after the other, to `peer` with `key`
+    /// and `desc`, without gathering them first (the pair must [gather](Pair::gathers)).
+    ///
+    /// # Safety
+    /// As for [`isend_raw`](Self::isend_raw), for every part.
+    pub(crate) unsafe fn isend_parts_raw(
+        &'scope self,
+        peer: usize,
+        key: Key,
+        desc: OpDesc,
+        parts: &[SendBuf],
+        what: &'static str,
+    ) -> Result<usize> {
+        let pair = self.comm.pair(peer)?.clone();
+        let done = Completion::new();
+        // SAFETY: forwarded from this function's contract.
+        unsafe { pair.post_send_parts(key, desc, parts, &done) }.map_err(|e| e.during(what))?;
+        Ok(self.push(Op::new(smallvec![pair], done, what, &self.comm.shared)))
+    }
+
     /// Waits for an operation of this scope until an absolute deadline.
     pub(crate) fn wait_deadline(&self, idx: usize, deadline: Instant) -> Result<Done> {
         self.finish(idx, deadline).map(|(done, _)| done)

@@ -22,6 +22,8 @@ pub struct Responder<T> {
     servers: usize,
     workers: usize,
     scratch: Mutex<Vec<u8>>,
+    /// Where an answer's parts are gathered for a transport that sends from one buffer only.
+    gathered: Mutex<Vec<u8>>,
     /// Workers that rejoined: the context and rank they are reached at now.
     routes: Mutex<HashMap<usize, (Arc<Context>, usize)>>,
     /// Workers a send to failed, and why: the server counts them gone.
@@ -50,6 +52,7 @@ impl<T: Element> Responder<T> {
             servers,
             workers,
             scratch: Mutex::new(Vec::new()),
+            gathered: Mutex::new(Vec::new()),
             routes: Mutex::new(HashMap::new()),
             unreachable: Mutex::new(Vec::new()),
             _t: PhantomData,
@@ -69,18 +72,20 @@ impl<T: Element> Responder<T> {
         self.send_reply(meta, keys, parts.iter().map(|p| p.len()).collect(), parts)
     }
 
-    /// Sends to worker `worker`; a failed send makes the worker unreachable, not an error.
-    fn send_to(&self, worker: usize, bytes: &[u8]) -> Result<()> {
+    /// Sends the message made of `parts` to worker `worker` (gathered into `gathered` where
+    /// the transport needs one buffer); a failed send makes the worker unreachable, not an
+    /// error.
+    fn send_to(&self, worker: usize, parts: &[&[u8]], gathered: &mut Vec<u8>) -> Result<()> {
         if worker >= self.workers {
             return Err(Error::invalid(format!("an answer to worker {worker} of {}: no such worker", self.workers)));
         }
         let route = lock(&self.routes).get(&worker).cloned();
         let sent = match (route, &self.out) {
-            (Some((ctx, rank)), _) => ctx.send(rank, PS_TAG, bytes),
-            (None, Outlet::Job(ctx)) => ctx.send(self.servers + worker, PS_TAG, bytes),
+            (Some((ctx, rank)), _) => ctx.send_parts(rank, PS_TAG, parts, gathered),
+            (None, Outlet::Job(ctx)) => ctx.send_parts(self.servers + worker, PS_TAG, parts, gathered),
             #[cfg(test)]
             (None, Outlet::Kept(kept)) => {
-                lock(kept).push((worker, bytes.to_vec()));
+                lock(kept).push((worker, parts.concat()));
                 Ok(())
             }
         };
@@ -115,14 +120,19 @@ impl<T: Element> Responder<T> {
             dtype: T::DTYPE as u8,
         };
         let mut bytes = std::mem::take(&mut *lock(&self.scratch));
+        let mut gathered = std::mem::take(&mut *lock(&self.gathered));
         msg.encode_head_into(&mut bytes, total.unwrap_or(0));
-        for p in parts {
-            bytes.extend_from_slice(bytemuck::cast_slice(p));
-        }
-        let sent = self.send_to(meta.worker, &bytes);
-        let mut slot = lock(&self.scratch);
-        if slot.capacity() < bytes.capacity() {
-            *slot = bytes;
+        // The values go from where the handler keeps them.
+        let runs: Vec<&[u8]> =
+            parts.iter().map(|p| bytemuck::cast_slice(p)).filter(|p: &&[u8]| !p.is_empty()).collect();
+        let message = Message::parts(&mut bytes, &runs);
+        let sent = self.send_to(meta.worker, &message, &mut gathered);
+        drop(message);
+        for (slot, buf) in [(&self.scratch, bytes), (&self.gathered, gathered)] {
+            let mut slot = lock(slot);
+            if slot.capacity() < buf.capacity() {
+                *slot = buf;
+            }
         }
         sent
     }
@@ -140,7 +150,7 @@ impl<T: Element> Responder<T> {
             at: 0,
             dtype: 0,
         };
-        self.send_to(meta.worker, &msg.encode())
+        self.send_to(meta.worker, &[&msg.encode()], &mut Vec::new())
     }
 
     /// Worker `worker` cannot be reached (`e` says why): the server counts it gone.

@@ -5,9 +5,14 @@
 
 use crate::codec::{BufMutExt, DecodeError, Decoded, Reader};
 use crate::error::{Error, Result};
+use smallvec::SmallVec;
 
 /// Longest message a node receives.
 pub(crate) const MAX_MESSAGE: usize = 1 << 30;
+
+/// Most runs of values a message is sent from where they are (see [`Message::parts`]): each
+/// is an iovec of a TCP send and a slice walked per fragment of a shared-memory one.
+pub(crate) const GATHER_MOST: usize = 64;
 
 /// The length of a message with `keys` keys, `lens` lengths and `payload` bytes of values
 /// (`None`: more than a `usize` holds).
@@ -95,6 +100,20 @@ impl Message {
         let mut b = Vec::new();
         self.encode_head_into(&mut b, extra);
         b
+    }
+
+    /// The parts a message with this head (encoded into `head`) and the values `runs` (one
+    /// after the other) is sent from: the head, then the runs read from where they are. Many
+    /// runs (small keys one by one) are copied after the head instead, into one part.
+    pub(crate) fn parts<'a>(head: &'a mut Vec<u8>, runs: &[&'a [u8]]) -> SmallVec<[&'a [u8]; 8]> {
+        if runs.len() > GATHER_MOST {
+            for r in runs {
+                head.extend_from_slice(r);
+            }
+            return smallvec::smallvec![&head[..]];
+        }
+        let head: &'a Vec<u8> = head;
+        std::iter::once(&head[..]).chain(runs.iter().copied()).collect()
     }
 
     /// [`encode_head`](Self::encode_head) into `b` (cleared; its memory is reused).

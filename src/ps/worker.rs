@@ -42,6 +42,8 @@ struct WorkerShared<T> {
     heard: Mutex<Vec<Instant>>,
     /// A message buffer to reuse (large fresh buffers cost their page faults every time).
     scratch: Mutex<Vec<u8>>,
+    /// Where a message's parts are gathered for a transport that sends from one buffer only.
+    gathered: Mutex<Vec<u8>>,
     /// Pushes whose failure was handed out (to `wait` or a callback): waiting for one again is
     /// an error, not the empty success of an acknowledged push.
     spent_failures: Mutex<HashSet<Timestamp>>,
@@ -150,6 +152,7 @@ impl<T: Element> KvWorker<T> {
             closed: Mutex::new(HashMap::new()),
             heard: Mutex::new(vec![Instant::now(); node.cfg.servers]),
             scratch: Mutex::new(Vec::new()),
+            gathered: Mutex::new(Vec::new()),
             spent_failures: Mutex::new(HashSet::new()),
             stop: AtomicBool::new(false),
             interrupter: inbox.interrupter(),
@@ -303,11 +306,22 @@ impl<T: Element> KvWorker<T> {
                 if kind == Kind::Pull { 0 } else { idx.iter().map(|&i| lens[i]).sum::<usize>() * size_of::<T>() };
             let mut bytes = std::mem::take(&mut *lock(&sh.scratch));
             msg.encode_head_into(&mut bytes, extra);
+            // The values go from the caller's slice, in runs of keys whose values follow
+            // one another there.
+            let mut runs: Vec<(usize, usize)> = Vec::new();
             if kind != Kind::Pull {
                 for &i in &idx {
-                    bytes.extend_from_slice(bytemuck::cast_slice(&values[offsets[i]..offsets[i] + lens[i]]));
+                    let (from, to) = (offsets[i] * size_of::<T>(), (offsets[i] + lens[i]) * size_of::<T>());
+                    match runs.last_mut() {
+                        Some(last) if last.1 == from => last.1 = to,
+                        _ => runs.push((from, to)),
+                    }
                 }
             }
+            let mut gathered = std::mem::take(&mut *lock(&sh.gathered));
+            let all: &[u8] = bytemuck::cast_slice(values);
+            let runs: Vec<&[u8]> = runs.iter().map(|&(a, b)| &all[a..b]).collect();
+            let message = Message::parts(&mut bytes, &runs);
             let primary_gone = closed.contains_key(&s);
             let b = backup_of(s, servers);
             if replicate
@@ -315,18 +329,21 @@ impl<T: Element> KvWorker<T> {
                 && !primary_gone
                 && let Some(p) = lock(&sh.pending).get_mut(&ts)
             {
-                p.pulls.insert(s, bytes.clone());
+                p.pulls.insert(s, message.concat());
             }
-            if !primary_gone && let Err(e) = sh.ctx.send(s, PS_TAG, &bytes) {
+            if !primary_gone && let Err(e) = sh.ctx.send_parts(s, PS_TAG, &message, &mut gathered) {
                 failed.push((s, e));
             }
             // The backup gets every push (to keep its copy) and what its dead primary would.
             if replicate && (primary_gone || kind != Kind::Pull) && !closed.contains_key(&b) {
-                let _ = sh.ctx.send(b, PS_TAG, &bytes);
+                let _ = sh.ctx.send_parts(b, PS_TAG, &message, &mut gathered);
             }
-            let mut slot = lock(&sh.scratch);
-            if slot.capacity() < bytes.capacity() {
-                *slot = bytes;
+            drop(message);
+            for (slot, buf) in [(&sh.scratch, bytes), (&sh.gathered, gathered)] {
+                let mut slot = lock(slot);
+                if slot.capacity() < buf.capacity() {
+                    *slot = buf;
+                }
             }
         }
         for (s, e) in failed {

@@ -200,17 +200,24 @@ impl SendBuf {
     pub(crate) fn from_slice(s: &[u8]) -> Self {
         SendBuf { ptr: s.as_ptr(), len: s.len(), mem: MemKind::Host }
     }
-
-    /// A zero-length buffer (switch frames and the like).
-    pub(crate) fn empty() -> Self {
-        SendBuf { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr().cast_const(), len: 0, mem: MemKind::Host }
-    }
 }
 
 impl RecvBuf {
     pub(crate) fn from_slice(s: &mut [u8]) -> Self {
         RecvBuf { ptr: s.as_mut_ptr(), len: s.len(), mem: MemKind::Host }
     }
+}
+
+/// The slices of `parts` (one message, their concatenation) that hold its bytes
+/// `from..from + n`.
+pub(crate) fn span<'a>(parts: &[&'a [u8]], from: usize, n: usize) -> impl Iterator<Item = &'a [u8]> {
+    let mut at = 0usize;
+    parts.iter().filter_map(move |&p| {
+        let (start, end) = (at, at + p.len());
+        at = end;
+        let (lo, hi) = (from.max(start), (from + n).min(end));
+        (lo < hi).then(|| &p[lo - start..hi - start])
+    })
 }
 
 /// Where a receive puts its message.
@@ -267,6 +274,23 @@ pub(crate) trait Pair: Send + Sync {
     /// `buf` must stay valid, and must not be written, until `done` is completed or
     /// [`Pair::cancel`] for `done` has returned.
     unsafe fn post_send(&self, key: Key, desc: OpDesc, buf: SendBuf, done: &Arc<Completion>) -> Result<()>;
+
+    /// Whether [`post_send_parts`](Self::post_send_parts) sends a message made of several
+    /// buffers without gathering them into one first (this default: it cannot).
+    fn gathers(&self) -> bool {
+        false
+    }
+
+    /// Queues a send of one message made of `parts`, one after the other (a header and the
+    /// values it describes, say), read from where they are: the peer receives one message of
+    /// their total length. Only where [`gathers`](Self::gathers) says so; this default refuses.
+    ///
+    /// # Safety
+    /// As for [`post_send`](Self::post_send), for every part.
+    unsafe fn post_send_parts(&self, key: Key, desc: OpDesc, parts: &[SendBuf], done: &Arc<Completion>) -> Result<()> {
+        let _ = (key, desc, parts, done);
+        Err(Error::invalid("this transport does not send a message from several buffers"))
+    }
 
     /// Queues a receive of the next message with `key` into `target`. Several pairs may be given
     /// the same `done` (receive from any of several peers, [`Completion::is_shared`]): the

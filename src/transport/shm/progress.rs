@@ -17,6 +17,9 @@ const MAX_SLEEP: Duration = Duration::from_millis(5);
 const ALONE_SLEEP: Duration = Duration::from_millis(250);
 /// Rounds of a wait between looks at the pairs it does not wait on.
 const QUIET_EVERY: u32 = 16;
+/// While a wait keeps busy past its budget because a message is halfway through a ring, how
+/// often it looks at the lifelines (a peer that died mid-message).
+const MID_MESSAGE_LOOK: Duration = Duration::from_millis(1);
 
 /// The shared-memory progress engine of one mesh.
 pub(crate) struct ShmProgress {
@@ -70,6 +73,7 @@ impl Progress for ShmProgress {
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
         let mut round = 0u32;
+        let mut lifeline_look = Instant::now() + MID_MESSAGE_LOOK;
         loop {
             // The quiet pairs every few rounds only (a lock each).
             let upto = if round.is_multiple_of(QUIET_EVERY) { pairs.len() } else { busy_pairs };
@@ -84,7 +88,25 @@ impl Progress for ShmProgress {
             if now >= deadline {
                 return done.outcome();
             }
-            if now < busy_until {
+            // A message halfway through a ring moves on as soon as the peer has copied its
+            // part: sleeping between ring-fulls would add a wake-up to each (measured on 4 MiB
+            // parameter-server messages over a 1 MiB ring: a quarter of the time). Busy past
+            // the budget then, looking at the lifelines now and again.
+            let mid = now >= busy_until && pairs[..busy_pairs].iter().any(|p| p.mid_message());
+            if mid && now >= lifeline_look {
+                lifeline_look = now + MID_MESSAGE_LOOK;
+                for f in &mut fds {
+                    f.revents = 0;
+                }
+                if poll_fds(&mut fds[1..], Duration::ZERO).is_ok() {
+                    for (p, f) in pairs.iter().zip(&fds[1..]) {
+                        if f.revents != 0 {
+                            p.check_lifeline();
+                        }
+                    }
+                }
+            }
+            if now < busy_until || mid {
                 if busy.yield_cpu {
                     std::thread::yield_now();
                 } else {

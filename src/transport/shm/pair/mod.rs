@@ -22,6 +22,7 @@ use crate::transport::matching::{Delivery, EarlyRx, Matcher, RecvOp};
 use crate::transport::wake::EventFd;
 use crate::transport::{AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
 use crate::types::OpDesc;
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
@@ -44,7 +45,10 @@ const HOLD: Duration = Duration::from_millis(2);
 struct Out {
     key: Key,
     desc: OpDesc,
-    buf: SendBuf,
+    /// The message: these buffers one after the other (most sends have one).
+    parts: SmallVec<[SendBuf; 1]>,
+    /// Their total length.
+    len: usize,
     done: Arc<Completion>,
     /// Fragments: payload bytes written so far (`None`: the START record not yet).
     sent: Option<usize>,
@@ -197,6 +201,13 @@ impl ShmPair {
         g.rx.prepare_sleep()
     }
 
+    /// Whether a message is halfway through the ring, in either direction: fragments of an
+    /// incoming one are still to come, or an outgoing one waits for ring space to go on.
+    pub(crate) fn mid_message(&self) -> bool {
+        let g = self.lock();
+        g.closed.is_none() && (!matches!(g.rx_state, Rx::Idle) || g.sendq.front().is_some_and(|o| o.sent.is_some()))
+    }
+
     /// Whether the pair has failed or closed (its lifeline then has nothing more to say).
     pub(crate) fn is_closed(&self) -> bool {
         self.lock().closed.is_some()
@@ -222,6 +233,35 @@ impl ShmPair {
         self.lock().rx.woke();
     }
 
+    /// Queues the send of one message made of `parts` and writes what fits.
+    ///
+    /// # Safety
+    /// As for [`Pair::post_send`], for every part.
+    unsafe fn queue_send(
+        &self,
+        key: Key,
+        desc: OpDesc,
+        parts: SmallVec<[SendBuf; 1]>,
+        done: &Arc<Completion>,
+    ) -> Result<()> {
+        for p in &parts {
+            p.mem.require_host("shared-memory")?;
+        }
+        let len = parts.iter().map(|p| p.len).sum();
+        let mut g = self.lock();
+        if let Some(e) = g.closed.clone().or_else(|| g.matcher.refusal(key.group)) {
+            return Err(e);
+        }
+        g.sendq.push_back(Out { key, desc, parts, len, done: done.clone(), sent: None });
+        if g.sendq.len() == 1
+            && let Err(e) = self.flush(&mut g)
+        {
+            self.fail(&mut g, e);
+        }
+        self.ring_peer(&mut g);
+        Ok(())
+    }
+
     pub(super) fn protocol(&self, detail: String) -> Error {
         Error::Protocol { peer: Some(self.peer), detail }
     }
@@ -233,19 +273,17 @@ impl Pair for ShmPair {
     }
 
     unsafe fn post_send(&self, key: Key, desc: OpDesc, buf: SendBuf, done: &Arc<Completion>) -> Result<()> {
-        buf.mem.require_host("shared-memory")?;
-        let mut g = self.lock();
-        if let Some(e) = g.closed.clone().or_else(|| g.matcher.refusal(key.group)) {
-            return Err(e);
-        }
-        g.sendq.push_back(Out { key, desc, buf, done: done.clone(), sent: None });
-        if g.sendq.len() == 1
-            && let Err(e) = self.flush(&mut g)
-        {
-            self.fail(&mut g, e);
-        }
-        self.ring_peer(&mut g);
-        Ok(())
+        // SAFETY: as this call's.
+        unsafe { self.queue_send(key, desc, smallvec::smallvec![buf], done) }
+    }
+
+    fn gathers(&self) -> bool {
+        true
+    }
+
+    unsafe fn post_send_parts(&self, key: Key, desc: OpDesc, parts: &[SendBuf], done: &Arc<Completion>) -> Result<()> {
+        // SAFETY: as this call's.
+        unsafe { self.queue_send(key, desc, parts.iter().copied().collect(), done) }
     }
 
     unsafe fn post_recv(&self, key: Key, desc: OpDesc, target: RecvTarget, done: &Arc<Completion>) -> Result<()> {

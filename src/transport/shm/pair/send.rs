@@ -9,6 +9,8 @@ use super::{FRAG_MAX, INLINE_MAX, Inner, ShmPair};
 use crate::error::Result;
 use crate::transport::Done;
 use crate::transport::matching::Header;
+use crate::transport::span;
+use smallvec::SmallVec;
 
 impl ShmPair {
     /// Writes the send queue into the ring, as far as it fits.
@@ -23,21 +25,26 @@ impl ShmPair {
             }
         }
         while let Some(o) = g.sendq.front_mut() {
-            let len = o.buf.len;
+            let len = o.len;
             let hdr = MsgHeader(Header { key: o.key, desc: o.desc, len: len as u64 }).to_bytes();
-            // SAFETY: the poster lent the buffer until the send completes (Pair::post_send).
-            let payload = unsafe { std::slice::from_raw_parts(o.buf.ptr, len) };
+            // SAFETY: the poster lent the buffers until the send completes (Pair::post_send).
+            let payload: SmallVec<[&[u8]; 4]> =
+                o.parts.iter().map(|b| unsafe { std::slice::from_raw_parts(b.ptr, b.len) }).collect();
             if len <= INLINE_MAX {
-                match g.tx.push(MSG, &[&hdr, payload]) {
+                let mut record: SmallVec<[&[u8]; 5]> = smallvec::smallvec![&hdr[..]];
+                record.extend(payload.iter().copied());
+                match g.tx.push(MSG, &record) {
                     Pushed::Full => return Ok(()),
                     pushed => g.wake_peer |= pushed == Pushed::Wake,
                 }
                 if let Some(o) = g.sendq.pop_front() {
                     o.done.complete(Ok(Done { peer: self.peer, len }));
                 }
-            } else if self.peer_reads_mine {
+            } else if self.peer_reads_mine
+                && let [one] = o.parts[..]
+            {
                 let seq = g.next_seq;
-                let cma = CmaRef { addr: o.buf.ptr as u64, seq }.to_bytes();
+                let cma = CmaRef { addr: one.ptr as u64, seq }.to_bytes();
                 match g.tx.push(CMA, &[&hdr, &cma]) {
                     Pushed::Full => return Ok(()),
                     pushed => g.wake_peer |= pushed == Pushed::Wake,
@@ -58,7 +65,9 @@ impl ShmPair {
                 while let Some(sent) = o.sent.filter(|&s| s < len) {
                     let n = frag_max.min(len - sent);
                     let head = FragHead { len: n as u32 }.to_bytes();
-                    match g.tx.push(FRAG, &[&head, &payload[sent..sent + n]]) {
+                    let mut record: SmallVec<[&[u8]; 5]> = smallvec::smallvec![&head[..]];
+                    record.extend(span(&payload, sent, n));
+                    match g.tx.push(FRAG, &record) {
                         Pushed::Full => return Ok(()),
                         pushed => g.wake_peer |= pushed == Pushed::Wake,
                     }

@@ -312,15 +312,27 @@ impl Pair for TcpPair {
     }
 
     unsafe fn post_send(&self, key: Key, desc: OpDesc, buf: SendBuf, done: &Arc<Completion>) -> Result<()> {
-        buf.mem.require_host("tcp")?;
+        // SAFETY: as this call's.
+        unsafe { self.post_send_parts(key, desc, &[buf], done) }
+    }
+
+    fn gathers(&self) -> bool {
+        true
+    }
+
+    unsafe fn post_send_parts(&self, key: Key, desc: OpDesc, parts: &[SendBuf], done: &Arc<Completion>) -> Result<()> {
+        for p in parts {
+            p.mem.require_host("tcp")?;
+        }
+        let len = parts.iter().map(|p| p.len).sum();
         let mut g = self.lock();
         if let Some(e) = g.conn.closed_error().or_else(|| g.matcher.refusal(key.group)) {
             return Err(e);
         }
-        let hdr = FrameHeader::data(key, desc, buf.len).encode();
+        let hdr = FrameHeader::data(key, desc, len).encode();
         let idle = g.tx.is_empty();
-        let lane = if self.sends_bulk && buf.len >= BULK_MIN { Lane::Bulk } else { Lane::Main };
-        g.tx.push(lane, key.group, hdr, buf, None, done.clone());
+        let lane = if self.sends_bulk && len >= BULK_MIN { Lane::Bulk } else { Lane::Main };
+        g.tx.push(lane, key.group, hdr, parts.iter().copied().collect(), None, done.clone());
         if idle {
             // Nothing queued ahead: write from this thread, no hand-off to the event loop.
             if let Err(e) = self.flush_or_explain(&mut g).and_then(|()| self.want_writable(&mut g)) {
@@ -354,7 +366,7 @@ impl Pair for TcpPair {
         let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len(), mem: crate::transport::MemKind::Host };
         let hdr = FrameHeader::abort(group, owned.len()).encode();
         let lane = g.tx.lane();
-        g.tx.push(lane, group, hdr, buf, Some(owned), Completion::new());
+        g.tx.push(lane, group, hdr, smallvec::smallvec![buf], Some(owned), Completion::new());
         if group == 0 {
             let _ = self.flush(&mut g);
             self.fail_locked(&mut g, local.clone());

@@ -4,7 +4,9 @@
 use super::super::frame::{FrameHeader, HEADER_LEN};
 use super::{Lane, Sock};
 use crate::error::Error;
+use crate::transport::span;
 use crate::transport::{Completion, Done, SendBuf};
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::Arc;
@@ -25,8 +27,11 @@ struct SendOp {
     /// The group it belongs to (so that an aborted group's frames can be withdrawn).
     group: u64,
     hdr: [u8; HEADER_LEN],
-    buf: SendBuf,
-    /// Memory `buf` points into when the pair owns the payload (abort frames).
+    /// The payload: these buffers one after the other (most frames have one).
+    body: SmallVec<[SendBuf; 1]>,
+    /// Its length.
+    len: usize,
+    /// Memory `body` points into when the pair owns the payload (abort frames).
     _owned: Option<Box<[u8]>>,
     /// Bytes of header + payload written so far.
     off: usize,
@@ -35,7 +40,7 @@ struct SendOp {
 
 impl SendOp {
     fn total(&self) -> usize {
-        HEADER_LEN + self.buf.len
+        HEADER_LEN + self.len
     }
 }
 
@@ -76,14 +81,14 @@ impl Sender {
         self.queue.front().map(|op| op.lane)
     }
 
-    /// Queues a frame (header `hdr`, payload `buf`) on `lane`, behind a switch frame on the
-    /// connection it leaves when the lane changes.
+    /// Queues a frame (header `hdr`, payload `body`'s buffers one after the other) on `lane`,
+    /// behind a switch frame on the connection it leaves when the lane changes.
     pub(super) fn push(
         &mut self,
         lane: Lane,
         group: u64,
         hdr: [u8; HEADER_LEN],
-        buf: SendBuf,
+        body: SmallVec<[SendBuf; 1]>,
         owned: Option<Box<[u8]>>,
         done: Arc<Completion>,
     ) {
@@ -93,14 +98,16 @@ impl Sender {
                 lane: self.lane,
                 group: 0,
                 hdr: FrameHeader::switch().encode(),
-                buf: SendBuf::empty(),
+                body: SmallVec::new(),
+                len: 0,
                 _owned: None,
                 off: 0,
                 done: Completion::new(),
             });
             self.lane = lane;
         }
-        self.queue.push_back(SendOp { lane, group, hdr, buf, _owned: owned, off: 0, done });
+        let len = body.iter().map(|b| b.len).sum();
+        self.queue.push_back(SendOp { lane, group, hdr, body, len, _owned: owned, off: 0, done });
     }
 
     /// Writes as much of the queue as the sockets take, in order: a frame for the other
@@ -112,19 +119,23 @@ impl Sender {
             // MAX_SEND bytes in all.
             let mut iov: [IoSlice<'_>; MAX_IOV] = [IoSlice::new(&[]); MAX_IOV];
             let (mut n_iov, mut budget) = (0, MAX_SEND);
-            for op in self.queue.iter() {
+            'ops: for op in self.queue.iter() {
                 if n_iov + 2 > MAX_IOV || budget == 0 || op.lane != lane {
                     break;
                 }
-                // SAFETY: the poster guarantees (Pair::post_send) that the buffer stays valid
+                // SAFETY: the poster guarantees (Pair::post_send) that the buffers stay valid
                 // and unwritten until the completion is completed, which happens below only
                 // after the last byte is written.
-                let payload = unsafe { std::slice::from_raw_parts(op.buf.ptr, op.buf.len) };
-                let (hdr, body): (&[u8], &[u8]) = match op.off.checked_sub(HEADER_LEN) {
-                    None => (&op.hdr[op.off..], payload),
-                    Some(sent) => (&[], &payload[sent..]),
+                let payload: SmallVec<[&[u8]; 4]> =
+                    op.body.iter().map(|b| unsafe { std::slice::from_raw_parts(b.ptr, b.len) }).collect();
+                let (hdr, sent): (&[u8], usize) = match op.off.checked_sub(HEADER_LEN) {
+                    None => (&op.hdr[op.off..], 0),
+                    Some(sent) => (&[], sent),
                 };
-                for part in [hdr, body] {
+                for part in std::iter::once(hdr).chain(span(&payload, sent, op.len - sent)) {
+                    if n_iov == MAX_IOV || budget == 0 {
+                        break 'ops;
+                    }
                     let take = part.len().min(budget);
                     if take > 0 {
                         iov[n_iov] = IoSlice::new(&part[..take]);
@@ -145,7 +156,7 @@ impl Sender {
                         }
                     }
                     while let Some(op) = self.queue.pop_front_if(|op| op.off == op.total()) {
-                        op.done.complete(Ok(Done { peer, len: op.buf.len }));
+                        op.done.complete(Ok(Done { peer, len: op.len }));
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
