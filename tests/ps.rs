@@ -861,6 +861,46 @@ fn a_wait_receives_its_own_answer_while_a_callback_holds_the_receiving_thread() 
     }
 }
 
+#[test]
+fn large_answers_arrive_whole_into_the_callers_buffer_a_reply_and_a_callback() {
+    // Answers of 64 KiB and more come as a head and a message of values, which a caller
+    // waiting with its buffer receives there when it is the request's only answer (one
+    // server), and into a buffer of their own otherwise (two servers, `wait`, a callback).
+    for servers in [1, 2] {
+        let mut cfg = PsConfig::new(1, servers);
+        cfg.timeout = common::TIMEOUT;
+        let mut arrive: Vec<(Role, usize)> = (0..servers).map(|s| (Role::Server, s)).collect();
+        arrive.push((Role::Worker, 0));
+        let r = threads(cfg, &|| Device::loopback(), &arrive, |node| {
+            if node.role() == Role::Server {
+                node.server(SumStore::<f32>::default())?.run()?;
+                return Ok(());
+            }
+            let w = node.worker::<f32>()?;
+            let keys = [3u64, 8, 13, 21];
+            let lens = [40_000usize, 1, 70_000, 5];
+            let n: usize = lens.iter().sum();
+            let grad: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+            for round in 1..=3u32 {
+                let mut back = vec![-1f32; n];
+                let got = w.wait_into(w.push_pull(&keys, &grad, &lens)?, &mut back)?;
+                assert_eq!(got, lens, "{servers} servers, round {round}: lengths");
+                let want: Vec<f32> = grad.iter().map(|g| g * round as f32).collect();
+                assert!(back == want, "{servers} servers, round {round}: values into the buffer");
+                assert_eq!(w.wait(w.pull(&keys)?)?.values, want, "{servers} servers, round {round}: a reply");
+                let (tx, rx) = mpsc::channel();
+                w.then(w.pull(&keys)?, move |r| {
+                    let _ = tx.send(r.map(|r| r.values));
+                })?;
+                let by_callback = rx.recv_timeout(common::TIMEOUT).map_err(|_| Error::invalid("no callback"))??;
+                assert!(by_callback == want, "{servers} servers, round {round}: a callback's values");
+            }
+            Ok(())
+        });
+        common::all_ok(r);
+    }
+}
+
 /// A handler whose first request ends its server's run (as a crash would: its connections close).
 #[derive(Clone)]
 struct Stops;

@@ -90,6 +90,8 @@ const REJOIN: &str = "ferrogloo-ps/rejoin";
 
 /// The tag of parameter-server messages on the nodes' context.
 const PS_TAG: u32 = 0x5053_0001;
+/// The tag of the values that follow an answer's head ([`wire::Kind::ReplyHead`]).
+const PS_VALUES_TAG: u32 = 0x5053_0002;
 /// The parameter server's receives, as errors name them.
 const PS_RECEIVE: &str = "parameter-server receive";
 /// How often the receiving threads look at deadlines and stop flags.

@@ -62,13 +62,23 @@ pub(super) struct Answers<T> {
     /// Where each key's values are: which message, at which value.
     from: Vec<(usize, usize)>,
     messages: Vec<Message>,
+    /// Where the values were received straight into the waiting caller's buffer (its
+    /// address), not into the messages.
+    placed: Option<usize>,
     _values: PhantomData<fn() -> T>,
 }
 
 impl<T: Element> Answers<T> {
     /// A push's (or a request with no keys): no keys, no values.
     pub(super) fn none() -> Self {
-        Answers { keys: Vec::new(), lens: Vec::new(), from: Vec::new(), messages: Vec::new(), _values: PhantomData }
+        Answers {
+            keys: Vec::new(),
+            lens: Vec::new(),
+            from: Vec::new(),
+            messages: Vec::new(),
+            placed: None,
+            _values: PhantomData,
+        }
     }
 
     /// The values of every key, in key order.
@@ -78,6 +88,17 @@ impl<T: Element> Answers<T> {
             let bytes = size_of::<T>();
             crate::types::view_or_copy(payload.get(at * bytes..(at + l) * bytes).unwrap_or(&[]))
         })
+    }
+
+    /// An error when the values went straight into a caller's buffer (at `placed`) other than
+    /// `out` (`None`: a call that has none): another thread waits for this request.
+    pub(super) fn check_placed(&self, out: Option<*const T>, what: &str) -> Result<()> {
+        match self.placed {
+            Some(at) if out.map(|p| p as usize) != Some(at) => {
+                Err(Error::invalid(format!("{what}: its values went into the buffer of another thread waiting for it")))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The reply, its values read once from the answers into one allocation.
@@ -116,10 +137,13 @@ impl<T: Element> Answers<T> {
                 out.len()
             )));
         }
-        let mut at = 0;
-        for run in self.runs() {
-            out[at..at + run.len()].copy_from_slice(&run);
-            at += run.len();
+        self.check_placed(Some(out.as_ptr()), what)?;
+        if self.placed.is_none() {
+            let mut at = 0;
+            for run in self.runs() {
+                out[at..at + run.len()].copy_from_slice(&run);
+                at += run.len();
+            }
         }
         Ok(self.lens.clone())
     }
@@ -135,6 +159,8 @@ pub(super) struct Pending<T> {
     pub(super) parts: HashMap<usize, Vec<usize>>,
     /// The answers so far: the key positions each covers, and the message.
     answers: Vec<(Vec<usize>, Message)>,
+    /// Where the only answer's values were received into the waiting caller's buffer.
+    placed: Option<usize>,
     pub(super) wants_values: bool,
     pub(super) deadline: Instant,
     pub(super) what: &'static str,
@@ -217,6 +243,7 @@ impl<T: Element> Pending<T> {
             keys,
             parts,
             answers: Vec::new(),
+            placed: None,
             wants_values,
             deadline,
             what,
@@ -227,9 +254,50 @@ impl<T: Element> Pending<T> {
         }
     }
 
+    /// Whether `shard`'s answer is the only one this request waits for, with values, and
+    /// nobody but a waiting caller takes it (no callback): its values may then be received
+    /// straight into that caller's buffer.
+    pub(super) fn only_part(&self, shard: usize) -> bool {
+        self.outcome.is_none()
+            && self.callback.is_none()
+            && self.wants_values
+            && self.answers.is_empty()
+            && self.parts.len() == 1
+            && self.parts.contains_key(&shard)
+    }
+
+    /// [`take_answer`](Self::take_answer) for an answer whose `bytes` of values were received
+    /// into the waiting caller's buffer at `at` (see [`only_part`](Self::only_part)).
+    pub(super) fn take_placed(
+        &mut self,
+        shard: usize,
+        m: Message,
+        at: usize,
+        bytes: usize,
+    ) -> Option<Result<Answers<T>>> {
+        if !self.only_part(shard) {
+            // A callback given meanwhile (or a second wait): nobody else may take these.
+            return Some(Err(Error::invalid(format!(
+                "a {}'s values went into the buffer of a thread waiting for it, and another took it",
+                self.what
+            ))));
+        }
+        self.placed = Some(at);
+        let outcome = self.take(shard, m, Some(bytes));
+        if outcome.as_ref().is_none_or(Result::is_err) {
+            self.placed = None;
+        }
+        outcome
+    }
+
     /// Takes the answer `m` for `shard`'s part; returns the request's outcome when this answer
     /// decides it: a refusal, an answer that does not fit the part, or the last part.
     pub(super) fn take_answer(&mut self, shard: usize, m: Message) -> Option<Result<Answers<T>>> {
+        self.take(shard, m, None)
+    }
+
+    /// [`take_answer`](Self::take_answer); `placed`: the bytes of values received elsewhere.
+    fn take(&mut self, shard: usize, m: Message, placed: Option<usize>) -> Option<Result<Answers<T>>> {
         let server = shard;
         if self.outcome.is_some() {
             return None;
@@ -249,7 +317,7 @@ impl<T: Element> Pending<T> {
                 && m.lens.len() == idx.len()
                 && m.keys.iter().zip(&idx).all(|(k, &i)| *k == self.keys[i])
                 && m.lens.iter().try_fold(0usize, |a, &l| a.checked_add(l)).and_then(|n| n.checked_mul(size))
-                    == Some(m.payload().len());
+                    == Some(placed.unwrap_or(m.payload().len()));
             if !fits {
                 Some(Err(Error::Protocol {
                     peer: Some(server),
@@ -287,7 +355,7 @@ impl<T: Element> Pending<T> {
             }
             messages.push(m);
         }
-        Answers { keys: self.keys.clone(), lens, from, messages, _values: PhantomData }
+        Answers { keys: self.keys.clone(), lens, from, messages, placed: self.placed, _values: PhantomData }
     }
 
     /// `server` is gone (`cause`; `closed` says which servers are, `server` among them): what

@@ -3,11 +3,12 @@
 //! counts a worker it cannot reach as gone.
 
 use super::wire::{self, Kind, Message};
-use super::{PS_TAG, Request, RequestMeta};
+use super::{PS_TAG, PS_VALUES_TAG, Request, RequestMeta};
 use crate::Context;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::types::Element;
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -75,16 +76,17 @@ impl<T: Element> Responder<T> {
     /// Sends the message made of `parts` to worker `worker` (gathered into `gathered` where
     /// the transport needs one buffer); a failed send makes the worker unreachable, not an
     /// error.
-    fn send_to(&self, worker: usize, parts: &[&[u8]], gathered: &mut Vec<u8>) -> Result<()> {
+    fn send_to(&self, worker: usize, tag: u32, parts: &[&[u8]], gathered: &mut Vec<u8>) -> Result<()> {
         if worker >= self.workers {
             return Err(Error::invalid(format!("an answer to worker {worker} of {}: no such worker", self.workers)));
         }
         let route = lock(&self.routes).get(&worker).cloned();
         let sent = match (route, &self.out) {
-            (Some((ctx, rank)), _) => ctx.send_parts(rank, PS_TAG, parts, gathered),
-            (None, Outlet::Job(ctx)) => ctx.send_parts(self.servers + worker, PS_TAG, parts, gathered),
+            (Some((ctx, rank)), _) => ctx.send_parts(rank, tag, parts, gathered),
+            (None, Outlet::Job(ctx)) => ctx.send_parts(self.servers + worker, tag, parts, gathered),
             #[cfg(test)]
             (None, Outlet::Kept(kept)) => {
+                let _ = tag;
                 lock(kept).push((worker, parts.concat()));
                 Ok(())
             }
@@ -108,8 +110,9 @@ impl<T: Element> Responder<T> {
             tracing::warn!(worker = meta.worker, request = meta.timestamp, "{reason}");
             return self.refuse(meta, &reason);
         }
+        let split = total.is_some_and(|t| t >= wire::SPLIT_MIN);
         let msg = Message {
-            kind: Kind::Reply,
+            kind: if split { Kind::ReplyHead } else { Kind::Reply },
             cmd: meta.cmd,
             ts: meta.timestamp,
             shard: meta.shard as u32,
@@ -125,9 +128,30 @@ impl<T: Element> Responder<T> {
         // The values go from where the handler keeps them.
         let runs: Vec<&[u8]> =
             parts.iter().map(|p| bytemuck::cast_slice(p)).filter(|p: &&[u8]| !p.is_empty()).collect();
-        let message = Message::parts(&mut bytes, &runs);
-        let sent = self.send_to(meta.worker, &message, &mut gathered);
-        drop(message);
+        let sent = if split {
+            // The head, then the values as a message of their own.
+            let head = self.send_to(meta.worker, PS_TAG, &[&bytes], &mut gathered);
+            let mut joined = Vec::new();
+            let values: SmallVec<[&[u8]; 8]> = if runs.len() > wire::GATHER_MOST {
+                joined = std::mem::take(&mut gathered);
+                joined.clear();
+                runs.iter().for_each(|r| joined.extend_from_slice(r));
+                smallvec::smallvec![&joined[..]]
+            } else {
+                runs.iter().copied().collect()
+            };
+            let sent = head.and_then(|()| self.send_to(meta.worker, PS_VALUES_TAG, &values, &mut gathered));
+            drop(values);
+            if joined.capacity() > gathered.capacity() {
+                gathered = joined;
+            }
+            sent
+        } else {
+            let message = Message::parts(&mut bytes, &runs);
+            let sent = self.send_to(meta.worker, PS_TAG, &message, &mut gathered);
+            drop(message);
+            sent
+        };
         for (slot, buf) in [(&self.scratch, bytes), (&self.gathered, gathered)] {
             let mut slot = lock(slot);
             if slot.capacity() < buf.capacity() {
@@ -150,7 +174,7 @@ impl<T: Element> Responder<T> {
             at: 0,
             dtype: 0,
         };
-        self.send_to(meta.worker, &[&msg.encode()], &mut Vec::new())
+        self.send_to(meta.worker, PS_TAG, &[&msg.encode()], &mut Vec::new())
     }
 
     /// Worker `worker` cannot be reached (`e` says why): the server counts it gone.

@@ -14,6 +14,12 @@ pub(crate) const MAX_MESSAGE: usize = 1 << 30;
 /// is an iovec of a TCP send and a slice walked per fragment of a shared-memory one.
 pub(crate) const GATHER_MOST: usize = 64;
 
+/// Answers with at least this many bytes of values send them as a message of their own after
+/// the head ([`Kind::ReplyHead`]): a worker waiting for them with its buffer receives them
+/// there, not into a buffer of the message's that it copies from. Below, the second message
+/// costs more than the copy it saves.
+pub(crate) const SPLIT_MIN: usize = 64 << 10;
+
 /// The length of a message with `keys` keys, `lens` lengths and `payload` bytes of values
 /// (`None`: more than a `usize` holds).
 pub(crate) fn encoded_len(keys: usize, lens: usize, payload: usize) -> Option<usize> {
@@ -42,11 +48,14 @@ pub(crate) enum Kind {
     Error = 5,
     Bye = 6,
     Heartbeat = 7,
+    /// An answer whose values follow as a message of their own (on the values tag), so that
+    /// a worker can receive them straight into its caller's buffer.
+    ReplyHead = 8,
 }
 
 impl Kind {
     fn from_code(c: u8) -> Option<Kind> {
-        [Kind::Push, Kind::Pull, Kind::PushPull, Kind::Reply, Kind::Error, Kind::Bye, Kind::Heartbeat]
+        [Kind::Push, Kind::Pull, Kind::PushPull, Kind::Reply, Kind::Error, Kind::Bye, Kind::Heartbeat, Kind::ReplyHead]
             .into_iter()
             .find(|k| *k as u8 == c)
     }

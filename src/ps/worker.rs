@@ -11,7 +11,7 @@ use super::pending::{
 };
 use super::request::check_keys;
 use super::wire::{self, Kind, Message};
-use super::{Node, PS_RECEIVE, PS_TAG, PsConfig, Reply, SLICE, Timestamp};
+use super::{Node, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, PsConfig, Reply, SLICE, Timestamp};
 use crate::Context;
 use crate::comm::{Interrupter, PersistentRecv, QUIET};
 use crate::error::{Error, Result};
@@ -361,7 +361,8 @@ impl<T: Element> KvWorker<T> {
     /// waited for or given to [`then`](Self::then). A push that failed is kept until waited for
     /// (or given to `then`), as is every pull; waiting for it again is an error.
     pub fn wait(&self, ts: Timestamp) -> Result<Reply<T>> {
-        let answers = self.take(ts)?;
+        let answers = self.take(ts, None)?;
+        answers.check_placed(None, &format!("worker {}: request {ts}", self.sh.id))?;
         let reply = answers.reply();
         self.give_back(answers);
         Ok(reply)
@@ -372,7 +373,7 @@ impl<T: Element> KvWorker<T> {
     /// [`Error::InvalidArgument`] naming both, and the request is spent). Returns each key's
     /// number of values. Nothing is allocated for the values.
     pub fn wait_into(&self, ts: Timestamp, values: &mut [T]) -> Result<Vec<usize>> {
-        let answers = self.take(ts)?;
+        let answers = self.take(ts, Some(&mut *values))?;
         let lens = answers.read_into(values, &format!("worker {}: request {ts}", self.sh.id));
         self.give_back(answers);
         lens
@@ -398,7 +399,10 @@ impl<T: Element> KvWorker<T> {
 
     /// Takes request `ts`'s outcome once it is there (see [`wait`](Self::wait)). The calling
     /// thread receives the answers itself while no other thread does.
-    fn take(&self, ts: Timestamp) -> Result<Answers<T>> {
+    ///
+    /// With `dest` (the caller's buffer for all the values), an answer that is the request's
+    /// only one is received straight into it when this thread receives it.
+    fn take(&self, ts: Timestamp, mut dest: Option<&mut [T]>) -> Result<Answers<T>> {
         let sh = &self.sh;
         let mut waiter = Waiter::enter(sh);
         let mut p = lock(&sh.pending);
@@ -434,7 +438,7 @@ impl<T: Element> KvWorker<T> {
                 Some(mut inbox) => {
                     drop(p);
                     waiter.drove = true;
-                    let got = receive_one(sh, &mut inbox, until, false);
+                    let got = receive_one(sh, &mut inbox, until, false, dest.as_deref_mut().map(|d| (ts, d)));
                     drop(inbox);
                     p = lock(&sh.pending);
                     if got == Received::NoServer {
@@ -467,6 +471,9 @@ impl<T: Element> KvWorker<T> {
         };
         if req.outcome.is_some() {
             let what = req.what;
+            if let Some(Ok(a)) = &req.outcome {
+                a.check_placed(None, &format!("worker {id}: request {ts}"))?;
+            }
             let out = p.remove(&ts).and_then(|r| r.outcome).unwrap_or_else(|| Err(Error::invalid("no outcome")));
             drop(p);
             spend(&self.sh, ts, &out);
@@ -591,11 +598,11 @@ fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
         {
             if unanswered {
                 // Answers to read: until the next slice, or until a caller comes.
-                receive_one(sh, &mut inbox, Instant::now() + SLICE, true);
+                receive_one(sh, &mut inbox, Instant::now() + SLICE, true, None);
             } else {
                 // A look at what came (heartbeats, closures): what is there, no wait.
                 let mut n = 0;
-                while n < LOOK_AT_MOST && receive_one(sh, &mut inbox, Instant::now(), true) == Received::Message {
+                while n < LOOK_AT_MOST && receive_one(sh, &mut inbox, Instant::now(), true, None) == Received::Message {
                     n += 1;
                 }
             }
@@ -640,12 +647,14 @@ enum Received {
 
 /// Receives one message from the live servers (waiting until `until`; `interruptible`: ended
 /// early when a caller comes to wait) and takes it in, then fails the requests past their
-/// deadline.
+/// deadline. `dest`: a waiting caller's request and its buffer for the values (see
+/// [`values_of`]).
 fn receive_one<T: Element>(
     sh: &WorkerShared<T>,
     inbox: &mut PersistentRecv,
     until: Instant,
     interruptible: bool,
+    dest: Option<(Timestamp, &mut [T])>,
 ) -> Received {
     let live: Vec<usize> = {
         let closed = lock(&sh.closed);
@@ -666,7 +675,11 @@ fn receive_one<T: Element>(
                 *h = Instant::now();
             }
             match Message::decode(bytes, server) {
-                Ok(m) => on_reply(sh, server, m),
+                Ok(m) if m.kind == Kind::ReplyHead => match values_of(sh, server, m, dest) {
+                    Ok((m, placed)) => on_reply(sh, server, m, placed),
+                    Err(e) => fail_server(sh, server, e),
+                },
+                Ok(m) => on_reply(sh, server, m, None),
                 Err(e) => fail_server(sh, server, e),
             }
         }
@@ -749,11 +762,64 @@ fn expire<T: Element>(sh: &WorkerShared<T>) {
     }
 }
 
-fn on_reply<T: Element>(sh: &WorkerShared<T>, server: usize, m: Message) {
+/// Receives the values that follow the answer head `m` from `server` ([`Kind::ReplyHead`]):
+/// straight into `dest`'s buffer when `dest` is the caller waiting for this very request and
+/// this is the request's only answer (returns where, and how many bytes), else into a buffer
+/// of their own, which becomes the message's values.
+fn values_of<T: Element>(
+    sh: &WorkerShared<T>,
+    server: usize,
+    mut m: Message,
+    dest: Option<(Timestamp, &mut [T])>,
+) -> Result<(Message, Option<(usize, usize)>)> {
+    let bytes = m
+        .lens
+        .iter()
+        .try_fold(0usize, |a, &l| a.checked_add(l))
+        .and_then(|n| n.checked_mul(size_of::<T>()))
+        .filter(|&n| n <= wire::MAX_MESSAGE)
+        .ok_or_else(|| Error::Protocol {
+            peer: Some(server),
+            detail: format!("an answer's head for {} keys whose values do not fit a message", m.keys.len()),
+        })?;
+    m.kind = Kind::Reply;
+    if let Some((ts, out)) = dest
+        && ts == m.ts
+        && m.shard as usize == server
+        && size_of_val(out) == bytes
+        && lock(&sh.pending).get(&ts).is_some_and(|p| p.only_part(server))
+    {
+        sh.ctx.recv(server, PS_VALUES_TAG, out)?;
+        m.values = Vec::new();
+        m.at = 0;
+        return Ok((m, Some((out.as_ptr() as usize, bytes))));
+    }
+    let values = sh.ctx.recv_bytes(server, PS_VALUES_TAG, bytes)?;
+    if values.len() != bytes {
+        return Err(Error::Protocol {
+            peer: Some(server),
+            detail: format!("an answer's values of {} bytes where its head says {bytes}", values.len()),
+        });
+    }
+    m.values = values;
+    m.at = 0;
+    Ok((m, None))
+}
+
+/// Takes in message `m` from `server`; `placed`: where its values were received instead (see
+/// [`values_of`]).
+fn on_reply<T: Element>(sh: &WorkerShared<T>, server: usize, m: Message, placed: Option<(usize, usize)>) {
     let shard = m.shard as usize;
     match route(server, &m, sh.cfg.replication, sh.cfg.servers) {
         Route::Skip => {}
         Route::Bad(e) => fail_server(sh, server, e),
+        Route::Own if let Some((at, bytes)) = placed => {
+            let ts = m.ts;
+            let outcome = lock(&sh.pending).get_mut(&ts).and_then(|req| req.take_placed(shard, m, at, bytes));
+            if let Some(out) = outcome {
+                finish(sh, ts, out);
+            }
+        }
         Route::Own => apply_part(sh, m.ts, shard, m),
         // A backup's answer: it counts once the primary is gone, until then it waits.
         Route::Backup if lock(&sh.closed).contains_key(&shard) => apply_part(sh, m.ts, shard, m),
