@@ -1,8 +1,14 @@
 //! A worker ([`KvWorker`]): its calls (push, pull, push-pull, wait, callbacks), the sending of
-//! a request's parts to their servers (and backups), and its receiving thread, which takes the
-//! servers' answers and heartbeats, counts a closed or misbehaving server gone (its backup
-//! takes over, or the requests that need it fail) and fails requests at their deadline. The
-//! requests' own state is in `pending.rs`.
+//! a request's parts to their servers (and backups), and the receiving of the servers'
+//! messages: answers, heartbeats, a closed or misbehaving server counted gone (its backup takes
+//! over, or the requests that need it fail), requests failed at their deadline. The requests'
+//! own state is in `pending.rs`.
+//!
+//! Whoever holds the receive drives it. A caller waiting for its request does (so its answer
+//! reaches it with no hand-off between threads, and a large one lands in its buffer); the
+//! receiving thread does only while nobody waits (callbacks, answers nobody waits for yet,
+//! heartbeats), and a caller that comes to wait interrupts it. Callbacks always run on the
+//! receiving thread.
 
 use super::config::{Group, Role, backup_of};
 use super::node::barrier;
@@ -354,7 +360,8 @@ impl<T: Element> KvWorker<T> {
 
     /// Waits for request `ts` until its deadline ([`PsConfig::timeout`] after it was sent),
     /// then fails it with [`Error::Timeout`] naming the request, the servers that did not
-    /// answer and their keys; a pull's values come back.
+    /// answer and their keys; a pull's values come back. The calling thread receives the
+    /// answers itself while it waits (unless another caller does already).
     ///
     /// A push that succeeded is not kept once acknowledged (so that pushes nobody waits for
     /// cost nothing): waiting for one returns an empty reply at once, also when it was already
@@ -371,7 +378,9 @@ impl<T: Element> KvWorker<T> {
     /// [`wait`](Self::wait), with the values read straight into `values`, which must hold
     /// exactly all of them (the sum of the keys' lengths; a buffer of another length is
     /// [`Error::InvalidArgument`] naming both, and the request is spent). Returns each key's
-    /// number of values. Nothing is allocated for the values.
+    /// number of values. Nothing is allocated for the values, and an answer of 64 KiB or more
+    /// that is the request's only one (one server holds every key) is received straight into
+    /// `values`, with no copy.
     pub fn wait_into(&self, ts: Timestamp, values: &mut [T]) -> Result<Vec<usize>> {
         let answers = self.take(ts, Some(&mut *values))?;
         let lens = answers.read_into(values, &format!("worker {}: request {ts}", self.sh.id));
