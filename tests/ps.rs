@@ -901,6 +901,71 @@ fn large_answers_arrive_whole_into_the_callers_buffer_a_reply_and_a_callback() {
     }
 }
 
+/// Answers every two requests at once, from two threads (a handler may answer from any
+/// thread): each pull gets its key's number, `TWO_AT_ONCE` times.
+#[derive(Clone, Default)]
+struct TwoAtOnce(Vec<Request<'static, f32>>);
+
+const TWO_AT_ONCE: usize = 64 << 10;
+
+impl Handler<f32> for TwoAtOnce {
+    fn handle(&mut self, r: Request<'_, f32>, responder: &Responder<f32>) -> Result<()> {
+        self.0.push(r.into_owned());
+        if self.0.len() < 2 {
+            return Ok(());
+        }
+        let requests = std::mem::take(&mut self.0);
+        let go = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            let answering: Vec<_> = requests
+                .iter()
+                .map(|r| {
+                    let go = &go;
+                    s.spawn(move || {
+                        let values = vec![r.keys[0] as f32; TWO_AT_ONCE];
+                        go.wait();
+                        responder.respond(&r.meta, &r.keys, &values, &[TWO_AT_ONCE])
+                    })
+                })
+                .collect();
+            answering
+                .into_iter()
+                .try_for_each(|h| h.join().map_err(|_| Error::invalid("an answering thread panicked"))?)
+        })
+    }
+}
+
+#[test]
+fn large_answers_sent_from_two_threads_at_once_reach_their_own_requests() {
+    // An answer of 64 KiB or more goes as a head and its values: two of them racing to one
+    // worker must not cross (each pull gets its own key's values, never the other's).
+    let loopback = || Device::loopback();
+    let in_process = || Ok(Device::in_process());
+    let devices: [&(dyn Fn() -> Result<Device> + Sync); 2] = [&loopback, &in_process];
+    for device in devices {
+        let mut cfg = PsConfig::new(1, 1);
+        cfg.timeout = common::TIMEOUT;
+        let r = threads(cfg, device, &[(Role::Server, 0), (Role::Worker, 0)], |node| {
+            if node.role() == Role::Server {
+                node.server(TwoAtOnce::default())?.run()?;
+                return Ok(0);
+            }
+            let w = node.worker::<f32>()?;
+            let (mut one, mut two) = (vec![0f32; TWO_AT_ONCE], vec![0f32; TWO_AT_ONCE]);
+            let mut crossed = 0;
+            for _ in 0..100 {
+                let (a, b) = (w.pull(&[1])?, w.pull(&[2])?);
+                w.wait_into(a, &mut one)?;
+                w.wait_into(b, &mut two)?;
+                crossed += usize::from(one.iter().any(|&v| v != 1.0) || two.iter().any(|&v| v != 2.0));
+            }
+            Ok(crossed)
+        });
+        let r = common::all_ok(r);
+        assert_eq!(r[1], 0, "rounds whose answers crossed");
+    }
+}
+
 /// A handler whose first request ends its server's run (as a crash would: its connections close).
 #[derive(Clone)]
 struct Stops;

@@ -25,6 +25,9 @@ pub struct Responder<T> {
     scratch: Mutex<Vec<u8>>,
     /// Where an answer's parts are gathered for a transport that sends from one buffer only.
     gathered: Mutex<Vec<u8>>,
+    /// Held while an answer's head and values go out (handlers may answer from several
+    /// threads).
+    split: Mutex<()>,
     /// Workers that rejoined: the context and rank they are reached at now.
     routes: Mutex<HashMap<usize, (Arc<Context>, usize)>>,
     /// Workers a send to failed, and why: the server counts them gone.
@@ -54,6 +57,7 @@ impl<T: Element> Responder<T> {
             workers,
             scratch: Mutex::new(Vec::new()),
             gathered: Mutex::new(Vec::new()),
+            split: Mutex::new(()),
             routes: Mutex::new(HashMap::new()),
             unreachable: Mutex::new(Vec::new()),
             _t: PhantomData,
@@ -75,8 +79,8 @@ impl<T: Element> Responder<T> {
 
     /// Sends the message made of `parts` to worker `worker` (gathered into `gathered` where
     /// the transport needs one buffer); a failed send makes the worker unreachable, not an
-    /// error.
-    fn send_to(&self, worker: usize, tag: u32, parts: &[&[u8]], gathered: &mut Vec<u8>) -> Result<()> {
+    /// error. Whether it was sent.
+    fn send_to(&self, worker: usize, tag: u32, parts: &[&[u8]], gathered: &mut Vec<u8>) -> Result<bool> {
         if worker >= self.workers {
             return Err(Error::invalid(format!("an answer to worker {worker} of {}: no such worker", self.workers)));
         }
@@ -94,8 +98,9 @@ impl<T: Element> Responder<T> {
         if let Err(e) = sent {
             tracing::debug!(worker, error = %e, "a parameter-server answer could not be sent; the worker counts as gone");
             self.unreachable(worker, e);
+            return Ok(false);
         }
-        Ok(())
+        Ok(true)
     }
 
     fn send_reply(&self, meta: &RequestMeta, keys: &[u64], lens: Vec<usize>, parts: &[&[T]]) -> Result<()> {
@@ -129,7 +134,9 @@ impl<T: Element> Responder<T> {
         let runs: Vec<&[u8]> =
             parts.iter().map(|p| bytemuck::cast_slice(p)).filter(|p: &&[u8]| !p.is_empty()).collect();
         let sent = if split {
-            // The head, then the values as a message of their own.
+            // The head, then the values as a message of their own, with no other split answer
+            // between them (the worker takes the next values message as the head's).
+            let _one_at_a_time = lock(&self.split);
             let head = self.send_to(meta.worker, PS_TAG, &[&bytes], &mut gathered);
             let mut joined = Vec::new();
             let values: SmallVec<[&[u8]; 8]> = if runs.len() > wire::GATHER_MOST {
@@ -140,7 +147,11 @@ impl<T: Element> Responder<T> {
             } else {
                 runs.iter().copied().collect()
             };
-            let sent = head.and_then(|()| self.send_to(meta.worker, PS_VALUES_TAG, &values, &mut gathered));
+            // A head that did not go (the worker counts as gone) takes its values with it.
+            let sent = match head {
+                Ok(true) => self.send_to(meta.worker, PS_VALUES_TAG, &values, &mut gathered).map(drop),
+                other => other.map(drop),
+            };
             drop(values);
             if joined.capacity() > gathered.capacity() {
                 gathered = joined;
@@ -148,7 +159,7 @@ impl<T: Element> Responder<T> {
             sent
         } else {
             let message = Message::parts(&mut bytes, &runs);
-            let sent = self.send_to(meta.worker, PS_TAG, &message, &mut gathered);
+            let sent = self.send_to(meta.worker, PS_TAG, &message, &mut gathered).map(drop);
             drop(message);
             sent
         };
@@ -174,7 +185,7 @@ impl<T: Element> Responder<T> {
             at: 0,
             dtype: 0,
         };
-        self.send_to(meta.worker, PS_TAG, &[&msg.encode()], &mut Vec::new())
+        self.send_to(meta.worker, PS_TAG, &[&msg.encode()], &mut Vec::new()).map(drop)
     }
 
     /// Worker `worker` cannot be reached (`e` says why): the server counts it gone.

@@ -570,6 +570,8 @@ fn finish<T: Element>(sh: &WorkerShared<T>, ts: Timestamp, out: Result<Answers<T
 fn run_callbacks<T: Element>(sh: &WorkerShared<T>) {
     let ready = std::mem::take(&mut *lock(&sh.callbacks));
     for (ts, what, cb, out) in ready {
+        // Values received into a waiting caller's buffer are not this callback's to read.
+        let out = out.and_then(|a| a.check_placed(None, &format!("worker {}: request {ts}", sh.id)).map(|()| a));
         if let Err(e) = run_callback(sh.id, ts, what, cb, out.map(Answers::into_reply)) {
             tracing::error!(worker = sh.id, request = ts, error = %e, "parameter-server callback panicked");
         }
@@ -607,7 +609,12 @@ fn receive_replies<T: Element>(sh: &WorkerShared<T>) {
         {
             if unanswered {
                 // Answers to read: until the next slice, or until a caller comes.
-                receive_one(sh, &mut inbox, Instant::now() + SLICE, true, None);
+                if receive_one(sh, &mut inbox, Instant::now() + SLICE, true, None) == Received::NoServer {
+                    // Nothing to receive from: the requests fail at their deadlines.
+                    drop(inbox);
+                    drop(crate::sync::wait_timeout(&sh.idle, lock(&sh.pending), SLICE));
+                    continue;
+                }
             } else {
                 // A look at what came (heartbeats, closures): what is there, no wait.
                 let mut n = 0;
@@ -674,7 +681,9 @@ fn receive_one<T: Element>(
         expire(sh);
         return Received::NoServer;
     } else if interruptible {
-        inbox.wait_interruptibly(&live, until, || sh.waiting.load(Ordering::SeqCst) == 0)
+        inbox.wait_interruptibly(&live, until, || {
+            sh.waiting.load(Ordering::SeqCst) == 0 && !sh.stop.load(Ordering::SeqCst)
+        })
     } else {
         inbox.wait(&live, until)
     };
@@ -692,8 +701,24 @@ fn receive_one<T: Element>(
                 Err(e) => fail_server(sh, server, e),
             }
         }
-        // A quiet slice, or a reply that began arriving and stopped (dropped).
-        None | Some(Err(Error::Timeout { .. })) => {
+        // A quiet slice.
+        None => {
+            expire(sh);
+            return Received::Nothing;
+        }
+        // A message that began arriving and stopped (dropped). From one server that server's
+        // stream is out of step (an answer's values could be taken as the next head's): it
+        // counts as gone. From one of several, it cannot be told which.
+        Some(Err(e @ Error::Timeout { .. })) => {
+            let ranks = match &e {
+                Error::Timeout { ranks, .. } => ranks.clone(),
+                _ => Vec::new(),
+            };
+            if let [server] = ranks[..] {
+                fail_server(sh, server, e);
+            } else {
+                tracing::warn!(worker = sh.id, ?ranks, error = %e, "a server's message began arriving and stopped");
+            }
             expire(sh);
             return Received::Nothing;
         }

@@ -18,7 +18,8 @@ const ALONE_SLEEP: Duration = Duration::from_millis(250);
 /// Rounds of a wait between looks at the pairs it does not wait on.
 const QUIET_EVERY: u32 = 16;
 /// While a wait keeps busy past its budget because a message is halfway through a ring, how
-/// often it looks at the lifelines (a peer that died mid-message).
+/// often it looks at the lifelines (a peer that died mid-message), and how long it stays busy
+/// with the message not moving (a peer that stopped, or went off to compute) before it sleeps.
 const MID_MESSAGE_LOOK: Duration = Duration::from_millis(1);
 
 /// The shared-memory progress engine of one mesh.
@@ -74,6 +75,8 @@ impl Progress for ShmProgress {
             .collect();
         let mut round = 0u32;
         let mut lifeline_look = Instant::now() + MID_MESSAGE_LOOK;
+        // Where the rings of a message halfway through stood, and since when.
+        let mut moved: Option<(u64, Instant)> = None;
         loop {
             // The quiet pairs every few rounds only (a lock each).
             let upto = if round.is_multiple_of(QUIET_EVERY) { pairs.len() } else { busy_pairs };
@@ -92,7 +95,16 @@ impl Progress for ShmProgress {
             // part: sleeping between ring-fulls would add a wake-up to each (measured on 4 MiB
             // parameter-server messages over a 1 MiB ring: a quarter of the time). Busy past
             // the budget then, looking at the lifelines now and again.
-            let mid = now >= busy_until && pairs[..busy_pairs].iter().any(|p| p.mid_message());
+            let mut mid = false;
+            if now >= busy_until {
+                let at = pairs[..busy_pairs].iter().filter_map(|p| p.mid_message()).reduce(u64::wrapping_add);
+                if let Some(at) = at {
+                    if moved.is_none_or(|(was, _)| was != at) {
+                        moved = Some((at, now));
+                    }
+                    mid = moved.is_some_and(|(_, since)| now < since + MID_MESSAGE_LOOK);
+                }
+            }
             if mid && now >= lifeline_look {
                 lifeline_look = now + MID_MESSAGE_LOOK;
                 for f in &mut fds {

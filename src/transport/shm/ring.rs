@@ -107,6 +107,11 @@ impl<M: RingMem> Producer<M> {
     }
 
     /// The largest record this ring takes, bytes after the first word.
+    /// Bytes written into the ring since it began (moves as records go in).
+    pub(crate) fn written(&self) -> u64 {
+        self.tail
+    }
+
     pub(crate) fn max_body(&self) -> usize {
         self.mem.capacity() / 2 - WORD
     }
@@ -195,6 +200,11 @@ impl<M: RingMem> Consumer<M> {
         let head = mem.head().load(Ordering::Acquire);
         let tail = mem.tail().load(Ordering::Acquire);
         Consumer { mem, head, published: head, tail }
+    }
+
+    /// Bytes read from the ring since it began (moves as records are consumed).
+    pub(crate) fn read(&self) -> u64 {
+        self.head
     }
 
     pub(crate) fn mem(&self) -> &M {

@@ -201,11 +201,14 @@ impl ShmPair {
         g.rx.prepare_sleep()
     }
 
-    /// Whether a message is halfway through the ring, in either direction: fragments of an
-    /// incoming one are still to come, or an outgoing one waits for ring space to go on.
-    pub(crate) fn mid_message(&self) -> bool {
+    /// While a message is halfway through the ring, in either direction (fragments of an
+    /// incoming one are still to come, or an outgoing one waits for ring space to go on), where
+    /// the rings stand: a value that changes as the message moves.
+    pub(crate) fn mid_message(&self) -> Option<u64> {
         let g = self.lock();
-        g.closed.is_none() && (!matches!(g.rx_state, Rx::Idle) || g.sendq.front().is_some_and(|o| o.sent.is_some()))
+        let mid = g.closed.is_none()
+            && (!matches!(g.rx_state, Rx::Idle) || g.sendq.front().is_some_and(|o| o.sent.is_some()));
+        mid.then(|| g.rx.read().wrapping_add(g.tx.written()))
     }
 
     /// Whether the pair has failed or closed (its lifeline then has nothing more to say).
