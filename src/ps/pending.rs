@@ -10,8 +10,8 @@ use super::config::backup_of;
 use super::wire::{Kind, Message};
 use crate::error::{Error, Result};
 use crate::types::Element;
+use rustc_hash::FxHashMap as HashMap;
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
@@ -249,8 +249,8 @@ impl<T: Element> Pending<T> {
             what,
             outcome,
             callback: None,
-            stash: HashMap::new(),
-            pulls: HashMap::new(),
+            stash: HashMap::default(),
+            pulls: HashMap::default(),
         }
     }
 
@@ -434,7 +434,7 @@ impl<T> Pending<T> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::collections::HashSet;
+    use rustc_hash::FxHashSet as HashSet;
 
     /// A pull of `keys` split over servers as `parts` says.
     fn pull(keys: &[u64], parts: &[(usize, &[usize])]) -> Pending<f32> {
@@ -481,14 +481,14 @@ mod tests {
 
     #[test]
     fn a_push_completes_empty_and_a_request_with_no_keys_at_once() {
-        let parts = HashMap::from([(0, vec![0]), (1, vec![1])]);
+        let parts = [(0, vec![0]), (1, vec![1])].into_iter().collect::<HashMap<usize, Vec<usize>>>();
         let mut p = Pending::<f32>::new(vec![5, 6], parts, false, Instant::now(), "push");
         assert!(p.take_answer(0, answer(Kind::Reply, 0, &[], &[], &[])).is_none());
         assert_eq!(
             p.take_answer(1, answer(Kind::Reply, 1, &[], &[], &[])).map(|r| r.ok().map(Answers::into_reply)),
             Some(Some(Reply::default()))
         );
-        let empty = Pending::<f32>::new(vec![], HashMap::new(), true, Instant::now(), "pull");
+        let empty = Pending::<f32>::new(vec![], HashMap::default(), true, Instant::now(), "pull");
         assert_eq!(empty.outcome.map(|o| o.ok().map(Answers::into_reply)), Some(Some(Reply::default())));
     }
 
@@ -513,7 +513,7 @@ mod tests {
     #[test]
     fn when_a_primary_dies_its_backup_takes_over_and_what_nobody_can_answer_fails() {
         let cause = Error::PeerClosed { rank: 0, op: "recv".into(), detail: "closed".into() };
-        let closed: HashSet<usize> = HashSet::from([0]);
+        let closed: HashSet<usize> = [0].into_iter().collect::<HashSet<usize>>();
         // A pull over shards 0 and 1 of three servers; the backup of 0 (server 1) answered
         // already, and server 0 dies.
         let mut p = pull(&[1, 2], &[(0, &[0]), (1, &[1])]);
@@ -526,7 +526,13 @@ mod tests {
         let t = p.on_server_gone(0, &cause, true, 3, |s| closed.contains(&s));
         assert!(matches!(&t[..], [Takeover::Ask(1, b)] if b == &[9, 9]), "{t:?}");
         // A push: the backup has it; nothing to do.
-        let mut push = Pending::<f32>::new(vec![1], HashMap::from([(0, vec![0])]), false, Instant::now(), "push");
+        let mut push = Pending::<f32>::new(
+            vec![1],
+            [(0, vec![0])].into_iter().collect::<HashMap<usize, Vec<usize>>>(),
+            false,
+            Instant::now(),
+            "push",
+        );
         assert!(push.on_server_gone(0, &cause, true, 3, |s| closed.contains(&s)).is_empty());
         // Without replication the part fails, naming the server and its keys.
         let mut p = pull(&[1, 2], &[(0, &[0]), (1, &[1])]);
@@ -534,7 +540,7 @@ mod tests {
         let [Takeover::Fail(Error::PeerClosed { rank: 0, detail, .. })] = &t[..] else { panic!("{t:?}") };
         assert!(detail.starts_with("server 0 is gone with keys [1] of this request outstanding"), "{detail}");
         // The backup dies too: the parts it answered for its dead primary fail.
-        let both: HashSet<usize> = HashSet::from([0, 1]);
+        let both: HashSet<usize> = [0, 1].into_iter().collect::<HashSet<usize>>();
         let mut p = pull(&[1, 2], &[(0, &[0])]);
         let t = p.on_server_gone(1, &cause, true, 3, |s| both.contains(&s));
         assert!(matches!(&t[..], [Takeover::Fail(Error::PeerClosed { rank: 0, .. })]), "{t:?}");

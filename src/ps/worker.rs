@@ -23,7 +23,7 @@ use crate::comm::{Interrupter, PersistentRecv, QUIET};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::types::Element;
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::thread::JoinHandle;
@@ -153,13 +153,13 @@ impl<T: Element> KvWorker<T> {
         let sh = Arc::new(WorkerShared {
             ctx: node.ctx,
             next: AtomicU64::new(1),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::default()),
             done: Condvar::new(),
-            closed: Mutex::new(HashMap::new()),
+            closed: Mutex::new(HashMap::default()),
             heard: Mutex::new(vec![Instant::now(); node.cfg.servers]),
             scratch: Mutex::new(Vec::new()),
             gathered: Mutex::new(Vec::new()),
-            spent_failures: Mutex::new(HashSet::new()),
+            spent_failures: Mutex::new(HashSet::default()),
             stop: AtomicBool::new(false),
             interrupter: inbox.interrupter(),
             inbox: Mutex::new(inbox),
@@ -237,7 +237,7 @@ impl<T: Element> KvWorker<T> {
     ) -> Result<Timestamp> {
         let sh = &self.sh;
         let servers = sh.cfg.servers;
-        let mut parts: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut parts: HashMap<usize, Vec<usize>> = HashMap::default();
         for (i, &k) in keys.iter().enumerate() {
             let s = sh.cfg.sharding.server_of(k, servers);
             if s >= servers {
