@@ -131,8 +131,8 @@ impl<T: Element> Responder<T> {
         let mut gathered = std::mem::take(&mut *lock(&self.gathered));
         msg.encode_head_into(&mut bytes, total.unwrap_or(0));
         // The values go from where the handler keeps them.
-        let runs: Vec<&[u8]> =
-            parts.iter().map(|p| bytemuck::cast_slice(p)).filter(|p: &&[u8]| !p.is_empty()).collect();
+        let mut runs: Vec<&[u8]> = Vec::with_capacity(parts.len());
+        runs.extend(parts.iter().map(|p| bytemuck::cast_slice(p)).filter(|p: &&[u8]| !p.is_empty()));
         let sent = if split {
             // The head, then the values as a message of their own, with no other split answer
             // between them (the worker takes the next values message as the head's).

@@ -186,7 +186,8 @@ impl<T: Element> KvWorker<T> {
             if s >= servers {
                 return Err(Error::invalid(format!("{what}: the sharding put key {k} on server {s} of {servers}")));
             }
-            parts.entry(s).or_default().push(i);
+            // One server holds them all, or about its share (no regrowing as keys come).
+            parts.entry(s).or_insert_with(|| Vec::with_capacity(keys.len() / servers + 1)).push(i);
         }
         // Every part must fit a message before any is sent.
         let carries = kind != Kind::Pull;
@@ -217,14 +218,12 @@ impl<T: Element> KvWorker<T> {
                 return Err(server_gone(what, *s, &ks, e));
             }
         }
-        let offsets: Vec<usize> = lens
-            .iter()
-            .scan(0usize, |at, &l| {
-                let o = *at;
-                *at += l;
-                Some(o)
-            })
-            .collect();
+        let mut offsets = Vec::with_capacity(lens.len());
+        let mut at = 0usize;
+        for &l in lens {
+            offsets.push(at);
+            at += l;
+        }
         let pending = Pending::new(keys.to_vec(), parts.clone(), wants_values, Instant::now() + sh.cfg.timeout, what);
         if keys.is_empty() && kind == Kind::Push {
             // Done already, and a push's success is not kept (see `wait`).
@@ -257,7 +256,7 @@ impl<T: Element> KvWorker<T> {
             msg.encode_head_into(&mut bytes, extra);
             // The values go from the caller's slice, in runs of keys whose values follow
             // one another there.
-            let mut runs: Vec<(usize, usize)> = Vec::new();
+            let mut runs: Vec<(usize, usize)> = Vec::with_capacity(idx.len().min(wire::GATHER_MOST + 1));
             if kind != Kind::Pull {
                 for &i in &idx {
                     let (from, to) = (offsets[i] * size_of::<T>(), (offsets[i] + lens[i]) * size_of::<T>());
