@@ -20,6 +20,15 @@ pub(crate) const GATHER_MOST: usize = 64;
 /// costs more than the copy it saves.
 pub(crate) const SPLIT_MIN: usize = 64 << 10;
 
+/// In place of the count of a message's lengths: every key has the length of the one word
+/// that follows (no count of a real list comes near it: a message holds at most
+/// [`MAX_MESSAGE`] bytes).
+const UNIFORM: u32 = u32::MAX;
+
+/// Lengths are sent as one word ([`UNIFORM`]) when at least this many keys share one: below,
+/// the list is short anyway (and small messages keep the layout they always had).
+const UNIFORM_MIN: usize = 64;
+
 /// The length of a message with `keys` keys, `lens` lengths and `payload` bytes of values
 /// (`None`: more than a `usize` holds).
 pub(crate) fn encoded_len(keys: usize, lens: usize, payload: usize) -> Option<usize> {
@@ -135,7 +144,14 @@ impl Message {
         b.write(self.ts);
         b.write(self.shard);
         b.write_words(self.keys.iter().copied());
-        b.write_words(self.lens.iter().map(|&l| l as u64));
+        match self.lens.split_first() {
+            // Many keys of one length (a sparse model's): their length once.
+            Some((&first, rest)) if self.lens.len() >= UNIFORM_MIN && rest.iter().all(|&l| l == first) => {
+                b.write(UNIFORM);
+                b.write(first as u64);
+            }
+            _ => b.write_words(self.lens.iter().map(|&l| l as u64)),
+        }
         b.resize(b.len().next_multiple_of(8), 0);
     }
 
@@ -160,9 +176,19 @@ impl Message {
         let kind = Kind::from_code(r.get()?).ok_or_else(|| DecodeError::malformed("an unknown kind"))?;
         let (dtype, cmd, ts, shard) = (r.get()?, r.get()?, r.get()?, r.get()?);
         let keys = r.counted_words()?;
-        let lens = r.counted_words()?.into_iter().map(usize::try_from).collect::<std::result::Result<Vec<_>, _>>();
-        let lens = lens.map_err(|_| DecodeError::malformed("a length too large"))?;
-        let at = 18 + 8 + 8 * (keys.len() + lens.len());
+        let too_large = |_| DecodeError::malformed("a length too large");
+        let (lens, words) = if r.clone().get::<u32>().ok() == Some(UNIFORM) {
+            // Every key has the same length: one word for them all.
+            r.get::<u32>()?;
+            let len = usize::try_from(r.get::<u64>()?).map_err(too_large)?;
+            (vec![len; keys.len()], 1)
+        } else {
+            let lens = r.counted_words()?.into_iter().map(usize::try_from).collect::<std::result::Result<Vec<_>, _>>();
+            let lens = lens.map_err(too_large)?;
+            let n = lens.len();
+            (lens, n)
+        };
+        let at = 18 + 8 + 8 * (keys.len() + words);
         r.bytes(at.next_multiple_of(8) - at)?;
         Ok(Message { kind, dtype, cmd, ts, shard, keys, lens, values: Vec::new(), at: 0 })
     }
@@ -205,6 +231,37 @@ mod tests {
     fn hex(s: &str) -> Vec<u8> {
         let s: String = s.split_whitespace().collect();
         (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn many_keys_of_one_length_send_it_once_and_read_back_whole() {
+        let message = |lens: Vec<usize>| Message {
+            kind: Kind::PushPull,
+            dtype: 1,
+            cmd: 2,
+            ts: 3,
+            shard: 0,
+            keys: (0..lens.len() as u64).collect(),
+            values: vec![0; 4 * lens.iter().sum::<usize>()],
+            lens,
+            at: 0,
+        };
+        for (lens, uniform) in [
+            (vec![1; UNIFORM_MIN], true),
+            (vec![3; 1000], true),
+            (vec![1; UNIFORM_MIN - 1], false),
+            ((0..100).map(|i| 1 + i % 2).collect(), false),
+        ] {
+            let m = message(lens.clone());
+            let mut head = Vec::new();
+            m.encode_head_into(&mut head, 0);
+            let list = 18 + 8 + 8 * (2 * lens.len());
+            assert_eq!(head.len() < list.next_multiple_of(8), uniform, "{} keys: {} bytes", lens.len(), head.len());
+            let mut bytes = head;
+            bytes.extend_from_slice(&m.values);
+            let back = Message::decode(bytes, 0).expect("decodes");
+            assert_eq!((&back.keys, &back.lens, back.payload().len()), (&m.keys, &lens, m.values.len()));
+        }
     }
 
     #[test]
