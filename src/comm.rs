@@ -503,15 +503,13 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         buf: SendBuf,
         what: &'static str,
     ) -> Result<usize> {
-        let pair = self.comm.pair(peer)?.clone();
-        let done = Completion::new();
         // SAFETY: forwarded from this function's contract.
-        unsafe { pair.post_send(key, desc, buf, &done) }.map_err(|e| e.during(what))?;
-        Ok(self.push(Op::new(smallvec![pair], done, what, &self.comm.shared)))
+        unsafe { self.isend_parts_raw(peer, key, desc, &[buf], what) }
     }
 
     /// Starts sending one message made of `parts`, one after the other, to `peer` with `key`
-    /// and `desc`, without gathering them first (the pair must [gather](Pair::gathers)).
+    /// and `desc`, without gathering them first (one part goes on any pair; several need one
+    /// that [gathers](Pair::gathers)).
     ///
     /// # Safety
     /// As for [`isend_raw`](Self::isend_raw), for every part.

@@ -283,13 +283,17 @@ pub(crate) trait Pair: Send + Sync {
 
     /// Queues a send of one message made of `parts`, one after the other (a header and the
     /// values it describes, say), read from where they are: the peer receives one message of
-    /// their total length. Only where [`gathers`](Self::gathers) says so; this default refuses.
+    /// their total length. Several parts only where [`gathers`](Self::gathers) says so; this
+    /// default sends one part with [`post_send`](Self::post_send) and refuses more.
     ///
     /// # Safety
     /// As for [`post_send`](Self::post_send), for every part.
     unsafe fn post_send_parts(&self, key: Key, desc: OpDesc, parts: &[SendBuf], done: &Arc<Completion>) -> Result<()> {
-        let _ = (key, desc, parts, done);
-        Err(Error::invalid("this transport does not send a message from several buffers"))
+        match parts {
+            // SAFETY: as this call's.
+            [one] => unsafe { self.post_send(key, desc, *one, done) },
+            _ => Err(Error::invalid("this transport does not send a message from several buffers")),
+        }
     }
 
     /// Queues a receive of the next message with `key` into `target`. Several pairs may be given
