@@ -139,6 +139,11 @@ impl Comm {
         self.size
     }
 
+    /// How this rank's callers busy-wait before they sleep (see `Context`'s `busy_poll`).
+    pub(crate) fn spin(&self) -> BusyWait {
+        self.shared.spin
+    }
+
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
     }

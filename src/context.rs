@@ -337,6 +337,42 @@ impl Context {
         })
     }
 
+    /// Whether [`recv_sink`](Self::recv_sink) from `peer` hands the message over where it
+    /// arrives (shared memory: from the ring; in-process: from the sender's buffer).
+    pub(crate) fn sinks(&self, peer: usize) -> bool {
+        self.comm.pair(peer).is_ok_and(|p| p.sinks())
+    }
+
+    /// Receives the next message from `peer` with `tag`, of exactly `len` bytes, handing its
+    /// bytes to `sink` in order, in pieces as they arrive (no buffer of the message's length:
+    /// the receiver folds them into its own state), until `deadline`. A message of another
+    /// length is [`Error::Mismatch`]; a pair that cannot hand bytes over ([`sinks`](Self::sinks)
+    /// false) is [`Error::InvalidArgument`]. The sink may be called from whichever thread
+    /// drives the pair while this call waits, never after it returns.
+    pub(crate) fn recv_sink(
+        &self,
+        peer: usize,
+        tag: u32,
+        len: usize,
+        sink: &mut (dyn FnMut(&[u8]) + Send),
+        deadline: Instant,
+    ) -> Result<()> {
+        if !self.sinks(peer) {
+            return Err(Error::invalid(format!(
+                "a receive from rank {peer} handed over piece by piece: its transport cannot"
+            )));
+        }
+        let key = self.comm.p2p_key(tag);
+        self.scope(|s| {
+            // SAFETY: the sink is borrowed for the whole scope, which finishes or cancels the
+            // receive on its pair before it ends (Comm::scope), so nothing calls it afterwards.
+            let target = crate::transport::RecvTarget::Sink(unsafe { crate::transport::SinkRef::new(sink, len) });
+            // SAFETY: as above: the target's consumer outlives the operation.
+            let idx = unsafe { s.irecv_raw(&[peer], key, OpDesc::P2P, target, "recv")? };
+            s.wait_deadline(idx, deadline).map(drop)
+        })
+    }
+
     /// Receives the next message from `peer` with `tag` into `buf`. A message of another
     /// byte length is [`Error::Mismatch`].
     pub fn recv<T: Pod>(&self, peer: usize, tag: u32, buf: &mut [T]) -> Result<()> {
@@ -390,6 +426,92 @@ mod tests {
     use super::*;
     use crate::device::ShmAttr;
     use crate::rendezvous::HashStore;
+
+    /// A message handed to a consumer as it arrives: every byte, in order, once, on the
+    /// transports that can (shared memory in fragments, and whole when it came before its
+    /// receive; in-process), and refused on TCP; a message of another length is a mismatch.
+    #[test]
+    fn a_message_received_piece_by_piece_arrives_whole_and_in_order() {
+        let sizes = [0usize, 5, 16 << 10, (300 << 10) + 3, 5 << 20];
+        let devices = [Device::shared_memory(&ShmAttr::default()), Device::in_process()];
+        for device in &devices {
+            let store = HashStore::new();
+            std::thread::scope(|s| {
+                let ranks: Vec<_> = (0..2)
+                    .map(|rank| {
+                        let store = &store;
+                        s.spawn(move || -> Result<()> {
+                            let ctx =
+                                Context::builder(rank, 2).timeout(Duration::from_secs(20)).connect(store, device)?;
+                            let msg = |n: usize| -> Vec<u8> { (0..n).map(|j| (j * 13 + n) as u8).collect() };
+                            let name = device.backend().name();
+                            if rank == 0 {
+                                for &n in &sizes {
+                                    // Once the receive is posted (the receiver reads its ring
+                                    // only in its waits), so that it takes the fragments.
+                                    ctx.recv::<u8>(1, 7, &mut [])?;
+                                    ctx.send(1, 4, &msg(n))?;
+                                }
+                                // The last one is sent before the receiver posts (it waits
+                                // for the barrier first): taken from where it came early.
+                                ctx.send(1, 5, &msg(70 << 10))?;
+                                ctx.barrier()?;
+                                ctx.send(1, 6, &msg(10))?;
+                            } else {
+                                let deadline = Instant::now() + Duration::from_secs(20);
+                                for &n in &sizes {
+                                    ctx.send::<u8>(0, 7, &[])?;
+                                    let (mut got, mut pieces) = (Vec::new(), 0usize);
+                                    ctx.recv_sink(
+                                        1 - rank,
+                                        4,
+                                        n,
+                                        &mut |b: &[u8]| {
+                                            got.extend_from_slice(b);
+                                            pieces += 1;
+                                        },
+                                        deadline,
+                                    )?;
+                                    assert!(got == msg(n), "{name}: {n} bytes arrived altered");
+                                    if name == "shm" && n > 1 << 20 {
+                                        assert!(pieces > 1, "{name}: {n} bytes in {pieces} piece(s)");
+                                    }
+                                }
+                                ctx.barrier()?;
+                                let mut got = Vec::new();
+                                ctx.recv_sink(0, 5, 70 << 10, &mut |b: &[u8]| got.extend_from_slice(b), deadline)?;
+                                assert!(got == msg(70 << 10), "{name}: the early message arrived altered");
+                                let e = ctx.recv_sink(0, 6, 11, &mut |_: &[u8]| {}, deadline);
+                                assert!(matches!(e, Err(Error::Mismatch { .. })), "{name}: {e:?}");
+                            }
+                            ctx.barrier()
+                        })
+                    })
+                    .collect();
+                for r in ranks {
+                    r.join().expect("a rank panicked").expect("a rank failed");
+                }
+            });
+        }
+        let tcp = Device::loopback().expect("a TCP device on loopback");
+        let store = HashStore::new();
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (store, tcp) = (&store, &tcp);
+                    s.spawn(move || -> Result<()> {
+                        let ctx = Context::builder(rank, 2).timeout(Duration::from_secs(20)).connect(store, tcp)?;
+                        let e = ctx.recv_sink(1 - rank, 4, 1, &mut |_: &[u8]| {}, Instant::now());
+                        assert!(matches!(e, Err(Error::InvalidArgument(_))), "tcp: {e:?}");
+                        ctx.barrier()
+                    })
+                })
+                .collect();
+            for r in ranks {
+                r.join().expect("a rank panicked").expect("a rank failed");
+            }
+        });
+    }
 
     /// One message from several buffers: part boundaries inside shared-memory fragments and
     /// TCP writes, empty parts, and many small parts (gathered into the scratch in-process).

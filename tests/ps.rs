@@ -490,6 +490,55 @@ fn malformed_requests_are_refused_and_the_server_goes_on() {
     assert_eq!((a[5].0, a[6].0), (4, 4), "{a:?}");
 }
 
+/// The tags of a push's values and of the server's go for them (src/ps/mod.rs).
+const PS_VALUES_TAG: u32 = 0x5053_0002;
+const PS_GO_TAG: u32 = 0x5053_0003;
+
+#[test]
+fn a_push_head_that_is_malformed_or_whose_values_do_not_fit_is_refused_and_the_server_goes_on() {
+    // A push whose values follow its head (kind 9): the server says go whatever the head is,
+    // takes what comes, and refuses what does not hold together.
+    let r = members(2, |i, store| {
+        if i == 0 {
+            let node = Node::connect(&**store, &Device::in_process(), Role::Server, 0, PsConfig::new(1, 1))?;
+            node.server(SumStore::<f32>::default())?.run()?;
+            return Ok(Vec::new());
+        }
+        let ctx = bare_worker(store, 1, 1, 0)?;
+        let split = |head: Vec<u8>, values: &[u8]| -> Result<(u8, String)> {
+            ctx.send(0, PS_TAG, &head)?;
+            ctx.recv::<u8>(0, PS_GO_TAG, &mut [])?;
+            ctx.send(0, PS_VALUES_TAG, values)?;
+            let answer = ctx.recv_bytes(0, PS_TAG, 1 << 20)?;
+            let kind = answer.first().copied().unwrap_or(0);
+            let text = String::from_utf8_lossy(answer.get(32..).unwrap_or(&[])).into_owned();
+            Ok((kind, if kind == 5 { text } else { String::new() }))
+        };
+        let four: Vec<u8> = [1f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let answers = vec![
+            // No length for its key; values in the head itself.
+            split(ps_message(9, 1, &[3], &[], &[]), &four)?,
+            split(ps_message(9, 2, &[3], &[4], &four), &four)?,
+            // Fewer and more values than the head says.
+            split(ps_message(9, 3, &[3], &[4], &[]), &four[..8])?,
+            split(ps_message(9, 4, &[3], &[2], &[]), &four)?,
+            // A good one (a new key), then one summed as it arrives, then a pull.
+            split(ps_message(9, 5, &[3], &[4], &[]), &four)?,
+            split(ps_message(9, 6, &[3], &[4], &[]), &four)?,
+            ask(&ctx, &ps_message(2, 7, &[3], &[], &[]))?,
+        ];
+        ctx.send(0, PS_TAG, &ps_message(6, 0, &[], &[], &[]))?;
+        Ok(answers)
+    });
+    let r = common::all_ok(r);
+    let a = &r[1];
+    assert!(a[0].0 == 5 && a[0].1.contains("0 lengths and 1 keys"), "{a:?}");
+    assert!(a[1].0 == 5 && a[1].1.contains("16 bytes of values"), "{a:?}");
+    assert!(a[2].0 == 5 && a[2].1.contains("announced 16 bytes of values, 8 came"), "{a:?}");
+    assert!(a[3].0 == 5 && a[3].1.contains("the push's values"), "{a:?}");
+    assert_eq!((a[4].0, a[5].0, a[6].0), (4, 4, 4), "{a:?}");
+}
+
 #[test]
 fn messages_that_are_no_request_are_skipped_and_the_server_goes_on() {
     let r = members(3, |i, store| {
@@ -898,6 +947,65 @@ fn large_answers_arrive_whole_into_the_callers_buffer_a_reply_and_a_callback() {
             Ok(())
         });
         common::all_ok(r);
+    }
+}
+
+#[test]
+fn large_pushes_from_several_threads_are_summed_whole_as_they_arrive() {
+    // Pushes of 256 KiB and more to one server go as a head, the server's go, and the values,
+    // which a summing store adds in straight from the transport (shared memory, in-process);
+    // a handler that does not sum in place (asynchronous SGD) gets them whole. Two workers of
+    // two threads each, pushing at once to keys new and old, on one and two servers: every
+    // value is added exactly once.
+    let shm = || Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default()));
+    let in_process = || Ok(Device::in_process());
+    let devices: [(&str, &(dyn Fn() -> Result<Device> + Sync)); 2] = [("shm", &shm), ("in-process", &in_process)];
+    let keys = [1u64, 5, 9, 40];
+    let lens = [200_000usize, 3, 150_000, 70_000];
+    let n: usize = lens.iter().sum();
+    const ROUNDS: usize = 3;
+    let grad = |w: usize, t: usize| -> Vec<f32> { (0..n).map(|i| (i % 89) as f32 + (w * 2 + t) as f32).collect() };
+    let total: Vec<f32> = (0..n).map(|i| (ROUNDS * (4 * (i % 89) + 6)) as f32).collect();
+    for (name, device) in devices {
+        for servers in [1, 2] {
+            for sgd in [false, true] {
+                let mut cfg = PsConfig::new(2, servers);
+                cfg.timeout = common::TIMEOUT;
+                let mut arrive: Vec<(Role, usize)> = (0..servers).map(|s| (Role::Server, s)).collect();
+                arrive.extend([(Role::Worker, 0), (Role::Worker, 1)]);
+                let r = threads(cfg, device, &arrive, |node| {
+                    if node.role() == Role::Server {
+                        if sgd {
+                            node.server(AsyncSgd::new(1.0))?.run()?;
+                        } else {
+                            node.server(SumStore::<f32>::default())?.run()?;
+                        }
+                        return Ok(true);
+                    }
+                    let w = node.worker::<f32>()?;
+                    std::thread::scope(|s| {
+                        let pushing: Vec<_> = (0..2)
+                            .map(|t| {
+                                let (w, g) = (&w, grad(w.id(), t));
+                                s.spawn(move || -> Result<()> {
+                                    (0..ROUNDS).try_for_each(|_| w.wait(w.push(&keys, &g, &lens)?).map(drop))
+                                })
+                            })
+                            .collect();
+                        pushing
+                            .into_iter()
+                            .try_for_each(|h| h.join().map_err(|_| Error::invalid("a pusher panicked"))?)
+                    })?;
+                    w.barrier()?;
+                    let mut back = vec![0f32; n];
+                    w.pull_into(&keys, &mut back)?;
+                    let want: Vec<f32> = total.iter().map(|&v| if sgd { -v } else { v }).collect();
+                    Ok(back == want)
+                });
+                let r = common::all_ok(r);
+                assert!(r.iter().all(|&ok| ok), "{name}, {servers} server(s), sgd {sgd}: sums differ");
+            }
+        }
     }
 }
 

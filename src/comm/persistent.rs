@@ -128,12 +128,20 @@ impl PersistentRecv {
     /// message, and the wait fails with [`Error::Timeout`]; the next wait posts a new one, so
     /// one stalled sender does not keep the others' messages out for longer than that.
     pub(crate) fn wait(&mut self, from: &[usize], deadline: Instant) -> Option<Result<Message>> {
+        self.wait_as(from, deadline, self.spin)
+    }
+
+    /// [`wait`](Self::wait), busy-waiting as `spin` says instead of as the receive was made
+    /// to (a caller that waits for its own answer spins as callers do; yielding, where ranks
+    /// share cores, whatever `spin` says).
+    pub(crate) fn wait_as(&mut self, from: &[usize], deadline: Instant, spin: BusyWait) -> Option<Result<Message>> {
         if let Err(e) = self.ensure_posted(from) {
             return Some(Err(e));
         }
         let posted = self.posted.as_ref()?;
         let own = posted.op.peers();
-        match Op::wait_for(&posted.op.done, &own, deadline, &self.shared, self.spin) {
+        let spin = BusyWait { yield_cpu: spin.yield_cpu || self.shared.spin.yield_cpu, ..spin };
+        match Op::wait_for(&posted.op.done, &own, deadline, &self.shared, spin) {
             Some(outcome) => Some(self.finished(outcome)),
             None => self.check_stall(),
         }

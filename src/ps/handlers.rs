@@ -117,6 +117,39 @@ impl<T: Element> Handler<T> for SumStore<T> {
             responder.respond(&r.meta, &[], &[], &[])
         }
     }
+
+    /// Keys it holds, each pushed with its length, are summed into where they are; a new key
+    /// or a push of another length goes through `handle` (which makes or refuses it).
+    fn fold_push(&mut self, _meta: &RequestMeta, keys: &[u64], lens: &[usize]) -> Option<Vec<&mut [T]>> {
+        // Where each key's values are, by place in the arena: split off one after the other.
+        let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(keys.len());
+        for (i, (k, &l)) in keys.iter().zip(lens).enumerate() {
+            let &(at, len) = self.index.get(k)?;
+            if len != l {
+                return None;
+            }
+            spans.push((at, len, i));
+        }
+        spans.sort_unstable_by_key(|s| s.0);
+        let mut out: Vec<Option<&mut [T]>> = (0..keys.len()).map(|_| None).collect();
+        let (mut rest, mut base) = (&mut self.values[..], 0usize);
+        for (at, len, i) in spans {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut_checked(at.checked_sub(base)?)?;
+            let (mine, tail) = tail.split_at_mut_checked(len)?;
+            out[i] = Some(mine);
+            (rest, base) = (tail, at + len);
+        }
+        out.into_iter().collect()
+    }
+
+    fn folded(&mut self, r: Request<'_, T>, responder: &Responder<T>) -> Result<()> {
+        if r.meta.pull {
+            let parts: Vec<&[T]> = r.keys.iter().map(|&k| self.get(k).unwrap_or(&[])).collect();
+            responder.respond_parts(&r.meta, &r.keys, &parts)
+        } else {
+            responder.respond(&r.meta, &[], &[], &[])
+        }
+    }
 }
 
 /// Synchronous SGD: the server collects one request from every live worker (a round), then

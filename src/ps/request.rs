@@ -88,13 +88,44 @@ pub(super) fn request_of<T: Element>(m: &mut Message, worker: usize) -> std::res
     }
 }
 
+/// The head of a push whose values follow on their own ([`Kind::PushHead`]), checked: its
+/// identity, keys and lengths and the values' size in bytes, or why it is refused (the size is
+/// then unknown).
+pub(super) type SplitPush = (RequestMeta, Vec<u64>, Vec<usize>, usize);
+
+/// What head `m` from worker `worker` announces ([`SplitPush`]), or why it is refused.
+pub(super) fn split_push_of<T: Element>(m: &mut Message, worker: usize) -> std::result::Result<SplitPush, Refusal> {
+    let meta = meta_of(m, worker);
+    let refuse = |reason: String| Refusal { meta, reason };
+    if m.dtype != T::DTYPE as u8 {
+        return Err(refuse(format!("this server holds {} values, the request has type code {}", T::DTYPE, m.dtype)));
+    }
+    if !m.payload().is_empty() || m.lens.len() != m.keys.len() {
+        return Err(refuse(format!(
+            "a push's head has no values and a length per key, this one has {} bytes of values, {} lengths \
+             and {} keys",
+            m.payload().len(),
+            m.lens.len(),
+            m.keys.len()
+        )));
+    }
+    let (keys, lens) = (std::mem::take(&mut m.keys), std::mem::take(&mut m.lens));
+    let n = lens.iter().try_fold(0usize, |a, &l| a.checked_add(l));
+    let bytes = n.and_then(|n| n.checked_mul(size_of::<T>())).filter(|&b| b <= super::wire::MAX_MESSAGE);
+    let Some(bytes) = bytes else {
+        return Err(refuse(format!("the lengths add up to more than a message of {} bytes", super::wire::MAX_MESSAGE)));
+    };
+    check_keys(if meta.pull { "push_pull" } else { "push" }, &keys, None).map_err(|e| refuse(e.to_string()))?;
+    Ok((meta, keys, lens, bytes))
+}
+
 fn meta_of(m: &Message, worker: usize) -> RequestMeta {
     RequestMeta {
         worker,
         cmd: m.cmd,
         timestamp: m.ts,
-        push: matches!(m.kind, Kind::Push | Kind::PushPull),
-        pull: matches!(m.kind, Kind::Pull | Kind::PushPull),
+        push: matches!(m.kind, Kind::Push | Kind::PushPull | Kind::PushHead | Kind::PushPullHead),
+        pull: matches!(m.kind, Kind::Pull | Kind::PushPull | Kind::PushPullHead),
         shard: m.shard as usize,
     }
 }

@@ -234,6 +234,29 @@ pub trait Handler<T: Element>: Send {
     /// in a pull) and refuses those that fail.
     fn handle(&mut self, request: Request<'_, T>, responder: &Responder<T>) -> Result<()>;
 
+    /// Where a large push's values are summed as they arrive, instead of being handed to
+    /// [`handle`](Self::handle) whole: for each key of the push, in its order, the slice its
+    /// values are added into (element by element, exactly the key's length), or `None` (this
+    /// default) to take the push through `handle`. A handler that gives slices gets the request,
+    /// without its values, in [`folded`](Self::folded) once they are all in.
+    ///
+    /// The server asks for pushes of at least 256 KiB to it, without replication, over a
+    /// transport that hands bytes over where they arrive (shared memory, in-process): the
+    /// values are summed straight from the transport's memory, in one pass. A push whose
+    /// worker dies while its values arrive stays summed in as far as it came (the worker then
+    /// counts as gone, [`worker_left`](Self::worker_left)).
+    fn fold_push(&mut self, meta: &RequestMeta, keys: &[u64], lens: &[usize]) -> Option<Vec<&mut [T]>> {
+        let _ = (meta, keys, lens);
+        None
+    }
+
+    /// A push whose values [`fold_push`](Self::fold_push) took is summed in: answer it as
+    /// [`handle`](Self::handle) would have (`request.values` is empty, `request.lens` holds the
+    /// keys' lengths). This default refuses it (a handler that folds nothing is never asked).
+    fn folded(&mut self, request: Request<'_, T>, responder: &Responder<T>) -> Result<()> {
+        responder.refuse(&request.meta, "this server's handler folds no pushes")
+    }
+
     /// Worker `worker` is gone (it said goodbye, its connection closed, or an answer to it
     /// could not be sent): a handler that waits for every worker (synchronous SGD) stops
     /// waiting for it.

@@ -4,11 +4,12 @@
 //! reached as gone, and meets workers that rejoin.
 
 use super::config::backup_of;
-use super::request::request_of;
+use super::fold::Folder;
+use super::request::{Request, SplitPush, request_of, split_push_of};
 use super::wire::{self, Kind, Message};
-use super::{Handler, Node, PS_RECEIVE, PS_TAG, REJOIN, Responder, SLICE};
+use super::{Handler, Node, PS_GO_TAG, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, REJOIN, Responder, SLICE};
 use crate::Context;
-use crate::comm::{PersistentRecv, QUIET, wait_any};
+use crate::comm::{PersistentRecv, wait_any};
 use crate::error::{Error, Result};
 use crate::types::Element;
 use std::collections::HashMap;
@@ -54,7 +55,7 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
         }
         let mut serving = Serving {
             links: vec![Link {
-                inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
+                inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, ctx.comm().spin(), PS_RECEIVE),
                 ctx,
                 workers: (0..workers).map(|w| (servers + w, w)).collect(),
                 ranks: Vec::new(),
@@ -202,6 +203,13 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
                         Kind::Push | Kind::Pull | Kind::PushPull => {
                             let served = self.serve_one(&mut m, w);
                             // The request's bytes, read: the next request is received into them.
+                            if let Some(link) = self.links.get(li) {
+                                link.ctx.comm().recycle(rank, std::mem::take(&mut m.values));
+                            }
+                            served
+                        }
+                        Kind::PushHead | Kind::PushPullHead => {
+                            let served = self.serve_split(&mut m, w, li, rank);
                             if let Some(link) = self.links.get(li) {
                                 link.ctx.comm().recycle(rank, std::mem::take(&mut m.values));
                             }
@@ -357,7 +365,7 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         self.dead.remove(&w);
         self.responder.route(w, ctx.clone(), rank);
         self.links.push(Link {
-            inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
+            inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, ctx.comm().spin(), PS_RECEIVE),
             ctx,
             workers: HashMap::from([(rank, w)]),
             ranks: Vec::new(),
@@ -367,6 +375,122 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
             r.worker_joined(w, &self.responder)?;
         }
         Ok(())
+    }
+
+    /// Serves a push whose values follow its head `m` ([`Kind::PushHead`]): says go, then
+    /// sums the values into the handler's store as they arrive where it takes them
+    /// ([`Handler::fold_push`]), else receives them and hands the request over as any other.
+    /// The values are taken whatever becomes of the request (the worker sends them after the
+    /// go in any case). A worker whose values do not come counts as gone.
+    fn serve_split(&mut self, m: &mut Message, worker: usize, li: usize, rank: usize) -> Result<()> {
+        let ctx = self.links[li].ctx.clone();
+        let head = split_push_of::<T>(m, worker);
+        if let Err(e) = ctx.send::<u8>(rank, PS_GO_TAG, &[]) {
+            tracing::debug!(server = self.node.id, worker, error = %e, "a go-ahead could not be sent");
+            return self.depart(worker, true);
+        }
+        let deadline = Instant::now() + self.node.cfg.timeout;
+        let (meta, keys, lens, bytes): SplitPush = match head {
+            Ok(h) => h,
+            Err(refusal) => {
+                // Of unknown length: taken whole, and dropped.
+                let got = ctx.comm().scope(|s| {
+                    s.irecv_bytes(&[rank], PS_VALUES_TAG, wire::MAX_MESSAGE)?
+                        .wait_timeout(deadline.saturating_duration_since(Instant::now()))
+                });
+                return match got {
+                    Ok((_, v)) => {
+                        ctx.comm().recycle(rank, v);
+                        self.responder.refuse(&refusal.meta, &refusal.reason)
+                    }
+                    Err(e) => self.values_lost(worker, &refusal.meta, e),
+                };
+            }
+        };
+        let me = self.node.id;
+        if meta.shard == me && ctx.sinks(rank) {
+            let want = lens.iter().sum::<usize>();
+            if let Some(dests) = self.handler.fold_push(&meta, &keys, &lens) {
+                let fits = dests.len() == lens.len() && dests.iter().zip(&lens).all(|(d, &l)| d.len() == l);
+                if !fits {
+                    drop(dests);
+                    let reason = "the handler's places for the push do not have its keys' lengths";
+                    tracing::warn!(server = me, worker, "{reason}");
+                    return self.take_values_then(worker, &meta, &ctx, rank, bytes, deadline, |this, _| {
+                        this.responder.refuse(&meta, reason)
+                    });
+                }
+                let mut folder = Folder::new(dests);
+                let got = ctx.recv_sink(rank, PS_VALUES_TAG, bytes, &mut |b: &[u8]| folder.feed(b), deadline);
+                let summed = folder.summed();
+                drop(folder);
+                return match got {
+                    Ok(()) if summed == want => {
+                        let request = Request { meta, keys, values: std::borrow::Cow::Borrowed(&[]), lens };
+                        self.handler.folded(request, &self.responder)
+                    }
+                    Ok(()) => {
+                        let reason = format!("the push's values summed {summed} of its {want} values");
+                        self.responder.refuse(&meta, &reason)
+                    }
+                    Err(e) => self.values_lost(worker, &meta, e),
+                };
+            }
+        }
+        self.take_values_then(worker, &meta, &ctx, rank, bytes, deadline, |this, values| {
+            let request = Request { meta, keys, values: crate::types::view_or_copy(values), lens };
+            let responder = &this.responder;
+            if meta.shard == me {
+                this.handler.handle(request, responder)
+            } else if let Some(replica) = this.replicas.get_mut(&meta.shard) {
+                replica.handle(request, responder)
+            } else {
+                responder.refuse(&meta, &format!("server {me} does not hold server {}'s keys", meta.shard))
+            }
+        })
+    }
+
+    /// Receives a split push's `bytes` of values from `rank` of `ctx` into a buffer (reused
+    /// for the next), then runs `then` on them.
+    #[allow(clippy::too_many_arguments)]
+    fn take_values_then(
+        &mut self,
+        worker: usize,
+        meta: &super::RequestMeta,
+        ctx: &Context,
+        rank: usize,
+        bytes: usize,
+        deadline: Instant,
+        then: impl FnOnce(&mut Self, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let got = ctx.comm().scope(|s| {
+            s.irecv_bytes(&[rank], PS_VALUES_TAG, bytes)?
+                .wait_timeout(deadline.saturating_duration_since(Instant::now()))
+        });
+        match got {
+            Ok((_, v)) if v.len() == bytes => {
+                let served = then(self, &v);
+                ctx.comm().recycle(rank, v);
+                served
+            }
+            Ok((_, v)) => {
+                let reason = format!("the push's head announced {bytes} bytes of values, {} came", v.len());
+                ctx.comm().recycle(rank, v);
+                self.responder.refuse(meta, &reason)
+            }
+            Err(e) => self.values_lost(worker, meta, e),
+        }
+    }
+
+    /// A split push's values did not come in (`e`): the worker's connection failed (it counts
+    /// as gone) or they were not what the head said (the request is refused).
+    fn values_lost(&mut self, worker: usize, meta: &super::RequestMeta, e: Error) -> Result<()> {
+        tracing::debug!(server = self.node.id, worker, error = %e, "a push's values did not come");
+        match e {
+            Error::Mismatch { detail, .. } => self.responder.refuse(meta, &format!("the push's values: {detail}")),
+            Error::Timeout { .. } => self.responder.refuse(meta, "the push's values did not come in time"),
+            _ => self.depart(worker, true),
+        }
     }
 
     /// Hands one request to the handler (or the backup copy it is for), or refuses it.

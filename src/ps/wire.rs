@@ -20,6 +20,14 @@ pub(crate) const GATHER_MOST: usize = 64;
 /// costs more than the copy it saves.
 pub(crate) const SPLIT_MIN: usize = 64 << 10;
 
+/// A push (or push-pull) with at least this many bytes of values for one server, over a pair
+/// that hands received bytes over where they arrive (shared memory, in-process), sends its head
+/// first, waits for the server's go, then sends the values as a message of their own
+/// ([`Kind::PushHead`]): the server sums them into its store straight from the transport (one
+/// pass, no buffer of the push's size) instead of receiving the whole message and summing it
+/// after. Below, the extra round trip costs more than the pass it saves.
+pub(crate) const PUSH_SPLIT_MIN: usize = 256 << 10;
+
 /// In place of the count of a message's lengths: every key has the length of the one word
 /// that follows (no count of a real list comes near it: a message holds at most
 /// [`MAX_MESSAGE`] bytes).
@@ -60,13 +68,39 @@ pub(crate) enum Kind {
     /// An answer whose values follow as a message of their own (on the values tag), so that
     /// a worker can receive them straight into its caller's buffer.
     ReplyHead = 8,
+    /// A push whose values follow as a message of their own (on the values tag) once the
+    /// server says go (on the go tag): the server sums them into its store as they arrive.
+    PushHead = 9,
+    /// The same for a push-pull.
+    PushPullHead = 10,
 }
 
 impl Kind {
     fn from_code(c: u8) -> Option<Kind> {
-        [Kind::Push, Kind::Pull, Kind::PushPull, Kind::Reply, Kind::Error, Kind::Bye, Kind::Heartbeat, Kind::ReplyHead]
-            .into_iter()
-            .find(|k| *k as u8 == c)
+        [
+            Kind::Push,
+            Kind::Pull,
+            Kind::PushPull,
+            Kind::Reply,
+            Kind::Error,
+            Kind::Bye,
+            Kind::Heartbeat,
+            Kind::ReplyHead,
+            Kind::PushHead,
+            Kind::PushPullHead,
+        ]
+        .into_iter()
+        .find(|k| *k as u8 == c)
+    }
+
+    /// The kind of a request's head when its values follow on their own
+    /// ([`PUSH_SPLIT_MIN`]); the request's own kind when it has no such head.
+    pub(crate) fn head(self) -> Kind {
+        match self {
+            Kind::Push => Kind::PushHead,
+            Kind::PushPull => Kind::PushPullHead,
+            other => other,
+        }
     }
 }
 

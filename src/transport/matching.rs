@@ -58,6 +58,9 @@ pub(crate) struct Delivery {
     filled: usize,
     /// The buffer of an owned receive, of the message's length.
     owned: Option<Vec<u8>>,
+    /// Where a backend that reads into [`Delivery::dst`] (not [`Delivery::put`]) writes the
+    /// bytes of a receive into a consumer (`RecvTarget::Sink`) before they are handed over.
+    bounce: Vec<u8>,
 }
 
 impl Delivery {
@@ -73,7 +76,7 @@ impl Delivery {
             }
             None => vec![0u8; len],
         });
-        Delivery { op, len, filled: 0, owned }
+        Delivery { op, len, filled: 0, owned, bounce: Vec::new() }
     }
 
     /// The completion of the receive.
@@ -97,13 +100,42 @@ impl Delivery {
                 // delivery was made).
                 unsafe { std::slice::from_raw_parts_mut(ptr.add(self.filled), self.len - self.filled) }
             }
-            (None, None) => &mut [],
+            (None, None) => {
+                // A consumer's: the bytes go through a buffer of their own (see `put`).
+                self.bounce.resize(self.len - self.filled, 0);
+                &mut self.bounce
+            }
         }
     }
 
     /// `n` more bytes were written into [`Delivery::dst`].
     pub(crate) fn advance(&mut self, n: usize) {
-        self.filled = (self.filled + n).min(self.len);
+        let n = n.min(self.len - self.filled);
+        if let RecvTarget::Sink(sink) = self.op.target
+            && n > 0
+        {
+            // SAFETY: this pair claimed the receive and has not completed it (a delivery
+            // exists only then), and it holds its lock while it writes.
+            unsafe { sink.feed(&self.bounce[..n.min(self.bounce.len())]) };
+            self.bounce.clear();
+        }
+        self.filled += n;
+    }
+
+    /// Writes the next bytes of the payload (at most [`remaining`](Self::remaining) of
+    /// `bytes`): copied into the receive's buffer, or handed to its consumer where they are.
+    pub(crate) fn put(&mut self, bytes: &[u8]) {
+        let n = bytes.len().min(self.remaining());
+        if let RecvTarget::Sink(sink) = self.op.target {
+            if n > 0 {
+                // SAFETY: as in `advance`.
+                unsafe { sink.feed(&bytes[..n]) };
+            }
+            self.filled += n;
+        } else {
+            self.dst()[..n].copy_from_slice(&bytes[..n]);
+            self.advance(n);
+        }
     }
 
     /// Whether the receive's buffer is one this delivery allocated (an owned receive), not the
@@ -453,9 +485,16 @@ impl Matcher {
             self.recycle(msg.data);
             return;
         };
-        match op.target.buf() {
-            None => op.done.complete_owned(self.peer, msg.data),
-            Some(buf) => {
+        match (op.target, op.target.buf()) {
+            (RecvTarget::Sink(sink), _) => {
+                // SAFETY: the receive is this pair's (claimed) until its completion, which
+                // follows; the message has the sink's length (checked above).
+                unsafe { sink.feed(&msg.data) };
+                op.done.complete(Ok(Done { peer: self.peer, len: msg.data.len() }));
+                self.recycle(msg.data);
+            }
+            (_, None) => op.done.complete_owned(self.peer, msg.data),
+            (_, Some(buf)) => {
                 // SAFETY: the receive buffer is lent to this pair until its completion, which
                 // follows; the message fits it (checked above).
                 unsafe { std::ptr::copy_nonoverlapping(msg.data.as_ptr(), buf.ptr, msg.data.len()) };

@@ -220,6 +220,53 @@ pub(crate) fn span<'a>(parts: &[&'a [u8]], from: usize, n: usize) -> impl Iterat
     })
 }
 
+/// A consumer of a message's bytes (see [`RecvTarget::Sink`]): the pair that claimed the
+/// receive hands it the message in order, in pieces as they arrive (a shared-memory fragment
+/// straight from the ring), so that the receiver can fold them into its own state instead of
+/// landing them in a buffer first.
+#[derive(Clone, Copy)]
+pub(crate) struct SinkRef {
+    f: *mut (dyn FnMut(&[u8]) + Send + 'static),
+    /// The message's exact length.
+    pub(crate) len: usize,
+}
+
+impl std::fmt::Debug for SinkRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SinkRef").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the consumer is `Send`; whoever posts the receive guarantees (as for `RecvBuf`) that
+// it outlives the operation and that nothing else calls it meanwhile, and the pair calls it
+// only under its lock, so it is called from one thread at a time.
+unsafe impl Send for SinkRef {}
+
+impl SinkRef {
+    /// A sink for a message of exactly `len` bytes.
+    ///
+    /// # Safety
+    /// `f` must stay valid, and must not be called by anyone else, until the receive it is
+    /// posted with is completed or [`Pair::cancel`] for it has returned on every pair.
+    pub(crate) unsafe fn new(f: &mut (dyn FnMut(&[u8]) + Send + '_), len: usize) -> Self {
+        let f: *mut (dyn FnMut(&[u8]) + Send + '_) = f;
+        // SAFETY: only the trait object's lifetime bound changes (the same fat pointer); the
+        // caller keeps it valid for as long as the pointer is used (this function's contract).
+        let f: *mut (dyn FnMut(&[u8]) + Send + 'static) = unsafe { std::mem::transmute(f) };
+        SinkRef { f, len }
+    }
+
+    /// Hands the next `bytes` of the message to the consumer.
+    ///
+    /// # Safety
+    /// Only by the pair that claimed the receive, under its lock, before completing it.
+    pub(crate) unsafe fn feed(&self, bytes: &[u8]) {
+        // SAFETY: valid and called by nobody else until the receive completes (`new`'s
+        // contract), and the pair calls it from one thread at a time (this call's).
+        unsafe { (*self.f)(bytes) }
+    }
+}
+
 /// Where a receive puts its message.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum RecvTarget {
@@ -230,6 +277,9 @@ pub(crate) enum RecvTarget {
     /// Into a buffer of the message's length that the backend allocates (at most `max` bytes)
     /// and hands over with the completion ([`Completion::take_payload`]).
     Owned { max: usize },
+    /// Handed, in order and in pieces as it arrives, to this consumer; the message must have
+    /// exactly its length. Only on a pair that [`sinks`](Pair::sinks).
+    Sink(SinkRef),
 }
 
 impl RecvTarget {
@@ -237,7 +287,7 @@ impl RecvTarget {
     pub(crate) fn buf(&self) -> Option<RecvBuf> {
         match *self {
             RecvTarget::Exact(b) | RecvTarget::Upto(b) => Some(b),
-            RecvTarget::Owned { .. } => None,
+            RecvTarget::Owned { .. } | RecvTarget::Sink(_) => None,
         }
     }
 
@@ -252,6 +302,9 @@ impl RecvTarget {
             }
             RecvTarget::Owned { max } if len > max as u64 => {
                 Some(format!("a message of {len} bytes where the receive takes at most {max}"))
+            }
+            RecvTarget::Sink(s) if len != s.len as u64 => {
+                Some(format!("a message of {len} bytes where the receive takes exactly {}", s.len))
             }
             _ => None,
         }
@@ -294,6 +347,12 @@ pub(crate) trait Pair: Send + Sync {
             [one] => unsafe { self.post_send(key, desc, *one, done) },
             _ => Err(Error::invalid("this transport does not send a message from several buffers")),
         }
+    }
+
+    /// Whether a receive may hand its message to a consumer piece by piece
+    /// ([`RecvTarget::Sink`]; this default: it may not, and such a receive is refused).
+    fn sinks(&self) -> bool {
+        false
     }
 
     /// Queues a receive of the next message with `key` into `target`. Several pairs may be given

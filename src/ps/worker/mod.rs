@@ -10,7 +10,7 @@ use super::node::barrier;
 use super::pending::{Answers, Callback, Pending, issued_push, server_gone, timestamp_of};
 use super::request::check_keys;
 use super::wire::{self, Kind, Message};
-use super::{Node, PS_RECEIVE, PS_TAG, PsConfig, Reply, SLICE, Timestamp};
+use super::{Node, PS_GO_TAG, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, PsConfig, Reply, SLICE, Timestamp};
 use crate::Context;
 use crate::comm::{Interrupter, PersistentRecv, QUIET};
 use crate::error::{Error, Result};
@@ -40,6 +40,10 @@ struct WorkerShared<T> {
     scratch: Mutex<Vec<u8>>,
     /// Where a message's parts are gathered for a transport that sends from one buffer only.
     gathered: Mutex<Vec<u8>>,
+    /// Held, per server, from a split push's head to its values (see [`wire::PUSH_SPLIT_MIN`]):
+    /// a server's go is for the oldest head it read, so one thread's values must not answer
+    /// another's go.
+    splitting: Vec<Mutex<()>>,
     /// Pushes whose failure was handed out (to `wait` or a callback): waiting for one again is
     /// an error, not the empty success of an acknowledged push.
     spent_failures: Mutex<HashSet<Timestamp>>,
@@ -67,6 +71,33 @@ struct WorkerShared<T> {
 
 /// A callback with its request's outcome: the request, what it was, the callback, the outcome.
 type ReadyCallback<T> = (Timestamp, &'static str, Callback<T>, Result<Answers<T>>);
+
+/// Keeps a message's buffers for the next (the larger of each).
+fn keep<T>(sh: &WorkerShared<T>, bytes: Vec<u8>, gathered: Vec<u8>) {
+    for (slot, buf) in [(&sh.scratch, bytes), (&sh.gathered, gathered)] {
+        let mut slot = lock(slot);
+        if slot.capacity() < buf.capacity() {
+            *slot = buf;
+        }
+    }
+}
+
+/// Sends a push's `head` ([`Kind::PushHead`]) to server `s`, waits for its go-ahead, and sends
+/// the values `runs` (gathered into `gathered` first when there are many).
+fn split_push<T>(sh: &WorkerShared<T>, s: usize, head: &[u8], runs: &[&[u8]], gathered: &mut Vec<u8>) -> Result<()> {
+    let _one_at_a_time = lock(&sh.splitting[s]);
+    sh.ctx.send(s, PS_TAG, head)?;
+    sh.ctx.recv::<u8>(s, PS_GO_TAG, &mut [])?;
+    if runs.len() > wire::GATHER_MOST {
+        let mut joined = std::mem::take(gathered);
+        joined.clear();
+        runs.iter().for_each(|r| joined.extend_from_slice(r));
+        let sent = sh.ctx.send(s, PS_VALUES_TAG, &joined);
+        *gathered = joined;
+        return sent;
+    }
+    sh.ctx.send_parts(s, PS_VALUES_TAG, runs, gathered)
+}
 
 impl<T> WorkerShared<T> {
     /// The server a shard's parts wait for now: its backup once it is gone (with replication).
@@ -102,6 +133,7 @@ impl<T: Element> KvWorker<T> {
             heard: Mutex::new(vec![Instant::now(); node.cfg.servers]),
             scratch: Mutex::new(Vec::new()),
             gathered: Mutex::new(Vec::new()),
+            splitting: (0..node.cfg.servers).map(|_| Mutex::new(())).collect(),
             spent_failures: Mutex::new(HashSet::default()),
             stop: AtomicBool::new(false),
             interrupter: inbox.interrupter(),
@@ -238,8 +270,13 @@ impl<T: Element> KvWorker<T> {
         for (s, idx) in parts {
             let ks: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
             let ls: Vec<usize> = if kind == Kind::Pull { Vec::new() } else { idx.iter().map(|&i| lens[i]).collect() };
+            // The values go straight from the caller's slice into the message.
+            let extra =
+                if kind == Kind::Pull { 0 } else { idx.iter().map(|&i| lens[i]).sum::<usize>() * size_of::<T>() };
+            // Large values for a server that sums them as they arrive go after its go-ahead.
+            let split = kind != Kind::Pull && !replicate && extra >= wire::PUSH_SPLIT_MIN && sh.ctx.sinks(s);
             let msg = Message {
-                kind,
+                kind: if split { kind.head() } else { kind },
                 cmd,
                 ts,
                 shard: s as u32,
@@ -249,11 +286,8 @@ impl<T: Element> KvWorker<T> {
                 at: 0,
                 dtype: T::DTYPE as u8,
             };
-            // The values go straight from the caller's slice into the message.
-            let extra =
-                if kind == Kind::Pull { 0 } else { idx.iter().map(|&i| lens[i]).sum::<usize>() * size_of::<T>() };
             let mut bytes = std::mem::take(&mut *lock(&sh.scratch));
-            msg.encode_head_into(&mut bytes, extra);
+            msg.encode_head_into(&mut bytes, if split { 0 } else { extra });
             // The values go from the caller's slice, in runs of keys whose values follow
             // one another there.
             let mut runs: Vec<(usize, usize)> = Vec::with_capacity(idx.len().min(wire::GATHER_MOST + 1));
@@ -269,6 +303,14 @@ impl<T: Element> KvWorker<T> {
             let mut gathered = std::mem::take(&mut *lock(&sh.gathered));
             let all: &[u8] = bytemuck::cast_slice(values);
             let runs: Vec<&[u8]> = runs.iter().map(|&(a, b)| &all[a..b]).collect();
+            if split {
+                if let Err(e) = split_push(sh, s, &bytes, &runs, &mut gathered) {
+                    failed.push((s, e));
+                }
+                drop(runs);
+                keep(sh, bytes, gathered);
+                continue;
+            }
             let message = Message::parts(&mut bytes, &runs);
             let primary_gone = closed.contains_key(&s);
             let b = backup_of(s, servers);
@@ -287,12 +329,7 @@ impl<T: Element> KvWorker<T> {
                 let _ = sh.ctx.send_parts(b, PS_TAG, &message, &mut gathered);
             }
             drop(message);
-            for (slot, buf) in [(&sh.scratch, bytes), (&sh.gathered, gathered)] {
-                let mut slot = lock(slot);
-                if slot.capacity() < buf.capacity() {
-                    *slot = buf;
-                }
-            }
+            keep(sh, bytes, gathered);
         }
         for (s, e) in failed {
             fail_server(sh, s, e);

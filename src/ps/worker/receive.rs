@@ -228,7 +228,10 @@ pub(super) fn receive_one<T: Element>(
             sh.waiting.load(Ordering::SeqCst) == 0 && !sh.stop.load(Ordering::SeqCst)
         })
     } else {
-        inbox.wait(&live, until)
+        // A caller waiting for its answer busy-waits as any caller does (long enough to
+        // outlast the server's wake-up, where a background thread's short spin would sleep
+        // before every answer).
+        inbox.wait_as(&live, until, sh.ctx.comm().spin())
     };
     match got {
         Some(Ok((server, bytes))) => {

@@ -207,8 +207,7 @@ impl Dir {
         let src = unsafe { std::slice::from_raw_parts(w.buf.ptr, w.buf.len) };
         match self.matcher.incoming(w.header) {
             Dispatch::Deliver(mut d) => {
-                d.dst().copy_from_slice(src);
-                d.advance(src.len());
+                d.put(src);
                 d.finish(self.from);
             }
             Dispatch::Early(mut early) => {
@@ -335,6 +334,10 @@ struct Loopback {
 }
 
 impl Pair for Loopback {
+    fn sinks(&self) -> bool {
+        true
+    }
+
     fn peer(&self) -> usize {
         self.rank
     }
@@ -370,6 +373,10 @@ struct MemoryPair {
 }
 
 impl Pair for MemoryPair {
+    fn sinks(&self) -> bool {
+        true
+    }
+
     fn peer(&self) -> usize {
         self.link.other(self.me)
     }

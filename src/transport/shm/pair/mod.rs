@@ -284,6 +284,10 @@ impl Pair for ShmPair {
         true
     }
 
+    fn sinks(&self) -> bool {
+        true
+    }
+
     unsafe fn post_send_parts(&self, key: Key, desc: OpDesc, parts: &[SendBuf], done: &Arc<Completion>) -> Result<()> {
         // SAFETY: as this call's.
         unsafe { self.queue_send(key, desc, parts.iter().copied().collect(), done) }

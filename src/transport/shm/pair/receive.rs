@@ -44,9 +44,7 @@ impl ShmPair {
                     let bytes = unsafe { std::slice::from_raw_parts(src, n) };
                     let done = match &mut g.rx_state {
                         Rx::Payload(d) => {
-                            let n = n.min(d.remaining());
-                            d.dst()[..n].copy_from_slice(&bytes[..n]);
-                            d.advance(n);
+                            d.put(bytes);
                             d.is_full()
                         }
                         Rx::Early(e) => {
@@ -88,8 +86,7 @@ impl ShmPair {
                                 // SAFETY: a published record of the ring, ours until consumed.
                                 let src =
                                     unsafe { std::slice::from_raw_parts(g.inbound.data_at(r.off + HDR, len), len) };
-                                d.dst().copy_from_slice(src);
-                                d.advance(len);
+                                d.put(src);
                                 g.rx.consume(r);
                                 d.finish(self.peer);
                             }
