@@ -343,6 +343,19 @@ impl Context {
         self.comm.pair(peer).is_ok_and(|p| p.sinks())
     }
 
+    /// Messages with `tag` from any peer that arrive before their receive wait in the
+    /// transport until it is posted (nothing after them on that pair is read meanwhile),
+    /// instead of being copied aside, on the pairs that can ([`sinks`](Self::sinks)): for a
+    /// message whose receive is always posted right after the one before it is read.
+    pub(crate) fn hold_until_posted(&self, tag: u32) {
+        let key = self.comm.p2p_key(tag);
+        for peer in 0..self.size() {
+            if let Ok(p) = self.comm.pair(peer) {
+                p.hold_until_posted(key);
+            }
+        }
+    }
+
     /// Receives the next message from `peer` with `tag`, of exactly `len` bytes, handing its
     /// bytes to `sink` in order, in pieces as they arrive (no buffer of the message's length:
     /// the receiver folds them into its own state), until `deadline`. A message of another

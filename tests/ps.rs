@@ -490,14 +490,13 @@ fn malformed_requests_are_refused_and_the_server_goes_on() {
     assert_eq!((a[5].0, a[6].0), (4, 4), "{a:?}");
 }
 
-/// The tags of a push's values and of the server's go for them (src/ps/mod.rs).
+/// The tag of a push's values that follow its head (src/ps/mod.rs).
 const PS_VALUES_TAG: u32 = 0x5053_0002;
-const PS_GO_TAG: u32 = 0x5053_0003;
 
 #[test]
 fn a_push_head_that_is_malformed_or_whose_values_do_not_fit_is_refused_and_the_server_goes_on() {
-    // A push whose values follow its head (kind 9): the server says go whatever the head is,
-    // takes what comes, and refuses what does not hold together.
+    // A push whose values follow its head (kind 9): the server takes the next message on the
+    // values' tag whatever the head is, and refuses what does not hold together.
     let r = members(2, |i, store| {
         if i == 0 {
             let node = Node::connect(&**store, &Device::in_process(), Role::Server, 0, PsConfig::new(1, 1))?;
@@ -507,7 +506,6 @@ fn a_push_head_that_is_malformed_or_whose_values_do_not_fit_is_refused_and_the_s
         let ctx = bare_worker(store, 1, 1, 0)?;
         let split = |head: Vec<u8>, values: &[u8]| -> Result<(u8, String)> {
             ctx.send(0, PS_TAG, &head)?;
-            ctx.recv::<u8>(0, PS_GO_TAG, &mut [])?;
             ctx.send(0, PS_VALUES_TAG, values)?;
             let answer = ctx.recv_bytes(0, PS_TAG, 1 << 20)?;
             let kind = answer.first().copied().unwrap_or(0);
@@ -966,6 +964,9 @@ fn large_pushes_from_several_threads_are_summed_whole_as_they_arrive() {
     const ROUNDS: usize = 3;
     let grad = |w: usize, t: usize| -> Vec<f32> { (0..n).map(|i| (i % 89) as f32 + (w * 2 + t) as f32).collect() };
     let total: Vec<f32> = (0..n).map(|i| (ROUNDS * (4 * (i % 89) + 6)) as f32).collect();
+    // A third thread per worker pushes small values to a key of its own meanwhile: its
+    // messages go between the large pushes', never between a head and its values.
+    const SMALL: usize = 300;
     for (name, device) in devices {
         for servers in [1, 2] {
             for sgd in [false, true] {
@@ -984,7 +985,7 @@ fn large_pushes_from_several_threads_are_summed_whole_as_they_arrive() {
                     }
                     let w = node.worker::<f32>()?;
                     std::thread::scope(|s| {
-                        let pushing: Vec<_> = (0..2)
+                        let mut pushing: Vec<_> = (0..2)
                             .map(|t| {
                                 let (w, g) = (&w, grad(w.id(), t));
                                 s.spawn(move || -> Result<()> {
@@ -992,6 +993,10 @@ fn large_pushes_from_several_threads_are_summed_whole_as_they_arrive() {
                                 })
                             })
                             .collect();
+                        let w = &w;
+                        pushing.push(s.spawn(move || -> Result<()> {
+                            (0..SMALL).try_for_each(|_| w.wait(w.push(&[77], &[1.0; 10], &[10])?).map(drop))
+                        }));
                         pushing
                             .into_iter()
                             .try_for_each(|h| h.join().map_err(|_| Error::invalid("a pusher panicked"))?)
@@ -1000,7 +1005,10 @@ fn large_pushes_from_several_threads_are_summed_whole_as_they_arrive() {
                     let mut back = vec![0f32; n];
                     w.pull_into(&keys, &mut back)?;
                     let want: Vec<f32> = total.iter().map(|&v| if sgd { -v } else { v }).collect();
-                    Ok(back == want)
+                    let mut small = [0f32; 10];
+                    w.pull_into(&[77], &mut small)?;
+                    let small_want = if sgd { -2.0 * SMALL as f32 } else { 2.0 * SMALL as f32 };
+                    Ok(back == want && small.iter().all(|&v| v == small_want))
                 });
                 let r = common::all_ok(r);
                 assert!(r.iter().all(|&ok| ok), "{name}, {servers} server(s), sgd {sgd}: sums differ");

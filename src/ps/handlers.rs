@@ -130,7 +130,8 @@ impl<T: Element> Handler<T> for SumStore<T> {
             }
             spans.push((at, len, i));
         }
-        spans.sort_unstable_by_key(|s| s.0);
+        // By place, an empty key (which may share its place with the next) first.
+        spans.sort_unstable_by_key(|s| (s.0, s.1));
         let mut out: Vec<Option<&mut [T]>> = (0..keys.len()).map(|_| None).collect();
         let (mut rest, mut base) = (&mut self.values[..], 0usize);
         for (at, len, i) in spans {

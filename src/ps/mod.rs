@@ -94,8 +94,6 @@ const PS_TAG: u32 = 0x5053_0001;
 /// The tag of the values that follow an answer's head ([`wire::Kind::ReplyHead`]), and a push's
 /// ([`wire::Kind::PushHead`]).
 const PS_VALUES_TAG: u32 = 0x5053_0002;
-/// The tag of a server's go for the values of a push's head (an empty message).
-const PS_GO_TAG: u32 = 0x5053_0003;
 /// The parameter server's receives, as errors name them.
 const PS_RECEIVE: &str = "parameter-server receive";
 /// How often the receiving threads look at deadlines and stop flags.

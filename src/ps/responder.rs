@@ -242,9 +242,11 @@ pub trait Handler<T: Element>: Send {
     ///
     /// The server asks for pushes of at least 256 KiB to it, without replication, over a
     /// transport that hands bytes over where they arrive (shared memory, in-process): the
-    /// values are summed straight from the transport's memory, in one pass. A push whose
-    /// worker dies while its values arrive stays summed in as far as it came (the worker then
-    /// counts as gone, [`worker_left`](Self::worker_left)).
+    /// values are summed straight from the transport's memory, in one pass (with shared
+    /// memory's single copy switched on, a message read from the sender's memory passes
+    /// through a buffer of its size first). A push whose worker dies while its values arrive
+    /// stays summed in as far as it came (the worker then counts as gone,
+    /// [`worker_left`](Self::worker_left)).
     fn fold_push(&mut self, meta: &RequestMeta, keys: &[u64], lens: &[usize]) -> Option<Vec<&mut [T]>> {
         let _ = (meta, keys, lens);
         None

@@ -7,9 +7,9 @@ use super::config::backup_of;
 use super::fold::Folder;
 use super::request::{Request, SplitPush, request_of, split_push_of};
 use super::wire::{self, Kind, Message};
-use super::{Handler, Node, PS_GO_TAG, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, REJOIN, Responder, SLICE};
+use super::{Handler, Node, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, REJOIN, Responder, SLICE};
 use crate::Context;
-use crate::comm::{PersistentRecv, wait_any};
+use crate::comm::{PersistentRecv, QUIET, wait_any};
 use crate::error::{Error, Result};
 use crate::types::Element;
 use std::collections::HashMap;
@@ -53,9 +53,12 @@ impl<T: Element, H: Handler<T> + Clone> KvServer<T, H> {
             let backed = (0..servers).filter(|&s| s != self.node.id && backup_of(s, servers) == self.node.id);
             replicas.extend(backed.map(|s| (s, self.handler.clone())));
         }
+        // A push's values wait in the transport for the receive the server posts once it has
+        // read their head (no copy aside).
+        ctx.hold_until_posted(PS_VALUES_TAG);
         let mut serving = Serving {
             links: vec![Link {
-                inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, ctx.comm().spin(), PS_RECEIVE),
+                inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
                 ctx,
                 workers: (0..workers).map(|w| (servers + w, w)).collect(),
                 ranks: Vec::new(),
@@ -110,6 +113,8 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         let mut last_look = Instant::now();
         let heartbeat = Message::control(Kind::Heartbeat).encode();
         let mut turn = 0usize;
+        let ctx_spin = self.node.ctx.comm().spin();
+        let mut hot = false;
         while self.links.iter().any(|l| !l.workers.is_empty()) || !self.dead.is_empty() || !self.rejoining.is_empty() {
             if let Some(b) = beat
                 && last_beat.elapsed() >= b
@@ -141,7 +146,14 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
                     link.ranks = link.workers.keys().copied().collect();
                     link.ranks.sort_unstable();
                 }
-                if let Some(got) = link.inbox.wait(&link.ranks, Instant::now() + slice) {
+                // Right after a request, the next is waited for as a caller waits for its
+                // answer (long enough to outlast a worker's wake-up; with both sides on a
+                // background thread's short spin, each slept just before the other's message
+                // came, 111 µs per 4 KiB request instead of 2.6); idle, briefly.
+                let spin = if hot { ctx_spin } else { QUIET };
+                hot = false;
+                if let Some(got) = link.inbox.wait_as(&link.ranks, Instant::now() + slice, spin) {
+                    hot = true;
                     self.take(0, got)?;
                 }
                 self.settle()?;
@@ -364,8 +376,9 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         let rank = self.node.cfg.servers;
         self.dead.remove(&w);
         self.responder.route(w, ctx.clone(), rank);
+        ctx.hold_until_posted(PS_VALUES_TAG);
         self.links.push(Link {
-            inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, ctx.comm().spin(), PS_RECEIVE),
+            inbox: ctx.comm().persistent_recv(PS_TAG, wire::MAX_MESSAGE, QUIET, PS_RECEIVE),
             ctx,
             workers: HashMap::from([(rank, w)]),
             ranks: Vec::new(),
@@ -377,18 +390,15 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         Ok(())
     }
 
-    /// Serves a push whose values follow its head `m` ([`Kind::PushHead`]): says go, then
-    /// sums the values into the handler's store as they arrive where it takes them
+    /// Serves a push whose values follow its head `m` ([`Kind::PushHead`]) as the worker's next
+    /// message (the transport holds them until received, `Context::hold_until_posted`): sums
+    /// them into the handler's store as they arrive where it takes them
     /// ([`Handler::fold_push`]), else receives them and hands the request over as any other.
-    /// The values are taken whatever becomes of the request (the worker sends them after the
-    /// go in any case). A worker whose values do not come counts as gone.
+    /// The values are taken whatever becomes of the request. A worker whose values do not come
+    /// counts as gone (its messages are out of step).
     fn serve_split(&mut self, m: &mut Message, worker: usize, li: usize, rank: usize) -> Result<()> {
         let ctx = self.links[li].ctx.clone();
         let head = split_push_of::<T>(m, worker);
-        if let Err(e) = ctx.send::<u8>(rank, PS_GO_TAG, &[]) {
-            tracing::debug!(server = self.node.id, worker, error = %e, "a go-ahead could not be sent");
-            return self.depart(worker, true);
-        }
         let deadline = Instant::now() + self.node.cfg.timeout;
         let (meta, keys, lens, bytes): SplitPush = match head {
             Ok(h) => h,
@@ -422,16 +432,12 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
                 }
                 let mut folder = Folder::new(dests);
                 let got = ctx.recv_sink(rank, PS_VALUES_TAG, bytes, &mut |b: &[u8]| folder.feed(b), deadline);
-                let summed = folder.summed();
+                debug_assert!(got.is_err() || folder.summed() == want, "a whole message sums every value");
                 drop(folder);
                 return match got {
-                    Ok(()) if summed == want => {
+                    Ok(()) => {
                         let request = Request { meta, keys, values: std::borrow::Cow::Borrowed(&[]), lens };
                         self.handler.folded(request, &self.responder)
-                    }
-                    Ok(()) => {
-                        let reason = format!("the push's values summed {summed} of its {want} values");
-                        self.responder.refuse(&meta, &reason)
                     }
                     Err(e) => self.values_lost(worker, &meta, e),
                 };
@@ -482,14 +488,17 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         }
     }
 
-    /// A split push's values did not come in (`e`): the worker's connection failed (it counts
-    /// as gone) or they were not what the head said (the request is refused).
+    /// A split push's values did not come in (`e`): not of the head's length (taken and
+    /// dropped: the request is refused), or not at all (the worker's connection failed, or
+    /// they did not come by the deadline: its later messages would be out of step, so it
+    /// counts as gone).
     fn values_lost(&mut self, worker: usize, meta: &super::RequestMeta, e: Error) -> Result<()> {
-        tracing::debug!(server = self.node.id, worker, error = %e, "a push's values did not come");
         match e {
             Error::Mismatch { detail, .. } => self.responder.refuse(meta, &format!("the push's values: {detail}")),
-            Error::Timeout { .. } => self.responder.refuse(meta, "the push's values did not come in time"),
-            _ => self.depart(worker, true),
+            e => {
+                tracing::warn!(server = self.node.id, worker, error = %e, "a push's values did not come; the worker counts as gone");
+                self.depart(worker, true)
+            }
         }
     }
 

@@ -21,11 +21,12 @@ pub(crate) const GATHER_MOST: usize = 64;
 pub(crate) const SPLIT_MIN: usize = 64 << 10;
 
 /// A push (or push-pull) with at least this many bytes of values for one server, over a pair
-/// that hands received bytes over where they arrive (shared memory, in-process), sends its head
-/// first, waits for the server's go, then sends the values as a message of their own
-/// ([`Kind::PushHead`]): the server sums them into its store straight from the transport (one
-/// pass, no buffer of the push's size) instead of receiving the whole message and summing it
-/// after. Below, the extra round trip costs more than the pass it saves.
+/// that hands received bytes over where they arrive (shared memory, in-process), sends its head,
+/// then the values as a message of their own ([`Kind::PushHead`]), which the transport holds
+/// until the server, having read the head, receives them: the server sums them into its store
+/// straight from the transport (one pass, no buffer of the push's size) instead of receiving
+/// the whole message and summing it after. Below, the second message costs more than the pass
+/// it saves.
 pub(crate) const PUSH_SPLIT_MIN: usize = 256 << 10;
 
 /// In place of the count of a message's lengths: every key has the length of the one word
@@ -68,8 +69,8 @@ pub(crate) enum Kind {
     /// An answer whose values follow as a message of their own (on the values tag), so that
     /// a worker can receive them straight into its caller's buffer.
     ReplyHead = 8,
-    /// A push whose values follow as a message of their own (on the values tag) once the
-    /// server says go (on the go tag): the server sums them into its store as they arrive.
+    /// A push whose values follow as a message of their own (on the values tag): the server
+    /// receives them next, summing them into its store as they arrive.
     PushHead = 9,
     /// The same for a push-pull.
     PushPullHead = 10,

@@ -228,6 +228,9 @@ pub(crate) struct Matcher {
     peer: usize,
     budget: usize,
     posted: VecDeque<RecvOp>,
+    /// Keys whose messages are never taken early: they wait in the transport until their
+    /// receive is posted ([`Matcher::hold`]).
+    held: Vec<Key>,
     early: VecDeque<Early>,
     /// Bytes of the budget taken: complete early messages and one being read, each with
     /// [`EARLY_OVERHEAD`].
@@ -249,6 +252,7 @@ impl Matcher {
             posted: VecDeque::new(),
             early: VecDeque::new(),
             early_bytes: 0,
+            held: Vec::new(),
             spare: Vec::new(),
             closed: None,
             aborted: Vec::new(),
@@ -355,12 +359,26 @@ impl Matcher {
                 return Dispatch::Discard;
             }
         }
+        if self.held.contains(&h.key) {
+            return Dispatch::Stall;
+        }
         match usize::try_from(h.len) {
             Ok(len) if cost(len) <= self.budget.saturating_sub(self.early_bytes) => {
                 self.early_bytes += cost(len);
                 Dispatch::Early(EarlyRx { header: h, data: self.early_buffer(len) })
             }
             _ => Dispatch::Stall,
+        }
+    }
+
+    /// Messages with `key` that come before their receive wait where they are (the pair reads
+    /// nothing after them) until it is posted, instead of being copied into an early buffer:
+    /// for a message whose receiver posts its receive as soon as it has read the one before
+    /// (a parameter-server push's values after its head), so that it lands where the receive
+    /// says (or is handed to its consumer) with no copy in between.
+    pub(crate) fn hold(&mut self, key: Key) {
+        if !self.held.contains(&key) {
+            self.held.push(key);
         }
     }
 
@@ -545,7 +563,7 @@ fn fail(op: &RecvOp, err: Error) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::{Completion, RecvBuf, SEQUENCED};
+    use crate::transport::{Completion, RecvBuf, SEQUENCED, SinkRef};
     use crate::types::Call;
     use proptest::prelude::*;
 
@@ -631,6 +649,27 @@ mod tests {
         let (op, _done) = recv(key(1), &mut a);
         m.post(op).unwrap(); // takes the early one, frees the budget
         assert!(matches!(m.incoming(header(key(1), 6)), Dispatch::Early(_)));
+    }
+
+    #[test]
+    fn a_held_key_waits_for_its_receive_with_budget_to_spare_and_others_go_early() {
+        let mut m = Matcher::new(0, 1, 1 << 20);
+        m.hold(key(7));
+        assert!(matches!(m.incoming(header(key(7), 6)), Dispatch::Stall), "held, not copied aside");
+        assert!(matches!(m.incoming(header(key(8), 6)), Dispatch::Early(_)), "another key goes early");
+        let mut got = Vec::new();
+        let mut sink = |b: &[u8]| got.extend_from_slice(b);
+        let done = Completion::new();
+        // SAFETY: `sink` outlives the receive, which completes below.
+        let target = RecvTarget::Sink(unsafe { SinkRef::new(&mut sink, 6) });
+        m.post(RecvOp { key: key(7), desc: OpDesc::P2P, target, done: done.clone() }).unwrap();
+        let Dispatch::Deliver(mut d) = m.incoming(header(key(7), 6)) else { panic!("not delivered") };
+        d.put(b"abc");
+        d.put(b"defXYZ");
+        assert!(d.is_full());
+        d.finish(1);
+        assert_eq!(done.outcome().unwrap().unwrap(), Done { peer: 1, len: 6 });
+        assert_eq!(got, b"abcdef", "handed over in order, no more than the message");
     }
 
     #[test]

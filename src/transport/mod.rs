@@ -355,6 +355,13 @@ pub(crate) trait Pair: Send + Sync {
         false
     }
 
+    /// Messages with `key` that come before their receive wait in the transport (nothing after
+    /// them is read) until it is posted, instead of being copied aside (see
+    /// `Matcher::hold`); where [`sinks`](Self::sinks) says so (this default does nothing).
+    fn hold_until_posted(&self, key: Key) {
+        let _ = key;
+    }
+
     /// Queues a receive of the next message with `key` into `target`. Several pairs may be given
     /// the same `done` (receive from any of several peers, [`Completion::is_shared`]): the
     /// first message to claim it wins, and a pair writes into the buffer only once it has

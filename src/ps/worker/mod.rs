@@ -10,7 +10,7 @@ use super::node::barrier;
 use super::pending::{Answers, Callback, Pending, issued_push, server_gone, timestamp_of};
 use super::request::check_keys;
 use super::wire::{self, Kind, Message};
-use super::{Node, PS_GO_TAG, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, PsConfig, Reply, SLICE, Timestamp};
+use super::{Node, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, PsConfig, Reply, SLICE, Timestamp};
 use crate::Context;
 use crate::comm::{Interrupter, PersistentRecv, QUIET};
 use crate::error::{Error, Result};
@@ -40,10 +40,11 @@ struct WorkerShared<T> {
     scratch: Mutex<Vec<u8>>,
     /// Where a message's parts are gathered for a transport that sends from one buffer only.
     gathered: Mutex<Vec<u8>>,
-    /// Held, per server, from a split push's head to its values (see [`wire::PUSH_SPLIT_MIN`]):
-    /// a server's go is for the oldest head it read, so one thread's values must not answer
-    /// another's go.
-    splitting: Vec<Mutex<()>>,
+    /// Held, per server, while a message goes to it: a split push's head and its values (see
+    /// [`wire::PUSH_SPLIT_MIN`]) go one right after the other, with no other thread's message
+    /// between them (the server receives the values next, and the transport holds them until
+    /// it does).
+    sending: Vec<Mutex<()>>,
     /// Pushes whose failure was handed out (to `wait` or a callback): waiting for one again is
     /// an error, not the empty success of an acknowledged push.
     spent_failures: Mutex<HashSet<Timestamp>>,
@@ -82,12 +83,11 @@ fn keep<T>(sh: &WorkerShared<T>, bytes: Vec<u8>, gathered: Vec<u8>) {
     }
 }
 
-/// Sends a push's `head` ([`Kind::PushHead`]) to server `s`, waits for its go-ahead, and sends
-/// the values `runs` (gathered into `gathered` first when there are many).
+/// Sends a push's `head` ([`Kind::PushHead`]) to server `s`, then the values `runs` (gathered
+/// into `gathered` first when there are many) as a message of their own, with nothing between.
 fn split_push<T>(sh: &WorkerShared<T>, s: usize, head: &[u8], runs: &[&[u8]], gathered: &mut Vec<u8>) -> Result<()> {
-    let _one_at_a_time = lock(&sh.splitting[s]);
+    let _one_at_a_time = lock(&sh.sending[s]);
     sh.ctx.send(s, PS_TAG, head)?;
-    sh.ctx.recv::<u8>(s, PS_GO_TAG, &mut [])?;
     if runs.len() > wire::GATHER_MOST {
         let mut joined = std::mem::take(gathered);
         joined.clear();
@@ -133,7 +133,7 @@ impl<T: Element> KvWorker<T> {
             heard: Mutex::new(vec![Instant::now(); node.cfg.servers]),
             scratch: Mutex::new(Vec::new()),
             gathered: Mutex::new(Vec::new()),
-            splitting: (0..node.cfg.servers).map(|_| Mutex::new(())).collect(),
+            sending: (0..node.cfg.servers).map(|_| Mutex::new(())).collect(),
             spent_failures: Mutex::new(HashSet::default()),
             stop: AtomicBool::new(false),
             interrupter: inbox.interrupter(),
@@ -321,8 +321,11 @@ impl<T: Element> KvWorker<T> {
             {
                 p.pulls.insert(s, message.concat());
             }
-            if !primary_gone && let Err(e) = sh.ctx.send_parts(s, PS_TAG, &message, &mut gathered) {
-                failed.push((s, e));
+            if !primary_gone {
+                let _between_no_head_and_its_values = lock(&sh.sending[s]);
+                if let Err(e) = sh.ctx.send_parts(s, PS_TAG, &message, &mut gathered) {
+                    failed.push((s, e));
+                }
             }
             // The backup gets every push (to keep its copy) and what its dead primary would.
             if replicate && (primary_gone || kind != Kind::Pull) && !closed.contains_key(&b) {

@@ -338,6 +338,10 @@ impl Pair for Loopback {
         true
     }
 
+    fn hold_until_posted(&self, key: Key) {
+        lock(&self.dir).matcher.hold(key);
+    }
+
     fn peer(&self) -> usize {
         self.rank
     }
@@ -375,6 +379,10 @@ struct MemoryPair {
 impl Pair for MemoryPair {
     fn sinks(&self) -> bool {
         true
+    }
+
+    fn hold_until_posted(&self, key: Key) {
+        lock(&self.link.dirs)[self.link.side(self.me)].matcher.hold(key);
     }
 
     fn peer(&self) -> usize {

@@ -288,6 +288,10 @@ impl Pair for ShmPair {
         true
     }
 
+    fn hold_until_posted(&self, key: Key) {
+        self.lock().matcher.hold(key);
+    }
+
     unsafe fn post_send_parts(&self, key: Key, desc: OpDesc, parts: &[SendBuf], done: &Arc<Completion>) -> Result<()> {
         // SAFETY: as this call's.
         unsafe { self.queue_send(key, desc, parts.iter().copied().collect(), done) }
