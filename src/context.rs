@@ -337,6 +337,40 @@ impl Context {
         })
     }
 
+    /// Sends several messages at once, each `(peer, tag, parts)` made of its parts one after
+    /// the other ([`send_parts`](Self::send_parts)), and waits for all of them: a large message
+    /// to one peer does not wait for another's to be taken (the waits drive every pair).
+    /// Messages to one peer arrive in their order here. Returns each message's outcome.
+    pub(crate) fn send_all(&self, messages: &[(usize, u32, &[&[u8]])]) -> Vec<Result<()>> {
+        // Gathered first (one buffer each) where the pair writes from one buffer only.
+        let gathered: Vec<Option<Vec<u8>>> = messages
+            .iter()
+            .map(|(peer, _, parts)| {
+                let gathers = self.comm.pair(*peer).is_ok_and(|p| p.gathers());
+                (parts.len() > 1 && !gathers).then(|| parts.concat())
+            })
+            .collect();
+        let deadline = Instant::now() + self.comm.timeout();
+        let n = messages.len();
+        let outcome = self.scope(|s| {
+            let posted: Vec<Result<usize>> = messages
+                .iter()
+                .zip(&gathered)
+                .map(|((peer, tag, parts), joined)| {
+                    let bufs: SmallVec<[SendBuf; 8]> = match joined {
+                        Some(j) => smallvec::smallvec![SendBuf::from_slice(j)],
+                        None => parts.iter().map(|p| SendBuf::from_slice(p)).collect(),
+                    };
+                    // SAFETY: the parts (and the gathered copies) are borrowed for the whole
+                    // scope, which finishes or cancels every send before it ends (Comm::scope).
+                    unsafe { s.isend_parts_raw(*peer, self.comm.p2p_key(*tag), OpDesc::P2P, &bufs, "send") }
+                })
+                .collect();
+            Ok(posted.into_iter().map(|p| p.and_then(|idx| s.wait_deadline(idx, deadline).map(drop))).collect())
+        });
+        outcome.unwrap_or_else(|e| (0..n).map(|_| Err(e.clone())).collect())
+    }
+
     /// Whether [`recv_sink`](Self::recv_sink) from `peer` hands the message over where it
     /// arrives (shared memory: from the ring; in-process: from the sender's buffer).
     pub(crate) fn sinks(&self, peer: usize) -> bool {
@@ -524,6 +558,49 @@ mod tests {
                 r.join().expect("a rank panicked").expect("a rank failed");
             }
         });
+    }
+
+    /// Several messages sent at once, large ones to two peers (neither waits for the other's
+    /// to be taken), two to one peer on one tag arriving in their order, on every transport.
+    #[test]
+    fn messages_sent_at_once_arrive_whole_and_in_order_per_peer_on_every_transport() {
+        let devices = [
+            Device::shared_memory(&ShmAttr::default()),
+            Device::loopback().expect("a TCP device on loopback"),
+            Device::in_process(),
+        ];
+        let bytes = |n: usize, seed: usize| -> Vec<u8> { (0..n).map(|j| (j * 7 + seed) as u8).collect() };
+        for device in &devices {
+            let store = HashStore::new();
+            std::thread::scope(|s| {
+                let ranks: Vec<_> = (0..3)
+                    .map(|rank| {
+                        let store = &store;
+                        s.spawn(move || -> Result<()> {
+                            let ctx =
+                                Context::builder(rank, 3).timeout(Duration::from_secs(20)).connect(store, device)?;
+                            let name = device.backend().name();
+                            let (a, b, c, d) = (bytes(3 << 20, 1), bytes(100, 2), bytes(2 << 20, 3), bytes(5, 4));
+                            if rank == 0 {
+                                let first: [&[u8]; 2] = [&a, &b];
+                                let (second, third): ([&[u8]; 1], [&[u8]; 2]) = ([&c], [&d, &b]);
+                                let sent = ctx.send_all(&[(1, 9, &first), (2, 9, &second), (1, 9, &third)]);
+                                assert!(sent.iter().all(Result::is_ok), "{name}: {sent:?}");
+                            } else if rank == 1 {
+                                assert!(ctx.recv_bytes(0, 9, 8 << 20)? == [a, b.clone()].concat(), "{name}: first");
+                                assert!(ctx.recv_bytes(0, 9, 8 << 20)? == [d, b].concat(), "{name}: third");
+                            } else {
+                                assert!(ctx.recv_bytes(0, 9, 8 << 20)? == c, "{name}: second");
+                            }
+                            ctx.barrier()
+                        })
+                    })
+                    .collect();
+                for r in ranks {
+                    r.join().expect("a rank panicked").expect("a rank failed");
+                }
+            });
+        }
     }
 
     /// One message from several buffers: part boundaries inside shared-memory fragments and

@@ -20,6 +20,7 @@ use receive::{
     Received, Waiter, fail_server, receive_one, receive_replies, run_callback, sleep_on_done, spend, try_lock,
 };
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -37,7 +38,7 @@ struct WorkerShared<T> {
     /// When each server was last heard from.
     heard: Mutex<Vec<Instant>>,
     /// A message buffer to reuse (large fresh buffers cost their page faults every time).
-    scratch: Mutex<Vec<u8>>,
+    scratch: Mutex<Vec<Vec<u8>>>,
     /// Where a message's parts are gathered for a transport that sends from one buffer only.
     gathered: Mutex<Vec<u8>>,
     /// Held, per server, while a message goes to it: a split push's head and its values (see
@@ -73,31 +74,8 @@ struct WorkerShared<T> {
 /// A callback with its request's outcome: the request, what it was, the callback, the outcome.
 type ReadyCallback<T> = (Timestamp, &'static str, Callback<T>, Result<Answers<T>>);
 
-/// Keeps a message's buffers for the next (the larger of each).
-fn keep<T>(sh: &WorkerShared<T>, bytes: Vec<u8>, gathered: Vec<u8>) {
-    for (slot, buf) in [(&sh.scratch, bytes), (&sh.gathered, gathered)] {
-        let mut slot = lock(slot);
-        if slot.capacity() < buf.capacity() {
-            *slot = buf;
-        }
-    }
-}
-
-/// Sends a push's `head` ([`Kind::PushHead`]) to server `s`, then the values `runs` (gathered
-/// into `gathered` first when there are many) as a message of their own, with nothing between.
-fn split_push<T>(sh: &WorkerShared<T>, s: usize, head: &[u8], runs: &[&[u8]], gathered: &mut Vec<u8>) -> Result<()> {
-    let _one_at_a_time = lock(&sh.sending[s]);
-    sh.ctx.send(s, PS_TAG, head)?;
-    if runs.len() > wire::GATHER_MOST {
-        let mut joined = std::mem::take(gathered);
-        joined.clear();
-        runs.iter().for_each(|r| joined.extend_from_slice(r));
-        let sent = sh.ctx.send(s, PS_VALUES_TAG, &joined);
-        *gathered = joined;
-        return sent;
-    }
-    sh.ctx.send_parts(s, PS_VALUES_TAG, runs, gathered)
-}
+/// A message to send: the server, the tag, and its parts.
+type Outgoing<'a> = (usize, u32, SmallVec<[&'a [u8]; 8]>);
 
 impl<T> WorkerShared<T> {
     /// The server a shard's parts wait for now: its backup once it is gone (with replication).
@@ -267,13 +245,22 @@ impl<T: Element> KvWorker<T> {
             sh.idle.notify_one();
         }
         let mut failed: Vec<(usize, Error)> = Vec::new();
-        for (s, idx) in parts {
+        let all: &[u8] = bytemuck::cast_slice(values);
+        // Each server's message: its head, and the runs of the caller's values it carries (keys
+        // whose values follow one another there), by server.
+        let mut order: Vec<(usize, Vec<usize>)> = parts.into_iter().collect();
+        order.sort_unstable_by_key(|(s, _)| *s);
+        let mut pool = std::mem::take(&mut *lock(&sh.scratch));
+        let mut heads: Vec<Vec<u8>> = Vec::with_capacity(order.len());
+        let mut outs: Vec<(usize, bool, Vec<&[u8]>)> = Vec::with_capacity(order.len());
+        for (s, idx) in &order {
+            let s = *s;
             let ks: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
             let ls: Vec<usize> = if kind == Kind::Pull { Vec::new() } else { idx.iter().map(|&i| lens[i]).collect() };
-            // The values go straight from the caller's slice into the message.
             let extra =
                 if kind == Kind::Pull { 0 } else { idx.iter().map(|&i| lens[i]).sum::<usize>() * size_of::<T>() };
-            // Large values for a server that sums them as they arrive go after its go-ahead.
+            // Large values for a server that sums them as they arrive follow their head as a
+            // message of their own.
             let split = kind != Kind::Pull && !replicate && extra >= wire::PUSH_SPLIT_MIN && sh.ctx.sinks(s);
             let msg = Message {
                 kind: if split { kind.head() } else { kind },
@@ -286,54 +273,83 @@ impl<T: Element> KvWorker<T> {
                 at: 0,
                 dtype: T::DTYPE as u8,
             };
-            let mut bytes = std::mem::take(&mut *lock(&sh.scratch));
+            let mut bytes = pool.pop().unwrap_or_default();
             msg.encode_head_into(&mut bytes, if split { 0 } else { extra });
-            // The values go from the caller's slice, in runs of keys whose values follow
-            // one another there.
-            let mut runs: Vec<(usize, usize)> = Vec::with_capacity(idx.len().min(wire::GATHER_MOST + 1));
+            let mut runs: Vec<&[u8]> = Vec::with_capacity(idx.len().min(wire::GATHER_MOST + 1));
             if kind != Kind::Pull {
-                for &i in &idx {
+                for &i in idx {
                     let (from, to) = (offsets[i] * size_of::<T>(), (offsets[i] + lens[i]) * size_of::<T>());
                     match runs.last_mut() {
-                        Some(last) if last.1 == from => last.1 = to,
-                        _ => runs.push((from, to)),
+                        Some(last) if last.as_ptr_range().end == all[from..].as_ptr() => {
+                            *last = &all[from - last.len()..to];
+                        }
+                        _ => runs.push(&all[from..to]),
                     }
                 }
             }
-            let mut gathered = std::mem::take(&mut *lock(&sh.gathered));
-            let all: &[u8] = bytemuck::cast_slice(values);
-            let runs: Vec<&[u8]> = runs.iter().map(|&(a, b)| &all[a..b]).collect();
-            if split {
-                if let Err(e) = split_push(sh, s, &bytes, &runs, &mut gathered) {
-                    failed.push((s, e));
-                }
-                drop(runs);
-                keep(sh, bytes, gathered);
-                continue;
-            }
-            let message = Message::parts(&mut bytes, &runs);
-            let primary_gone = closed.contains_key(&s);
-            let b = backup_of(s, servers);
-            if replicate
-                && kind == Kind::Pull
-                && !primary_gone
-                && let Some(p) = lock(&sh.pending).get_mut(&ts)
-            {
-                p.pulls.insert(s, message.concat());
-            }
-            if !primary_gone {
-                let _between_no_head_and_its_values = lock(&sh.sending[s]);
-                if let Err(e) = sh.ctx.send_parts(s, PS_TAG, &message, &mut gathered) {
-                    failed.push((s, e));
-                }
-            }
-            // The backup gets every push (to keep its copy) and what its dead primary would.
-            if replicate && (primary_gone || kind != Kind::Pull) && !closed.contains_key(&b) {
-                let _ = sh.ctx.send_parts(b, PS_TAG, &message, &mut gathered);
-            }
-            drop(message);
-            keep(sh, bytes, gathered);
+            heads.push(bytes);
+            outs.push((s, split, runs));
         }
+        if replicate {
+            let mut gathered = std::mem::take(&mut *lock(&sh.gathered));
+            for ((s, _, runs), head) in outs.iter().zip(heads.iter_mut()) {
+                let s = *s;
+                let message = Message::parts(head, runs);
+                let primary_gone = closed.contains_key(&s);
+                let b = backup_of(s, servers);
+                if kind == Kind::Pull
+                    && !primary_gone
+                    && let Some(p) = lock(&sh.pending).get_mut(&ts)
+                {
+                    p.pulls.insert(s, message.concat());
+                }
+                if !primary_gone && let Err(e) = sh.ctx.send_parts(s, PS_TAG, &message, &mut gathered) {
+                    failed.push((s, e));
+                }
+                // The backup gets every push (to keep its copy) and what its dead primary would.
+                if (primary_gone || kind != Kind::Pull) && !closed.contains_key(&b) {
+                    let _ = sh.ctx.send_parts(b, PS_TAG, &message, &mut gathered);
+                }
+            }
+            let mut slot = lock(&sh.gathered);
+            if slot.capacity() < gathered.capacity() {
+                *slot = gathered;
+            }
+        } else {
+            // Every server's message at once (a server does not wait for another's to be
+            // taken), with nothing of another thread's between a head and its values.
+            let _sending: Vec<_> = outs.iter().map(|(s, _, _)| lock(&sh.sending[*s])).collect();
+            let joined: Vec<Option<Vec<u8>>> = outs
+                .iter()
+                .map(|(_, split, runs)| (*split && runs.len() > wire::GATHER_MOST).then(|| runs.concat()))
+                .collect();
+            let mut messages: Vec<Outgoing<'_>> = Vec::with_capacity(2 * outs.len());
+            for (((s, split, runs), head), joined) in outs.iter().zip(heads.iter_mut()).zip(&joined) {
+                if *split {
+                    messages.push((*s, PS_TAG, smallvec::smallvec![&head[..]]));
+                    let values = match joined {
+                        Some(j) => smallvec::smallvec![&j[..]],
+                        None => runs.iter().copied().collect(),
+                    };
+                    messages.push((*s, PS_VALUES_TAG, values));
+                } else {
+                    messages.push((*s, PS_TAG, Message::parts(head, runs)));
+                }
+            }
+            let list: Vec<(usize, u32, &[&[u8]])> = messages.iter().map(|(s, t, p)| (*s, *t, &p[..])).collect();
+            for ((s, _, _), sent) in list.iter().zip(sh.ctx.send_all(&list)) {
+                if let Err(e) = sent
+                    && !failed.iter().any(|(f, _)| f == s)
+                {
+                    failed.push((*s, e));
+                }
+            }
+        }
+        drop(outs);
+        // A few heads kept for the next requests (a fresh large buffer faults its pages in).
+        pool.extend(heads);
+        pool.truncate(4);
+        *lock(&sh.scratch) = pool;
         for (s, e) in failed {
             fail_server(sh, s, e);
         }
