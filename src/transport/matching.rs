@@ -85,11 +85,13 @@ impl Delivery {
     }
 
     /// Payload bytes still to come.
+    #[inline]
     pub(crate) fn remaining(&self) -> usize {
         self.len - self.filled
     }
 
     /// Where the rest of the payload goes (`remaining()` bytes).
+    #[inline]
     pub(crate) fn dst(&mut self) -> &mut [u8] {
         match (&mut self.owned, self.op.target.buf()) {
             (Some(v), _) => &mut v[self.filled..],
@@ -109,6 +111,7 @@ impl Delivery {
     }
 
     /// `n` more bytes were written into [`Delivery::dst`].
+    #[inline]
     pub(crate) fn advance(&mut self, n: usize) {
         let n = n.min(self.len - self.filled);
         if let RecvTarget::Sink(sink) = self.op.target
@@ -124,6 +127,7 @@ impl Delivery {
 
     /// Writes the next bytes of the payload (at most [`remaining`](Self::remaining) of
     /// `bytes`): copied into the receive's buffer, or handed to its consumer where they are.
+    #[inline]
     pub(crate) fn put(&mut self, bytes: &[u8]) {
         let n = bytes.len().min(self.remaining());
         if let RecvTarget::Sink(sink) = self.op.target {
@@ -146,6 +150,7 @@ impl Delivery {
     }
 
     /// Whether the whole payload is in.
+    #[inline]
     pub(crate) fn is_full(&self) -> bool {
         self.filled == self.len
     }

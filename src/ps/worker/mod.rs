@@ -74,6 +74,10 @@ struct WorkerShared<T> {
 /// A callback with its request's outcome: the request, what it was, the callback, the outcome.
 type ReadyCallback<T> = (Timestamp, &'static str, Callback<T>, Result<Answers<T>>);
 
+/// A request's part for one server: the server, whether its values follow its head as a
+/// message of their own, and the runs of values it carries.
+type Part<'a> = (usize, bool, Vec<&'a [u8]>);
+
 /// A message to send: the server, the tag, and its parts.
 type Outgoing<'a> = (usize, u32, SmallVec<[&'a [u8]; 8]>);
 
@@ -248,11 +252,11 @@ impl<T: Element> KvWorker<T> {
         let all: &[u8] = bytemuck::cast_slice(values);
         // Each server's message: its head, and the runs of the caller's values it carries (keys
         // whose values follow one another there), by server.
-        let mut order: Vec<(usize, Vec<usize>)> = parts.into_iter().collect();
+        let mut order: SmallVec<[(usize, Vec<usize>); 4]> = parts.into_iter().collect();
         order.sort_unstable_by_key(|(s, _)| *s);
         let mut pool = std::mem::take(&mut *lock(&sh.scratch));
-        let mut heads: Vec<Vec<u8>> = Vec::with_capacity(order.len());
-        let mut outs: Vec<(usize, bool, Vec<&[u8]>)> = Vec::with_capacity(order.len());
+        let mut heads: SmallVec<[Vec<u8>; 4]> = SmallVec::with_capacity(order.len());
+        let mut outs: SmallVec<[Part<'_>; 4]> = SmallVec::with_capacity(order.len());
         for (s, idx) in &order {
             let s = *s;
             let ks: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
@@ -315,6 +319,14 @@ impl<T: Element> KvWorker<T> {
             if slot.capacity() < gathered.capacity() {
                 *slot = gathered;
             }
+        } else if let ([(s, false, runs)], [head]) = (&outs[..], &mut heads[..]) {
+            // One message: sent as it is (no lists to build for it).
+            let _sending = lock(&sh.sending[*s]);
+            let mut gathered = std::mem::take(&mut *lock(&sh.gathered));
+            if let Err(e) = sh.ctx.send_parts(*s, PS_TAG, &Message::parts(head, runs), &mut gathered) {
+                failed.push((*s, e));
+            }
+            *lock(&sh.gathered) = gathered;
         } else {
             // Every server's message at once (a server does not wait for another's to be
             // taken), with nothing of another thread's between a head and its values.
