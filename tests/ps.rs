@@ -912,13 +912,17 @@ fn a_wait_receives_its_own_answer_while_a_callback_holds_the_receiving_thread() 
 fn large_answers_arrive_whole_into_the_callers_buffer_a_reply_and_a_callback() {
     // Answers of 64 KiB and more come as a head and a message of values, which a caller
     // waiting with its buffer receives there when it is the request's only answer (one
-    // server), and into a buffer of their own otherwise (two servers, `wait`, a callback).
-    for servers in [1, 2] {
+    // server) or, on shared memory, when the request is a push-pull (each answer scattered to
+    // its keys' places), and into a buffer of their own otherwise (`wait`, a callback).
+    let shm = || Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default()));
+    let loopback = || Device::loopback();
+    let devices: [&(dyn Fn() -> Result<Device> + Sync); 2] = [&loopback, &shm];
+    for (servers, device) in [1, 2].into_iter().flat_map(|s| devices.iter().map(move |d| (s, *d))) {
         let mut cfg = PsConfig::new(1, servers);
         cfg.timeout = common::TIMEOUT;
         let mut arrive: Vec<(Role, usize)> = (0..servers).map(|s| (Role::Server, s)).collect();
         arrive.push((Role::Worker, 0));
-        let r = threads(cfg, &|| Device::loopback(), &arrive, |node| {
+        let r = threads(cfg, device, &arrive, |node| {
             if node.role() == Role::Server {
                 node.server(SumStore::<f32>::default())?.run()?;
                 return Ok(());

@@ -8,9 +8,11 @@ use crate::types::{Element, Reduction};
 /// buffer on the stack of this many values first).
 const UNALIGNED_STEP: usize = 256;
 
-/// Sums a stream of values, in bytes, into one slice per key, key after key.
+/// Sums (or copies) a stream of values, in bytes, into one slice per key, key after key.
 pub(super) struct Folder<'a, T> {
     dests: Vec<&'a mut [T]>,
+    /// Values are copied into the slices instead of summed.
+    copy: bool,
     /// The key whose values come next, and how many of them came already.
     key: usize,
     at: usize,
@@ -24,9 +26,15 @@ pub(super) struct Folder<'a, T> {
 impl<'a, T: Element> Folder<'a, T> {
     /// A folder into `dests`, one slice per key in the order their values come.
     pub(super) fn new(dests: Vec<&'a mut [T]>) -> Self {
-        let mut f = Folder { dests, key: 0, at: 0, carry: [0; 16], carried: 0, summed: 0 };
+        let mut f = Folder { dests, copy: false, key: 0, at: 0, carry: [0; 16], carried: 0, summed: 0 };
         f.skip_empty();
         f
+    }
+
+    /// A folder that copies the values into `dests` (an answer scattered into a caller's
+    /// buffer) instead of summing them.
+    pub(super) fn copying(dests: Vec<&'a mut [T]>) -> Self {
+        Folder { copy: true, ..Self::new(dests) }
     }
 
     /// Values summed in so far.
@@ -75,7 +83,11 @@ impl<'a, T: Element> Folder<'a, T> {
         while !values.is_empty() {
             let Some(dest) = self.dests.get_mut(self.key) else { return };
             let n = (dest.len() - self.at).min(values.len());
-            T::fold(Reduction::Sum, &mut dest[self.at..self.at + n], &values[..n]);
+            if self.copy {
+                dest[self.at..self.at + n].copy_from_slice(&values[..n]);
+            } else {
+                T::fold(Reduction::Sum, &mut dest[self.at..self.at + n], &values[..n]);
+            }
             values = &values[n..];
             self.at += n;
             self.summed += n;
@@ -158,6 +170,21 @@ mod tests {
             check::<i64>(&lens, seed, &cuts, skew, |i| i as i64 - 500);
             check::<u16>(&lens, seed, &cuts, skew, |i| (i % 100) as u16);
         }
+    }
+
+    #[test]
+    fn a_copying_folder_scatters_values_over_its_slices() {
+        let mut buf = [9u16; 7];
+        let (a, rest) = buf.split_at_mut(2);
+        let (_, b) = rest.split_at_mut(2);
+        let mut f = Folder::copying(vec![a, b]);
+        let values: [u16; 5] = [1, 2, 3, 4, 5];
+        let bytes: &[u8] = bytemuck::cast_slice(&values);
+        f.feed(&bytes[..3]);
+        f.feed(&bytes[3..]);
+        assert_eq!(f.summed(), 5);
+        drop(f);
+        assert_eq!(buf, [1, 2, 9, 9, 3, 4, 5]);
     }
 
     #[test]

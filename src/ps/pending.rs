@@ -62,9 +62,11 @@ pub(super) struct Answers<T> {
     /// Where each key's values are: which message, at which value.
     from: Vec<(usize, usize)>,
     messages: Vec<Message>,
-    /// Where the values were received straight into the waiting caller's buffer (its
-    /// address), not into the messages.
+    /// Where values were received straight into the waiting caller's buffer (its address),
+    /// not into the messages: those of the messages marked in `in_place`.
     placed: Option<usize>,
+    /// Per message: its values went into the caller's buffer (its payload is empty).
+    in_place: Vec<bool>,
     _values: PhantomData<fn() -> T>,
 }
 
@@ -77,6 +79,7 @@ impl<T: Element> Answers<T> {
             from: Vec::new(),
             messages: Vec::new(),
             placed: None,
+            in_place: Vec::new(),
             _values: PhantomData,
         }
     }
@@ -84,6 +87,10 @@ impl<T: Element> Answers<T> {
     /// The values of every key, in key order.
     fn runs(&self) -> impl Iterator<Item = Cow<'_, [T]>> {
         self.lens.iter().zip(&self.from).map(|(&l, &(a, at))| {
+            if self.in_place.get(a).copied().unwrap_or(false) {
+                // Of the length the run has in the caller's buffer, never read from here.
+                return Cow::Owned(vec![T::zeroed(); l]);
+            }
             let payload = self.messages.get(a).map_or(&[][..], |m| m.payload());
             let bytes = size_of::<T>();
             crate::types::view_or_copy(payload.get(at * bytes..(at + l) * bytes).unwrap_or(&[]))
@@ -138,12 +145,14 @@ impl<T: Element> Answers<T> {
             )));
         }
         self.check_placed(Some(out.as_ptr()), what)?;
-        if self.placed.is_none() {
-            let mut at = 0;
-            for run in self.runs() {
-                out[at..at + run.len()].copy_from_slice(&run);
-                at += run.len();
+        // Keys whose values are in place already are stepped over.
+        let mut at = 0;
+        for (run, &(a, _)) in self.runs().zip(&self.from) {
+            let len = run.len();
+            if !self.in_place.get(a).copied().unwrap_or(false) {
+                out[at..at + len].copy_from_slice(&run);
             }
+            at += len;
         }
         Ok(self.lens.clone())
     }
@@ -157,10 +166,14 @@ pub(super) struct Pending<T> {
     pub(super) keys: Vec<u64>,
     /// Per server: the positions (in `keys`) of the keys sent to it; `None` once answered.
     pub(super) parts: HashMap<usize, Vec<usize>>,
-    /// The answers so far: the key positions each covers, and the message.
-    answers: Vec<(Vec<usize>, Message)>,
-    /// Where the only answer's values were received into the waiting caller's buffer.
+    /// The answers so far: the key positions each covers, the message, and whether its values
+    /// were received into the waiting caller's buffer.
+    answers: Vec<(Vec<usize>, Message, bool)>,
+    /// Where answers' values were received into the waiting caller's buffer.
     placed: Option<usize>,
+    /// Each key's number of values where the request says them (a push-pull's), so that an
+    /// answer's place in the caller's buffer is known before the other answers come.
+    pub(super) lens: Option<Vec<usize>>,
     pub(super) wants_values: bool,
     pub(super) deadline: Instant,
     pub(super) what: &'static str,
@@ -244,6 +257,7 @@ impl<T: Element> Pending<T> {
             parts,
             answers: Vec::new(),
             placed: None,
+            lens: None,
             wants_values,
             deadline,
             what,
@@ -266,8 +280,31 @@ impl<T: Element> Pending<T> {
             && self.parts.contains_key(&shard)
     }
 
+    /// Where `shard`'s answer goes in the waiting caller's buffer, as (offset, length) in values
+    /// per key of its part, when the request knows every key's length (a push-pull's), is still
+    /// open with values to come, and nobody but a waiting caller takes it: its values may then
+    /// be received there as they arrive, whatever the other answers.
+    /// `room`: the caller's buffer's length, which must be the request's number of values.
+    pub(super) fn place_of(&self, shard: usize, room: usize) -> Option<Vec<(usize, usize)>> {
+        if self.outcome.is_some() || self.callback.is_some() || !self.wants_values {
+            return None;
+        }
+        let (lens, idx) = (self.lens.as_ref()?, self.parts.get(&shard)?);
+        if lens.iter().try_fold(0usize, |a, &l| a.checked_add(l)) != Some(room) {
+            return None;
+        }
+        let mut offsets = Vec::with_capacity(lens.len());
+        let mut at = 0usize;
+        for &l in lens {
+            offsets.push(at);
+            at = at.checked_add(l)?;
+        }
+        idx.iter().map(|&i| Some((*offsets.get(i)?, *lens.get(i)?))).collect()
+    }
+
     /// [`take_answer`](Self::take_answer) for an answer whose `bytes` of values were received
-    /// into the waiting caller's buffer at `at` (see [`only_part`](Self::only_part)).
+    /// into the waiting caller's buffer at `at` (see [`only_part`](Self::only_part) and
+    /// [`place_of`](Self::place_of)).
     pub(super) fn take_placed(
         &mut self,
         shard: usize,
@@ -275,7 +312,9 @@ impl<T: Element> Pending<T> {
         at: usize,
         bytes: usize,
     ) -> Option<Result<Answers<T>>> {
-        if !self.only_part(shard) {
+        let elsewhere = self.placed.is_some_and(|p| p != at);
+        let placeable = self.lens.is_some() && self.parts.contains_key(&shard) && self.callback.is_none();
+        if elsewhere || !(self.only_part(shard) || placeable) {
             // A callback given meanwhile (or a second wait): nobody else may take these.
             return Some(Err(Error::invalid(format!(
                 "a {}'s values went into the buffer of a thread waiting for it, and another took it",
@@ -284,7 +323,7 @@ impl<T: Element> Pending<T> {
         }
         self.placed = Some(at);
         let outcome = self.take(shard, m, Some(bytes));
-        if outcome.as_ref().is_none_or(Result::is_err) {
+        if outcome.as_ref().is_some_and(Result::is_err) {
             self.placed = None;
         }
         outcome
@@ -324,7 +363,7 @@ impl<T: Element> Pending<T> {
                     detail: format!("server {server} answered the {} with other keys or lengths", self.what),
                 }))
             } else {
-                self.answers.push((idx, m));
+                self.answers.push((idx, m, placed.is_some()));
                 None
             }
         } else {
@@ -344,7 +383,9 @@ impl<T: Element> Pending<T> {
         let mut lens = vec![0usize; n];
         let mut from = vec![(0usize, 0usize); n];
         let mut messages = Vec::with_capacity(answers.len());
-        for (a, (idx, m)) in answers.into_iter().enumerate() {
+        let mut in_place = Vec::with_capacity(answers.len());
+        for (a, (idx, m, placed)) in answers.into_iter().enumerate() {
+            in_place.push(placed);
             let mut at = 0;
             for (&i, &l) in idx.iter().zip(&m.lens) {
                 if let (Some(len), Some(f)) = (lens.get_mut(i), from.get_mut(i)) {
@@ -355,7 +396,8 @@ impl<T: Element> Pending<T> {
             }
             messages.push(m);
         }
-        Answers { keys: self.keys.clone(), lens, from, messages, placed: self.placed, _values: PhantomData }
+        let placed = self.placed.filter(|_| in_place.contains(&true));
+        Answers { keys: self.keys.clone(), lens, from, messages, placed, in_place, _values: PhantomData }
     }
 
     /// `server` is gone (`cause`; `closed` says which servers are, `server` among them): what
@@ -455,6 +497,35 @@ mod tests {
             at: 0,
         };
         Message::decode(m.encode(), shard).expect("an answer we encoded decodes")
+    }
+
+    #[test]
+    fn a_push_pulls_answers_have_places_known_ahead_and_one_in_place_is_stepped_over() {
+        // Keys 1..4 of lengths 2, 1, 0, 2 (the push's), server 0 holding 1 and 3.
+        let mut p = pull(&[1, 2, 3, 4], &[(0, &[0, 2]), (1, &[1, 3])]);
+        assert_eq!(p.place_of(1, 5), None, "a pull's lengths are not known ahead");
+        p.lens = Some(vec![2, 1, 0, 2]);
+        assert_eq!(p.place_of(1, 5), Some(vec![(2, 1), (3, 2)]));
+        assert_eq!(p.place_of(0, 5), Some(vec![(0, 2), (3, 0)]));
+        assert_eq!(p.place_of(0, 4), None, "a buffer of another length");
+        assert_eq!(p.place_of(2, 5), None, "a server not asked");
+        // Server 1's values went into the caller's buffer; server 0's came in its message.
+        let mut out = [0f32, 0.0, 20.0, 40.0, 41.0];
+        let at = out.as_ptr() as usize;
+        assert!(p.take_placed(1, answer(Kind::Reply, 1, &[2, 4], &[1, 2], &[]), at, 12).is_none());
+        assert_eq!(p.place_of(1, 5), None, "answered");
+        let elsewhere = p.take_placed(0, answer(Kind::Reply, 0, &[1, 3], &[2, 0], &[]), at + 4, 8);
+        assert!(matches!(elsewhere, Some(Err(Error::InvalidArgument(_)))), "{elsewhere:?}");
+        let mut p2 = pull(&[1, 2, 3, 4], &[(0, &[0, 2]), (1, &[1, 3])]);
+        p2.lens = Some(vec![2, 1, 0, 2]);
+        assert!(p2.take_placed(1, answer(Kind::Reply, 1, &[2, 4], &[1, 2], &[]), at, 12).is_none());
+        let done = p2.take_answer(0, answer(Kind::Reply, 0, &[1, 3], &[2, 0], &[10.0, 11.0]));
+        let answers = done.expect("the last part decides").expect("a reply");
+        assert_eq!(answers.read_into(&mut out, "push_pull").expect("fits"), [2, 1, 0, 2]);
+        assert_eq!(out, [10.0, 11.0, 20.0, 40.0, 41.0], "the placed values stay, the others are read in");
+        let mut other = [0f32; 5];
+        assert!(answers.read_into(&mut other, "push_pull").is_err(), "another buffer than the one placed into");
+        assert!(answers.check_placed(None, "push_pull").is_err(), "a reply without the buffer");
     }
 
     #[test]

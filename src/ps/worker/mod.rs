@@ -238,7 +238,12 @@ impl<T: Element> KvWorker<T> {
             offsets.push(at);
             at += l;
         }
-        let pending = Pending::new(keys.to_vec(), parts.clone(), wants_values, Instant::now() + sh.cfg.timeout, what);
+        let mut pending =
+            Pending::new(keys.to_vec(), parts.clone(), wants_values, Instant::now() + sh.cfg.timeout, what);
+        if kind == Kind::PushPull && servers > 1 {
+            // Its answers' places in a waiting caller's buffer are known before they come.
+            pending.lens = Some(lens.to_vec());
+        }
         if keys.is_empty() && kind == Kind::Push {
             // Done already, and a push's success is not kept (see `wait`).
             return Ok(ts);

@@ -6,6 +6,7 @@
 use super::WorkerShared;
 use crate::comm::PersistentRecv;
 use crate::error::{Error, Result};
+use crate::ps::fold::Folder;
 use crate::ps::pending::{Answers, Callback, Pending, Route, Takeover, is_push, route};
 use crate::ps::wire::{self, Kind, Message};
 use crate::ps::{PS_TAG, PS_VALUES_TAG, Reply, SLICE, Timestamp};
@@ -366,13 +367,30 @@ fn values_of<T: Element>(
     if let Some((ts, out)) = dest
         && ts == m.ts
         && m.shard as usize == server
-        && size_of_val(out) == bytes
-        && lock(&sh.pending).get(&ts).is_some_and(|p| p.only_part(server))
     {
-        sh.ctx.recv(server, PS_VALUES_TAG, out)?;
-        m.values = Vec::new();
-        m.at = 0;
-        return Ok((m, Some((out.as_ptr() as usize, bytes))));
+        let at = out.as_ptr() as usize;
+        if size_of_val(out) == bytes && lock(&sh.pending).get(&ts).is_some_and(|p| p.only_part(server)) {
+            sh.ctx.recv(server, PS_VALUES_TAG, out)?;
+            m.values = Vec::new();
+            m.at = 0;
+            return Ok((m, Some((at, bytes))));
+        }
+        // One answer of several, its keys' places in the caller's buffer known (a push-pull):
+        // scattered there as they arrive, where the transport hands bytes over.
+        let places = lock(&sh.pending).get(&ts).and_then(|p| p.place_of(server, out.len()));
+        if let Some(places) = places
+            && sh.ctx.sinks(server)
+            && places.len() == m.lens.len()
+            && places.iter().zip(&m.lens).all(|(&(_, l), &ml)| l == ml)
+            && let Some(dests) = disjoint(out, &places)
+        {
+            let mut scatter = Folder::copying(dests);
+            let deadline = Instant::now() + sh.cfg.timeout;
+            sh.ctx.recv_sink(server, PS_VALUES_TAG, bytes, &mut |b: &[u8]| scatter.feed(b), deadline)?;
+            m.values = Vec::new();
+            m.at = 0;
+            return Ok((m, Some((at, bytes))));
+        }
     }
     let values = sh.ctx.recv_bytes(server, PS_VALUES_TAG, bytes)?;
     if values.len() != bytes {
@@ -384,6 +402,21 @@ fn values_of<T: Element>(
     m.values = values;
     m.at = 0;
     Ok((m, None))
+}
+
+/// The slices of `out` at `places` ((offset, length) in values, in increasing offsets and not
+/// overlapping, as a request's keys' places are), or `None` where they are not so or do not
+/// fit.
+fn disjoint<'a, T>(out: &'a mut [T], places: &[(usize, usize)]) -> Option<Vec<&'a mut [T]>> {
+    let mut dests = Vec::with_capacity(places.len());
+    let (mut rest, mut base) = (out, 0usize);
+    for &(at, len) in places {
+        let (_, tail) = rest.split_at_mut_checked(at.checked_sub(base)?)?;
+        let (mine, tail) = tail.split_at_mut_checked(len)?;
+        dests.push(mine);
+        (rest, base) = (tail, at + len);
+    }
+    Some(dests)
 }
 
 /// Takes in message `m` from `server`; `placed`: where its values were received instead (see
