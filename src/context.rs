@@ -340,8 +340,11 @@ impl Context {
     /// Sends several messages at once, each `(peer, tag, parts)` made of its parts one after
     /// the other ([`send_parts`](Self::send_parts)), and waits for all of them: a large message
     /// to one peer does not wait for another's to be taken (the waits drive every pair).
-    /// Messages to one peer arrive in their order here. Returns each message's outcome.
-    pub(crate) fn send_all(&self, messages: &[(usize, u32, &[&[u8]])]) -> Vec<Result<()>> {
+    /// Messages to one peer arrive in their order here, and one whose earlier message to that
+    /// peer failed is not sent (it fails the same way). `hold` is called before the messages are
+    /// posted and what it returns is dropped once they are, before the waits (a lock that keeps
+    /// other threads' messages from coming between them, say). Returns each message's outcome.
+    pub(crate) fn send_all<G>(&self, messages: &[(usize, u32, &[&[u8]])], hold: impl FnOnce() -> G) -> Vec<Result<()>> {
         // Gathered first (one buffer each) where the pair writes from one buffer only.
         let gathered: Vec<Option<Vec<u8>>> = messages
             .iter()
@@ -353,20 +356,35 @@ impl Context {
         let deadline = Instant::now() + self.comm.timeout();
         let n = messages.len();
         let outcome = self.scope(|s| {
-            let posted: Vec<Result<usize>> = messages
-                .iter()
-                .zip(&gathered)
-                .map(|((peer, tag, parts), joined)| {
-                    let bufs: SmallVec<[SendBuf; 8]> = match joined {
-                        Some(j) => smallvec::smallvec![SendBuf::from_slice(j)],
-                        None => parts.iter().map(|p| SendBuf::from_slice(p)).collect(),
-                    };
-                    // SAFETY: the parts (and the gathered copies) are borrowed for the whole
-                    // scope, which finishes or cancels every send before it ends (Comm::scope).
-                    unsafe { s.isend_parts_raw(*peer, self.comm.p2p_key(*tag), OpDesc::P2P, &bufs, "send") }
-                })
-                .collect();
-            Ok(posted.into_iter().map(|p| p.and_then(|idx| s.wait_deadline(idx, deadline).map(drop))).collect())
+            let held = hold();
+            let mut posted: Vec<Result<usize>> = Vec::with_capacity(n);
+            for (i, ((peer, tag, parts), joined)) in messages.iter().zip(&gathered).enumerate() {
+                let earlier = (0..i).rev().find(|&j| messages[j].0 == *peer && posted[j].is_err());
+                if let Some(j) = earlier {
+                    let e = posted[j].as_ref().err().cloned().unwrap_or_else(|| Error::invalid("not sent"));
+                    posted.push(Err(e));
+                    continue;
+                }
+                let bufs: SmallVec<[SendBuf; 8]> = match joined {
+                    Some(j) => smallvec::smallvec![SendBuf::from_slice(j)],
+                    None => parts.iter().map(|p| SendBuf::from_slice(p)).collect(),
+                };
+                // SAFETY: the parts (and the gathered copies) are borrowed for the whole
+                // scope, which finishes or cancels every send before it ends (Comm::scope).
+                posted.push(unsafe { s.isend_parts_raw(*peer, self.comm.p2p_key(*tag), OpDesc::P2P, &bufs, "send") });
+            }
+            drop(held);
+            // In order: a message that failed leaves the later ones to its peer unwaited (the
+            // scope withdraws them), so that none goes without the one before it.
+            let mut out: Vec<Result<()>> = Vec::with_capacity(n);
+            for (i, p) in posted.into_iter().enumerate() {
+                let earlier = (0..i).rev().find(|&j| messages[j].0 == messages[i].0 && out[j].is_err());
+                out.push(match (earlier, p) {
+                    (Some(j), _) => Err(out[j].as_ref().err().cloned().unwrap_or_else(|| Error::invalid("not sent"))),
+                    (None, p) => p.and_then(|idx| s.wait_deadline(idx, deadline).map(drop)),
+                });
+            }
+            Ok(out)
         });
         outcome.unwrap_or_else(|e| (0..n).map(|_| Err(e.clone())).collect())
     }
@@ -584,7 +602,7 @@ mod tests {
                             if rank == 0 {
                                 let first: [&[u8]; 2] = [&a, &b];
                                 let (second, third): ([&[u8]; 1], [&[u8]; 2]) = ([&c], [&d, &b]);
-                                let sent = ctx.send_all(&[(1, 9, &first), (2, 9, &second), (1, 9, &third)]);
+                                let sent = ctx.send_all(&[(1, 9, &first), (2, 9, &second), (1, 9, &third)], || ());
                                 assert!(sent.iter().all(Result::is_ok), "{name}: {sent:?}");
                             } else if rank == 1 {
                                 assert!(ctx.recv_bytes(0, 9, 8 << 20)? == [a, b.clone()].concat(), "{name}: first");
@@ -601,6 +619,45 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// A message whose peer is gone fails, the later messages to that peer fail with it (none
+    /// goes without the one before), and those to other peers arrive.
+    #[test]
+    fn messages_sent_at_once_to_a_gone_peer_fail_and_the_others_arrive() {
+        let device = Device::in_process();
+        let store = HashStore::new();
+        // Rank 2's context is gone before rank 0 sends (threads of this test).
+        let left = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..3)
+                .map(|rank| {
+                    let (store, device, left) = (&store, &device, &left);
+                    s.spawn(move || -> Result<()> {
+                        let ctx = Context::builder(rank, 3).timeout(Duration::from_secs(20)).connect(store, device)?;
+                        ctx.barrier()?;
+                        match rank {
+                            0 => {
+                                left.wait();
+                                let (a, b): ([&[u8]; 1], [&[u8]; 2]) = ([b"to two"], [b"to ", b"one"]);
+                                let sent = ctx.send_all(&[(2, 9, &a), (1, 9, &b), (2, 9, &a)], || ());
+                                assert!(sent[0].is_err() && sent[2].is_err(), "{sent:?}");
+                                assert!(sent[1].is_ok(), "{sent:?}");
+                            }
+                            1 => assert_eq!(ctx.recv_bytes(0, 9, 64)?, b"to one"),
+                            _ => {
+                                drop(ctx);
+                                left.wait();
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for r in ranks {
+                r.join().expect("a rank panicked").expect("a rank failed");
+            }
+        });
     }
 
     /// One message from several buffers: part boundaries inside shared-memory fragments and

@@ -86,15 +86,21 @@ impl<T: Element> Answers<T> {
 
     /// The values of every key, in key order.
     fn runs(&self) -> impl Iterator<Item = Cow<'_, [T]>> {
-        self.lens.iter().zip(&self.from).map(|(&l, &(a, at))| {
-            if self.in_place.get(a).copied().unwrap_or(false) {
-                // Of the length the run has in the caller's buffer, never read from here.
-                return Cow::Owned(vec![T::zeroed(); l]);
-            }
-            let payload = self.messages.get(a).map_or(&[][..], |m| m.payload());
-            let bytes = size_of::<T>();
-            crate::types::view_or_copy(payload.get(at * bytes..(at + l) * bytes).unwrap_or(&[]))
-        })
+        (0..self.lens.len()).map(|i| self.run(i))
+    }
+
+    /// Key `i`'s values as its answer holds them (none for an answer received into the
+    /// caller's buffer: read there).
+    fn run(&self, i: usize) -> Cow<'_, [T]> {
+        let (Some(&l), Some(&(a, at))) = (self.lens.get(i), self.from.get(i)) else { return Cow::Borrowed(&[]) };
+        let payload = self.messages.get(a).map_or(&[][..], |m| m.payload());
+        let bytes = size_of::<T>();
+        crate::types::view_or_copy(payload.get(at * bytes..(at + l) * bytes).unwrap_or(&[]))
+    }
+
+    /// Whether key `i`'s values were received into the caller's buffer.
+    fn is_in_place(&self, i: usize) -> bool {
+        self.from.get(i).and_then(|&(a, _)| self.in_place.get(a)).copied().unwrap_or(false)
     }
 
     /// An error when the values went straight into a caller's buffer (at `placed`) other than
@@ -147,10 +153,9 @@ impl<T: Element> Answers<T> {
         self.check_placed(Some(out.as_ptr()), what)?;
         // Keys whose values are in place already are stepped over.
         let mut at = 0;
-        for (run, &(a, _)) in self.runs().zip(&self.from) {
-            let len = run.len();
-            if !self.in_place.get(a).copied().unwrap_or(false) {
-                out[at..at + len].copy_from_slice(&run);
+        for (i, &len) in self.lens.iter().enumerate() {
+            if !self.is_in_place(i) {
+                out[at..at + len].copy_from_slice(&self.run(i));
             }
             at += len;
         }
@@ -369,14 +374,16 @@ impl<T: Element> Pending<T> {
         } else {
             None
         }
-        .or_else(|| self.parts.is_empty().then(|| Ok(self.assemble())))
+        .or_else(|| self.parts.is_empty().then(|| self.assemble()))
     }
 
     /// The answers of a request whose every part has been answered, in key order (read out
-    /// later, by whoever takes them).
-    fn assemble(&mut self) -> Answers<T> {
+    /// later, by whoever takes them). Where answers went into the caller's buffer at the places
+    /// the push's lengths give, every answer must have those lengths (else the others' values
+    /// would be read in over them): a protocol error otherwise.
+    fn assemble(&mut self) -> Result<Answers<T>> {
         if !self.wants_values {
-            return Answers::none();
+            return Ok(Answers::none());
         }
         let n = self.keys.len();
         let answers = std::mem::take(&mut self.answers);
@@ -397,7 +404,20 @@ impl<T: Element> Pending<T> {
             messages.push(m);
         }
         let placed = self.placed.filter(|_| in_place.contains(&true));
-        Answers { keys: self.keys.clone(), lens, from, messages, placed, in_place, _values: PhantomData }
+        if placed.is_some()
+            && let Some(pushed) = &self.lens
+            && *pushed != lens
+        {
+            return Err(Error::Protocol {
+                peer: None,
+                detail: format!(
+                    "the {}'s answers have other lengths than it pushed, and some of them were received \
+                     into the caller's buffer at the pushed lengths' places",
+                    self.what
+                ),
+            });
+        }
+        Ok(Answers { keys: self.keys.clone(), lens, from, messages, placed, in_place, _values: PhantomData })
     }
 
     /// `server` is gone (`cause`; `closed` says which servers are, `server` among them): what
@@ -526,6 +546,13 @@ mod tests {
         let mut other = [0f32; 5];
         assert!(answers.read_into(&mut other, "push_pull").is_err(), "another buffer than the one placed into");
         assert!(answers.check_placed(None, "push_pull").is_err(), "a reply without the buffer");
+        // Another server answering with other lengths than pushed (same total) would have its
+        // values read in over the placed ones: the request fails instead.
+        let mut p3 = pull(&[1, 2, 3, 4], &[(0, &[0, 2]), (1, &[1, 3])]);
+        p3.lens = Some(vec![2, 1, 0, 2]);
+        assert!(p3.take_placed(1, answer(Kind::Reply, 1, &[2, 4], &[1, 2], &[]), at, 12).is_none());
+        let done = p3.take_answer(0, answer(Kind::Reply, 0, &[1, 3], &[1, 1], &[10.0, 11.0]));
+        assert!(matches!(done, Some(Err(Error::Protocol { .. }))), "{done:?}");
     }
 
     #[test]

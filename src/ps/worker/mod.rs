@@ -37,14 +37,16 @@ struct WorkerShared<T> {
     closed: Mutex<HashMap<usize, Error>>,
     /// When each server was last heard from.
     heard: Mutex<Vec<Instant>>,
-    /// A message buffer to reuse (large fresh buffers cost their page faults every time).
+    /// Message heads to reuse, a few (large fresh buffers cost their page faults every time);
+    /// a thread takes them all for a request, and others meanwhile allocate their own.
     scratch: Mutex<Vec<Vec<u8>>>,
     /// Where a message's parts are gathered for a transport that sends from one buffer only.
     gathered: Mutex<Vec<u8>>,
-    /// Held, per server, while a message goes to it: a split push's head and its values (see
-    /// [`wire::PUSH_SPLIT_MIN`]) go one right after the other, with no other thread's message
-    /// between them (the server receives the values next, and the transport holds them until
-    /// it does).
+    /// Held, per server, while a request's messages to it are posted (a one-server request:
+    /// while it is sent): a split push's head and its values (see [`wire::PUSH_SPLIT_MIN`]) go
+    /// one right after the other, with no other thread's message between them (the server
+    /// receives the values next, and the transport holds them until it does). Requests with
+    /// replication never split, and do not take it.
     sending: Vec<Mutex<()>>,
     /// Pushes whose failure was handed out (to `wait` or a callback): waiting for one again is
     /// an error, not the empty success of an acknowledged push.
@@ -331,11 +333,13 @@ impl<T: Element> KvWorker<T> {
             if let Err(e) = sh.ctx.send_parts(*s, PS_TAG, &Message::parts(head, runs), &mut gathered) {
                 failed.push((*s, e));
             }
-            *lock(&sh.gathered) = gathered;
+            let mut slot = lock(&sh.gathered);
+            if slot.capacity() < gathered.capacity() {
+                *slot = gathered;
+            }
         } else {
             // Every server's message at once (a server does not wait for another's to be
-            // taken), with nothing of another thread's between a head and its values.
-            let _sending: Vec<_> = outs.iter().map(|(s, _, _)| lock(&sh.sending[*s])).collect();
+            // taken), with nothing of another thread's posted between a head and its values.
             let joined: Vec<Option<Vec<u8>>> = outs
                 .iter()
                 .map(|(_, split, runs)| (*split && runs.len() > wire::GATHER_MOST).then(|| runs.concat()))
@@ -354,7 +358,8 @@ impl<T: Element> KvWorker<T> {
                 }
             }
             let list: Vec<(usize, u32, &[&[u8]])> = messages.iter().map(|(s, t, p)| (*s, *t, &p[..])).collect();
-            for ((s, _, _), sent) in list.iter().zip(sh.ctx.send_all(&list)) {
+            let posting = || -> SmallVec<[_; 4]> { outs.iter().map(|(s, _, _)| lock(&sh.sending[*s])).collect() };
+            for ((s, _, _), sent) in list.iter().zip(sh.ctx.send_all(&list, posting)) {
                 if let Err(e) = sent
                     && !failed.iter().any(|(f, _)| f == s)
                 {
@@ -394,8 +399,9 @@ impl<T: Element> KvWorker<T> {
     /// exactly all of them (the sum of the keys' lengths; a buffer of another length is
     /// [`Error::InvalidArgument`] naming both, and the request is spent). Returns each key's
     /// number of values. Nothing is allocated for the values, and an answer of 64 KiB or more
-    /// that is the request's only one (one server holds every key) is received straight into
-    /// `values`, with no copy.
+    /// that is the request's only one (one server holds every key), or on shared memory any
+    /// such answer to a push-pull (its keys' places known from the push), is received straight
+    /// into `values`, with no copy. After an error `values` may hold some of the answers.
     pub fn wait_into(&self, ts: Timestamp, values: &mut [T]) -> Result<Vec<usize>> {
         let answers = self.take(ts, Some(&mut *values))?;
         let lens = answers.read_into(values, &format!("worker {}: request {ts}", self.sh.id));
@@ -424,8 +430,9 @@ impl<T: Element> KvWorker<T> {
     /// Takes request `ts`'s outcome once it is there (see [`wait`](Self::wait)). The calling
     /// thread receives the answers itself while no other thread does.
     ///
-    /// With `dest` (the caller's buffer for all the values), an answer that is the request's
-    /// only one is received straight into it when this thread receives it.
+    /// With `dest` (the caller's buffer for all the values), a large answer that is the
+    /// request's only one, or one of a push-pull's, is received straight into it when this
+    /// thread receives it.
     fn take(&self, ts: Timestamp, mut dest: Option<&mut [T]>) -> Result<Answers<T>> {
         let sh = &self.sh;
         let mut waiter = Waiter::enter(sh);

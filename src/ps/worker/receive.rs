@@ -345,8 +345,9 @@ pub(super) fn expire<T: Element>(sh: &WorkerShared<T>) {
 
 /// Receives the values that follow the answer head `m` from `server` ([`Kind::ReplyHead`]):
 /// straight into `dest`'s buffer when `dest` is the caller waiting for this very request and
-/// this is the request's only answer (returns where, and how many bytes), else into a buffer
-/// of their own, which becomes the message's values.
+/// this is the request's only answer, or one of a push-pull's answers on a pair that hands
+/// bytes over (scattered to its keys' places; returns where, and how many bytes), else into a
+/// buffer of their own, which becomes the message's values.
 fn values_of<T: Element>(
     sh: &WorkerShared<T>,
     server: usize,
@@ -377,9 +378,12 @@ fn values_of<T: Element>(
         }
         // One answer of several, its keys' places in the caller's buffer known (a push-pull):
         // scattered there as they arrive, where the transport hands bytes over.
-        let places = lock(&sh.pending).get(&ts).and_then(|p| p.place_of(server, out.len()));
+        let places = if sh.ctx.sinks(server) {
+            lock(&sh.pending).get(&ts).and_then(|p| p.place_of(server, out.len()))
+        } else {
+            None
+        };
         if let Some(places) = places
-            && sh.ctx.sinks(server)
             && places.len() == m.lens.len()
             && places.iter().zip(&m.lens).all(|(&(_, l), &ml)| l == ml)
             && let Some(dests) = disjoint(out, &places)
