@@ -486,11 +486,40 @@ impl Context {
     }
 }
 
+/// Ranks of one job as threads of this process, for the crate's unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::Context;
+    use crate::device::Device;
+    use crate::error::Result;
+    use crate::rendezvous::HashStore;
+    use std::time::Duration;
+
+    /// Runs `f` on each of `n` ranks as threads, on contexts over `device` that meet through
+    /// one store; returns their results in rank order (a rank that panics or fails fails the
+    /// test).
+    pub(crate) fn ranks<T: Send>(n: usize, device: &Device, f: impl Fn(Context) -> Result<T> + Sync) -> Vec<T> {
+        let store = HashStore::new();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|r| {
+                    let (store, f) = (&store, &f);
+                    s.spawn(move || {
+                        let ctx = Context::builder(r, n).timeout(Duration::from_secs(20)).connect(store, device)?;
+                        f(ctx)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a rank panicked").expect("a rank failed")).collect()
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::testing::ranks;
     use super::*;
     use crate::device::ShmAttr;
-    use crate::rendezvous::HashStore;
 
     /// A message handed to a consumer as it arrives: every byte, in order, once, on the
     /// transports that can (shared memory in fragments, and whole when it came before its
@@ -500,81 +529,58 @@ mod tests {
         let sizes = [0usize, 5, 16 << 10, (300 << 10) + 3, 5 << 20];
         let devices = [Device::shared_memory(&ShmAttr::default()), Device::in_process()];
         for device in &devices {
-            let store = HashStore::new();
-            std::thread::scope(|s| {
-                let ranks: Vec<_> = (0..2)
-                    .map(|rank| {
-                        let store = &store;
-                        s.spawn(move || -> Result<()> {
-                            let ctx =
-                                Context::builder(rank, 2).timeout(Duration::from_secs(20)).connect(store, device)?;
-                            let msg = |n: usize| -> Vec<u8> { (0..n).map(|j| (j * 13 + n) as u8).collect() };
-                            let name = device.backend().name();
-                            if rank == 0 {
-                                for &n in &sizes {
-                                    // Once the receive is posted (the receiver reads its ring
-                                    // only in its waits), so that it takes the fragments.
-                                    ctx.recv::<u8>(1, 7, &mut [])?;
-                                    ctx.send(1, 4, &msg(n))?;
-                                }
-                                // The last one is sent before the receiver posts (it waits
-                                // for the barrier first): taken from where it came early.
-                                ctx.send(1, 5, &msg(70 << 10))?;
-                                ctx.barrier()?;
-                                ctx.send(1, 6, &msg(10))?;
-                            } else {
-                                let deadline = Instant::now() + Duration::from_secs(20);
-                                for &n in &sizes {
-                                    ctx.send::<u8>(0, 7, &[])?;
-                                    let (mut got, mut pieces) = (Vec::new(), 0usize);
-                                    ctx.recv_sink(
-                                        1 - rank,
-                                        4,
-                                        n,
-                                        &mut |b: &[u8]| {
-                                            got.extend_from_slice(b);
-                                            pieces += 1;
-                                        },
-                                        deadline,
-                                    )?;
-                                    assert!(got == msg(n), "{name}: {n} bytes arrived altered");
-                                    if name == "shm" && n > 1 << 20 {
-                                        assert!(pieces > 1, "{name}: {n} bytes in {pieces} piece(s)");
-                                    }
-                                }
-                                ctx.barrier()?;
-                                let mut got = Vec::new();
-                                ctx.recv_sink(0, 5, 70 << 10, &mut |b: &[u8]| got.extend_from_slice(b), deadline)?;
-                                assert!(got == msg(70 << 10), "{name}: the early message arrived altered");
-                                let e = ctx.recv_sink(0, 6, 11, &mut |_: &[u8]| {}, deadline);
-                                assert!(matches!(e, Err(Error::Mismatch { .. })), "{name}: {e:?}");
-                            }
-                            ctx.barrier()
-                        })
-                    })
-                    .collect();
-                for r in ranks {
-                    r.join().expect("a rank panicked").expect("a rank failed");
+            ranks(2, device, |ctx| -> Result<()> {
+                let rank = ctx.rank();
+                let msg = |n: usize| -> Vec<u8> { (0..n).map(|j| (j * 13 + n) as u8).collect() };
+                let name = device.backend().name();
+                if rank == 0 {
+                    for &n in &sizes {
+                        // Once the receive is posted (the receiver reads its ring
+                        // only in its waits), so that it takes the fragments.
+                        ctx.recv::<u8>(1, 7, &mut [])?;
+                        ctx.send(1, 4, &msg(n))?;
+                    }
+                    // The last one is sent before the receiver posts (it waits
+                    // for the barrier first): taken from where it came early.
+                    ctx.send(1, 5, &msg(70 << 10))?;
+                    ctx.barrier()?;
+                    ctx.send(1, 6, &msg(10))?;
+                } else {
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    for &n in &sizes {
+                        ctx.send::<u8>(0, 7, &[])?;
+                        let (mut got, mut pieces) = (Vec::new(), 0usize);
+                        ctx.recv_sink(
+                            1 - rank,
+                            4,
+                            n,
+                            &mut |b: &[u8]| {
+                                got.extend_from_slice(b);
+                                pieces += 1;
+                            },
+                            deadline,
+                        )?;
+                        assert!(got == msg(n), "{name}: {n} bytes arrived altered");
+                        if name == "shm" && n > 1 << 20 {
+                            assert!(pieces > 1, "{name}: {n} bytes in {pieces} piece(s)");
+                        }
+                    }
+                    ctx.barrier()?;
+                    let mut got = Vec::new();
+                    ctx.recv_sink(0, 5, 70 << 10, &mut |b: &[u8]| got.extend_from_slice(b), deadline)?;
+                    assert!(got == msg(70 << 10), "{name}: the early message arrived altered");
+                    let e = ctx.recv_sink(0, 6, 11, &mut |_: &[u8]| {}, deadline);
+                    assert!(matches!(e, Err(Error::Mismatch { .. })), "{name}: {e:?}");
                 }
+                ctx.barrier()
             });
         }
         let tcp = Device::loopback().expect("a TCP device on loopback");
-        let store = HashStore::new();
-        std::thread::scope(|s| {
-            let ranks: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (store, tcp) = (&store, &tcp);
-                    s.spawn(move || -> Result<()> {
-                        let ctx = Context::builder(rank, 2).timeout(Duration::from_secs(20)).connect(store, tcp)?;
-                        let e = ctx.recv_sink(1 - rank, 4, 1, &mut |_: &[u8]| {}, Instant::now());
-                        assert!(matches!(e, Err(Error::InvalidArgument(_))), "tcp: {e:?}");
-                        ctx.barrier()
-                    })
-                })
-                .collect();
-            for r in ranks {
-                r.join().expect("a rank panicked").expect("a rank failed");
-            }
+        ranks(2, &tcp, |ctx| -> Result<()> {
+            let rank = ctx.rank();
+            let e = ctx.recv_sink(1 - rank, 4, 1, &mut |_: &[u8]| {}, Instant::now());
+            assert!(matches!(e, Err(Error::InvalidArgument(_))), "tcp: {e:?}");
+            ctx.barrier()
         });
     }
 
@@ -589,34 +595,22 @@ mod tests {
         ];
         let bytes = |n: usize, seed: usize| -> Vec<u8> { (0..n).map(|j| (j * 7 + seed) as u8).collect() };
         for device in &devices {
-            let store = HashStore::new();
-            std::thread::scope(|s| {
-                let ranks: Vec<_> = (0..3)
-                    .map(|rank| {
-                        let store = &store;
-                        s.spawn(move || -> Result<()> {
-                            let ctx =
-                                Context::builder(rank, 3).timeout(Duration::from_secs(20)).connect(store, device)?;
-                            let name = device.backend().name();
-                            let (a, b, c, d) = (bytes(3 << 20, 1), bytes(100, 2), bytes(2 << 20, 3), bytes(5, 4));
-                            if rank == 0 {
-                                let first: [&[u8]; 2] = [&a, &b];
-                                let (second, third): ([&[u8]; 1], [&[u8]; 2]) = ([&c], [&d, &b]);
-                                let sent = ctx.send_all(&[(1, 9, &first), (2, 9, &second), (1, 9, &third)], || ());
-                                assert!(sent.iter().all(Result::is_ok), "{name}: {sent:?}");
-                            } else if rank == 1 {
-                                assert!(ctx.recv_bytes(0, 9, 8 << 20)? == [a, b.clone()].concat(), "{name}: first");
-                                assert!(ctx.recv_bytes(0, 9, 8 << 20)? == [d, b].concat(), "{name}: third");
-                            } else {
-                                assert!(ctx.recv_bytes(0, 9, 8 << 20)? == c, "{name}: second");
-                            }
-                            ctx.barrier()
-                        })
-                    })
-                    .collect();
-                for r in ranks {
-                    r.join().expect("a rank panicked").expect("a rank failed");
+            ranks(3, device, |ctx| -> Result<()> {
+                let rank = ctx.rank();
+                let name = device.backend().name();
+                let (a, b, c, d) = (bytes(3 << 20, 1), bytes(100, 2), bytes(2 << 20, 3), bytes(5, 4));
+                if rank == 0 {
+                    let first: [&[u8]; 2] = [&a, &b];
+                    let (second, third): ([&[u8]; 1], [&[u8]; 2]) = ([&c], [&d, &b]);
+                    let sent = ctx.send_all(&[(1, 9, &first), (2, 9, &second), (1, 9, &third)], || ());
+                    assert!(sent.iter().all(Result::is_ok), "{name}: {sent:?}");
+                } else if rank == 1 {
+                    assert!(ctx.recv_bytes(0, 9, 8 << 20)? == [a, b.clone()].concat(), "{name}: first");
+                    assert!(ctx.recv_bytes(0, 9, 8 << 20)? == [d, b].concat(), "{name}: third");
+                } else {
+                    assert!(ctx.recv_bytes(0, 9, 8 << 20)? == c, "{name}: second");
                 }
+                ctx.barrier()
             });
         }
     }
@@ -626,37 +620,26 @@ mod tests {
     #[test]
     fn messages_sent_at_once_to_a_gone_peer_fail_and_the_others_arrive() {
         let device = Device::in_process();
-        let store = HashStore::new();
         // Rank 2's context is gone before rank 0 sends (threads of this test).
         let left = std::sync::Barrier::new(2);
-        std::thread::scope(|s| {
-            let ranks: Vec<_> = (0..3)
-                .map(|rank| {
-                    let (store, device, left) = (&store, &device, &left);
-                    s.spawn(move || -> Result<()> {
-                        let ctx = Context::builder(rank, 3).timeout(Duration::from_secs(20)).connect(store, device)?;
-                        ctx.barrier()?;
-                        match rank {
-                            0 => {
-                                left.wait();
-                                let (a, b): ([&[u8]; 1], [&[u8]; 2]) = ([b"to two"], [b"to ", b"one"]);
-                                let sent = ctx.send_all(&[(2, 9, &a), (1, 9, &b), (2, 9, &a)], || ());
-                                assert!(sent[0].is_err() && sent[2].is_err(), "{sent:?}");
-                                assert!(sent[1].is_ok(), "{sent:?}");
-                            }
-                            1 => assert_eq!(ctx.recv_bytes(0, 9, 64)?, b"to one"),
-                            _ => {
-                                drop(ctx);
-                                left.wait();
-                            }
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            for r in ranks {
-                r.join().expect("a rank panicked").expect("a rank failed");
+        ranks(3, &device, |ctx| -> Result<()> {
+            let rank = ctx.rank();
+            ctx.barrier()?;
+            match rank {
+                0 => {
+                    left.wait();
+                    let (a, b): ([&[u8]; 1], [&[u8]; 2]) = ([b"to two"], [b"to ", b"one"]);
+                    let sent = ctx.send_all(&[(2, 9, &a), (1, 9, &b), (2, 9, &a)], || ());
+                    assert!(sent[0].is_err() && sent[2].is_err(), "{sent:?}");
+                    assert!(sent[1].is_ok(), "{sent:?}");
+                }
+                1 => assert_eq!(ctx.recv_bytes(0, 9, 64)?, b"to one"),
+                _ => {
+                    drop(ctx);
+                    left.wait();
+                }
             }
+            Ok(())
         });
     }
 
@@ -671,39 +654,23 @@ mod tests {
             Device::in_process(),
         ];
         for device in &devices {
-            let store = HashStore::new();
-            std::thread::scope(|s| {
-                let ranks: Vec<_> = (0..2)
-                    .map(|rank| {
-                        let store = &store;
-                        s.spawn(move || -> Result<()> {
-                            let ctx =
-                                Context::builder(rank, 2).timeout(Duration::from_secs(20)).connect(store, device)?;
-                            for (n, shape) in shapes.iter().enumerate() {
-                                let parts: Vec<Vec<u8>> = shape
-                                    .iter()
-                                    .enumerate()
-                                    .map(|(i, &len)| (0..len).map(|j| (j * 7 + i * 31 + n) as u8).collect())
-                                    .collect();
-                                if rank == 0 {
-                                    let views: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
-                                    ctx.send_parts(1, 9, &views, &mut Vec::new())?;
-                                } else {
-                                    let got = ctx.recv_bytes(0, 9, 8 << 20)?;
-                                    assert!(
-                                        got == parts.concat(),
-                                        "{}: shape {n} arrived altered",
-                                        device.backend().name()
-                                    );
-                                }
-                            }
-                            ctx.barrier()
-                        })
-                    })
-                    .collect();
-                for r in ranks {
-                    r.join().expect("a rank panicked").expect("a rank failed");
+            ranks(2, device, |ctx| -> Result<()> {
+                let rank = ctx.rank();
+                for (n, shape) in shapes.iter().enumerate() {
+                    let parts: Vec<Vec<u8>> = shape
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &len)| (0..len).map(|j| (j * 7 + i * 31 + n) as u8).collect())
+                        .collect();
+                    if rank == 0 {
+                        let views: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+                        ctx.send_parts(1, 9, &views, &mut Vec::new())?;
+                    } else {
+                        let got = ctx.recv_bytes(0, 9, 8 << 20)?;
+                        assert!(got == parts.concat(), "{}: shape {n} arrived altered", device.backend().name());
+                    }
                 }
+                ctx.barrier()
             });
         }
     }

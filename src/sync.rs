@@ -13,6 +13,15 @@ pub(crate) fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Puts `buf` back in `slot` for reuse if it is larger than what `slot` holds (a buffer taken
+/// out for one message and grown by it), else drops it.
+pub(crate) fn keep_larger(slot: &Mutex<Vec<u8>>, buf: Vec<u8>) {
+    let mut slot = lock(slot);
+    if slot.capacity() < buf.capacity() {
+        *slot = buf;
+    }
+}
+
 /// Waits on `cv` for at most `timeout`, ignoring poison.
 pub(crate) fn wait_timeout<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>, timeout: Duration) -> MutexGuard<'a, T> {
     cv.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner()).0

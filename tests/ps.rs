@@ -447,6 +447,11 @@ fn bare_worker(store: &Arc<dyn Store>, servers: usize, workers: usize, id: usize
 /// Sends `msg` to server 0 and returns the answer's kind and its text (an error's reason).
 fn ask(ctx: &Context, msg: &[u8]) -> Result<(u8, String)> {
     ctx.send(0, PS_TAG, msg)?;
+    answer_of(ctx)
+}
+
+/// Server 0's next answer: its kind and its text (an error's reason).
+fn answer_of(ctx: &Context) -> Result<(u8, String)> {
     let answer = ctx.recv_bytes(0, PS_TAG, 1 << 20)?;
     let kind = answer.first().copied().unwrap_or(0);
     let text =
@@ -507,10 +512,7 @@ fn a_push_head_that_is_malformed_or_whose_values_do_not_fit_is_refused_and_the_s
         let split = |head: Vec<u8>, values: &[u8]| -> Result<(u8, String)> {
             ctx.send(0, PS_TAG, &head)?;
             ctx.send(0, PS_VALUES_TAG, values)?;
-            let answer = ctx.recv_bytes(0, PS_TAG, 1 << 20)?;
-            let kind = answer.first().copied().unwrap_or(0);
-            let text = String::from_utf8_lossy(answer.get(32..).unwrap_or(&[])).into_owned();
-            Ok((kind, if kind == 5 { text } else { String::new() }))
+            answer_of(&ctx)
         };
         let four: Vec<u8> = [1f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         let answers = vec![

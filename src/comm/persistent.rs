@@ -370,25 +370,9 @@ fn ready_of(recvs: &mut [&mut PersistentRecv], mesh: &[usize]) -> Option<(usize,
 mod tests {
     use super::*;
     use crate::Context;
+    use crate::context::testing::ranks;
     use crate::device::Device;
     use crate::rendezvous::HashStore;
-
-    /// Runs `f` on each of `n` ranks as threads, on contexts over `device` and `store`.
-    fn ranks<T: Send>(n: usize, device: &Device, f: impl Fn(Context) -> Result<T> + Sync) -> Vec<T> {
-        let store = HashStore::new();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|r| {
-                    let (store, f) = (&store, &f);
-                    s.spawn(move || {
-                        let ctx = Context::builder(r, n).timeout(Duration::from_secs(20)).connect(store, device)?;
-                        f(ctx)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("rank thread panicked").expect("rank failed")).collect()
-        })
-    }
 
     fn bytes(seed: usize, len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 31 + seed * 7) as u8).collect()

@@ -6,7 +6,7 @@ use super::wire::{self, Kind, Message};
 use super::{PS_TAG, PS_VALUES_TAG, Request, RequestMeta};
 use crate::Context;
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::sync::{keep_larger, lock};
 use crate::types::Element;
 use smallvec::SmallVec;
 use std::collections::HashMap;
@@ -163,12 +163,8 @@ impl<T: Element> Responder<T> {
             drop(message);
             sent
         };
-        for (slot, buf) in [(&self.scratch, bytes), (&self.gathered, gathered)] {
-            let mut slot = lock(slot);
-            if slot.capacity() < buf.capacity() {
-                *slot = buf;
-            }
-        }
+        keep_larger(&self.scratch, bytes);
+        keep_larger(&self.gathered, gathered);
         sent
     }
 

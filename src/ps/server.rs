@@ -106,6 +106,15 @@ struct Serving<T: Element, H: Handler<T> + Clone> {
     replicas: HashMap<usize, H>,
 }
 
+/// The next message of a split push's values from `rank` of `ctx` (at most `max` bytes), into
+/// a buffer of the pair's pool, by `deadline`.
+fn values_from(ctx: &Context, rank: usize, max: usize, deadline: Instant) -> Result<Vec<u8>> {
+    let got = ctx.comm().scope(|s| {
+        s.irecv_bytes(&[rank], PS_VALUES_TAG, max)?.wait_timeout(deadline.saturating_duration_since(Instant::now()))
+    });
+    got.map(|(_, v)| v)
+}
+
 impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
     fn run(&mut self) -> Result<()> {
         let beat = self.node.cfg.heartbeat;
@@ -404,12 +413,8 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
             Ok(h) => h,
             Err(refusal) => {
                 // Of unknown length: taken whole, and dropped.
-                let got = ctx.comm().scope(|s| {
-                    s.irecv_bytes(&[rank], PS_VALUES_TAG, wire::MAX_MESSAGE)?
-                        .wait_timeout(deadline.saturating_duration_since(Instant::now()))
-                });
-                return match got {
-                    Ok((_, v)) => {
+                return match values_from(&ctx, rank, wire::MAX_MESSAGE, deadline) {
+                    Ok(v) => {
                         ctx.comm().recycle(rank, v);
                         self.responder.refuse(&refusal.meta, &refusal.reason)
                     }
@@ -444,15 +449,7 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
             }
         }
         self.take_values_then(worker, &meta, &ctx, rank, bytes, deadline, |this, values| {
-            let request = Request { meta, keys, values: crate::types::view_or_copy(values), lens };
-            let responder = &this.responder;
-            if meta.shard == me {
-                this.handler.handle(request, responder)
-            } else if let Some(replica) = this.replicas.get_mut(&meta.shard) {
-                replica.handle(request, responder)
-            } else {
-                responder.refuse(&meta, &format!("server {me} does not hold server {}'s keys", meta.shard))
-            }
+            this.dispatch(Request { meta, keys, values: crate::types::view_or_copy(values), lens })
         })
     }
 
@@ -469,17 +466,13 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
         deadline: Instant,
         then: impl FnOnce(&mut Self, &[u8]) -> Result<()>,
     ) -> Result<()> {
-        let got = ctx.comm().scope(|s| {
-            s.irecv_bytes(&[rank], PS_VALUES_TAG, bytes)?
-                .wait_timeout(deadline.saturating_duration_since(Instant::now()))
-        });
-        match got {
-            Ok((_, v)) if v.len() == bytes => {
+        match values_from(ctx, rank, bytes, deadline) {
+            Ok(v) if v.len() == bytes => {
                 let served = then(self, &v);
                 ctx.comm().recycle(rank, v);
                 served
             }
-            Ok((_, v)) => {
+            Ok(v) => {
                 let reason = format!("the push's head announced {bytes} bytes of values, {} came", v.len());
                 ctx.comm().recycle(rank, v);
                 self.responder.refuse(meta, &reason)
@@ -504,12 +497,16 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
 
     /// Hands one request to the handler (or the backup copy it is for), or refuses it.
     fn serve_one(&mut self, m: &mut Message, worker: usize) -> Result<()> {
-        let responder = &self.responder;
-        let req = match request_of::<T>(m, worker) {
-            Ok(req) => req,
-            Err(refusal) => return responder.refuse(&refusal.meta, &refusal.reason),
-        };
-        let (me, meta) = (self.node.id, req.meta);
+        match request_of::<T>(m, worker) {
+            Ok(req) => self.dispatch(req),
+            Err(refusal) => self.responder.refuse(&refusal.meta, &refusal.reason),
+        }
+    }
+
+    /// Hands a checked request to the handler of its shard: this server's own, or the backup
+    /// copy it keeps; refuses it when this server holds neither.
+    fn dispatch(&mut self, req: Request<'_, T>) -> Result<()> {
+        let (me, meta, responder) = (self.node.id, req.meta, &self.responder);
         if meta.shard == me {
             self.handler.handle(req, responder)
         } else if let Some(replica) = self.replicas.get_mut(&meta.shard) {

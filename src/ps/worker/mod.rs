@@ -14,7 +14,7 @@ use super::{Node, PS_RECEIVE, PS_TAG, PS_VALUES_TAG, PsConfig, Reply, SLICE, Tim
 use crate::Context;
 use crate::comm::{Interrupter, PersistentRecv, QUIET};
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::sync::{keep_larger, lock};
 use crate::types::Element;
 use receive::{
     Received, Waiter, fail_server, receive_one, receive_replies, run_callback, sleep_on_done, spend, try_lock,
@@ -322,10 +322,7 @@ impl<T: Element> KvWorker<T> {
                     let _ = sh.ctx.send_parts(b, PS_TAG, &message, &mut gathered);
                 }
             }
-            let mut slot = lock(&sh.gathered);
-            if slot.capacity() < gathered.capacity() {
-                *slot = gathered;
-            }
+            keep_larger(&sh.gathered, gathered);
         } else if let ([(s, false, runs)], [head]) = (&outs[..], &mut heads[..]) {
             // One message: sent as it is (no lists to build for it).
             let _sending = lock(&sh.sending[*s]);
@@ -333,10 +330,7 @@ impl<T: Element> KvWorker<T> {
             if let Err(e) = sh.ctx.send_parts(*s, PS_TAG, &Message::parts(head, runs), &mut gathered) {
                 failed.push((*s, e));
             }
-            let mut slot = lock(&sh.gathered);
-            if slot.capacity() < gathered.capacity() {
-                *slot = gathered;
-            }
+            keep_larger(&sh.gathered, gathered);
         } else {
             // Every server's message at once (a server does not wait for another's to be
             // taken), with nothing of another thread's posted between a head and its values.
