@@ -11,8 +11,8 @@
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::{
-    AbortCause, BusyWait, Completion, Done, Key, LocalArea, MemKind, Mesh, Pair, RecvBuf, RecvTarget, SEQUENCED,
-    SendBuf,
+    ALL_GROUPS, AbortCause, BusyWait, Completion, Done, Key, LocalArea, MemKind, Mesh, Pair, RecvBuf, RecvTarget,
+    SEQUENCED, SendBuf, group_id,
 };
 use crate::types::OpDesc;
 use bytemuck::Pod;
@@ -49,10 +49,26 @@ pub(crate) struct World {
     pub(crate) spin: BusyWait,
     /// This rank's pair with itself (whatever the backend).
     own: Arc<dyn Pair>,
+    /// Why the mesh's own context failed, until its survivors shrink it: told to every peer
+    /// when the mesh closes (see `Drop`), so that a peer still in an operation with this rank
+    /// reports the first cause, not this rank closing.
+    pub(crate) failure: Mutex<Option<Error>>,
     /// Set while a collective goes through the mesh's same-host area (`mesh.local`): its steps
     /// are numbered per area, so two at once from two threads would write slots the other
     /// reads (see `algorithms::steps::Local`).
     pub(crate) area_busy: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let failure = self.failure.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(err) = failure {
+            let cause = AbortCause::of(&err, self.world_rank);
+            for p in self.mesh.pairs.iter().flatten() {
+                p.abort(ALL_GROUPS, &err, &cause);
+            }
+        }
+    }
 }
 
 /// The pairs an operation is posted to: one, but for a receive from any of several.
@@ -72,7 +88,7 @@ impl World {
     pub(crate) fn new(mesh: Mesh, world_rank: usize, hosts: Vec<String>, spin: BusyWait) -> Self {
         let pending = (0..mesh.pairs.len()).map(|_| AtomicU32::new(0)).collect();
         let own = crate::transport::memory::loopback(world_rank, SELF_BUDGET);
-        World { mesh, world_rank, hosts, pending, spin, own, area_busy: Default::default() }
+        World { mesh, world_rank, hosts, pending, spin, own, failure: Mutex::default(), area_busy: Default::default() }
     }
 
     /// The pair to mesh rank `r` (the loopback pair for this rank).
@@ -152,6 +168,22 @@ impl Comm {
         &self.shared
     }
 
+    /// The group id in this communicator's message keys.
+    pub(crate) fn group(&self) -> u64 {
+        self.group
+    }
+
+    /// The mesh rank of each member, by group rank.
+    pub(crate) fn members(&self) -> Arc<[usize]> {
+        self.members.clone()
+    }
+
+    /// A communicator of the same members under group id `group` (its own sequence numbers
+    /// and abort state).
+    pub(crate) fn sibling(&self, group: u64) -> Comm {
+        Comm::over(self.shared.clone(), group, self.members.clone(), self.timeout)
+    }
+
     /// The mesh rank of group rank `r`.
     pub(crate) fn world_rank(&self, r: usize) -> Option<usize> {
         self.members.get(r).copied()
@@ -171,8 +203,7 @@ impl Comm {
         let mut made = lock(&self.made);
         let n = made.entry(kind).or_insert(0);
         *n += 1;
-        let id = fnv(&[self.group, kind, *n]);
-        if id == 0 { 1 } else { id }
+        group_id(fnv(&[self.group, kind, *n]))
     }
 
     /// Whether this is the communicator of the whole mesh (group 0), not a sub-group.
@@ -204,15 +235,30 @@ impl Comm {
         }
     }
 
-    /// Aborts with `reason` on behalf of the user.
+    /// Aborts with `reason` on behalf of the user. Aborting the mesh's own group closes the
+    /// connections (every group over them fails); a sub-group's abort leaves them.
     pub(crate) fn abort(&self, reason: &str) {
         let err = Error::Aborted { rank: self.shared.world_rank, reason: reason.to_string() };
+        self.fail_as(&err, if self.group == 0 { ALL_GROUPS } else { self.group });
+    }
+
+    /// Revokes the communicator with `reason` ([`Context::revoke`](crate::Context::revoke)):
+    /// it fails like an abort, with [`Error::Revoked`], and the connections stay up.
+    pub(crate) fn revoke(&self, reason: &str) {
+        let err = Error::Revoked { rank: self.shared.world_rank, reason: reason.to_string() };
         self.fail(&err);
     }
 
     /// Makes the communicator unusable because of `err`, and tells every peer the cause, so
-    /// that each of them fails its pending and future operations of this group with it.
+    /// that each of them fails its pending and future operations of this group with it. The
+    /// connections stay up for other groups (and for agreeing and shrinking, see
+    /// `crate::survive`).
     pub(crate) fn fail(&self, err: &Error) {
+        self.fail_as(err, self.group);
+    }
+
+    /// [`fail`](Self::fail), aborting `group` on every pair ([`ALL_GROUPS`]: closing them).
+    fn fail_as(&self, err: &Error, group: u64) {
         {
             let mut a = lock(&self.aborted);
             if a.is_some() {
@@ -223,7 +269,15 @@ impl Comm {
         tracing::debug!(rank = self.rank, group = self.group, error = %err, "context aborted");
         let cause = AbortCause::of(err, self.shared.world_rank);
         for p in self.pairs.iter().flatten() {
-            p.abort(self.group, err, &cause);
+            p.abort(group, err, &cause);
+            if group == 0 {
+                // The hierarchical allreduce's leaders run a part of the mesh's own context's
+                // collectives in a group of their own: it fails with it.
+                p.abort(crate::context::LEADERS_GROUP, err, &cause);
+            }
+        }
+        if group == 0 {
+            lock(&self.shared.failure).get_or_insert_with(|| err.clone());
         }
     }
 

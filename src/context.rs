@@ -115,7 +115,12 @@ impl ContextBuilder {
         let spin = busy_wait(busy_poll, &hosts, rank);
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
         let shared = Arc::new(World::new(mesh, rank, hosts, spin));
-        Ok(Context { comm: Comm::root(shared, timeout), device: device.clone(), hier: OnceLock::new() })
+        Ok(Context {
+            comm: Comm::root(shared, timeout),
+            device: device.clone(),
+            hier: OnceLock::new(),
+            survival: Default::default(),
+        })
     }
 }
 
@@ -145,6 +150,8 @@ pub struct Context {
     /// How this context's ranks spread over hosts, for the hierarchical allreduce (made on
     /// first use).
     hier: OnceLock<Option<Hierarchy>>,
+    /// The state of its agreements ([`Context::agree`]).
+    survival: crate::survive::Survival,
 }
 
 /// A context over several hosts whose ranks share memory within each host: the host leaders
@@ -156,7 +163,7 @@ pub(crate) struct Hierarchy {
 
 /// Group id of the leaders' communicator: a constant that `Comm::subgroup_id` never makes
 /// (its counter starts at 1).
-const LEADERS_GROUP: u64 = 0x6c65_6164_6572_7331;
+pub(crate) const LEADERS_GROUP: u64 = 0x6c65_6164_6572_7331;
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -176,6 +183,10 @@ impl Context {
 
     pub(crate) fn comm(&self) -> &Comm {
         &self.comm
+    }
+
+    pub(crate) fn survival(&self) -> &crate::survive::Survival {
+        &self.survival
     }
 
     /// The hierarchy for the hierarchical allreduce, when this context has one: it is the
@@ -482,7 +493,7 @@ impl Context {
     /// this context's connections, with group id `group`.
     pub(crate) fn child(&self, group: u64, members: Arc<[usize]>) -> Context {
         let comm = Comm::over(self.comm.shared().clone(), group, members, self.timeout());
-        Context { comm, device: self.device.clone(), hier: OnceLock::new() }
+        Context { comm, device: self.device.clone(), hier: OnceLock::new(), survival: Default::default() }
     }
 }
 

@@ -44,6 +44,16 @@ pub enum Error {
         /// What was observed (EOF, reset, and which rank reported it when another did).
         detail: String,
     },
+    /// The context was revoked ([`Context::revoke`](crate::Context::revoke)) by rank `rank`,
+    /// this one or a peer: every operation of the context fails with this until the members
+    /// [`agree`](crate::Context::agree) and [`shrink`](crate::Context::shrink).
+    #[error("rank {rank} revoked the context: {reason}")]
+    Revoked {
+        /// The rank that revoked it.
+        rank: usize,
+        /// Why, in its words.
+        reason: String,
+    },
     /// A peer gave up on an operation at its deadline and aborted the context, so this rank's
     /// operations with it cannot finish either.
     #[error("rank {rank} timed out{} and aborted the context: {detail}", fmt_op(op))]
@@ -176,6 +186,7 @@ impl Error {
             Error::PeerClosed { rank, .. }
             | Error::PeerTimedOut { rank, .. }
             | Error::Aborted { rank, .. }
+            | Error::Revoked { rank, .. }
             | Error::Mismatch { rank, .. } => Some(*rank),
             Error::Protocol { peer, .. } => *peer,
             Error::Timeout { ranks, .. } if ranks.len() == 1 => Some(ranks[0]),

@@ -42,7 +42,7 @@ impl Context {
             (0..n).filter(|r| all[2 * r] == u64::from(color)).map(|r| (all[2 * r + 1], r)).collect();
         chosen.sort_unstable();
         let members = self.world_ranks(chosen.iter().map(|&(_, r)| r))?;
-        let group = fnv(&[nth, u64::from(color)]).max(1);
+        let group = crate::transport::group_id(fnv(&[nth, u64::from(color)]));
         Ok(Some(self.child(group, members)))
     }
 

@@ -36,6 +36,8 @@ pub(crate) enum CauseKind {
     Protocol = 5,
     /// Anything else.
     Other = 6,
+    /// [`Context::revoke`](crate::Context::revoke).
+    Revoked = 7,
 }
 
 /// Longest encoded abort cause.
@@ -53,6 +55,7 @@ impl AbortCause {
         };
         match err {
             Error::Aborted { rank, reason } => cause(CauseKind::User, *rank, None, "", reason),
+            Error::Revoked { rank, reason } => cause(CauseKind::Revoked, *rank, None, "", reason),
             Error::PeerClosed { rank, op, detail } => cause(CauseKind::PeerClosed, me, Some(*rank), op, detail),
             Error::PeerTimedOut { rank, op, detail } => cause(CauseKind::TimedOut, *rank, None, op, detail),
             Error::Timeout { op, .. } => cause(CauseKind::TimedOut, me, None, op, &err.to_string()),
@@ -81,6 +84,7 @@ impl AbortCause {
             CauseKind::Mismatch => Error::Mismatch { rank: subject.unwrap_or(origin), detail: reported(detail) },
             CauseKind::Protocol => Error::Protocol { peer: Some(subject.unwrap_or(origin)), detail: reported(detail) },
             CauseKind::Other => Error::Aborted { rank: origin, reason: detail },
+            CauseKind::Revoked => Error::Revoked { rank: origin, reason: detail },
         }
     }
 
@@ -110,6 +114,7 @@ impl AbortCause {
                 4 => CauseKind::Mismatch,
                 5 => CauseKind::Protocol,
                 6 => CauseKind::Other,
+                7 => CauseKind::Revoked,
                 k => return Err(DecodeError::malformed(format!("unknown abort cause kind {k}"))),
             };
             let origin = r.get::<u32>()? as usize;
@@ -166,7 +171,7 @@ mod tests {
     proptest! {
         #[test]
         fn abort_causes_round_trip_within_their_bound(
-            kind in 1u8..=6, origin in 0u32..1000, subject in proptest::option::of(0u32..1000),
+            kind in 1u8..=7, origin in 0u32..1000, subject in proptest::option::of(0u32..1000),
             op in "[a-z_]{0,20}", detail in "\\PC{0,3000}",
         ) {
             let c = AbortCause {

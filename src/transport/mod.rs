@@ -117,6 +117,16 @@ pub(crate) struct Key {
     pub(crate) tag: u64,
 }
 
+/// The group of an abort that closes the pair: every group's operations fail with its cause,
+/// and the connection closes ([`Pair::abort`]). No group's messages carry it (see
+/// [`group_id`]).
+pub(crate) const ALL_GROUPS: u64 = u64::MAX;
+
+/// A group id made from the hash `h`: never 0 (the mesh's own context) nor [`ALL_GROUPS`].
+pub(crate) fn group_id(h: u64) -> u64 {
+    if h == 0 || h == ALL_GROUPS { 1 } else { h }
+}
+
 /// The top bits of a sequenced tag (contract rule 7).
 pub(crate) const SEQUENCED: u64 = 2 << 62;
 
@@ -376,8 +386,10 @@ pub(crate) trait Pair: Send + Sync {
     unsafe fn post_recv(&self, key: Key, desc: OpDesc, target: RecvTarget, done: &Arc<Completion>) -> Result<()>;
 
     /// Gives up on `group`: tells the peer `cause` (best effort) and fails this side's pending
-    /// and future operations of the group with `local`. Group 0 (the mesh's own context) closes
-    /// the pair.
+    /// and future operations of the group with `local`, on both sides; the pair goes on
+    /// carrying the other groups (the mesh's own context, group 0, is a group like the others,
+    /// so that survivors of a failure can agree and shrink over the pairs they hold).
+    /// [`ALL_GROUPS`] closes the pair: every group fails, on both sides.
     fn abort(&self, group: u64, local: &Error, cause: &AbortCause);
 
     /// Withdraws every operation of `done` from this pair. After it returns the pair no longer

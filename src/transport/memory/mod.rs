@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::sync::{lock, wait_timeout};
 use crate::transport::matching::{Dispatch, Header, Matcher, RecvOp};
 use crate::transport::{
-    AbortCause, Backend, Completion, ConnectError, ContextId, Done, Endpoint, EndpointSpec, Key, Mesh, Pair, Passive,
-    RecvTarget, SendBuf,
+    ALL_GROUPS, AbortCause, Backend, Completion, ConnectError, ContextId, Done, Endpoint, EndpointSpec, Key, Mesh,
+    Pair, Passive, RecvTarget, SendBuf,
 };
 use crate::types::OpDesc;
 use std::collections::{HashMap, VecDeque};
@@ -97,7 +97,7 @@ impl Drop for NodeGuard {
         let local = Error::Aborted { rank: me, reason: "this rank closed the context".into() };
         let remote = Error::PeerClosed { rank: me, op: String::new(), detail: "it closed its context".into() };
         for link in lock(&self.node.links).iter().flatten() {
-            link.shut(me, 0, &local, &remote);
+            link.shut(me, ALL_GROUPS, &local, &remote);
         }
     }
 }
@@ -248,7 +248,7 @@ impl Dir {
     /// Gives up on `group` (0: everything) on this direction: posted receives and waiting sends
     /// fail with `receiver` and `sender`, each side's error; what waited behind them goes on.
     fn shut(&mut self, group: u64, receiver: &Error, sender: &Error) {
-        if group == 0 {
+        if group == ALL_GROUPS {
             self.matcher.close(receiver);
             self.fail_waiting(None, sender);
         } else {

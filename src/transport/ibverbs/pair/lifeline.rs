@@ -7,8 +7,8 @@ use super::super::wire::{LifelineFrame, next_frame};
 use super::{CAUSE_GRACE, Link, State, WrKind, wr_kind};
 use crate::error::Error;
 use crate::sync::lock;
-use crate::transport::AbortCause;
 use crate::transport::handshake::codec::to_vec;
+use crate::transport::{ALL_GROUPS, AbortCause};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
@@ -151,7 +151,7 @@ impl Link {
                     Error::Protocol { peer: Some(self.peer), detail: format!("an abort that does not decode: {e}") }
                 }
             };
-            if group == 0 {
+            if group == ALL_GROUPS {
                 self.fail(st, err);
                 return;
             }

@@ -38,7 +38,7 @@ use super::wire::Imm;
 use crate::error::{Error, Result};
 use crate::sync::{lock, wait_timeout};
 use crate::transport::matching::{Header, Matcher, RecvOp};
-use crate::transport::{AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
+use crate::transport::{ALL_GROUPS, AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
 use crate::types::OpDesc;
 use receive::Reading;
 use send::{PendingSend, RtsSend};
@@ -256,7 +256,7 @@ impl Pair for IbPair {
         if st.failed.is_none() {
             l.tell(group, cause);
         }
-        if group == 0 {
+        if group == ALL_GROUPS {
             l.fail(&mut st, local.clone());
         } else {
             l.abort_group(&mut st, group, local);

@@ -6,8 +6,8 @@ use super::super::wire::{AbortMsg, next_abort};
 use super::{Inner, Rx, ShmPair};
 
 use crate::error::Error;
-use crate::transport::AbortCause;
 use crate::transport::handshake::codec::to_vec;
+use crate::transport::{ALL_GROUPS, AbortCause};
 use std::io::{Read, Write};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -48,7 +48,7 @@ impl ShmPair {
                 Ok(c) => c.into_error(),
                 Err(detail) => Error::Protocol { peer: Some(self.peer), detail },
             };
-            if group == 0 {
+            if group == ALL_GROUPS {
                 return self.fail(&mut g, err);
             }
             Self::fail_group(&mut g, group, &err);
@@ -94,14 +94,23 @@ impl ShmPair {
         let _ = self.lifeline.shutdown(std::net::Shutdown::Both);
     }
 
-    /// Fails the operations of `group` that have not started.
+    /// Fails the operations of `group` with `err`: sends not started are withdrawn, and one
+    /// partly in the ring is detached (it must finish: the peer reads it as one message).
     pub(super) fn fail_group(g: &mut Inner, group: u64, err: &Error) {
-        g.sendq.retain(|o| {
-            let drop = o.key.group == group && o.sent.is_none();
-            if drop {
-                o.done.complete(Err(err.clone()));
+        g.sendq.retain_mut(|o| {
+            if o.key.group != group || o._owned.is_some() {
+                return true;
             }
-            !drop
+            match o.sent {
+                None => {
+                    o.done.complete(Err(err.clone()));
+                    false
+                }
+                Some(sent) => {
+                    o.detach(sent).complete(Err(err.clone()));
+                    true
+                }
+            }
         });
         g.matcher.abort_group(group, err);
     }

@@ -20,7 +20,7 @@ use super::segment::{Segment, ShmRing};
 use crate::error::{Error, Result};
 use crate::transport::matching::{Delivery, EarlyRx, Matcher, RecvOp};
 use crate::transport::wake::EventFd;
-use crate::transport::{AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
+use crate::transport::{ALL_GROUPS, AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
 use crate::types::OpDesc;
 use smallvec::SmallVec;
 use std::collections::VecDeque;
@@ -52,6 +52,28 @@ struct Out {
     done: Arc<Completion>,
     /// Fragments: payload bytes written so far (`None`: the START record not yet).
     sent: Option<usize>,
+    /// Payload bytes before what `parts` holds (written before a cancel copied the rest).
+    base: usize,
+    /// Memory `parts` points into once a cancel copied the rest of the message.
+    _owned: Option<Box<[u8]>>,
+}
+
+impl Out {
+    /// Copies the payload from `sent` on, to be written from the copy: the poster's buffers
+    /// are no longer read. Returns the poster's completion (the message now has one nobody
+    /// waits for).
+    fn detach(&mut self, sent: usize) -> Arc<Completion> {
+        // SAFETY: the buffers are still lent (the send is queued, its completion open).
+        let payload: SmallVec<[&[u8]; 4]> =
+            self.parts.iter().map(|b| unsafe { std::slice::from_raw_parts(b.ptr, b.len) }).collect();
+        let mut rest = Vec::with_capacity(self.len - sent);
+        crate::transport::span(&payload, sent - self.base, self.len - sent).for_each(|p| rest.extend_from_slice(p));
+        let rest = rest.into_boxed_slice();
+        self.parts = smallvec::smallvec![SendBuf::from_slice(&rest)];
+        self._owned = Some(rest);
+        self.base = sent;
+        std::mem::replace(&mut self.done, Completion::new())
+    }
 }
 
 /// Where the FRAG records coming in go.
@@ -221,9 +243,11 @@ impl ShmPair {
         self._segments[1].clone()
     }
 
-    /// Why the pair failed, once it has.
+    /// Why the pair can no longer serve the same-host area, once it cannot: it failed, or the
+    /// mesh's own group (the only one the area serves) was aborted on it.
     pub(crate) fn failure(&self) -> Option<Error> {
-        self.lock().closed.clone()
+        let g = self.lock();
+        g.closed.clone().or_else(|| g.matcher.refusal(0))
     }
 
     /// Rings the peer's doorbell.
@@ -255,7 +279,7 @@ impl ShmPair {
         if let Some(e) = g.closed.clone().or_else(|| g.matcher.refusal(key.group)) {
             return Err(e);
         }
-        g.sendq.push_back(Out { key, desc, parts, len, done: done.clone(), sent: None });
+        g.sendq.push_back(Out { key, desc, parts, len, done: done.clone(), sent: None, base: 0, _owned: None });
         if g.sendq.len() == 1
             && let Err(e) = self.flush(&mut g)
         {
@@ -313,7 +337,7 @@ impl Pair for ShmPair {
             return;
         }
         self.send_abort(group, cause);
-        if group == 0 {
+        if group == ALL_GROUPS {
             self.fail(&mut g, local.clone());
         } else {
             Self::fail_group(&mut g, group, local);
@@ -327,12 +351,11 @@ impl Pair for ShmPair {
     fn cancel(&self, done: &Arc<Completion>) {
         let mut g = self.lock();
         if let Some(i) = g.sendq.iter().position(|o| Arc::ptr_eq(&o.done, done)) {
-            if g.sendq[i].sent.is_some() {
-                let e =
-                    self.protocol(format!("a send to rank {} was cancelled after part of it was written", self.peer));
-                self.fail(&mut g, e);
-            } else {
-                g.sendq.remove(i);
+            match g.sendq[i].sent {
+                None => drop(g.sendq.remove(i)),
+                // Part of it is in the ring: the peer reads it as one message, so the rest goes
+                // out from a copy and the caller's buffers are free (the pair goes on).
+                Some(sent) => drop(g.sendq[i].detach(sent)),
             }
         }
         if g.unacked.iter().any(|(_, d, _)| Arc::ptr_eq(d, done)) {

@@ -66,7 +66,7 @@ impl ShmPair {
                     let n = frag_max.min(len - sent);
                     let head = FragHead { len: n as u32 }.to_bytes();
                     let mut record: SmallVec<[&[u8]; 5]> = smallvec::smallvec![&head[..]];
-                    record.extend(span(&payload, sent, n));
+                    record.extend(span(&payload, sent - o.base, n));
                     match g.tx.push(FRAG, &record) {
                         Pushed::Full => return Ok(()),
                         pushed => g.wake_peer |= pushed == Pushed::Wake,

@@ -24,12 +24,12 @@ use super::parking::Parking;
 use crate::error::{Error, Result};
 use crate::transport::matching::{Matcher, RecvOp};
 use crate::transport::wake::EventFd;
-use crate::transport::{AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
+use crate::transport::{ALL_GROUPS, AbortCause, Completion, Key, Pair, RecvTarget, SendBuf};
 use crate::types::OpDesc;
 use mio::Token;
 use mio::net::TcpStream;
 use recv::{Reader, Rx};
-use send::{Cancelled, Sender};
+use send::Sender;
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard};
 use watch::{Watch, Watching};
@@ -360,14 +360,13 @@ impl Pair for TcpPair {
             return;
         }
         // Best effort: queue the abort frame behind whatever is queued and write what the
-        // socket takes now. A peer that misses the frame of the mesh's own group sees the
-        // connection close.
+        // socket takes now. A peer that misses a closing frame sees the connection close.
         let owned = cause.encode().into_boxed_slice();
         let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len(), mem: crate::transport::MemKind::Host };
         let hdr = FrameHeader::abort(group, owned.len()).encode();
         let lane = g.tx.lane();
         g.tx.push(lane, group, hdr, smallvec::smallvec![buf], Some(owned), Completion::new());
-        if group == 0 {
+        if group == ALL_GROUPS {
             let _ = self.flush(&mut g);
             self.fail_locked(&mut g, local.clone());
         } else {
@@ -388,16 +387,7 @@ impl Pair for TcpPair {
 
     fn cancel(&self, done: &Arc<Completion>) {
         let mut g = self.lock();
-        if g.tx.cancel(done) == Cancelled::Partly {
-            let e = Error::Protocol {
-                peer: Some(self.peer),
-                detail: format!(
-                    "a send to rank {} was cancelled after part of it was written; the connection cannot continue",
-                    self.peer
-                ),
-            };
-            self.fail_locked(&mut g, e);
-        }
+        g.tx.cancel(done);
         g.matcher.cancel(done);
         g.rx.cancel(done);
     }

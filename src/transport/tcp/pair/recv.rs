@@ -5,7 +5,7 @@ use super::super::frame::{FrameHeader, HEADER_LEN, Kind};
 use super::{Conn, Inner, Lane, Step, TcpPair};
 use crate::error::Error;
 use crate::transport::matching::{Delivery, Dispatch, EarlyRx, Header};
-use crate::transport::{AbortCause, Completion, RecvTarget};
+use crate::transport::{ALL_GROUPS, AbortCause, Completion, RecvTarget};
 use std::io::{self, IoSliceMut, Read};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -316,9 +316,9 @@ impl TcpPair {
         }
     }
 
-    /// Acts on a complete abort frame: the peer gave up on a group. For the mesh's own group
-    /// the pair fails with the peer's cause (returned as the error); a sub-group's operations
-    /// fail and reading goes on.
+    /// Acts on a complete abort frame: the peer gave up on a group. For [`ALL_GROUPS`] the pair
+    /// fails with the peer's cause (returned as the error); for a group, its operations fail
+    /// and reading goes on.
     fn abort_received(&self, g: &mut Inner) -> Step {
         let Rx::Abort { group, len, data } = &g.rx.state else { return Ok(()) };
         if data.len() < *len {
@@ -328,10 +328,10 @@ impl TcpPair {
         let err =
             AbortCause::decode(data).map_err(|detail| Error::Protocol { peer: Some(self.peer), detail })?.into_error();
         g.rx.state = Rx::Header;
-        if group == 0 {
+        if group == ALL_GROUPS {
             return Err(err);
         }
-        tracing::debug!(peer = self.peer, group, error = %err, "peer aborted a sub-group");
+        tracing::debug!(peer = self.peer, group, error = %err, "peer aborted a group");
         g.tx.fail_group(group, &err);
         g.matcher.abort_group(group, &err);
         // Reading goes on here, so a stalled message is looked at again by the caller's loop;

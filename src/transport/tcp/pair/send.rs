@@ -5,7 +5,7 @@ use super::super::frame::{FrameHeader, HEADER_LEN};
 use super::{Lane, Sock};
 use crate::error::Error;
 use crate::transport::span;
-use crate::transport::{Completion, Done, SendBuf};
+use crate::transport::{ALL_GROUPS, Completion, Done, SendBuf};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
@@ -31,8 +31,11 @@ struct SendOp {
     body: SmallVec<[SendBuf; 1]>,
     /// Its length.
     len: usize,
-    /// Memory `body` points into when the pair owns the payload (abort frames).
+    /// Memory `body` points into when the pair owns the payload (abort frames, and the rest
+    /// of a frame cancelled part-way, see [`Sender::cancel`]).
     _owned: Option<Box<[u8]>>,
+    /// Payload bytes before what `body` holds (written before a cancel copied the rest).
+    base: usize,
     /// Bytes of header + payload written so far.
     off: usize,
     done: Arc<Completion>,
@@ -42,17 +45,23 @@ impl SendOp {
     fn total(&self) -> usize {
         HEADER_LEN + self.len
     }
-}
 
-/// What [`Sender::cancel`] found.
-#[derive(Debug, PartialEq, Eq)]
-pub(super) enum Cancelled {
-    /// Not queued (finished, or never here).
-    No,
-    /// Withdrawn before a byte of it was written.
-    Whole,
-    /// Partly written already: the stream cannot go on.
-    Partly,
+    /// Copies the rest of the payload of a frame partly written, to write it from the copy:
+    /// the poster's buffers are no longer read. Returns the poster's completion (the frame
+    /// now has one nobody waits for).
+    fn detach(&mut self) -> Arc<Completion> {
+        let sent = self.off.saturating_sub(HEADER_LEN);
+        // SAFETY: the buffers are still lent (the frame is queued, its completion open).
+        let payload: SmallVec<[&[u8]; 4]> =
+            self.body.iter().map(|b| unsafe { std::slice::from_raw_parts(b.ptr, b.len) }).collect();
+        let mut rest = Vec::with_capacity(self.len - sent);
+        span(&payload, sent - self.base, self.len - sent).for_each(|p| rest.extend_from_slice(p));
+        let rest = rest.into_boxed_slice();
+        self.body = smallvec::smallvec![SendBuf::from_slice(&rest)];
+        self._owned = Some(rest);
+        self.base = sent;
+        std::mem::replace(&mut self.done, Completion::new())
+    }
 }
 
 /// The frames queued on a pair, in the order they go out.
@@ -96,18 +105,20 @@ impl Sender {
             // Tell the peer to read on at the other connection.
             self.queue.push_back(SendOp {
                 lane: self.lane,
-                group: 0,
+                // No group's: a group's abort must not withdraw it.
+                group: ALL_GROUPS,
                 hdr: FrameHeader::switch().encode(),
                 body: SmallVec::new(),
                 len: 0,
                 _owned: None,
+                base: 0,
                 off: 0,
                 done: Completion::new(),
             });
             self.lane = lane;
         }
         let len = body.iter().map(|b| b.len).sum();
-        self.queue.push_back(SendOp { lane, group, hdr, body, len, _owned: owned, off: 0, done });
+        self.queue.push_back(SendOp { lane, group, hdr, body, len, _owned: owned, base: 0, off: 0, done });
     }
 
     /// Writes as much of the queue as the sockets take, in order: a frame for the other
@@ -132,7 +143,7 @@ impl Sender {
                     None => (&op.hdr[op.off..], 0),
                     Some(sent) => (&[], sent),
                 };
-                for part in std::iter::once(hdr).chain(span(&payload, sent, op.len - sent)) {
+                for part in std::iter::once(hdr).chain(span(&payload, sent - op.base, op.len - sent)) {
                     if n_iov == MAX_IOV || budget == 0 {
                         break 'ops;
                     }
@@ -167,14 +178,17 @@ impl Sender {
         Ok(())
     }
 
-    /// Withdraws the frame of `done`.
-    pub(super) fn cancel(&mut self, done: &Arc<Completion>) -> Cancelled {
-        let Some(i) = self.queue.iter().position(|op| Arc::ptr_eq(&op.done, done)) else { return Cancelled::No };
-        if self.queue[i].off > 0 {
-            return Cancelled::Partly;
+    /// Withdraws the frame of `done`: after it returns the sender no longer reads its buffers.
+    /// A frame partly written already cannot be taken back (the peer reads the stream as
+    /// frames): it is [detached](SendOp::detach), so the connection goes on carrying the
+    /// other groups (the peer receives the message whole, or drops it with its group).
+    pub(super) fn cancel(&mut self, done: &Arc<Completion>) {
+        let Some(i) = self.queue.iter().position(|op| Arc::ptr_eq(&op.done, done)) else { return };
+        if self.queue[i].off == 0 {
+            self.queue.remove(i);
+        } else {
+            self.queue[i].detach();
         }
-        self.queue.remove(i);
-        Cancelled::Whole
     }
 
     /// Fails every queued frame (the pair failed).
@@ -184,15 +198,19 @@ impl Sender {
         }
     }
 
-    /// Fails the frames of `group` that have not started (a partly written one must finish,
-    /// or the stream breaks).
+    /// Fails the frames of `group` with `err`: those not started are withdrawn, and a partly
+    /// written one is [detached](SendOp::detach) (it must finish, or the stream breaks).
     pub(super) fn fail_group(&mut self, group: u64, err: &Error) {
-        self.queue.retain(|op| {
-            let drop = op.group == group && op.off == 0 && op._owned.is_none();
-            if drop {
-                op.done.complete(Err(err.clone()));
+        self.queue.retain_mut(|op| {
+            if op.group != group || op._owned.is_some() {
+                return true;
             }
-            !drop
+            if op.off == 0 {
+                op.done.complete(Err(err.clone()));
+                return false;
+            }
+            op.detach().complete(Err(err.clone()));
+            true
         });
     }
 }
