@@ -265,11 +265,12 @@ impl Context {
     /// return promptly).
     ///
     /// A collective that fails after it started communicating (a mismatch, a timeout, a dead
-    /// peer) aborts the context itself: the ranks' collective state no longer agrees, and the
-    /// abort makes sure every rank learns the first cause, at the latest at its next call. To go
-    /// on after a failure, form a new context (for example under a new [`PrefixStore`]
-    /// prefix). Aborting a sub-group leaves its parent and siblings working; aborting the
-    /// context the mesh was formed for closes the connections, and every sub-group with them.
+    /// peer) revokes the context itself ([`revoke`](Self::revoke)): the ranks' collective state
+    /// no longer agrees, and every rank learns the first cause, at the latest at its next call.
+    /// To go on after a failure, [`shrink`](Self::shrink) the context to its live members, or
+    /// form a new one (for example under a new [`PrefixStore`] prefix). Aborting a sub-group
+    /// leaves its parent and siblings working; aborting the context the mesh was formed for
+    /// closes the connections, and every sub-group (and shrunk context) with them.
     ///
     /// [`PrefixStore`]: crate::rendezvous::PrefixStore
     pub fn abort(&self, reason: &str) {

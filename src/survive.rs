@@ -318,14 +318,16 @@ impl Context {
                     }
                     match state.recv.wait(&from, deadline) {
                         None => {
-                            let waiting: Vec<usize> = (0..n)
-                                .filter(|&r| r != me && !round.failed[r])
-                                .filter(|&r| coordinator != me || round.proposals[r].is_none())
-                                .map(|r| members.get(r).copied().unwrap_or(r))
-                                .collect();
+                            // The coordinator waits for proposals, the others for its decision.
+                            let (waiting, what): (Vec<usize>, _) = if coordinator == me {
+                                let w = (0..n).filter(|&r| !round.failed[r] && round.proposals[r].is_none());
+                                (w.collect(), "the proposals of the members")
+                            } else {
+                                (vec![coordinator], "the decision of its coordinator")
+                            };
                             return Err(Error::Timeout {
-                                op: format!("agreement {number} of rank {me}"),
-                                ranks: waiting,
+                                op: format!("agreement {number} of rank {me}, waiting for {what}"),
+                                ranks: waiting.iter().map(|&r| members.get(r).copied().unwrap_or(r)).collect(),
                                 keys: Vec::new(),
                                 waited: self.timeout(),
                             });

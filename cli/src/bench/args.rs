@@ -21,7 +21,8 @@ pub(super) struct Args {
     #[arg(long)]
     pub(super) store: Option<String>,
     /// Collectives: allreduce, allgather, broadcast, reduce_scatter, reduce, alltoall, barrier,
-    /// sendrecv, pingpong (ranks 0 and 1 bounce a message; the time is one way)
+    /// sendrecv, pingpong (ranks 0 and 1 bounce a message; the time is one way), agree (a
+    /// fault-tolerant agreement), shrink (an agreement and the context of the live members)
     /// (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "allreduce")]
     pub(super) op: Vec<String>,

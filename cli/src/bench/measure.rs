@@ -328,6 +328,18 @@ pub(super) fn measure(
             let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.barrier())?;
             (0, 0, 0.0, times)
         }
+        "agree" => {
+            let mut agreed = Vec::new();
+            let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.agree(!0).map(|a| agreed.push(a)))?;
+            wrong = agreed.iter().any(|a| a.value != !0 || !a.failed.is_empty());
+            (0, 0, 0.0, times)
+        }
+        "shrink" => {
+            let mut sizes = Vec::new();
+            let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.shrink().map(|c| sizes.push(c.size())))?;
+            wrong = sizes.iter().any(|&s| s != n);
+            (0, 0, 0.0, times)
+        }
         other => return Err(Error::invalid(format!("unknown collective {other:?}"))),
     };
     let mut bad = [u32::from(wrong && !args.no_check)];
@@ -357,7 +369,7 @@ pub(super) fn measure(
 pub(super) fn effective(op: &str, bytes: usize, ts: usize, n: usize) -> usize {
     match op {
         "allgather" | "reduce_scatter" | "alltoall" => bytes / ts / n * n * ts,
-        "barrier" => 0,
+        "barrier" | "agree" | "shrink" => 0,
         _ => bytes / ts * ts,
     }
 }

@@ -73,7 +73,8 @@ fn run(ctx: &Context, s: &Setup<'_>, gpu: &mut Option<Gpu<'_>>) -> Result<Vec<Ce
     // The plan: per collective, size by size, the algorithms rotated by one at each size.
     let mut plan = Vec::new();
     for op in &args.op {
-        let sz: Vec<usize> = if op == "barrier" { vec![0] } else { sizes.clone() };
+        let sizeless = matches!(op.as_str(), "barrier" | "agree" | "shrink");
+        let sz: Vec<usize> = if sizeless { vec![0] } else { sizes.clone() };
         let shm = ctx.allreduce_algorithm(0, Algorithm::SharedMemory).is_ok() && n > 1;
         let algos = algorithms(op, &args.algorithm, shm)?;
         for (i, &b) in sz.iter().enumerate() {
@@ -86,7 +87,7 @@ fn run(ctx: &Context, s: &Setup<'_>, gpu: &mut Option<Gpu<'_>>) -> Result<Vec<Ce
         for op in &args.op {
             for &b in &sizes {
                 let e = effective(op, b, ts, n);
-                if e != b && op != "barrier" {
+                if e != b && !matches!(op.as_str(), "barrier" | "agree" | "shrink") {
                     let split = matches!(op.as_str(), "allgather" | "reduce_scatter" | "alltoall");
                     let why = if split {
                         format!("do not split into {n} equal blocks of whole {ts}-byte {} elements", s.dtype)

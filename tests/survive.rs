@@ -1,0 +1,342 @@
+//! Surviving a dead rank inside the library: revoke, agree and shrink, with ranks as threads
+//! (a rank "dies" by dropping its context, which closes its connections) on every backend, and
+//! as processes killed with SIGKILL in the middle of collectives and of agreements.
+
+mod common;
+
+use common::{TIMEOUT, all_ok, run_ranks_on};
+use ferrogloo::config::{FERROGLOO_RANK as RANK_ENV, FERROGLOO_SIZE as SIZE_ENV, FERROGLOO_STORE as STORE_ENV};
+use ferrogloo::device::{Device, ShmAttr, TcpAttr, Transport};
+use ferrogloo::launch::RankEnv;
+use ferrogloo::rendezvous::HashStore;
+use ferrogloo::{Agreement, Context, Error, Reduction, Result};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+type MakeDevice = fn() -> Result<Device>;
+
+fn tcp() -> Result<Device> {
+    Device::tcp(&TcpAttr::loopback())
+}
+fn shm() -> Result<Device> {
+    Ok(Device::shared_memory(&ShmAttr::default()))
+}
+fn memory() -> Result<Device> {
+    Ok(Device::in_process())
+}
+
+const BACKENDS: [(&str, MakeDevice); 3] = [("tcp", tcp), ("shm", shm), ("memory", memory)];
+
+/// How long a survivor may take, after the failure, to return from each step: far below the
+/// contexts' deadline (20 s), so a step that waited for a deadline fails the test.
+const PROMPT: Duration = Duration::from_secs(5);
+
+fn run<T: Send>(dev: MakeDevice, n: usize, f: impl Fn(Context) -> Result<T> + Sync) -> Vec<Result<T>> {
+    run_ranks_on(n, &HashStore::new(), &dev, |b| b, f)
+}
+
+/// An allreduce on `ctx` where rank r (of the job the mesh was formed for) contributes r + 1 at
+/// every element, checked against the sum over the context's members.
+fn checked_allreduce(ctx: &Context) -> Result<()> {
+    let me = ctx.world_rank(ctx.rank()).unwrap_or(usize::MAX);
+    let mut v = vec![(me + 1) as u64; 5000];
+    ctx.allreduce(&mut v, Reduction::Sum)?;
+    let want: u64 = (0..ctx.size()).filter_map(|r| ctx.world_rank(r)).map(|w| w as u64 + 1).sum();
+    assert!(v.iter().all(|&x| x == want), "rank {me}: allreduce gave {} where {want} was due", v[0]);
+    Ok(())
+}
+
+#[test]
+fn agreements_without_failures_and_the_flags_of_every_member_on_every_backend() {
+    for (name, dev) in BACKENDS {
+        let sizes: &[usize] = if name == "memory" { &[1, 2, 3, 4, 5, 6, 7, 8, 9] } else { &[1, 2, 3, 5] };
+        for &n in sizes {
+            let got = all_ok(run(dev, n, |ctx| {
+                let r = ctx.rank();
+                // Each rank clears its own bit: the AND has the bits of no member.
+                let mut seen = Vec::new();
+                for round in 0..20u64 {
+                    let flag = !(1u64 << r) ^ (round << 40);
+                    seen.push(ctx.agree(flag)?);
+                }
+                Ok(seen)
+            }));
+            for (r, seen) in got.iter().enumerate() {
+                for (round, a) in seen.iter().enumerate() {
+                    let want = (0..n).fold(!0u64, |acc, m| acc & (!(1u64 << m) ^ ((round as u64) << 40)));
+                    assert_eq!(
+                        a,
+                        &Agreement { value: want, failed: vec![] },
+                        "{name}, {n} ranks, rank {r}, round {round}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_revoke_fails_every_member_at_once_and_they_shrink_to_the_same_members() {
+    for (name, dev) in BACKENDS {
+        for n in [2, 4] {
+            let got = all_ok(run(dev, n, |ctx| {
+                let t = Instant::now();
+                let err = if ctx.rank() == n - 1 {
+                    // The others are blocked in an allreduce that waits for this rank.
+                    ctx.revoke("stop, everyone");
+                    ctx.barrier().expect_err("a revoked context fails its revoker's calls too")
+                } else {
+                    let mut v = vec![1u32; 1000];
+                    ctx.allreduce(&mut v, Reduction::Sum).expect_err("the revoke ends the allreduce")
+                };
+                let took = t.elapsed();
+                assert!(
+                    matches!(&err, Error::Revoked { rank, reason } if *rank == n - 1 && reason == "stop, everyone"),
+                    "{name}: rank {}: {err:?}",
+                    ctx.rank()
+                );
+                assert!(took < PROMPT, "{name}: rank {} took {took:?} to see the revoke", ctx.rank());
+                // Later calls fail too, with the same cause.
+                let again = ctx.broadcast(&mut [0u8; 4], 0, &Default::default()).expect_err("still revoked");
+                assert!(matches!(again, Error::Revoked { .. }), "{again:?}");
+                let a = ctx.agree(1)?;
+                assert_eq!(a, Agreement { value: 1, failed: vec![] });
+                let small = ctx.shrink()?;
+                assert_eq!((small.size(), small.rank()), (n, ctx.rank()), "nobody failed: the same members");
+                checked_allreduce(&small)?;
+                Ok(())
+            }));
+            assert_eq!(got.len(), n);
+        }
+    }
+}
+
+/// `dead` ranks leave (drop their context) in the middle of an allreduce; the others see the
+/// failure, agree on it and shrink; returns what each survivor saw.
+fn leave_mid_allreduce(dev: MakeDevice, n: usize, dead: &[usize]) -> Vec<Result<(Agreement, Vec<usize>)>> {
+    run(dev, n, |ctx| {
+        let me = ctx.rank();
+        // One allreduce everybody finishes; then the dead leave during the next one.
+        checked_allreduce(&ctx)?;
+        if dead.contains(&me) {
+            let mut v = vec![1u64; 1 << 16];
+            // Leaves with its part sent to some peers and not to others.
+            ctx.scope(|s| {
+                for p in (0..n).filter(|&p| p != me) {
+                    let _ = s.isend(p, 77, &v[..p * 100])?;
+                }
+                Ok(())
+            })
+            .ok();
+            v.clear();
+            drop(ctx);
+            return Err(Error::invalid("left"));
+        }
+        let mut v = vec![1u64; 1 << 16];
+        let seen = Instant::now();
+        let err = ctx.allreduce(&mut v, Reduction::Sum).expect_err("a member left");
+        assert!(err.rank().is_some(), "the error names a rank: {err:?}");
+        let agreed = ctx.agree(!0)?;
+        let small = ctx.shrink()?;
+        assert!(seen.elapsed() < PROMPT, "rank {me}: failure to shrink took {:?}", seen.elapsed());
+        let members: Vec<usize> = (0..small.size()).filter_map(|r| small.world_rank(r)).collect();
+        checked_allreduce(&small)?;
+        // The shrunk context works on: agreements, sub-groups, another shrink.
+        assert_eq!(small.agree(3)?, Agreement { value: 3, failed: vec![] });
+        let half = small.split(Some(small.rank() as u32 % 2), 0)?.expect("a color");
+        checked_allreduce(&half)?;
+        let again = small.shrink()?;
+        checked_allreduce(&again)?;
+        Ok((agreed, members))
+    })
+}
+
+#[test]
+fn the_survivors_of_ranks_that_leave_mid_allreduce_agree_on_them_and_shrink() {
+    for (name, dev) in BACKENDS {
+        // A member, the coordinator (rank 0), two at once, the last and the first.
+        for (n, dead) in [(4, vec![2]), (4, vec![0]), (5, vec![1, 3]), (6, vec![0, 5])] {
+            let got = leave_mid_allreduce(dev, n, &dead);
+            let live: Vec<usize> = (0..n).filter(|r| !dead.contains(r)).collect();
+            for (r, outcome) in got.into_iter().enumerate() {
+                if dead.contains(&r) {
+                    continue;
+                }
+                let (agreed, members) =
+                    outcome.unwrap_or_else(|e| panic!("{name}, {n} ranks, dead {dead:?}: rank {r}: {e}"));
+                assert_eq!(agreed.failed, dead, "{name}, {n} ranks: rank {r} agreed on another failed set");
+                assert_eq!(members, live, "{name}, {n} ranks: rank {r}'s shrunk context");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_minority_does_not_go_on_and_half_goes_on_only_with_rank_0() {
+    for (n, dead, goes_on) in [(4, vec![0, 1], false), (4, vec![2, 3], true), (5, vec![0, 1, 2], false)] {
+        let got = leave_mid_allreduce(memory, n, &dead);
+        for (r, outcome) in got.into_iter().enumerate() {
+            if dead.contains(&r) {
+                continue;
+            }
+            match outcome {
+                Ok(_) => assert!(goes_on, "{n} ranks, dead {dead:?}: rank {r} went on"),
+                Err(Error::RanksFailed { ranks, detail }) => {
+                    assert!(!goes_on, "{n} ranks, dead {dead:?}: rank {r} stopped: {detail}");
+                    assert_eq!(ranks, dead);
+                    assert!(detail.contains("not a majority"), "{detail}");
+                }
+                Err(e) => panic!("{n} ranks, dead {dead:?}: rank {r}: {e}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn an_agreement_that_a_live_member_skips_times_out_naming_it() {
+    // Every rank keeps its context (and so its connections) until all are done.
+    let done = std::sync::Barrier::new(3);
+    let got = run_ranks_on(
+        3,
+        &HashStore::new(),
+        &memory,
+        |b| b.timeout(Duration::from_millis(500)),
+        |ctx| {
+            if ctx.rank() == 1 {
+                // Alive, and out of the agreement.
+                done.wait();
+                return Ok(None);
+            }
+            let t = Instant::now();
+            let err = ctx.agree(1).expect_err("rank 1 never agrees");
+            assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+            done.wait();
+            Ok(Some(err))
+        },
+    );
+    for (r, outcome) in got.into_iter().enumerate() {
+        match outcome {
+            Ok(Some(Error::Timeout { ranks, op, .. })) => {
+                assert!(op.contains("agreement"), "{op}");
+                // The coordinator waits for rank 1; rank 2 for the coordinator's decision.
+                let awaited = if r == 0 { vec![1] } else { vec![0] };
+                assert_eq!(ranks, awaited, "rank {r}: {op}");
+            }
+            Ok(None) => assert_eq!(r, 1),
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+}
+
+// Ranks as processes: this binary re-executes itself as each rank (the ignored test
+// `survive_rank`), and the parent kills one with SIGKILL.
+
+const SCENARIO_ENV: &str = "FERROGLOO_TEST_SURVIVE";
+/// Agreements each rank runs in the agreement scenario.
+const AGREEMENTS: u64 = 400;
+
+/// One rank. Does nothing unless started by a test below with the rank variables set.
+#[test]
+#[ignore = "run as a child process by the other tests in this file"]
+fn survive_rank() {
+    if !RankEnv::is_set() {
+        return;
+    }
+    let env = RankEnv::from_env().expect("rank environment");
+    let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
+    let dev = Device::with_transport(Transport::from_env().expect("transport"), &TcpAttr::loopback()).expect("device");
+    let ctx = Context::builder(env.rank, env.size).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");
+    match std::env::var(SCENARIO_ENV).as_deref() {
+        // Agreements in a loop, each printed; the victim dies in the middle of one.
+        Ok("agree") => {
+            for i in 0..AGREEMENTS {
+                let a = ctx.agree(!(i % 7)).expect("agreement");
+                println!("AGREE {i} {} {:?}", a.value, a.failed);
+            }
+            let small = ctx.shrink().expect("shrink");
+            let members: Vec<usize> = (0..small.size()).filter_map(|r| small.world_rank(r)).collect();
+            checked_allreduce(&small).expect("allreduce on the shrunk context");
+            println!("SHRUNK {members:?}");
+        }
+        other => panic!("unknown scenario {other:?}"),
+    }
+    println!("DONE rank {}", env.rank);
+}
+
+fn spawn(n: usize, transport: &str, store: &str) -> Vec<Child> {
+    (0..n)
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
+            cmd.args(["--ignored", "--exact", "survive_rank", "--nocapture", "--test-threads=1"])
+                .env(RANK_ENV, rank.to_string())
+                .env(SIZE_ENV, n.to_string())
+                .env(STORE_ENV, store)
+                .env(SCENARIO_ENV, "agree")
+                .stdout(Stdio::piped());
+            match transport {
+                "mixed" => {
+                    cmd.env("FERROGLOO_TRANSPORT", "auto").env("FERROGLOO_HOST_ID", format!("pretend-{}", rank % 2))
+                }
+                t => cmd.env("FERROGLOO_TRANSPORT", t),
+            };
+            cmd.spawn().expect("starting a rank")
+        })
+        .collect()
+}
+
+fn output(mut child: Child, deadline: Instant) -> (bool, String) {
+    let out = child.stdout.take().expect("piped");
+    let reader = std::thread::spawn(move || std::io::read_to_string(out).unwrap_or_default());
+    match common::wait_or_kill(&mut child, deadline) {
+        Some(st) => (st.success(), reader.join().unwrap_or_default()),
+        None => (false, format!("KILLED AT DEADLINE\n{}", reader.join().unwrap_or_default())),
+    }
+}
+
+/// The victim is killed with SIGKILL right after it printed agreement `at`, so it dies in one of
+/// the next ones (whether it coordinates or not); every survivor must print the same
+/// agreements (values and failed sets) and shrink to the same members.
+fn killed_during_agreements(n: usize, victim: usize, at: u64, transport: &str) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()));
+    let mut doomed = children.remove(victim);
+    let mut lines = BufReader::new(doomed.stdout.take().expect("piped")).lines();
+    let reached = lines.by_ref().map_while(|l| l.ok()).any(|l| l.starts_with(&format!("AGREE {at} ")));
+    assert!(reached, "{transport}: the victim did not reach agreement {at}");
+    doomed.kill().expect("SIGKILL");
+    doomed.wait().expect("reaped");
+    let deadline = Instant::now() + TIMEOUT;
+    let mut seen: Vec<(usize, Vec<String>)> = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let rank = if i < victim { i } else { i + 1 };
+        let (ok, out) = output(c, deadline);
+        assert!(ok && out.contains(&format!("DONE rank {rank}")), "{transport}: survivor {rank} of {n}:\n{out}");
+        let agreed: Vec<String> = out.lines().filter_map(|l| l.split("AGREE ").nth(1).map(str::to_string)).collect();
+        assert_eq!(agreed.len() as u64, AGREEMENTS, "{transport}: survivor {rank}");
+        let last = agreed.last().cloned().unwrap_or_default();
+        assert!(last.ends_with(&format!("[{victim}]")), "{transport}: survivor {rank}'s last agreement: {last}");
+        let live: Vec<usize> = (0..n).filter(|&r| r != victim).collect();
+        assert!(out.contains(&format!("SHRUNK {live:?}")), "{transport}: survivor {rank}:\n{out}");
+        seen.push((rank, agreed));
+    }
+    for (rank, agreed) in &seen[1..] {
+        let (first, theirs) = &seen[0];
+        let differ = agreed.iter().zip(theirs).position(|(a, b)| a != b);
+        assert!(
+            differ.is_none(),
+            "{transport}: ranks {first} and {rank} returned different agreements: {:?} and {:?}",
+            differ.map(|i| &theirs[i]),
+            differ.map(|i| &agreed[i])
+        );
+    }
+}
+
+#[test]
+fn survivors_of_a_rank_killed_during_agreements_return_the_same_ones() {
+    // The coordinator, and a member; over TCP, shared memory and both.
+    killed_during_agreements(4, 0, 40, "tcp");
+    killed_during_agreements(4, 2, 40, "shm");
+    killed_during_agreements(4, 0, 40, "shm");
+    killed_during_agreements(3, 1, 40, "mixed");
+}
