@@ -259,12 +259,51 @@ fn survive_rank() {
             checked_allreduce(&small).expect("allreduce on the shrunk context");
             println!("SHRUNK {members:?}");
         }
+        // Collectives in a loop (`FERROGLOO_TEST_OP`: op:algorithm); the victim is killed
+        // during one; the survivors agree, shrink and check an allreduce on the survivors.
+        Ok("collective") => mid_collective(&ctx),
         other => panic!("unknown scenario {other:?}"),
     }
     println!("DONE rank {}", env.rank);
 }
 
-fn spawn(n: usize, transport: &str, store: &str) -> Vec<Child> {
+/// The collective scenario's rank (see `survive_rank`).
+fn mid_collective(ctx: &Context) {
+    let spec = std::env::var("FERROGLOO_TEST_OP").expect("FERROGLOO_TEST_OP");
+    let (op, algo) = spec.split_once(':').expect("op:algorithm");
+    let opts = ferrogloo::CollectiveOptions { algorithm: algo.parse().expect("algorithm"), ..Default::default() };
+    let (me, n) = (ctx.rank(), ctx.size());
+    let len = 1 << 20; // 4 MiB of f32: pipelined, a few milliseconds per call
+    let mut buf = vec![0f32; len];
+    let mut out = vec![0f32; len * n];
+    let mut i = 0u64;
+    let err = loop {
+        buf.iter_mut().enumerate().for_each(|(k, x)| *x = (me + k % 5) as f32);
+        let done = match op {
+            "allreduce" => ctx.allreduce_with(&mut buf, Reduction::Sum, &opts),
+            "broadcast" => ctx.broadcast(&mut buf, 0, &opts),
+            "allgather" => ctx.allgather(&buf, &mut out, &opts),
+            "barrier" => ctx.barrier(),
+            other => panic!("unknown op {other}"),
+        };
+        if let Err(e) = done {
+            break e;
+        }
+        i += 1;
+        // The parent kills the victim after it says so, during one of its next calls.
+        println!("READY {i}");
+    };
+    let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    println!("FAILED_AT {} {err}", at.as_nanos());
+    let agreed = ctx.agree(!0).expect("agree");
+    let small = ctx.shrink().expect("shrink");
+    checked_allreduce(&small).expect("allreduce on the shrunk context");
+    let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    println!("SHRUNK_AT {} {:?}", at.as_nanos(), agreed.failed);
+}
+
+fn spawn(n: usize, transport: &str, store: &str, scenario: &str) -> Vec<Child> {
+    let (scenario, op) = scenario.split_once('/').unwrap_or((scenario, ""));
     (0..n)
         .map(|rank| {
             let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
@@ -272,7 +311,8 @@ fn spawn(n: usize, transport: &str, store: &str) -> Vec<Child> {
                 .env(RANK_ENV, rank.to_string())
                 .env(SIZE_ENV, n.to_string())
                 .env(STORE_ENV, store)
-                .env(SCENARIO_ENV, "agree")
+                .env(SCENARIO_ENV, scenario)
+                .env("FERROGLOO_TEST_OP", op)
                 .stdout(Stdio::piped());
             match transport {
                 "mixed" => {
@@ -299,7 +339,7 @@ fn output(mut child: Child, deadline: Instant) -> (bool, String) {
 /// agreements (values and failed sets) and shrink to the same members.
 fn killed_during_agreements(n: usize, victim: usize, at: u64, transport: &str) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()));
+    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()), "agree");
     let mut doomed = children.remove(victim);
     let mut lines = BufReader::new(doomed.stdout.take().expect("piped")).lines();
     let reached = lines.by_ref().map_while(|l| l.ok()).any(|l| l.starts_with(&format!("AGREE {at} ")));
@@ -339,4 +379,66 @@ fn survivors_of_a_rank_killed_during_agreements_return_the_same_ones() {
     killed_during_agreements(4, 2, 40, "shm");
     killed_during_agreements(4, 0, 40, "shm");
     killed_during_agreements(3, 1, 40, "mixed");
+}
+
+/// Kills `victim` with SIGKILL during a collective (`op`: op:algorithm) of `n` processes on
+/// `transport`; checks that every survivor fails, agrees that the victim failed, shrinks and
+/// gets a right allreduce, each in bounded time; returns the slowest survivor's time from the
+/// kill to its error and to its shrunk context's checked allreduce.
+fn killed_mid_collective(n: usize, victim: usize, op: &str, transport: &str) -> (Duration, Duration) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()), &format!("collective/{op}"));
+    let mut doomed = children.remove(victim);
+    let mut lines = BufReader::new(doomed.stdout.take().expect("piped")).lines();
+    let ready = lines.by_ref().map_while(|l| l.ok()).any(|l| l.ends_with("READY 3"));
+    assert!(ready, "{op} on {transport}: the victim did not reach its fourth call");
+    doomed.kill().expect("SIGKILL");
+    let killed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock");
+    doomed.wait().expect("reaped");
+    let deadline = Instant::now() + TIMEOUT + Duration::from_secs(10);
+    let (mut failed, mut shrunk) = (Duration::ZERO, Duration::ZERO);
+    let since = |out: &str, tag: &str| -> Duration {
+        let at: u128 = out
+            .lines()
+            .find_map(|l| l.split(tag).nth(1))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("{op} on {transport}: no {tag}:\n{out}"));
+        Duration::from_nanos(at.saturating_sub(killed.as_nanos()) as u64)
+    };
+    for (i, c) in children.into_iter().enumerate() {
+        let rank = if i < victim { i } else { i + 1 };
+        let (ok, out) = output(c, deadline);
+        assert!(ok && out.contains(&format!("DONE rank {rank}")), "{op} on {transport}: survivor {rank}:\n{out}");
+        assert!(out.contains(&format!("[{victim}]")), "{op} on {transport}: survivor {rank} agreed otherwise:\n{out}");
+        failed = failed.max(since(&out, "FAILED_AT "));
+        shrunk = shrunk.max(since(&out, "SHRUNK_AT "));
+    }
+    // Far below the contexts' deadline (20 s): nobody waited for one.
+    assert!(shrunk < PROMPT, "{op} on {transport}: a survivor took {shrunk:?} from the kill to its shrunk allreduce");
+    (failed, shrunk)
+}
+
+#[test]
+fn survivors_of_a_rank_killed_in_each_algorithm_fail_agree_shrink_and_go_on() {
+    let mut table = Vec::new();
+    for (op, transport, n, victim) in [
+        ("allreduce:ring", "tcp", 4, 2),
+        ("allreduce:hd", "tcp", 5, 0),
+        ("allreduce:rd", "shm", 4, 3),
+        ("allreduce:shm", "shm", 4, 1),
+        ("allreduce:auto", "mixed", 4, 1),
+        ("broadcast:pipeline", "tcp", 4, 2),
+        ("broadcast:shm", "shm", 3, 0),
+        ("allgather:ring", "shm", 4, 2),
+        ("barrier:auto", "tcp", 3, 1),
+    ] {
+        let (failed, shrunk) = killed_mid_collective(n, victim, op, transport);
+        table.push(format!("| SIGKILL rank {victim} of {n} | {op} | {transport} | {failed:.1?} | {shrunk:.1?} |"));
+    }
+    println!("| fault | during | transport | slowest survivor's error | slowest shrunk and checked |");
+    println!("|---|---|---|---|---|");
+    for row in table {
+        println!("{row}");
+    }
 }
