@@ -442,3 +442,35 @@ fn survivors_of_a_rank_killed_in_each_algorithm_fail_agree_shrink_and_go_on() {
         println!("{row}");
     }
 }
+
+#[test]
+fn engines_recover_on_the_live_members_after_one_leaves() {
+    use ferrogloo::engine::{Engine, EngineConfig};
+    let cfg = EngineConfig { stall_check: None, ..EngineConfig::default() };
+    for (name, dev) in [("memory", memory as MakeDevice), ("tcp", tcp)] {
+        let got = run(dev, 4, |ctx| {
+            let me = ctx.rank();
+            let mut engine = Engine::new(ctx, cfg.clone())?;
+            let sum = |e: &Engine, tag: &str| -> Result<Vec<i64>> {
+                e.allreduce(tag, vec![me as i64 + 1; 100], Reduction::Sum)?.wait().map(|t| t.data)
+            };
+            assert_eq!(sum(&engine, "before")?, vec![10; 100]);
+            if me == 2 {
+                drop(engine); // leaves: its engine stops, its connections close
+                return Ok(None);
+            }
+            // The next submission fails (rank 2 is gone); the live members recover.
+            let err = sum(&engine, "during").expect_err("rank 2 left");
+            assert_eq!(err.rank(), Some(2), "{name}: rank {me}: {err}");
+            engine.recover()?;
+            assert_eq!(engine.size(), 3, "{name}: rank {me}");
+            assert_eq!(sum(&engine, "after")?, vec![1 + 2 + 4; 100], "{name}: rank {me}");
+            // And once more, with nobody gone: the same members.
+            engine.recover()?;
+            assert_eq!(sum(&engine, "again")?, vec![7; 100], "{name}: rank {me}");
+            Ok(Some(engine.rank()))
+        });
+        let ranks: Vec<Option<usize>> = all_ok(got);
+        assert_eq!(ranks, [Some(0), Some(1), None, Some(2)], "{name}: ranks renumbered in order");
+    }
+}

@@ -27,6 +27,8 @@ pub struct Engine {
     shared: Arc<EngineState>,
     ctx: Arc<Context>,
     thread: Option<JoinHandle<()>>,
+    /// Its configuration, for [`recover`](Engine::recover).
+    config: EngineConfig,
 }
 
 impl std::fmt::Debug for Engine {
@@ -80,12 +82,36 @@ impl Engine {
             Some(p) if ctx.rank() == 0 => Some(p.clone()),
             _ => None,
         };
-        let core = background::Core::new(ctx.clone(), shared.clone(), config, timeline)?;
+        let core = background::Core::new(ctx.clone(), shared.clone(), config.clone(), timeline)?;
         let thread = std::thread::Builder::new()
             .name(format!("ferrogloo-engine-{}", ctx.rank()))
             .spawn(move || core.run())
             .map_err(|e| Error::io("starting the engine's thread", e))?;
-        Ok(Engine { shared, ctx, thread: Some(thread) })
+        Ok(Engine { shared, ctx, thread: Some(thread), config })
+    }
+
+    /// Goes on after a failure, without the ranks that failed: stops this engine (revoking its
+    /// context, if it has not failed already, so that every member's engine stops too), lets
+    /// the live members [`shrink`](Context::shrink) its context, and starts a new engine with
+    /// the same configuration on the shrunk one. Submissions pending in the old engine have
+    /// failed with its cause; the new engine starts with an empty response cache. Every live
+    /// member calls it; ranks are renumbered as the shrunk context says ([`rank`](Self::rank),
+    /// [`size`](Self::size)).
+    ///
+    /// Errors: those of [`Context::shrink`] (a member that does not recover in time, a minority
+    /// of survivors), and of starting an engine.
+    pub fn recover(&mut self) -> Result<()> {
+        if self.error().is_none() {
+            self.ctx.revoke("the engine recovers");
+        }
+        // The thread ends once it sees the revoked context (its waits fail at once).
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let small = self.ctx.shrink()?;
+        let fresh = Engine::new(small, self.config.clone())?;
+        drop(std::mem::replace(self, fresh));
+        Ok(())
     }
 
     /// Joins the job this process was started in ([`RankEnv::from_env`](crate::launch::RankEnv::from_env):
