@@ -39,11 +39,13 @@
 
 use crate::comm::{Comm, PersistentRecv, fnv};
 use crate::context::Context;
+use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::rendezvous::{PrefixStore, Store};
 use crate::sync::lock;
 use crate::transport::group_id;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Marks the group ids of agreements and of shrunk contexts apart from others.
 const AGREE: u64 = 0x4147_5245_4500_0001;
@@ -55,6 +57,14 @@ const DECIDE: u64 = 0x4445_4349;
 
 /// Words before the bitmap of failed ranks: kind, agreement number, epoch, value.
 const HEAD: usize = 4;
+
+/// Store keys of [`Context::grow`]: a counter of grows, the open one, and each one's joiners.
+const GROW_COUNT: &str = "ferrogloo.grow.count";
+const GROW_OPEN: &str = "ferrogloo.grow.open";
+
+fn grow_prefix(epoch: i64) -> String {
+    format!("ferrogloo.grow.{epoch}")
+}
 
 /// What the live members of a context agreed on ([`Context::agree`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -396,5 +406,99 @@ impl Context {
         lock(&self.comm().shared().failure).take();
         let group = self.comm().subgroup_id(SHRINK);
         Ok(self.child(group, members))
+    }
+}
+
+impl Context {
+    /// Grows the context by `n` new ranks that join through `store` with
+    /// [`Context::join_existing`] (the rendezvous a shrink does not need): every member calls
+    /// it with the same `n`, and gets the context of the members (ranks unchanged) followed by
+    /// the newcomers (ranks `size..size + n`, in the order they joined). It is formed afresh
+    /// through the store, on this context's device, within this context's timeout; this
+    /// context stays as it was. Use a store (or [`PrefixStore`] prefix) of this job only.
+    ///
+    /// The new context's connections are authenticated with the job's secret from the
+    /// environment (as [`ContextBuilder::secret`](crate::context::ContextBuilder::secret)
+    /// defaults to), not with a secret given to this context's builder.
+    ///
+    /// Errors: [`Error::Mismatch`] when members pass different `n`; [`Error::Timeout`] when
+    /// the newcomers do not come in time; a store's errors.
+    pub fn grow<S: Store + ?Sized>(&self, store: &S, n: usize) -> Result<Context> {
+        let size = self.size();
+        // Rank 0 opens a grow of its own number; every member learns it and checks `n`.
+        let mut open = [0u64, n as u64];
+        if self.rank() == 0 {
+            open[0] = u64::try_from(store.add(GROW_COUNT, 1)?).unwrap_or(0);
+        }
+        self.broadcast(&mut open, 0, &Default::default())?;
+        if open[1] != n as u64 {
+            return Err(Error::Mismatch {
+                rank: self.world_rank(0).unwrap_or(0),
+                detail: format!("grow: rank 0 grows by {} ranks, rank {} by {n}", open[1], self.rank()),
+            });
+        }
+        let epoch = i64::try_from(open[0]).map_err(|_| Error::invalid("grow: a grow number out of range"))?;
+        if self.rank() == 0 {
+            store.set(GROW_OPEN, format!("{epoch} {size} {n}").as_bytes())?;
+        }
+        let grown = Context::builder(self.rank(), size + n)
+            .timeout(self.timeout())
+            .connect(&PrefixStore::new(grow_prefix(epoch), store), self.device());
+        if self.rank() == 0 {
+            // Closed: a newcomer that comes now waits for the next grow.
+            let _ = store.delete(GROW_OPEN);
+        }
+        grown
+    }
+
+    /// Joins a live context that grows ([`Context::grow`]) as a new rank, through `store` (the
+    /// one the members pass), on `device`: waits, up to `timeout`, for a grow that has room,
+    /// takes the next rank in it and forms the grown context with the members and the other
+    /// newcomers (its deadline, and the new context's default one, is `timeout`).
+    ///
+    /// ```no_run
+    /// # use ferrogloo::{Context, Reduction, device::Device, rendezvous::FileStore};
+    /// # use std::time::Duration;
+    /// let store = FileStore::new("/shared/job-42")?;
+    /// let ctx = Context::join_existing(&store, &Device::from_env()?, Duration::from_secs(60))?;
+    /// // Catch up with the others, for example: the step and the weights from rank 0.
+    /// let mut step = [0u64];
+    /// ctx.broadcast(&mut step, 0, &Default::default())?;
+    /// # Ok::<(), ferrogloo::Error>(())
+    /// ```
+    pub fn join_existing<S: Store + ?Sized>(store: &S, device: &Device, timeout: Duration) -> Result<Context> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            if let Some(open) = store.try_get(GROW_OPEN)? {
+                let text = String::from_utf8_lossy(&open).into_owned();
+                let parsed: Vec<i64> = text.split(' ').filter_map(|w| w.parse().ok()).collect();
+                let [epoch, size, n] = parsed[..] else {
+                    return Err(Error::store(GROW_OPEN, format!("holds {text:?}, not a grow")));
+                };
+                let joined = store.add(&format!("{}/joined", grow_prefix(epoch)), 1)?;
+                if (1..=n).contains(&joined) {
+                    let (rank, new_size) = (size + joined - 1, size + n);
+                    let (rank, new_size) = (
+                        usize::try_from(rank).map_err(|_| Error::store(GROW_OPEN, "a rank out of range"))?,
+                        usize::try_from(new_size).map_err(|_| Error::store(GROW_OPEN, "a size out of range"))?,
+                    );
+                    return Context::builder(rank, new_size)
+                        .timeout(timeout)
+                        .connect(&PrefixStore::new(grow_prefix(epoch), store), device);
+                }
+                // That grow is full: wait for the next.
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    op: format!("joining a live context through {} (no grow with room was open)", store.describe()),
+                    ranks: Vec::new(),
+                    keys: vec![GROW_OPEN.to_string()],
+                    waited: timeout,
+                });
+            }
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
     }
 }

@@ -474,3 +474,81 @@ fn engines_recover_on_the_live_members_after_one_leaves() {
         assert_eq!(ranks, [Some(0), Some(1), None, Some(2)], "{name}: ranks renumbered in order");
     }
 }
+
+/// Members and newcomers as threads: `members` ranks form a context on `dev` (through `store`);
+/// `leave` of them leave after one allreduce and the others shrink; then the live members grow
+/// by `newcomers`, who join with `join_existing`. Returns each thread's (rank, size) in the
+/// grown context (members first, in their old order, then newcomers), after a checked allreduce.
+fn shrink_then_grow(dev: MakeDevice, members: usize, leave: &[usize], newcomers: usize) -> Vec<(usize, usize)> {
+    let store = HashStore::new();
+    let grow_store = HashStore::new();
+    std::thread::scope(|s| {
+        let olds: Vec<_> = (0..members)
+            .map(|r| {
+                let (store, grow_store) = (&store, &grow_store);
+                s.spawn(move || -> Result<Option<(usize, usize)>> {
+                    let ctx = Context::builder(r, members).timeout(TIMEOUT).connect(store, &dev()?)?;
+                    checked_allreduce(&ctx)?;
+                    if leave.contains(&r) {
+                        return Ok(None);
+                    }
+                    let live = if leave.is_empty() {
+                        ctx
+                    } else {
+                        let _ = ctx.barrier(); // fails: ranks left
+                        ctx.shrink()?
+                    };
+                    let grown = live.grow(grow_store, newcomers)?;
+                    checked_sum(&grown)?;
+                    Ok(Some((grown.rank(), grown.size())))
+                })
+            })
+            .collect();
+        let news: Vec<_> = (0..newcomers)
+            .map(|_| {
+                let grow_store = &grow_store;
+                s.spawn(move || -> Result<Option<(usize, usize)>> {
+                    let grown = Context::join_existing(grow_store, &dev()?, TIMEOUT)?;
+                    checked_sum(&grown)?;
+                    Ok(Some((grown.rank(), grown.size())))
+                })
+            })
+            .collect();
+        olds.into_iter()
+            .chain(news)
+            .filter_map(|h| h.join().expect("a thread panicked").unwrap_or_else(|e| panic!("{e}")))
+            .collect()
+    })
+}
+
+/// An allreduce of every rank's rank + 1, checked (ranks of a grown context are its own).
+fn checked_sum(ctx: &Context) -> Result<()> {
+    let mut v = vec![ctx.rank() as u64 + 1; 3000];
+    ctx.allreduce(&mut v, Reduction::Sum)?;
+    let n = ctx.size() as u64;
+    assert!(v.iter().all(|&x| x == n * (n + 1) / 2), "rank {}: {}", ctx.rank(), v[0]);
+    Ok(())
+}
+
+#[test]
+fn live_members_grow_with_newcomers_that_join_through_the_store() {
+    for (name, dev) in BACKENDS {
+        // Two more, with nobody gone.
+        let mut got = shrink_then_grow(dev, 3, &[], 2);
+        got.sort_unstable();
+        assert_eq!(got, [(0, 5), (1, 5), (2, 5), (3, 5), (4, 5)], "{name}");
+        // A rank left: the survivors shrink, and a newcomer takes the free place.
+        let got = shrink_then_grow(dev, 4, &[1], 1);
+        assert_eq!(&got[..3], [(0, 4), (1, 4), (2, 4)], "{name}: the survivors keep their order");
+        assert_eq!(got[3], (3, 4), "{name}: the newcomer is last");
+    }
+}
+
+#[test]
+fn a_newcomer_with_no_grow_open_times_out_saying_so() {
+    let t = Instant::now();
+    let err = Context::join_existing(&HashStore::new(), &Device::in_process(), Duration::from_millis(300))
+        .expect_err("no grow");
+    assert!(t.elapsed() < Duration::from_secs(3));
+    assert!(matches!(&err, Error::Timeout { op, .. } if op.contains("no grow with room")), "{err}");
+}
