@@ -261,10 +261,11 @@ impl Comm {
     fn fail_as(&self, err: &Error, group: u64) {
         {
             let mut a = lock(&self.aborted);
-            if a.is_some() {
+            // Closing goes ahead on a failed group too: its connections stay up until then.
+            if a.is_some() && group != ALL_GROUPS {
                 return;
             }
-            *a = Some(err.clone());
+            a.get_or_insert_with(|| err.clone());
         }
         tracing::debug!(rank = self.rank, group = self.group, error = %err, "context aborted");
         let cause = AbortCause::of(err, self.shared.world_rank);

@@ -552,3 +552,25 @@ fn a_newcomer_with_no_grow_open_times_out_saying_so() {
     assert!(t.elapsed() < Duration::from_secs(3));
     assert!(matches!(&err, Error::Timeout { op, .. } if op.contains("no grow with room")), "{err}");
 }
+
+#[test]
+fn an_abort_after_a_revoke_still_closes_the_connections() {
+    for (name, dev) in BACKENDS {
+        let got = all_ok(run(dev, 3, |ctx| {
+            let all = ctx.subgroup(&[0, 1, 2])?;
+            if ctx.rank() == 0 {
+                ctx.revoke("first");
+                ctx.abort("then close everything");
+                return Ok(None);
+            }
+            // Waits in the sub-group, which the revoke leaves alone and the abort closes.
+            let t = Instant::now();
+            let err = all.recv(0, 3, &mut [0u8; 1]).expect_err("rank 0 closed its connections");
+            assert!(t.elapsed() < PROMPT, "{name}: {:?}", t.elapsed());
+            Ok(Some(err))
+        }));
+        for err in got.into_iter().flatten() {
+            assert_eq!(err.rank(), Some(0), "{name}: {err}");
+        }
+    }
+}

@@ -521,6 +521,54 @@ fn mismatch_in_words(dev: MakeDevice) {
     }
 }
 
+/// Rule 9: a send cancelled after part of it went out never arrives cut or changed: the peer
+/// receives it whole, with the bytes it had when it was posted (the sender reuses its buffer
+/// at once), or not at all, and the pair goes on; or, where the peer reads the sender's memory
+/// itself, the pair fails saying so.
+fn cancel_midway(dev: MakeDevice) {
+    let len = 24 << 20;
+    let cancelled = std::sync::Barrier::new(2);
+    run(dev, 2, |ctx| {
+        let original = bytes(5, len);
+        if ctx.rank() == 0 {
+            let mut big = original.clone();
+            let waited = ctx.scope(|s| Ok(s.isend(1, 5, &big)?.wait_timeout(Duration::from_millis(30))))?;
+            assert!(waited.is_err(), "24 MiB went out with nobody receiving: the test needs a partial send");
+            big.fill(0); // the sender's buffer is its own again
+            cancelled.wait();
+            if let Err(e) = ctx.send(1, 6, &[7u8]) {
+                // The peer was reading this rank's memory: the pair failed, saying so.
+                assert!(matches!(e, Error::Protocol { .. }) && e.to_string().contains("cancelled"), "{e}");
+                return Ok(());
+            }
+            let mut back = [0u8; 1];
+            if ctx.recv(1, 7, &mut back).is_ok() {
+                assert_eq!(back, [9]);
+            }
+            return Ok(());
+        }
+        cancelled.wait();
+        let mut got = vec![0u8; len];
+        let mut token = [0u8; 1];
+        let outcome = ctx.scope(|s| {
+            let whole = s.irecv(0, 5, &mut got)?;
+            let after = s.irecv(0, 6, &mut token)?;
+            assert_eq!(after.wait()?, [7]);
+            // The rest of the cancelled send came before the token, or nothing of it did.
+            Ok(whole.wait_timeout(Duration::from_millis(200)).map(|b| b == original.as_slice()))
+        });
+        match outcome {
+            Ok(Ok(intact)) => assert!(intact, "the cancelled message arrived changed"),
+            Ok(Err(e)) => assert!(e.is_timeout(), "the cancelled message neither arrived nor was withdrawn: {e}"),
+            Err(e) => {
+                assert!(matches!(e, Error::Protocol { .. }) && e.to_string().contains("cancelled"), "{e}");
+                return Ok(());
+            }
+        }
+        ctx.send(0, 7, &[9u8])
+    });
+}
+
 macro_rules! backends {
     ($($(#[$attr:meta])* $backend:ident => $device:expr),* $(,)?) => {$(
         #[allow(unused_attributes)]
@@ -541,6 +589,7 @@ macro_rules! backends {
             $(#[$attr])* #[test] fn subgroup_abort() { super::subgroup_abort(DEVICE) }
             $(#[$attr])* #[test] fn local_abort() { super::local_abort(DEVICE) }
             $(#[$attr])* #[test] fn mismatch_in_words() { super::mismatch_in_words(DEVICE) }
+            $(#[$attr])* #[test] fn cancel_midway() { super::cancel_midway(DEVICE) }
         }
     )*};
 }

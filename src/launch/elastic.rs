@@ -195,6 +195,7 @@ pub fn is_membership_error(e: &Error) -> bool {
             | Error::PeerTimedOut { .. }
             | Error::Timeout { .. }
             | Error::Aborted { .. }
+            | Error::Revoked { .. }
             | Error::MembershipChanged { .. }
     )
 }

@@ -56,14 +56,18 @@
 //!    collective, root, count or order): the receive completes with [`Error::Mismatch`] at
 //!    once, and a message of an earlier sequence than the receive is dropped.
 //! 8. **Abort.** [`Pair::abort`] tells the peer why (an [`AbortCause`], best effort) and fails
-//!    this side's operations of the group. For the mesh's own group (0) the pair then closes;
-//!    the peer fails every pending and future operation on it with the cause turned back into
-//!    an error ([`AbortCause::into_error`]). For a sub-group only that group's operations fail,
-//!    on both sides, and the pair goes on serving the others. A message of the group already on
-//!    its way (a send partly written, a payload partly read into its receive) finishes first,
-//!    as a stream must.
-//! 9. **Cancellation.** `cancel` removes a pending operation. If a send had already been partly
-//!    written, the stream cannot continue, so the pair fails with [`Error::Protocol`].
+//!    the group's operations on both sides; the pair goes on serving the other groups (the
+//!    mesh's own group, 0, is a group like the others, so that survivors of a failure can agree
+//!    and shrink over the pairs they hold). A message of the group already on its way finishes
+//!    as a stream must: a send partly written goes on from a copy of its rest (its poster's
+//!    operation fails at once), a payload partly read into its receive is read to its end. An
+//!    abort of [`ALL_GROUPS`] closes the pair: the peer fails every pending and future operation
+//!    on it with the cause turned back into an error ([`AbortCause::into_error`]).
+//! 9. **Cancellation.** `cancel` removes a pending operation. A send partly written goes on
+//!    from a copy of its rest, so the stream stays whole (the copy is the message's rest, made
+//!    under the pair's lock: a failure path only). Where the peer may be reading the sender's
+//!    memory itself (single-copy shared memory, RDMA), a cancel of such a send fails the pair
+//!    instead: its memory goes back to the caller while the peer may still read it.
 //! 10. **Deadlines** are the waiter's: [`Progress::wait`] returns `None` at the deadline and the
 //!     waiter cancels. A backend never blocks a poster or a waiter past the deadline it is given.
 //!

@@ -245,7 +245,7 @@ impl Dir {
         self.drain();
     }
 
-    /// Gives up on `group` (0: everything) on this direction: posted receives and waiting sends
+    /// Gives up on `group` ([`ALL_GROUPS`]: everything) on this direction: posted receives and waiting sends
     /// fail with `receiver` and `sender`, each side's error; what waited behind them goes on.
     fn shut(&mut self, group: u64, receiver: &Error, sender: &Error) {
         if group == ALL_GROUPS {

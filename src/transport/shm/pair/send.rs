@@ -41,6 +41,7 @@ impl ShmPair {
                     o.done.complete(Ok(Done { peer: self.peer, len }));
                 }
             } else if self.peer_reads_mine
+                && o.sent.is_none()
                 && let [one] = o.parts[..]
             {
                 let seq = g.next_seq;
