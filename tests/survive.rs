@@ -277,10 +277,17 @@ fn mid_collective(ctx: &Context) {
     let mut buf = vec![0f32; len];
     let mut out = vec![0f32; len * n];
     let mut i = 0u64;
+    let victim: Option<usize> = std::env::var("FERROGLOO_TEST_VICTIM").ok().and_then(|v| v.parse().ok());
     let err = loop {
         buf.iter_mut().enumerate().for_each(|(k, x)| *x = (me + k % 5) as f32);
+        if op == "revoke" && i == 4 && victim == Some(me) {
+            // Revokes while the others allreduce, and dies at once (fault injection).
+            ctx.revoke("rank about to die");
+            // SAFETY: raise(3) with a valid signal number; SIGKILL ends the process here.
+            unsafe { libc::raise(libc::SIGKILL) };
+        }
         let done = match op {
-            "allreduce" => ctx.allreduce_with(&mut buf, Reduction::Sum, &opts),
+            "allreduce" | "revoke" => ctx.allreduce_with(&mut buf, Reduction::Sum, &opts),
             "broadcast" => ctx.broadcast(&mut buf, 0, &opts),
             "allgather" => ctx.allgather(&buf, &mut out, &opts),
             "barrier" => ctx.barrier(),
@@ -302,7 +309,7 @@ fn mid_collective(ctx: &Context) {
     println!("SHRUNK_AT {} {:?}", at.as_nanos(), agreed.failed);
 }
 
-fn spawn(n: usize, transport: &str, store: &str, scenario: &str) -> Vec<Child> {
+fn spawn(n: usize, transport: &str, store: &str, scenario: &str, victim: usize) -> Vec<Child> {
     let (scenario, op) = scenario.split_once('/').unwrap_or((scenario, ""));
     (0..n)
         .map(|rank| {
@@ -313,6 +320,7 @@ fn spawn(n: usize, transport: &str, store: &str, scenario: &str) -> Vec<Child> {
                 .env(STORE_ENV, store)
                 .env(SCENARIO_ENV, scenario)
                 .env("FERROGLOO_TEST_OP", op)
+                .env("FERROGLOO_TEST_VICTIM", victim.to_string())
                 .stdout(Stdio::piped());
             match transport {
                 "mixed" => {
@@ -339,7 +347,7 @@ fn output(mut child: Child, deadline: Instant) -> (bool, String) {
 /// agreements (values and failed sets) and shrink to the same members.
 fn killed_during_agreements(n: usize, victim: usize, at: u64, transport: &str) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()), "agree");
+    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()), "agree", victim);
     let mut doomed = children.remove(victim);
     let mut lines = BufReader::new(doomed.stdout.take().expect("piped")).lines();
     let reached = lines.by_ref().map_while(|l| l.ok()).any(|l| l.starts_with(&format!("AGREE {at} ")));
@@ -387,7 +395,8 @@ fn survivors_of_a_rank_killed_during_agreements_return_the_same_ones() {
 /// kill to its error and to its shrunk context's checked allreduce.
 fn killed_mid_collective(n: usize, victim: usize, op: &str, transport: &str) -> (Duration, Duration) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()), &format!("collective/{op}"));
+    let mut children =
+        spawn(n, transport, &format!("file:{}", dir.path().display()), &format!("collective/{op}"), victim);
     let mut doomed = children.remove(victim);
     let mut lines = BufReader::new(doomed.stdout.take().expect("piped")).lines();
     let ready = lines.by_ref().map_while(|l| l.ok()).any(|l| l.ends_with("READY 3"));
@@ -432,9 +441,13 @@ fn survivors_of_a_rank_killed_in_each_algorithm_fail_agree_shrink_and_go_on() {
         ("broadcast:shm", "shm", 3, 0),
         ("allgather:ring", "shm", 4, 2),
         ("barrier:auto", "tcp", 3, 1),
+        // The victim revokes during the others' allreduce and dies at once.
+        ("revoke:auto", "tcp", 4, 1),
+        ("revoke:auto", "shm", 4, 0),
     ] {
         let (failed, shrunk) = killed_mid_collective(n, victim, op, transport);
-        table.push(format!("| SIGKILL rank {victim} of {n} | {op} | {transport} | {failed:.1?} | {shrunk:.1?} |"));
+        let fault = if op.starts_with("revoke") { "revoke, then SIGKILL" } else { "SIGKILL" };
+        table.push(format!("| {fault} rank {victim} of {n} | {op} | {transport} | {failed:.1?} | {shrunk:.1?} |"));
     }
     println!("| fault | during | transport | slowest survivor's error | slowest shrunk and checked |");
     println!("|---|---|---|---|---|");
