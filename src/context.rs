@@ -1,7 +1,7 @@
 //! The [`Context`]: this rank's place in a job, with one connected pair per peer.
 
 use crate::comm::{Comm, Scope, World};
-use crate::config::{FERROGLOO_TIMEOUT, Vars};
+use crate::config::{FERROGLOO_HEARTBEAT, FERROGLOO_TIMEOUT, Vars};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mesh::{self, MeshSpec};
@@ -38,6 +38,7 @@ pub struct ContextBuilder {
     timeout: Option<Duration>,
     secret: Option<Vec<u8>>,
     busy_poll: Option<Duration>,
+    heartbeat: Option<Duration>,
 }
 
 impl ContextBuilder {
@@ -50,6 +51,20 @@ impl ContextBuilder {
     /// busy-waiting.
     pub fn busy_poll(mut self, budget: Duration) -> Self {
         self.busy_poll = Some(budget);
+        self
+    }
+
+    /// Heartbeats every `interval` among the ranks (zero: none; default: `FERROGLOO_HEARTBEAT`
+    /// seconds when set, else none): a peer silent for four intervals (its process stopped,
+    /// its host frozen or cut off while its connections stay open) is taken for dead and its
+    /// connections closed, so operations with it fail at once instead of at their deadline,
+    /// and [`agree`](Context::agree) counts it failed. It costs a thread per process and a
+    /// message per peer and interval. Choose `interval` so that four of them are longer than
+    /// the longest message takes to send (a heartbeat waits behind it). A peer taken for dead
+    /// that comes back finds its connections closed: it cannot go on in the context (it may
+    /// join again through [`grow`](Context::grow)).
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = Some(interval);
         self
     }
 
@@ -86,7 +101,7 @@ impl ContextBuilder {
     /// [`Error::Timeout`] naming the missing ranks and keys when the mesh is not complete in
     /// time.
     pub fn connect<S: Store + ?Sized>(self, store: &S, device: &Device) -> Result<Context> {
-        let ContextBuilder { rank, size, timeout, secret, busy_poll } = self;
+        let ContextBuilder { rank, size, timeout, secret, busy_poll, heartbeat } = self;
         if size == 0 {
             return Err(Error::invalid("context size must be at least 1"));
         }
@@ -99,6 +114,12 @@ impl ContextBuilder {
         let timeout = match timeout {
             Some(t) => t,
             None => default_timeout()?,
+        };
+        let heartbeat = match heartbeat {
+            Some(h) => h,
+            None => Vars::process()
+                .seconds(FERROGLOO_HEARTBEAT, |s| s >= 0.0, "a number of seconds, 0 or more")?
+                .unwrap_or(Duration::ZERO),
         };
         // A launched rank proves the job's secret without being told (see `credentials`).
         let secret = match secret {
@@ -115,12 +136,12 @@ impl ContextBuilder {
         let spin = busy_wait(busy_poll, &hosts, rank);
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
         let shared = Arc::new(World::new(mesh, rank, hosts, spin));
-        Ok(Context {
-            comm: Comm::root(shared, timeout),
-            device: device.clone(),
-            hier: OnceLock::new(),
-            survival: Default::default(),
-        })
+        let comm = Comm::root(shared, timeout);
+        let heartbeat = match heartbeat.is_zero() || size == 1 {
+            true => None,
+            false => Some(crate::survive::heartbeat::Heartbeat::start(&comm, heartbeat)?),
+        };
+        Ok(Context { comm, device: device.clone(), hier: OnceLock::new(), survival: Default::default(), heartbeat })
     }
 }
 
@@ -152,6 +173,9 @@ pub struct Context {
     hier: OnceLock<Option<Hierarchy>>,
     /// The state of its agreements ([`Context::agree`]).
     survival: crate::survive::Survival,
+    /// The mesh's heartbeats, shared by every context over it (see
+    /// [`ContextBuilder::heartbeat`]); they stop with the last.
+    heartbeat: Option<Arc<crate::survive::heartbeat::Heartbeat>>,
 }
 
 /// A context over several hosts whose ranks share memory within each host: the host leaders
@@ -178,7 +202,7 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// Starts describing the context of `rank` in a job of `size` ranks.
     pub fn builder(rank: usize, size: usize) -> ContextBuilder {
-        ContextBuilder { rank, size, timeout: None, secret: None, busy_poll: None }
+        ContextBuilder { rank, size, timeout: None, secret: None, busy_poll: None, heartbeat: None }
     }
 
     pub(crate) fn comm(&self) -> &Comm {
@@ -494,7 +518,13 @@ impl Context {
     /// this context's connections, with group id `group`.
     pub(crate) fn child(&self, group: u64, members: Arc<[usize]>) -> Context {
         let comm = Comm::over(self.comm.shared().clone(), group, members, self.timeout());
-        Context { comm, device: self.device.clone(), hier: OnceLock::new(), survival: Default::default() }
+        Context {
+            comm,
+            device: self.device.clone(),
+            hier: OnceLock::new(),
+            survival: Default::default(),
+            heartbeat: self.heartbeat.clone(),
+        }
     }
 }
 

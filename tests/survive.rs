@@ -244,6 +244,11 @@ fn survive_rank() {
         return;
     }
     let env = RankEnv::from_env().expect("rank environment");
+    // Library logs on stderr where the parent asks for them (RUST_LOG).
+    if std::env::var_os("RUST_LOG").is_some() {
+        let filter = tracing_subscriber::EnvFilter::from_default_env();
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    }
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     let dev = Device::with_transport(Transport::from_env().expect("transport"), &TcpAttr::loopback()).expect("device");
     let ctx = Context::builder(env.rank, env.size).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");
@@ -302,14 +307,30 @@ fn mid_collective(ctx: &Context) {
     };
     let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     println!("FAILED_AT {} {err}", at.as_nanos());
-    let agreed = ctx.agree(!0).expect("agree");
-    let small = ctx.shrink().expect("shrink");
+    // A rank the others took for dead (stopped, then woken) cannot go on: it says so and ends.
+    let refused = |e: Error| -> ! {
+        println!("REFUSED {e}");
+        std::process::exit(3)
+    };
+    let agreed = ctx.agree(!0).unwrap_or_else(|e| refused(e));
+    let small = ctx.shrink().unwrap_or_else(|e| refused(e));
     checked_allreduce(&small).expect("allreduce on the shrunk context");
     let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     println!("SHRUNK_AT {} {:?}", at.as_nanos(), agreed.failed);
 }
 
 fn spawn(n: usize, transport: &str, store: &str, scenario: &str, victim: usize) -> Vec<Child> {
+    spawn_with(n, transport, store, scenario, victim, &[])
+}
+
+fn spawn_with(
+    n: usize,
+    transport: &str,
+    store: &str,
+    scenario: &str,
+    victim: usize,
+    env: &[(&str, &str)],
+) -> Vec<Child> {
     let (scenario, op) = scenario.split_once('/').unwrap_or((scenario, ""));
     (0..n)
         .map(|rank| {
@@ -321,6 +342,7 @@ fn spawn(n: usize, transport: &str, store: &str, scenario: &str, victim: usize) 
                 .env(SCENARIO_ENV, scenario)
                 .env("FERROGLOO_TEST_OP", op)
                 .env("FERROGLOO_TEST_VICTIM", victim.to_string())
+                .envs(env.iter().copied())
                 .stdout(Stdio::piped());
             match transport {
                 "mixed" => {
@@ -584,6 +606,85 @@ fn an_abort_after_a_revoke_still_closes_the_connections() {
         }));
         for err in got.into_iter().flatten() {
             assert_eq!(err.rank(), Some(0), "{name}: {err}");
+        }
+    }
+}
+
+/// With heartbeats every 50 ms, `victim` is stopped with SIGSTOP during an allreduce: its
+/// connections stay open, and only the heartbeats tell. The survivors take it for dead within
+/// a few intervals (not at their 20 s deadline), agree, shrink and go on; woken with SIGCONT,
+/// the victim finds its connections closed and cannot go on. Returns the slowest survivor's
+/// time from the stop to its error.
+fn stopped_mid_collective(n: usize, victim: usize, transport: &str) -> Duration {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = format!("file:{}", dir.path().display());
+    let beat = [("FERROGLOO_HEARTBEAT", "0.05")];
+    let mut children = spawn_with(n, transport, &store, "collective/allreduce:auto", victim, &beat);
+    let mut doomed = children.remove(victim);
+    let mut lines = BufReader::new(doomed.stdout.take().expect("piped")).lines();
+    let ready = lines.by_ref().map_while(|l| l.ok()).any(|l| l.ends_with("READY 3"));
+    assert!(ready, "{transport}: the victim did not reach its fourth call");
+    let pid = nix::unistd::Pid::from_raw(doomed.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    let stopped = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock");
+    let deadline = Instant::now() + TIMEOUT + Duration::from_secs(10);
+    let mut failed = Duration::ZERO;
+    for (i, c) in children.into_iter().enumerate() {
+        let rank = if i < victim { i } else { i + 1 };
+        let (ok, out) = output(c, deadline);
+        assert!(ok && out.contains(&format!("DONE rank {rank}")), "{transport}: survivor {rank}:\n{out}");
+        assert!(out.contains(&format!("[{victim}]")), "{transport}: survivor {rank} agreed otherwise:\n{out}");
+        let at: u128 = out
+            .lines()
+            .find_map(|l| l.split("FAILED_AT ").nth(1))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("{transport}: survivor {rank} printed no failure time:\n{out}"));
+        failed = failed.max(Duration::from_nanos(at.saturating_sub(stopped.as_nanos()) as u64));
+    }
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+    let rest: String = lines.map_while(|l| l.ok()).collect::<Vec<_>>().join("\n");
+    let status = common::wait_or_kill(&mut doomed, Instant::now() + TIMEOUT);
+    assert!(
+        status.is_some_and(|s| s.code() == Some(3)) && rest.contains("REFUSED") && !rest.contains("DONE rank"),
+        "{transport}: the stopped rank went on after it was taken for dead:\n{rest}"
+    );
+    failed
+}
+
+#[test]
+fn a_stopped_rank_is_taken_for_dead_by_the_heartbeats_and_the_survivors_go_on() {
+    for (n, victim, transport) in [(3, 1, "tcp"), (4, 0, "shm")] {
+        let took = stopped_mid_collective(n, victim, transport);
+        println!("| SIGSTOP rank {victim} of {n} | allreduce | {transport} | {took:.1?} |");
+        // Four 50 ms intervals, with room for a loaded machine; the deadline is 20 s.
+        assert!(took < Duration::from_secs(3), "{transport}: the survivors took {took:?} to see the stopped rank");
+    }
+}
+
+#[test]
+fn heartbeats_take_no_busy_rank_for_dead() {
+    for (name, dev) in BACKENDS {
+        let got = run_ranks_on(
+            3,
+            &HashStore::new(),
+            &dev,
+            |b| b.heartbeat(Duration::from_millis(10)),
+            |ctx| {
+                // Large allreduces for a while, and idle moments: nobody is suspected.
+                for _ in 0..40 {
+                    let mut v = vec![1f32; 1 << 18];
+                    ctx.allreduce(&mut v, Reduction::Sum)?;
+                    assert!(v.iter().all(|&x| x == 3.0));
+                }
+                ctx.barrier()?;
+                std::thread::sleep(Duration::from_millis(100));
+                ctx.barrier()?;
+                ctx.agree(1)
+            },
+        );
+        for a in all_ok(got) {
+            assert_eq!(a, Agreement { value: 1, failed: vec![] }, "{name}");
         }
     }
 }

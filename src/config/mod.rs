@@ -72,6 +72,8 @@ variables! {
         "which launcher's variables to read (`ferrogloo`, `horovod`, `torchrun`, `openmpi`, `mpich`, `slurm`), or `none` (a job of one)";
     pub FERROGLOO_TIMEOUT, default "`30`", read by "`context::default_timeout` (contexts, `rendezvous::open`, `Engine::from_env`)":
         "the default deadline in seconds (fractions allowed) of rendezvous, of store requests and of every call of a context built without `.timeout(..)`";
+    pub FERROGLOO_HEARTBEAT, default "off", read by "`ContextBuilder::connect`":
+        "seconds between heartbeats among a context's ranks (fractions allowed; `0`: off): a peer silent for 4 of them is taken for dead and its connection closed, for contexts built without `.heartbeat(..)`";
 
     // The device: transport, listening address, host identity, transports' settings.
     pub FERROGLOO_TRANSPORT, default "`tcp+shm`", read by "`device::Transport::from_env` (`Device::from_env`, `RankEnv::connect`, `ps::Node::from_env`)":

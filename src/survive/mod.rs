@@ -22,6 +22,7 @@
 //! and fails: it must not go on in the shrunk context (fail-stop).
 
 mod agree;
+pub(crate) mod heartbeat;
 
 use crate::comm::{Comm, PersistentRecv, fnv, wait_any};
 use crate::context::Context;
@@ -78,6 +79,7 @@ impl Agreements {
     /// Closes the pair to `r` (a failed send or receive, a message that breaks the protocol):
     /// from now on it is failed for every member that uses it (fail-stop).
     fn close(&self, r: usize, why: &Error) {
+        tracing::debug!(rank = self.comm.rank(), peer = r, error = %why, "agreement: a peer failed");
         if let Ok(p) = self.comm.pair(r) {
             p.abort(ALL_GROUPS, why, &AbortCause::of(why, self.comm.shared().world_rank));
         }
