@@ -81,6 +81,10 @@ type Ranks = SmallVec<[usize; 4]>;
 /// few ranks (a 4-rank ring phase posts 6).
 const SCOPE_INLINE: usize = 8;
 
+/// How often a long wait asks whether its group was aborted on another pair (a revoke that
+/// reached this rank through a peer the waiting operation does not involve).
+const REVOKE_CHECK: Duration = Duration::from_millis(10);
+
 /// What a rank may send itself before it posts the receive (a larger send waits for it).
 const SELF_BUDGET: usize = 8 << 20;
 
@@ -112,6 +116,8 @@ pub(crate) struct Comm {
     collective_seq: Mutex<HashMap<u32, u32>>,
     /// Set once the communicator is aborted (by `abort` or a failed collective).
     aborted: Mutex<Option<Error>>,
+    /// Set once its connections were closed ([`abort`](Self::abort) of the mesh's own group).
+    closed: std::sync::atomic::AtomicBool,
     /// Scratch buffers reused by collectives (see `algorithms::Scratch`).
     scratch: Mutex<Vec<Vec<u64>>>,
     /// How many sub-groups of each kind were made from this one (see `subgroup_id`).
@@ -142,6 +148,7 @@ impl Comm {
             timeout,
             collective_seq: Mutex::default(),
             aborted: Mutex::default(),
+            closed: Default::default(),
             scratch: Mutex::default(),
             made: Mutex::default(),
         }
@@ -222,6 +229,11 @@ impl Comm {
         &self.scratch
     }
 
+    /// Whether [`abort`](Self::abort) closed its connections (the mesh's own group only).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
     /// Whether the communicator was aborted (it then fails every call).
     pub(crate) fn is_aborted(&self) -> bool {
         lock(&self.aborted).is_some()
@@ -267,6 +279,9 @@ impl Comm {
             }
             a.get_or_insert_with(|| err.clone());
         }
+        if group == ALL_GROUPS {
+            self.closed.store(true, Ordering::SeqCst);
+        }
         tracing::debug!(rank = self.rank, group = self.group, error = %err, "context aborted");
         let cause = AbortCause::of(err, self.shared.world_rank);
         for p in self.pairs.iter().flatten() {
@@ -280,6 +295,16 @@ impl Comm {
         if group == 0 {
             lock(&self.shared.failure).get_or_insert_with(|| err.clone());
         }
+    }
+
+    /// Why this communicator's operations must end now, if they must: it failed here, or a
+    /// peer aborted its group on any of its pairs (an abort that reached this rank through a
+    /// peer its waiting operation does not involve).
+    pub(crate) fn revoked(&self) -> Option<Error> {
+        if let Err(e) = self.check_usable() {
+            return Some(e);
+        }
+        self.pairs.iter().flatten().find_map(|p| p.aborted(self.group))
     }
 
     pub(crate) fn pair(&self, peer: usize) -> Result<&Arc<dyn Pair>> {
@@ -347,7 +372,7 @@ impl Comm {
                 let deadline = Instant::now() + self.timeout;
                 let mut first = None;
                 for op in leftover {
-                    if let Err(e) = op.wait(deadline, &self.shared) {
+                    if let Err(e) = op.wait(deadline, &self.shared, &|| self.revoked()) {
                         first.get_or_insert(e);
                     }
                 }
@@ -441,9 +466,10 @@ impl Op {
     }
 
     /// Waits until finished or `deadline`; on timeout withdraws the operation so its buffer is
-    /// released.
-    fn wait(&self, deadline: Instant, shared: &World) -> Result<Done> {
-        self.wait_spinning(deadline, shared, shared.spin)
+    /// released. `revoked` is asked every [`REVOKE_CHECK`] of a long wait (see
+    /// [`wait_unfinished`](Self::wait_unfinished)).
+    fn wait(&self, deadline: Instant, shared: &World, revoked: &dyn Fn() -> Option<Error>) -> Result<Done> {
+        self.wait_spinning(deadline, shared, shared.spin, revoked)
     }
 
     /// The mesh ranks of the pairs it is posted to.
@@ -467,12 +493,18 @@ impl Op {
     }
 
     /// [`wait`](Self::wait) with a busy-wait policy of its own.
-    fn wait_spinning(&self, deadline: Instant, shared: &World, spin: BusyWait) -> Result<Done> {
+    fn wait_spinning(
+        &self,
+        deadline: Instant,
+        shared: &World,
+        spin: BusyWait,
+        revoked: &dyn Fn() -> Option<Error>,
+    ) -> Result<Done> {
         // Finished already (a send the transport took whole, a message that was waiting):
         // nothing to drive, no clock to read.
         let outcome = match self.done.outcome() {
             Some(o) => o,
-            None => self.wait_unfinished(deadline, shared, spin),
+            None => self.wait_unfinished(deadline, shared, spin, revoked),
         };
         if self.pairs.len() > 1 {
             // Receive from any: withdraw the entries the winner left on the other pairs.
@@ -481,26 +513,41 @@ impl Op {
         outcome.map_err(|e| e.during(self.what))
     }
 
-    /// The waiting part of [`wait_spinning`](Self::wait_spinning).
-    fn wait_unfinished(&self, deadline: Instant, shared: &World, spin: BusyWait) -> Result<Done> {
+    /// The waiting part of [`wait_spinning`](Self::wait_spinning): in slices of
+    /// [`REVOKE_CHECK`], after each of which `revoked` says whether the operation's group was
+    /// aborted elsewhere (then it is withdrawn and fails with that cause).
+    fn wait_unfinished(
+        &self,
+        deadline: Instant,
+        shared: &World,
+        mut spin: BusyWait,
+        revoked: &dyn Fn() -> Option<Error>,
+    ) -> Result<Done> {
         let start = Instant::now();
         let own = self.peers();
-        match Self::wait_for(&self.done, &own, deadline, shared, spin) {
-            Some(o) => o,
-            None => {
-                self.cancel();
-                // It may have finished between the timeout and the cancel.
-                self.done.outcome().unwrap_or_else(|| {
-                    let e = Error::Timeout {
-                        op: self.what.to_string(),
-                        ranks: own.to_vec(),
-                        keys: Vec::new(),
-                        waited: start.elapsed(),
-                    };
-                    self.done.complete(Err(e.clone()));
-                    Err(e)
-                })
+        loop {
+            let slice = deadline.min(Instant::now() + REVOKE_CHECK);
+            if let Some(o) = Self::wait_for(&self.done, &own, slice, shared, spin) {
+                return o;
             }
+            // Busy-waiting was the first slice's; the later ones sleep at once.
+            spin.budget = Duration::ZERO;
+            let why = match revoked() {
+                Some(e) => e,
+                None if Instant::now() < deadline => continue,
+                None => Error::Timeout {
+                    op: self.what.to_string(),
+                    ranks: own.to_vec(),
+                    keys: Vec::new(),
+                    waited: start.elapsed(),
+                },
+            };
+            self.cancel();
+            // It may have finished between the slice and the cancel.
+            return self.done.outcome().unwrap_or_else(|| {
+                self.done.complete(Err(why.clone()));
+                Err(why)
+            });
         }
     }
 }
@@ -601,7 +648,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     fn finish_spinning(&self, idx: usize, deadline: Instant, spin: BusyWait) -> Result<(Done, Option<Vec<u8>>)> {
         let op = lock(&self.ops).get_mut(idx).and_then(Option::take);
         let Some(op) = op else { return Err(Error::invalid("request already waited for")) };
-        let done = op.wait_spinning(deadline, &self.comm.shared, spin)?;
+        let done = op.wait_spinning(deadline, &self.comm.shared, spin, &|| self.comm.revoked())?;
         // The pair names its peer by mesh rank; the caller knows ranks of its group.
         let done = Done { peer: self.comm.group_rank(done.peer), ..done };
         Ok((done, op.done.take_payload()))

@@ -54,6 +54,22 @@ pub enum Error {
         /// Why, in its words.
         reason: String,
     },
+    /// A peer fell silent: no heartbeat came from it for the time heartbeats allow
+    /// ([`ContextBuilder::heartbeat`](crate::context::ContextBuilder::heartbeat)), so it is
+    /// taken for dead and this rank closed its connection to it (fail-stop).
+    #[error(
+        "rank {rank} is silent: no heartbeat for {} (one every {}); taken for dead, its connection closed",
+        secs(silent),
+        secs(interval)
+    )]
+    PeerSilent {
+        /// The silent rank.
+        rank: usize,
+        /// How long it had been silent.
+        silent: Duration,
+        /// The heartbeat interval.
+        interval: Duration,
+    },
     /// A peer gave up on an operation at its deadline and aborted the context, so this rank's
     /// operations with it cannot finish either.
     #[error("rank {rank} timed out{} and aborted the context: {detail}", fmt_op(op))]
@@ -184,6 +200,7 @@ impl Error {
     pub fn rank(&self) -> Option<usize> {
         match self {
             Error::PeerClosed { rank, .. }
+            | Error::PeerSilent { rank, .. }
             | Error::PeerTimedOut { rank, .. }
             | Error::Aborted { rank, .. }
             | Error::Revoked { rank, .. }

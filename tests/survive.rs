@@ -625,6 +625,14 @@ fn stopped_mid_collective(n: usize, victim: usize, transport: &str) -> Duration 
     let ready = lines.by_ref().map_while(|l| l.ok()).any(|l| l.ends_with("READY 3"));
     assert!(ready, "{transport}: the victim did not reach its fourth call");
     let pid = nix::unistd::Pid::from_raw(doomed.id() as i32);
+    // Whatever happens below, a stopped child must not outlive the test (it would hold its pipes).
+    struct Reap(nix::unistd::Pid);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+    let reap = Reap(pid);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
     let stopped = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock");
     let deadline = Instant::now() + TIMEOUT + Duration::from_secs(10);
@@ -645,6 +653,7 @@ fn stopped_mid_collective(n: usize, victim: usize, transport: &str) -> Duration 
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
     let rest: String = lines.map_while(|l| l.ok()).collect::<Vec<_>>().join("\n");
     let status = common::wait_or_kill(&mut doomed, Instant::now() + TIMEOUT);
+    std::mem::forget(reap); // reaped: its pid is no longer its own
     assert!(
         status.is_some_and(|s| s.code() == Some(3)) && rest.contains("REFUSED") && !rest.contains("DONE rank"),
         "{transport}: the stopped rank went on after it was taken for dead:\n{rest}"

@@ -192,6 +192,7 @@ pub fn is_membership_error(e: &Error) -> bool {
     matches!(
         e,
         Error::PeerClosed { .. }
+            | Error::PeerSilent { .. }
             | Error::PeerTimedOut { .. }
             | Error::Timeout { .. }
             | Error::Aborted { .. }

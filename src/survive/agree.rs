@@ -135,6 +135,16 @@ pub(crate) struct Machine {
 }
 
 impl Machine {
+    /// Member `me` of `n`, proposing `flag`, knowing the ranks `dead` (earlier agreements'
+    /// failed ranks, whose connections are closed) dead; call [`step`](Self::step) to start.
+    pub(crate) fn with_dead(me: usize, n: usize, flag: u64, dead: &[bool]) -> Self {
+        let mut m = Machine::new(me, n, flag);
+        for (r, _) in dead.iter().enumerate().filter(|(r, d)| **d && *r != me && *r < n) {
+            m.dead[r] = true;
+        }
+        m
+    }
+
     /// Member `me` of `n`, proposing `flag`; call [`step`](Self::step) to start.
     pub(crate) fn new(me: usize, n: usize, flag: u64) -> Self {
         let mut proposals = vec![None; n];
@@ -217,7 +227,7 @@ impl Machine {
 
     /// A message of this agreement from `from`.
     pub(crate) fn on_message(&mut self, from: usize, msg: Msg) {
-        if from >= self.n || from == self.me || self.decided.is_some() {
+        if from >= self.n || from == self.me || self.dead[from] || self.decided.is_some() {
             return;
         }
         match msg {
@@ -287,10 +297,13 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::VecDeque;
 
-    /// A run of `n` members under a random schedule: `crashes` says, for some members, after
-    /// how many of their own sends they crash (a crash in the middle of a broadcast included);
-    /// `late` crashes hit members after they returned. Returns every decision made (by rank)
-    /// and whether every live member decided.
+    /// A run of `n` members under a random schedule: `crashes` names members that crash, and
+    /// after how many of their own sends at the latest (a crash in the middle of a broadcast
+    /// included); they may also crash at any moment before, while waiting, or after they
+    /// returned. A crash is observed by a live member when it has read everything the crashed
+    /// one sent it, or earlier (losing the rest), or at once by a member whose send to it
+    /// fails, as the driver does. Returns every decision made (by rank) and whether every
+    /// live member decided.
     fn simulate(n: usize, flags: &[u64], crashes: &[(usize, usize)], seed: u64) -> (Vec<Option<Proposal>>, bool) {
         let mut rng = seed | 1;
         let mut next = move || {
@@ -300,28 +313,40 @@ mod tests {
             rng
         };
         let mut m: Vec<Machine> = (0..n).map(|r| Machine::new(r, n, flags[r])).collect();
-        // queue[a][b]: messages from a to b, in order; crashed[a]: a sent its last.
+        // queue[a][b]: messages from a to b, in order.
         let mut queue: Vec<Vec<VecDeque<Msg>>> = vec![vec![VecDeque::new(); n]; n];
         let mut crashed = vec![false; n];
         let mut sent = vec![0usize; n];
         // seen[b][a]: b observed a's death.
         let mut seen = vec![vec![false; n]; n];
         let budget = |r: usize| crashes.iter().find(|c| c.0 == r).map(|c| c.1);
+        // Sends what member `r` queued, until it crashes; a send to a crashed member may be
+        // seen to fail at once (`fail_fast`), which may queue more.
         let flush = |r: usize,
                      m: &mut Vec<Machine>,
                      queue: &mut Vec<Vec<VecDeque<Msg>>>,
                      crashed: &mut Vec<bool>,
-                     sent: &mut Vec<usize>| {
-            for (to, msg) in m[r].take_sends() {
-                if crashed[r] {
-                    break;
+                     sent: &mut Vec<usize>,
+                     seen: &mut Vec<Vec<bool>>,
+                     fail_fast: bool| {
+            loop {
+                let sends = m[r].take_sends();
+                if sends.is_empty() || crashed[r] {
+                    return;
                 }
-                if budget(r).is_some_and(|b| sent[r] >= b) {
-                    crashed[r] = true;
-                    break;
+                for (to, msg) in sends {
+                    if budget(r).is_some_and(|b| sent[r] >= b) {
+                        crashed[r] = true;
+                        return;
+                    }
+                    sent[r] += 1;
+                    if crashed[to] && fail_fast && !seen[r][to] {
+                        seen[r][to] = true;
+                        m[r].on_failure(to);
+                    } else {
+                        queue[r][to].push_back(msg);
+                    }
                 }
-                sent[r] += 1;
-                queue[r][to].push_back(msg);
             }
         };
         for r in 0..n {
@@ -329,11 +354,11 @@ mod tests {
                 crashed[r] = true;
             }
             m[r].step();
-            flush(r, &mut m, &mut queue, &mut crashed, &mut sent);
+            flush(r, &mut m, &mut queue, &mut crashed, &mut sent, &mut seen, false);
         }
-        for _ in 0..100_000 {
-            // Enabled events: a delivery to a live member that has not returned, or a live
-            // member observing a crashed one whose messages to it were all read.
+        for _ in 0..200_000 {
+            // Enabled events: a delivery to a live member that has not returned; a live member
+            // observing a crashed one (after reading all it sent, or early, losing the rest).
             let mut events = Vec::new();
             for a in 0..n {
                 for b in 0..n {
@@ -343,7 +368,8 @@ mod tests {
                     }
                     if !queue[a][b].is_empty() {
                         events.push((a, b, true));
-                    } else if crashed[a] && !seen[b][a] {
+                    }
+                    if crashed[a] && !seen[b][a] && (queue[a][b].is_empty() || next() % 8 == 0) {
                         events.push((a, b, false));
                     }
                 }
@@ -357,13 +383,17 @@ mod tests {
                     m[b].on_message(a, msg);
                 }
             } else {
+                queue[a][b].clear();
                 seen[b][a] = true;
                 m[b].on_failure(a);
             }
-            flush(b, &mut m, &mut queue, &mut crashed, &mut sent);
-            // A member that returned may crash afterwards too.
-            if m[b].decided().is_some() && budget(b).is_some() && next() % 4 == 0 {
-                crashed[b] = true;
+            let fail_fast = next() % 2 == 0;
+            flush(b, &mut m, &mut queue, &mut crashed, &mut sent, &mut seen, fail_fast);
+            // A member that may crash does so now and then: while waiting, or after it returned.
+            for (r, c) in crashed.iter_mut().enumerate() {
+                if !*c && budget(r).is_some() && next() % 16 == 0 {
+                    *c = true;
+                }
             }
         }
         let all_live_decided = (0..n).all(|r| crashed[r] || m[r].decided().is_some());

@@ -6,8 +6,7 @@
 //! says nothing, and operations with it end only at their deadline. With heartbeats on, a
 //! thread of each rank sends every peer a word every interval and watches what comes back: a
 //! peer it has not heard from for [`MISSES`] intervals is taken for dead, and its connection is
-//! closed: operations with it fail with an [`Error::Timeout`] naming it ("heartbeat timed out
-//! after ...; still waiting for rank 2"). Closing is what makes the
+//! closed: operations with it fail with [`Error::PeerSilent`] naming it. Closing is what makes the
 //! suspicion fail-stop: every operation with the peer fails, [`Context::agree`] counts it
 //! failed, and the peer, if it comes back, finds its connections closed and cannot go on in
 //! the context (it must rejoin through [`Context::grow`]).
@@ -162,15 +161,7 @@ impl Watcher {
     /// Takes peer `r` for dead: closes its connection with the reason.
     fn suspect(&self, r: usize, quiet: Duration) {
         let rank = self.comm.world_rank(r).unwrap_or(r);
-        let err = Error::Timeout {
-            op: format!(
-                "heartbeat (a beat every {}; rank {rank} silent, taken for dead and its connection closed)",
-                crate::error::secs(&self.interval)
-            ),
-            ranks: vec![rank],
-            keys: Vec::new(),
-            waited: quiet,
-        };
+        let err = Error::PeerSilent { rank, silent: quiet, interval: self.interval };
         tracing::warn!(peer = rank, error = %err, "a peer is silent");
         if let Ok(p) = self.comm.pair(r) {
             p.abort(ALL_GROUPS, &err, &AbortCause::of(&err, self.comm.shared().world_rank));

@@ -73,6 +73,8 @@ struct Agreements {
     count: u64,
     /// Messages of the next agreement that arrived during one (sender, words).
     later: Vec<(usize, Vec<u64>)>,
+    /// Ranks an agreement decided failed (their connections closed): failed in every later one.
+    failed: Vec<bool>,
 }
 
 impl Agreements {
@@ -106,9 +108,14 @@ impl Agreements {
                     .collect())
             })?;
             for (r, outcome) in outcomes {
-                if let Err(e) = outcome {
-                    self.close(r, &e);
-                    m.on_failure(r);
+                match outcome {
+                    Ok(()) => {}
+                    // A peer too slow to take a few words by the deadline: the agreement gives up.
+                    Err(e) if e.is_timeout() => return Err(e),
+                    Err(e) => {
+                        self.close(r, &e);
+                        m.on_failure(r);
+                    }
                 }
             }
         }
@@ -138,8 +145,16 @@ impl Context {
     ///
     /// Every live member must call it (it is a collective: agreements are numbered). It ends
     /// within the context's timeout ([`Error::Timeout`] naming the members still awaited: a
-    /// live member that does not call it). A member that the others decided failed gets
-    /// [`Error::Revoked`] saying so.
+    /// live member that does not call it); after a timed-out agreement the members' numbering
+    /// may differ, so revoke or rebuild the context rather than agree on it again.
+    ///
+    /// Fail-stop: the ranks decided failed are cut off for good (their connections closed, and
+    /// failed in every later agreement); a member that the others decided failed (its
+    /// connections looked dead to them) gets [`Error::Revoked`] saying so, and cannot go on in
+    /// the context. No split brain: when the live members are not a majority, or exactly half
+    /// without rank 0, every one of them gets [`Error::RanksFailed`] naming the failed ranks
+    /// (so two sides cut off from each other never both go on). An agreement on a context
+    /// this rank [aborted](Self::abort) fails with that abort.
     ///
     /// ```
     /// # use ferrogloo::{Context, device::Device, rendezvous::HashStore};
@@ -150,18 +165,24 @@ impl Context {
     /// ```
     pub fn agree(&self, flag: u64) -> Result<Agreement> {
         let (n, me) = (self.size(), self.rank());
+        if self.comm().is_closed() {
+            // This rank closed the context's connections: it has left.
+            return Err(self.comm().revoked().unwrap_or_else(|| Error::invalid("agree on a closed context")));
+        }
         let mut slot = lock(&self.survival().inner);
         let state = slot.get_or_insert_with(|| {
             let comm = self.comm().sibling(group_id(fnv(&[self.comm().group(), AGREE])));
             let max = 8 * (agree::HEAD + n.div_ceil(64));
             let recvs = (0..n).map(|r| (r != me).then(|| comm.persistent_recv(0, max, comm.spin(), "agree"))).collect();
-            Agreements { comm, recvs, count: 0, later: Vec::new() }
+            Agreements { comm, recvs, count: 0, later: Vec::new(), failed: vec![false; n] }
         });
         state.count += 1;
         let number = state.count;
         let deadline = Instant::now() + self.timeout();
         let members = state.comm.members();
-        let mut m = Machine::new(me, n, flag);
+        let world = |r: usize| members.get(r).copied().unwrap_or(r);
+        // Ranks an earlier agreement decided failed stay failed (their connections are closed).
+        let mut m = Machine::with_dead(me, n, flag, &state.failed);
         m.step();
         // Messages of this agreement that came during the last one.
         let early = std::mem::take(&mut state.later);
@@ -175,16 +196,40 @@ impl Context {
             state.send(&mut m, number, deadline)?;
             if let Some(p) = m.decided() {
                 let failed: Vec<usize> = (0..n).filter(|&r| p.failed.get(r).copied().unwrap_or(false)).collect();
+                let value = p.value;
+                // Fail-stop: the failed are cut off for good, also those whose connection to
+                // this rank still looked fine (and this rank, if it is one of them).
+                let cut: Vec<usize> = if failed.contains(&me) { (0..n).collect() } else { failed.clone() };
+                let why = |r: usize| Error::Revoked {
+                    rank: world(r),
+                    reason: format!("the members agreed that rank {} failed", world(r)),
+                };
+                for &r in cut.iter().filter(|&&r| r != me) {
+                    state.failed[r] = true;
+                    state.close(r, &why(r));
+                }
                 if failed.contains(&me) {
                     return Err(Error::Revoked {
-                        rank: self.world_rank(me).unwrap_or(me),
+                        rank: world(me),
                         reason: format!(
-                            "the other members agreed that rank {me} failed (its connections looked dead to them); it \
-                             must not go on in this context"
+                            "the other members agreed that rank {} failed (its connections looked dead to them); it \
+                             must not go on in this context",
+                            world(me)
                         ),
                     });
                 }
-                return Ok(Agreement { value: p.value, failed });
+                let live = n - failed.len();
+                if live * 2 < n || (live * 2 == n && failed.contains(&0)) {
+                    // No split brain: a minority (or the half without rank 0) does not go on.
+                    return Err(Error::RanksFailed {
+                        ranks: failed.iter().map(|&r| world(r)).collect(),
+                        detail: format!(
+                            "{live} of the {n} members are live, not a majority (or half with rank 0): this side does \
+                             not go on"
+                        ),
+                    });
+                }
+                return Ok(Agreement { value, failed });
             }
             let peers = m.live_peers();
             let mut mine: Vec<&mut PersistentRecv> = Vec::with_capacity(peers.len());
@@ -213,11 +258,13 @@ impl Context {
                 let words: Vec<u64> =
                     bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect();
                 Msg::decode(&words, n).map(|(k, msg)| (k, msg, words)).map_err(|why| Error::Protocol {
-                    peer: members.get(r).copied(),
+                    peer: Some(world(r)),
                     detail: format!("an agreement message {why}"),
                 })
             });
             match decoded {
+                // A message that began and stalled: the agreement gives up as at its deadline.
+                Err(e) if e.is_timeout() => return Err(e),
                 // A failed pair (it closed after everything it sent was read), or a message
                 // that breaks the protocol: that peer is failed from now on.
                 Err(e) => {
@@ -241,7 +288,7 @@ impl Context {
     ///
     /// No split brain: the survivors must be a majority of the members, or exactly half of them
     /// including rank 0; otherwise every survivor gets [`Error::RanksFailed`] naming the failed
-    /// ranks, and no survivor continues.
+    /// ranks (from [`agree`](Self::agree)), and no survivor continues.
     ///
     /// The new context runs its collectives over the pairs (not the same-host area of the
     /// context the mesh was formed for), and its errors name ranks as every context's do: by
@@ -251,15 +298,6 @@ impl Context {
         let agreed = self.agree(!0)?;
         let n = self.size();
         let live: Vec<usize> = (0..n).filter(|r| !agreed.failed.contains(r)).collect();
-        if live.len() * 2 < n || (live.len() * 2 == n && !live.contains(&0)) {
-            return Err(Error::RanksFailed {
-                ranks: agreed.failed.iter().map(|&r| self.world_rank(r).unwrap_or(r)).collect(),
-                detail: format!(
-                    "{} of the {n} members survive, not a majority (or half with rank 0): this side does not go on",
-                    live.len()
-                ),
-            });
-        }
         let members: Arc<[usize]> = live.iter().map(|&r| self.world_rank(r).unwrap_or(r)).collect();
         // The survivors go on: closing the mesh later is no longer news of the failure.
         lock(&self.comm().shared().failure).take();

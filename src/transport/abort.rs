@@ -57,6 +57,9 @@ impl AbortCause {
             Error::Aborted { rank, reason } => cause(CauseKind::User, *rank, None, "", reason),
             Error::Revoked { rank, reason } => cause(CauseKind::Revoked, *rank, None, "", reason),
             Error::PeerClosed { rank, op, detail } => cause(CauseKind::PeerClosed, me, Some(*rank), op, detail),
+            Error::PeerSilent { rank, .. } => {
+                cause(CauseKind::PeerClosed, me, Some(*rank), "heartbeat", &err.to_string())
+            }
             Error::PeerTimedOut { rank, op, detail } => cause(CauseKind::TimedOut, *rank, None, op, detail),
             Error::Timeout { op, .. } => cause(CauseKind::TimedOut, me, None, op, &err.to_string()),
             Error::Mismatch { rank, detail } => cause(CauseKind::Mismatch, me, Some(*rank), "", detail),

@@ -280,6 +280,11 @@ impl Matcher {
         self.posted.front()
     }
 
+    /// The error `group` was aborted with, if it was (not counting the pair closing).
+    pub(crate) fn aborted(&self, group: u64) -> Option<Error> {
+        self.aborted.iter().find(|(g, _)| *g == group).map(|(_, e)| e.clone())
+    }
+
     /// The error operations of `group` get, if the group was aborted or the pair closed.
     pub(crate) fn refusal(&self, group: u64) -> Option<Error> {
         self.aborted.iter().find(|(g, _)| *g == group).map(|(_, e)| e.clone()).or_else(|| self.closed.clone())

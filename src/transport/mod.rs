@@ -396,6 +396,11 @@ pub(crate) trait Pair: Send + Sync {
     /// [`ALL_GROUPS`] closes the pair: every group fails, on both sides.
     fn abort(&self, group: u64, local: &Error, cause: &AbortCause);
 
+    /// The error `group` was aborted with on this pair (by either side), if it was; `None`
+    /// also when the pair closed. A wait of the group on other pairs asks it, so that an abort
+    /// that reached this rank through another peer ends it too.
+    fn aborted(&self, group: u64) -> Option<Error>;
+
     /// Withdraws every operation of `done` from this pair. After it returns the pair no longer
     /// touches that operation's buffer.
     fn cancel(&self, done: &Arc<Completion>);

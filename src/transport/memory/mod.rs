@@ -338,6 +338,10 @@ impl Pair for Loopback {
         true
     }
 
+    fn aborted(&self, group: u64) -> Option<Error> {
+        lock(&self.dir).matcher.aborted(group)
+    }
+
     fn hold_until_posted(&self, key: Key) {
         lock(&self.dir).matcher.hold(key);
     }
@@ -379,6 +383,10 @@ struct MemoryPair {
 impl Pair for MemoryPair {
     fn sinks(&self) -> bool {
         true
+    }
+
+    fn aborted(&self, group: u64) -> Option<Error> {
+        lock(&self.link.dirs)[self.link.side(self.me)].matcher.aborted(group)
     }
 
     fn hold_until_posted(&self, key: Key) {

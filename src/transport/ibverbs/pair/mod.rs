@@ -228,6 +228,10 @@ impl Pair for IbPair {
         self.link.peer
     }
 
+    fn aborted(&self, group: u64) -> Option<Error> {
+        lock(&self.link.state).matcher.aborted(group)
+    }
+
     unsafe fn post_send(&self, key: Key, desc: OpDesc, buf: SendBuf, done: &Arc<Completion>) -> Result<()> {
         buf.mem.require_host("ibverbs")?;
         let l = &self.link;

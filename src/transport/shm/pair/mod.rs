@@ -348,6 +348,10 @@ impl Pair for ShmPair {
         self.lock().matcher.recycle(buf);
     }
 
+    fn aborted(&self, group: u64) -> Option<Error> {
+        self.lock().matcher.aborted(group)
+    }
+
     fn cancel(&self, done: &Arc<Completion>) {
         let mut g = self.lock();
         if let Some(i) = g.sendq.iter().position(|o| Arc::ptr_eq(&o.done, done)) {

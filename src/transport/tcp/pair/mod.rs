@@ -395,6 +395,10 @@ impl Pair for TcpPair {
     fn recycle(&self, buf: Vec<u8>) {
         self.lock().matcher.recycle(buf);
     }
+
+    fn aborted(&self, group: u64) -> Option<Error> {
+        self.lock().matcher.aborted(group)
+    }
 }
 
 impl Drop for TcpPair {
