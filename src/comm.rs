@@ -24,8 +24,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub(crate) mod heartbeat;
 mod persistent;
+mod survival;
 pub(crate) use persistent::{Interrupter, PersistentRecv, QUIET, SLEEPING, wait_any};
+pub(crate) use survival::{Agreements, Survival};
+
+/// Group id of the hierarchical allreduce's leaders (see `Context::hierarchy`): a constant that
+/// `Comm::subgroup_id` never makes (its counter starts at 1).
+pub(crate) const LEADERS_GROUP: u64 = 0x6c65_6164_6572_7331;
 
 /// Tag namespace of user point-to-point messages.
 const NS_P2P: u64 = 1 << 62;
@@ -289,7 +296,7 @@ impl Comm {
             if group == 0 {
                 // The hierarchical allreduce's leaders run a part of the mesh's own context's
                 // collectives in a group of their own: it fails with it.
-                p.abort(crate::context::LEADERS_GROUP, err, &cause);
+                p.abort(LEADERS_GROUP, err, &cause);
             }
         }
         if group == 0 {

@@ -1,6 +1,6 @@
 //! The [`Context`]: this rank's place in a job, with one connected pair per peer.
 
-use crate::comm::{Comm, Scope, World};
+use crate::comm::{Comm, LEADERS_GROUP, Scope, World};
 use crate::config::{FERROGLOO_HEARTBEAT, FERROGLOO_TIMEOUT, Vars};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -139,7 +139,7 @@ impl ContextBuilder {
         let comm = Comm::root(shared, timeout);
         let heartbeat = match heartbeat.is_zero() || size == 1 {
             true => None,
-            false => Some(crate::survive::heartbeat::Heartbeat::start(&comm, heartbeat)?),
+            false => Some(crate::comm::heartbeat::Heartbeat::start(&comm, heartbeat)?),
         };
         Ok(Context { comm, device: device.clone(), hier: OnceLock::new(), survival: Default::default(), heartbeat })
     }
@@ -172,10 +172,10 @@ pub struct Context {
     /// first use).
     hier: OnceLock<Option<Hierarchy>>,
     /// The state of its agreements ([`Context::agree`]).
-    survival: crate::survive::Survival,
+    survival: crate::comm::Survival,
     /// The mesh's heartbeats, shared by every context over it (see
     /// [`ContextBuilder::heartbeat`]); they stop with the last.
-    heartbeat: Option<Arc<crate::survive::heartbeat::Heartbeat>>,
+    heartbeat: Option<Arc<crate::comm::heartbeat::Heartbeat>>,
 }
 
 /// A context over several hosts whose ranks share memory within each host: the host leaders
@@ -184,10 +184,6 @@ pub(crate) struct Hierarchy {
     /// The communicator of the leaders, on a leader; `None` elsewhere.
     pub(crate) leaders: Option<Comm>,
 }
-
-/// Group id of the leaders' communicator: a constant that `Comm::subgroup_id` never makes
-/// (its counter starts at 1).
-pub(crate) const LEADERS_GROUP: u64 = 0x6c65_6164_6572_7331;
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -209,7 +205,7 @@ impl Context {
         &self.comm
     }
 
-    pub(crate) fn survival(&self) -> &crate::survive::Survival {
+    pub(crate) fn survival(&self) -> &crate::comm::Survival {
         &self.survival
     }
 

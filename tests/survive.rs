@@ -697,3 +697,33 @@ fn heartbeats_take_no_busy_rank_for_dead() {
         }
     }
 }
+
+#[test]
+fn a_revoke_ends_a_wait_on_another_peer_that_is_alive_but_idle() {
+    for (name, dev) in BACKENDS {
+        let idle = std::sync::Barrier::new(2);
+        let got = all_ok(run(dev, 3, |ctx| {
+            match ctx.rank() {
+                // Revokes; rank 1 waits for rank 2 only, which sends nothing.
+                0 => {
+                    ctx.revoke("stop");
+                    Ok(None)
+                }
+                1 => {
+                    let t = Instant::now();
+                    let err = ctx.recv(2, 5, &mut [0u8; 4]).expect_err("rank 2 sends nothing");
+                    let took = t.elapsed();
+                    idle.wait();
+                    Ok(Some((err, took)))
+                }
+                _ => {
+                    idle.wait(); // alive, in nothing of the context, until rank 1 is done
+                    Ok(None)
+                }
+            }
+        }));
+        let (err, took) = got.into_iter().flatten().next().expect("rank 1's outcome");
+        assert!(matches!(&err, Error::Revoked { rank: 0, .. }), "{name}: {err}");
+        assert!(took < PROMPT, "{name}: the revoke took {took:?} to reach a wait on another peer");
+    }
+}

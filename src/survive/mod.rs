@@ -22,17 +22,16 @@
 //! and fails: it must not go on in the shrunk context (fail-stop).
 
 mod agree;
-pub(crate) mod heartbeat;
 
-use crate::comm::{Comm, PersistentRecv, fnv, wait_any};
+use crate::comm::{Agreements, PersistentRecv, fnv, wait_any};
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::rendezvous::{PrefixStore, Store};
 use crate::sync::lock;
-use crate::transport::{ALL_GROUPS, AbortCause, group_id};
+use crate::transport::group_id;
 use agree::{Machine, Msg};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Marks the group ids of agreements and of shrunk contexts apart from others.
@@ -56,37 +55,13 @@ pub struct Agreement {
     pub failed: Vec<usize>,
 }
 
-/// A context's state for agreements: their count (every member counts alike) and the
-/// receives they use, kept from one agreement to the next.
-#[derive(Default)]
-pub(crate) struct Survival {
-    inner: Mutex<Option<Agreements>>,
+/// What an agreement needs of a context's state (kept in the context, see
+/// [`crate::comm::Agreements`]).
+trait Sending {
+    fn send(&self, m: &mut Machine, number: u64, deadline: Instant) -> Result<()>;
 }
 
-struct Agreements {
-    /// The communicator of the agreements: the context's members under a group id of its own,
-    /// which a revoked context's abort does not touch.
-    comm: Comm,
-    /// One receive per peer (`None` for this rank), so that a failure is the pair's.
-    recvs: Vec<Option<PersistentRecv>>,
-    /// Agreements this context has run.
-    count: u64,
-    /// Messages of the next agreement that arrived during one (sender, words).
-    later: Vec<(usize, Vec<u64>)>,
-    /// Ranks an agreement decided failed (their connections closed): failed in every later one.
-    failed: Vec<bool>,
-}
-
-impl Agreements {
-    /// Closes the pair to `r` (a failed send or receive, a message that breaks the protocol):
-    /// from now on it is failed for every member that uses it (fail-stop).
-    fn close(&self, r: usize, why: &Error) {
-        tracing::debug!(rank = self.comm.rank(), peer = r, error = %why, "agreement: a peer failed");
-        if let Ok(p) = self.comm.pair(r) {
-            p.abort(ALL_GROUPS, why, &AbortCause::of(why, self.comm.shared().world_rank));
-        }
-    }
-
+impl Sending for Agreements {
     /// Sends `m`'s messages until `deadline`; a peer whose send fails is closed and reported
     /// to `m` as failed (which may queue more messages).
     fn send(&self, m: &mut Machine, number: u64, deadline: Instant) -> Result<()> {

@@ -19,7 +19,7 @@
 //! [`Context::agree`]: crate::Context::agree
 //! [`Context::grow`]: crate::Context::grow
 
-use crate::comm::{Comm, PersistentRecv, QUIET, fnv, wait_any};
+use super::{Comm, PersistentRecv, QUIET, fnv, wait_any};
 use crate::error::Error;
 use crate::transport::{ALL_GROUPS, AbortCause, group_id};
 use std::sync::atomic::{AtomicBool, Ordering};
