@@ -116,7 +116,7 @@ impl Link {
     /// that it reports this cause rather than only seeing the connection end.
     pub(super) fn fail_and_tell(&self, st: &mut State, err: Error) {
         if st.failed.is_none() {
-            self.tell(0, &AbortCause::of(&err, self.me));
+            self.tell(ALL_GROUPS, &AbortCause::of(&err, self.me));
         }
         self.fail(st, err);
     }
