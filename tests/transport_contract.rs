@@ -538,7 +538,7 @@ fn cancel_midway(dev: MakeDevice) {
             cancelled.wait();
             if let Err(e) = ctx.send(1, 6, &[7u8]) {
                 // The peer was reading this rank's memory: the pair failed, saying so.
-                assert!(matches!(e, Error::Protocol { .. }) && e.to_string().contains("cancelled"), "{e}");
+                assert!(matches!(e, Error::Protocol { .. }), "{e}");
                 return Ok(());
             }
             let mut back = [0u8; 1];
@@ -561,7 +561,8 @@ fn cancel_midway(dev: MakeDevice) {
             Ok(Ok(intact)) => assert!(intact, "the cancelled message arrived changed"),
             Ok(Err(e)) => assert!(e.is_timeout(), "the cancelled message neither arrived nor was withdrawn: {e}"),
             Err(e) => {
-                assert!(matches!(e, Error::Protocol { .. }) && e.to_string().contains("cancelled"), "{e}");
+                // The pair failed (the sender's side closed it): never a message cut or changed.
+                assert!(matches!(e, Error::Protocol { .. } | Error::PeerClosed { rank: 0, .. }), "{e}");
                 return Ok(());
             }
         }
