@@ -60,7 +60,9 @@ impl ContextBuilder {
     /// connections closed, so operations with it fail at once instead of at their deadline,
     /// and [`agree`](Context::agree) counts it failed. It costs a thread per process and a
     /// message per peer and interval. Choose `interval` so that four of them are longer than
-    /// the longest message takes to send (a heartbeat waits behind it). A peer taken for dead
+    /// the longest message takes to send (a heartbeat waits behind it) and than a thread may
+    /// wait for a core on a loaded machine (tens of milliseconds on 2 busy cores: take 100 ms
+    /// or more there). A peer taken for dead
     /// that comes back finds its connections closed: it cannot go on in the context (it may
     /// join again through [`grow`](Context::grow)).
     pub fn heartbeat(mut self, interval: Duration) -> Self {
