@@ -24,15 +24,7 @@ const KILL_TIMEOUT: Duration = Duration::from_secs(8);
 #[test]
 #[ignore = "run as a child process by the other tests in this file"]
 fn rank_worker() {
-    if !RankEnv::is_set() {
-        return;
-    }
-    let env = RankEnv::from_env().expect("rank environment");
-    // Library logs on stderr where the parent asks for them (RUST_LOG).
-    if std::env::var_os("RUST_LOG").is_some() {
-        let filter = tracing_subscriber::EnvFilter::from_default_env();
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-    }
+    let Some(env) = common::rank_process() else { return };
     let scenario = std::env::var(SCENARIO_ENV).unwrap_or_default();
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     // FERROGLOO_TRANSPORT (set by `rank_command`) picks TCP, shared memory or both.

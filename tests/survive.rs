@@ -7,7 +7,6 @@ mod common;
 use common::{TIMEOUT, all_ok, run_ranks_on};
 use ferrogloo::config::{FERROGLOO_RANK as RANK_ENV, FERROGLOO_SIZE as SIZE_ENV, FERROGLOO_STORE as STORE_ENV};
 use ferrogloo::device::{Device, ShmAttr, TcpAttr, Transport};
-use ferrogloo::launch::RankEnv;
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Agreement, Context, Error, Reduction, Result};
 use std::io::{BufRead, BufReader};
@@ -244,15 +243,7 @@ const AGREEMENTS: u64 = 400;
 #[test]
 #[ignore = "run as a child process by the other tests in this file"]
 fn survive_rank() {
-    if !RankEnv::is_set() {
-        return;
-    }
-    let env = RankEnv::from_env().expect("rank environment");
-    // Library logs on stderr where the parent asks for them (RUST_LOG).
-    if std::env::var_os("RUST_LOG").is_some() {
-        let filter = tracing_subscriber::EnvFilter::from_default_env();
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-    }
+    let Some(env) = common::rank_process() else { return };
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     let dev = Device::with_transport(Transport::from_env().expect("transport"), &TcpAttr::loopback()).expect("device");
     let ctx = Context::builder(env.rank, env.size).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");

@@ -121,3 +121,17 @@ pub fn wait_or_kill(child: &mut Child, deadline: Instant) -> Option<ExitStatus> 
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// The place of a rank process that a test started (`None` when this process is not one), with
+/// the library's logs on stderr where the parent asks for them (`RUST_LOG`).
+pub fn rank_process() -> Option<ferrogloo::launch::RankEnv> {
+    if !ferrogloo::launch::RankEnv::is_set() {
+        return None;
+    }
+    let env = ferrogloo::launch::RankEnv::from_env().expect("rank environment");
+    if std::env::var_os("RUST_LOG").is_some() {
+        let filter = tracing_subscriber::EnvFilter::from_default_env();
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    }
+    Some(env)
+}
