@@ -55,42 +55,34 @@ pub struct Agreement {
     pub failed: Vec<usize>,
 }
 
-/// What an agreement needs of a context's state (kept in the context, see
-/// [`crate::comm::Agreements`]).
-trait Sending {
-    fn send(&self, m: &mut Machine, number: u64, deadline: Instant) -> Result<()>;
-}
-
-impl Sending for Agreements {
-    /// Sends `m`'s messages until `deadline`; a peer whose send fails is closed and reported
-    /// to `m` as failed (which may queue more messages).
-    fn send(&self, m: &mut Machine, number: u64, deadline: Instant) -> Result<()> {
-        let n = self.comm.size();
-        loop {
-            let sends = m.take_sends();
-            if sends.is_empty() {
-                return Ok(());
-            }
-            let words: Vec<(usize, Vec<u64>)> = sends.iter().map(|(r, msg)| (*r, msg.encode(number, n))).collect();
-            let outcomes: Vec<(usize, Result<()>)> = self.comm.scope(|s| {
-                let posted: Vec<_> = words.iter().map(|(r, w)| (*r, s.isend(*r, 0, w))).collect();
-                Ok(posted
-                    .into_iter()
-                    .map(|(r, q)| {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        (r, q.and_then(|q| q.wait_timeout(left.max(Duration::from_millis(1)))))
-                    })
-                    .collect())
-            })?;
-            for (r, outcome) in outcomes {
-                match outcome {
-                    Ok(()) => {}
-                    // A peer too slow to take a few words by the deadline: the agreement gives up.
-                    Err(e) if e.is_timeout() => return Err(e),
-                    Err(e) => {
-                        self.close(r, &e);
-                        m.on_failure(r);
-                    }
+/// Sends `m`'s messages until `deadline`; a peer whose send fails is closed and reported
+/// to `m` as failed (which may queue more messages).
+fn send(state: &Agreements, m: &mut Machine, number: u64, deadline: Instant) -> Result<()> {
+    let n = state.comm.size();
+    loop {
+        let sends = m.take_sends();
+        if sends.is_empty() {
+            return Ok(());
+        }
+        let words: Vec<(usize, Vec<u64>)> = sends.iter().map(|(r, msg)| (*r, msg.encode(number, n))).collect();
+        let outcomes: Vec<(usize, Result<()>)> = state.comm.scope(|s| {
+            let posted: Vec<_> = words.iter().map(|(r, w)| (*r, s.isend(*r, 0, w))).collect();
+            Ok(posted
+                .into_iter()
+                .map(|(r, q)| {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    (r, q.and_then(|q| q.wait_timeout(left.max(Duration::from_millis(1)))))
+                })
+                .collect())
+        })?;
+        for (r, outcome) in outcomes {
+            match outcome {
+                Ok(()) => {}
+                // A peer too slow to take a few words by the deadline: the agreement gives up.
+                Err(e) if e.is_timeout() => return Err(e),
+                Err(e) => {
+                    state.close(r, &e);
+                    m.on_failure(r);
                 }
             }
         }
@@ -168,7 +160,7 @@ impl Context {
             }
         }
         loop {
-            state.send(&mut m, number, deadline)?;
+            send(state, &mut m, number, deadline)?;
             if let Some(p) = m.decided() {
                 let failed: Vec<usize> = (0..n).filter(|&r| p.failed.get(r).copied().unwrap_or(false)).collect();
                 let value = p.value;
