@@ -234,6 +234,21 @@ pub(crate) fn span<'a>(parts: &[&'a [u8]], from: usize, n: usize) -> impl Iterat
     })
 }
 
+/// A copy of bytes `from..from + n` of the message made of `parts` one after the other, for a
+/// send that goes on after its poster got its buffers back (a cancel or an abort part-way,
+/// contract rules 8 and 9).
+///
+/// # Safety
+/// `parts` must still be lent to the pair (the send queued, its completion open).
+pub(crate) unsafe fn copy_span(parts: &[SendBuf], from: usize, n: usize) -> Box<[u8]> {
+    // SAFETY: forwarded from this function's contract: the buffers are valid and unwritten.
+    let slices: smallvec::SmallVec<[&[u8]; 4]> =
+        parts.iter().map(|b| unsafe { std::slice::from_raw_parts(b.ptr, b.len) }).collect();
+    let mut rest = Vec::with_capacity(n);
+    span(&slices, from, n).for_each(|p| rest.extend_from_slice(p));
+    rest.into_boxed_slice()
+}
+
 /// A consumer of a message's bytes (see [`RecvTarget::Sink`]): the pair that claimed the
 /// receive hands it the message in order, in pieces as they arrive (a shared-memory fragment
 /// straight from the ring), so that the receiver can fold them into its own state instead of

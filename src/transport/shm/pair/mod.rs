@@ -64,11 +64,7 @@ impl Out {
     /// waits for).
     fn detach(&mut self, sent: usize) -> Arc<Completion> {
         // SAFETY: the buffers are still lent (the send is queued, its completion open).
-        let payload: SmallVec<[&[u8]; 4]> =
-            self.parts.iter().map(|b| unsafe { std::slice::from_raw_parts(b.ptr, b.len) }).collect();
-        let mut rest = Vec::with_capacity(self.len - sent);
-        crate::transport::span(&payload, sent - self.base, self.len - sent).for_each(|p| rest.extend_from_slice(p));
-        let rest = rest.into_boxed_slice();
+        let rest = unsafe { crate::transport::copy_span(&self.parts, sent - self.base, self.len - sent) };
         self.parts = smallvec::smallvec![SendBuf::from_slice(&rest)];
         self._owned = Some(rest);
         self.base = sent;

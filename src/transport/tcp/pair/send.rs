@@ -4,8 +4,8 @@
 use super::super::frame::{FrameHeader, HEADER_LEN};
 use super::{Lane, Sock};
 use crate::error::Error;
-use crate::transport::span;
 use crate::transport::{ALL_GROUPS, Completion, Done, SendBuf};
+use crate::transport::{copy_span, span};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
@@ -52,11 +52,7 @@ impl SendOp {
     fn detach(&mut self) -> Arc<Completion> {
         let sent = self.off.saturating_sub(HEADER_LEN);
         // SAFETY: the buffers are still lent (the frame is queued, its completion open).
-        let payload: SmallVec<[&[u8]; 4]> =
-            self.body.iter().map(|b| unsafe { std::slice::from_raw_parts(b.ptr, b.len) }).collect();
-        let mut rest = Vec::with_capacity(self.len - sent);
-        span(&payload, sent - self.base, self.len - sent).for_each(|p| rest.extend_from_slice(p));
-        let rest = rest.into_boxed_slice();
+        let rest = unsafe { copy_span(&self.body, sent - self.base, self.len - sent) };
         self.body = smallvec::smallvec![SendBuf::from_slice(&rest)];
         self._owned = Some(rest);
         self.base = sent;
