@@ -203,6 +203,11 @@ impl Comm {
         self.members.get(r).copied()
     }
 
+    /// The group rank of mesh rank `m`, if `m` is a member.
+    pub(crate) fn rank_of_world(&self, m: usize) -> Option<usize> {
+        self.members.iter().position(|&x| x == m)
+    }
+
     /// The group rank of mesh rank `m` (what a pair's [`Done::peer`] says is the mesh rank);
     /// `m` itself for a rank outside the group, which no operation of the group completes.
     fn group_rank(&self, m: usize) -> usize {

@@ -269,6 +269,14 @@ impl Context {
         self.comm.world_rank(r)
     }
 
+    /// The rank in this context of rank `w` of the context the mesh was formed for: the
+    /// inverse of [`world_rank`](Self::world_rank), `None` for a rank that is not a member.
+    /// Errors name ranks of the mesh's context; this maps such a rank back into a sub-group
+    /// or a [shrunk](Self::shrink) context.
+    pub fn rank_of_world(&self, w: usize) -> Option<usize> {
+        self.comm.rank_of_world(w)
+    }
+
     /// The host identity of rank `r` (see [`device::host_id`](crate::device::host_id)), as it
     /// published it when the mesh formed.
     pub fn host_of(&self, r: usize) -> Option<&str> {

@@ -93,16 +93,21 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
     if scenario == "rejoin" {
         return rejoin_scenario(store.into(), &dev, role, id, cfg, env);
     }
-    let node = Node::connect(&store, &dev, role, id, cfg)?;
+    let (node, role, id, workers) = if scenario == "shrunk" {
+        shrunk_node(env, &*store, &dev, servers)?
+    } else {
+        (Node::connect(&store, &dev, role, id, cfg)?, role, id, workers)
+    };
     if role == Role::Server {
         return node.server(Holding(SumStore::default(), Vec::new()))?.run();
     }
     let w = node.worker::<i64>()?;
     match scenario {
-        "reference" | "range" | "replicated" => {
-            let steps = if scenario == "replicated" { 60 } else { 4 };
+        "reference" | "range" | "replicated" | "shrunk" => {
+            let replicated = matches!(scenario, "replicated" | "shrunk");
+            let steps = if replicated { 60 } else { 4 };
             for step in 0..steps {
-                if step == 2 && scenario == "replicated" {
+                if step == 2 && replicated {
                     // The parent kills server 1 now; pushes go on while it dies.
                     println!("HALF rank {}", env.rank);
                 }
@@ -112,7 +117,7 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
                     keys.iter().zip(&lens).flat_map(|(&k, &l)| (0..l).map(move |j| pushed(id, step, k, j))).collect();
                 w.wait(w.push(&keys, &values, &lens)?)?;
             }
-            if scenario == "replicated" {
+            if replicated {
                 // The final pull must be the backup's: wait (bounded) until server 1 is known dead.
                 let until = Instant::now() + DEADLINE;
                 while !w.dead_servers().contains(&1) {
@@ -176,6 +181,31 @@ fn node(env: &RankEnv, scenario: &str) -> Result<()> {
         }
         other => Err(Error::invalid(format!("unknown scenario {other:?}"))),
     }
+}
+
+/// The "shrunk" scenario's node: the world is the parameter server's ranks plus rank 1, which
+/// the parent SIGKILLs once it printed `DOOMED`; the others see it gone in a barrier, shrink
+/// the world and make the survivors' context a replicated parameter server of `servers`
+/// servers (its ranks `0..servers`: world ranks 0, 2, 3, ...) and the rest workers.
+fn shrunk_node(env: &RankEnv, store: &dyn Store, dev: &Device, servers: usize) -> Result<(Node, Role, usize, usize)> {
+    let world = Context::builder(env.rank, env.size).timeout(DEADLINE).connect(store, dev)?;
+    if env.rank == 1 {
+        println!("DOOMED rank 1");
+        std::thread::sleep(Duration::from_secs(60));
+        return Err(Error::invalid("rank 1 was not killed"));
+    }
+    match world.barrier() {
+        Err(Error::PeerClosed { rank: 1, .. }) => {}
+        other => return Err(Error::invalid(format!("the barrier did not lose rank 1: {other:?}"))),
+    }
+    let shrunk = world.shrink()?;
+    let workers = shrunk.size() - servers;
+    let (role, id) =
+        if shrunk.rank() < servers { (Role::Server, shrunk.rank()) } else { (Role::Worker, shrunk.rank() - servers) };
+    let mut cfg = PsConfig::new(workers, servers);
+    cfg.timeout = DEADLINE;
+    cfg.replication = true;
+    Ok((Node::over(shrunk, role, id, cfg)?, role, id, workers))
 }
 
 /// Worker 1 dies after 5 of its 10 pushes and comes back (FERROGLOO_TEST_REJOIN set) for the
@@ -253,9 +283,14 @@ struct Job {
 }
 
 fn start(servers: usize, workers: usize, scenario: &str) -> Job {
+    start_with(servers, workers, 0, scenario)
+}
+
+/// [`start`], with `extra` ranks more in the world than the parameter server has.
+fn start_with(servers: usize, workers: usize, extra: usize, scenario: &str) -> Job {
     let dir = tempfile::tempdir().expect("tempdir");
     let url = format!("file:{}", dir.path().display());
-    let n = servers + workers;
+    let n = servers + workers + extra;
     let (tx, lines) = mpsc::channel();
     let mut job = Job {
         children: Vec::new(),
@@ -346,6 +381,22 @@ fn with_replication_the_backup_takes_over_a_sigkilled_server_and_the_sums_are_ri
     job.children[1].kill().expect("SIGKILL server 1");
     let _ = job.children[1].wait();
     let lines = job.wait_for("DONE rank", &[0, 2, 3, 4], Instant::now() + Duration::from_secs(60));
+    assert!(!lines.iter().any(|(_, l)| l.contains("ERROR")), "{lines:?}");
+}
+
+#[test]
+fn on_a_shrunk_context_the_backup_takes_over_a_sigkilled_server_and_the_sums_are_right() {
+    // World ranks 0..6: rank 1 dies first, and the survivors shrink; the parameter server of
+    // 3 servers and 2 workers runs on their context, and its server 1 (world rank 2) dies
+    // mid-way: its backup takes over, and every worker's final pull has every sum.
+    let mut job = start_with(3, 2, 1, "shrunk");
+    job.wait_for("DOOMED rank 1", &[1], Instant::now() + Duration::from_secs(60));
+    job.children[1].kill().expect("SIGKILL rank 1");
+    let _ = job.children[1].wait();
+    job.wait_for("HALF rank", &[4, 5], Instant::now() + Duration::from_secs(60));
+    job.children[2].kill().expect("SIGKILL server 1");
+    let _ = job.children[2].wait();
+    let lines = job.wait_for("DONE rank", &[0, 3, 4, 5], Instant::now() + Duration::from_secs(60));
     assert!(!lines.iter().any(|(_, l)| l.contains("ERROR")), "{lines:?}");
 }
 
@@ -654,6 +705,72 @@ fn a_worker_dying_while_its_round_is_answered_leaves_the_others_served() {
     });
     let r = common::all_ok(r);
     assert_eq!(r[2], [-5.0]);
+}
+
+#[test]
+fn on_a_shrunk_context_a_worker_dying_leaves_the_other_served() {
+    // World ranks 0..4; rank 1 dies at once and the others shrink: server 0 (world 0), worker 0
+    // (world 2) and worker 1 (world 3, which dies after round 1 without a goodbye). The server
+    // must see which worker its closed connection was (errors name world ranks) for round 2
+    // to go on with worker 0 alone.
+    let (died_tx, died) = mpsc::channel::<()>();
+    let (died_tx, died) = (Mutex::new(died_tx), Mutex::new(died));
+    let r = members(4, |i, store| {
+        let world = Context::builder(i, 4).timeout(common::TIMEOUT).connect(&**store, &Device::in_process())?;
+        if i == 1 {
+            return Ok(Vec::new());
+        }
+        match world.barrier() {
+            Err(Error::PeerClosed { rank: 1, .. }) => {}
+            other => return Err(Error::invalid(format!("the barrier did not lose rank 1: {other:?}"))),
+        }
+        let shrunk = world.shrink()?;
+        drop(world);
+        let cfg = PsConfig::new(2, 1);
+        match i {
+            0 => {
+                Node::over(shrunk, Role::Server, 0, cfg)?.server(SyncSgd::new(2, 1.0))?.run()?;
+                Ok(Vec::new())
+            }
+            3 => {
+                // Round 1's push, answered once worker 0 pushed too; then gone, no goodbye.
+                let (kind, why) = ask(&shrunk, &ps_message(1, 1, &[1], &[1], &1f32.to_le_bytes()))?;
+                if kind != 4 {
+                    return Err(Error::invalid(format!("round 1 answered with kind {kind}: {why}")));
+                }
+                drop(shrunk);
+                let _ = died_tx.lock().map(|t| t.send(()));
+                Ok(Vec::new())
+            }
+            _ => {
+                let w = Node::over(shrunk, Role::Worker, 0, cfg)?.worker::<f32>()?;
+                // Round 1 with worker 1: w = -(1 + 3) / 2; round 2 alone: w -= 3.
+                w.wait(w.push(&[1], &[3.0], &[])?)?;
+                let gone = died.lock().map_err(|_| Error::invalid("poisoned"))?.recv_timeout(common::TIMEOUT);
+                gone.map_err(|_| Error::invalid("worker 1 never died"))?;
+                w.wait(w.push(&[1], &[3.0], &[])?)?;
+                Ok(w.wait(w.pull(&[1])?)?.values)
+            }
+        }
+    });
+    let r = common::all_ok(r);
+    assert_eq!(r[2], [-5.0]);
+}
+
+#[test]
+fn node_over_a_context_checks_its_size_and_rank() {
+    let r = members(2, |i, store| {
+        let ctx = Context::builder(i, 2).connect(&**store, &Device::in_process())?;
+        let cfg = PsConfig::new(2, 1);
+        let e = Node::over(ctx, Role::Worker, 0, cfg).err().map(|e| e.to_string()).unwrap_or_default();
+        Ok(e)
+    });
+    let r = common::all_ok(r);
+    assert!(
+        r[1].contains("worker 0 of a parameter server of 1 servers and 2 workers is rank 1 of 3, but this is rank 1 of a context of 2"),
+        "{}",
+        r[1]
+    );
 }
 
 /// A TCP device on the loopback interface.

@@ -1,6 +1,6 @@
 //! Elastic jobs with real processes: `ferrogloo-run --min-np 3 -np 4` runs this test binary's
 //! worker (the ignored test `elastic_worker`), one worker is SIGKILLed in the middle, and the
-//! other three rebuild their context at size 3 and finish the work; a worker whose work fails
+//! other three shrink their context in place to size 3 and finish the work; a worker whose work fails
 //! for a reason of its own (not a lost peer) ends the whole job instead.
 
 use ferrogloo::device::{Device, TcpAttr, Transport};
@@ -65,6 +65,14 @@ fn elastic_worker() {
                 println!("READY");
                 std::thread::sleep(Duration::from_secs(30));
                 return Err(Error::invalid("the victim was not killed"));
+            }
+            // With ELASTIC_TEST_BUSY=s, the others compute for s seconds there (no call in
+            // which to notice a loss).
+            if let Some(secs) = std::env::var("ELASTIC_TEST_BUSY").ok().and_then(|t| t.parse().ok())
+                && done == KILL_AT
+                && membership.generation() == 0
+            {
+                std::thread::sleep(Duration::from_secs(secs));
             }
             let mut v = vec![1.0f32; 1024];
             ctx.allreduce(&mut v, Reduction::Sum)?;
@@ -173,23 +181,46 @@ fn discovery_script(dir: &std::path::Path, hosts: &str) -> String {
 }
 
 #[test]
-fn a_worker_killed_mid_job_leaves_three_that_rebuild_and_finish() {
+fn a_worker_killed_mid_job_leaves_three_that_shrink_in_place_and_finish() {
     let t = Instant::now();
     let Outcome { status, done, seen, stderr, .. } = kill_workers(3, &[3]);
     assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
     assert_eq!(done, ["worker 0 size 3", "worker 1 size 3", "worker 2 size 3"], "{seen}\n{stderr}");
-    assert!(stderr.contains("rank 3 failed; generation 1 goes on with 3 ranks"), "{stderr}");
+    // The survivors were inside an allreduce with it: they shrink their context in place, and
+    // the launcher follows them instead of publishing a generation for them to rebuild in.
+    assert!(
+        stderr.contains("rank 3 failed; the survivors shrank generation 0 in place to 3 ranks (workers [0, 1, 2])"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("generation 1"), "{stderr}");
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
 }
 
 #[test]
-fn two_workers_killed_together_make_one_new_generation() {
+fn two_workers_killed_together_make_one_shrink() {
     let t = Instant::now();
     let Outcome { status, done, seen, stderr, .. } = kill_workers(2, &[1, 3]);
     assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
     assert_eq!(done, ["worker 0 size 2", "worker 2 size 2"], "{seen}\n{stderr}");
-    assert!(stderr.contains("ranks [1, 3] failed; generation 1 goes on with 2 ranks (workers [0, 2])"), "{stderr}");
-    assert!(!stderr.contains("generation 2"), "{stderr}");
+    assert!(
+        stderr.contains("ranks [1, 3] failed; the survivors shrank generation 0 in place to 2 ranks (workers [0, 2])"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("generation 1"), "{stderr}");
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+}
+
+#[test]
+fn survivors_busy_elsewhere_when_a_worker_dies_rebuild_in_the_launcher_s_generation() {
+    let t = Instant::now();
+    // The others compute for 4 s when worker 3 is killed: no shrink in place is recorded
+    // within the launcher's wait, so it publishes a generation of them, and they rebuild.
+    let Outcome { status, done, seen, stderr, .. } =
+        elastic_job(&["-np", "4", "--min-np", "3"], &[("ELASTIC_TEST_BUSY", "4")], &[3]);
+    assert!(status.success(), "the job failed ({status}):\n{seen}\n{stderr}");
+    assert_eq!(done, ["worker 0 size 3", "worker 1 size 3", "worker 2 size 3"], "{seen}\n{stderr}");
+    assert!(stderr.contains("rank 3 failed; generation 1 goes on with 3 ranks (workers [0, 1, 2])"), "{stderr}");
+    assert!(!stderr.contains("in place"), "{stderr}");
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
 }
 
@@ -216,6 +247,7 @@ fn a_worker_failing_on_its_own_ends_the_elastic_job() {
         "{stderr}"
     );
     assert!(!stderr.contains("goes on with"), "no new generation after a worker's own failure:\n{stderr}");
+    assert!(!stderr.contains("in place"), "the others do not go on without it:\n{stderr}");
     assert!(!stdout.contains("DONE"), "{stdout}");
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
 }
@@ -273,8 +305,8 @@ fn a_failed_host_gets_a_new_rank_only_after_its_cooldown() {
     // Worker 2 was killed; worker 3 took its place once localhost's cooldown was over.
     assert_eq!(done, ["worker 0 size 3", "worker 1 size 3", "worker 3 size 3"], "{seen}\n{stderr}");
     let at = |what: &str| stamped.iter().find(|(_, l)| l.contains(what)).map(|(t, _)| *t);
-    let shrunk = at("rank 2 failed; generation 1 goes on with 2 ranks").expect(&stderr);
-    let grown = at("generation 2 grows to 3 ranks (workers [0, 1, 3]; started 3 on localhost)").expect(&stderr);
+    let shrunk = at("rank 2 failed; the survivors shrank generation 0 in place to 2 ranks").expect(&stderr);
+    let grown = at("generation 1 grows to 3 ranks (workers [0, 1, 3]; started 3 on localhost)").expect(&stderr);
     assert!(stderr.contains("host localhost gets no new ranks for 3 s"), "{stderr}");
     assert!(grown >= shrunk + Duration::from_secs(2), "regrown {:?} after the failure", grown - shrunk);
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());

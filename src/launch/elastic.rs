@@ -13,6 +13,16 @@
 //! broadcast from rank 0). Call [`Membership::check`] at points where the job may change size
 //! (every few steps: it reads one store key): without it a job still shrinks, but never grows.
 //!
+//! A job shrinks in place: when the work fails because members died (a connection closed, a
+//! heartbeat went silent, the context was revoked for it), the survivors
+//! [shrink](Context::shrink) their context (they agree on who failed, over the connections
+//! they hold) and [`run`] calls the work again on the smaller context, in the same generation
+//! ([`Membership::shrinks`] counts these). Its rank 0 records the survivors in the store, and
+//! the launcher follows ([`Coordinator::follow_shrinks`]) instead of publishing a generation.
+//! A store round trip is left for what needs one: ranks joining, a peer that stalled rather
+//! than died (it cannot be agreed away), and a shrink that failed (too few survivors, or this
+//! worker was itself decided failed).
+//!
 //! Both halves of the protocol live here: the launcher's ([`Coordinator`], which
 //! `ferrogloo-run` drives) and the workers' ([`run`], [`Membership`]). They meet through these
 //! store keys, which nothing else reads or writes:
@@ -23,6 +33,7 @@
 //! | `elastic.g<N>.members` | its workers (ids as `FERROGLOO_WORKER` gives them), comma-separated, in rank order |
 //! | `elastic.g<N>.ready` | how many of its workers have built their context (the launcher adds ranks only to a generation that all have joined) |
 //! | `elastic.g<N>.regroup` | how many of its workers failed in it with a membership error: when no process ended, the launcher publishes the same workers again (a peer only stalled) |
+//! | `elastic.g<N>.shrink<K>` | its workers after its `K`-th shrink in place (`K` = 1, 2, ...), set by the shrunk context's rank 0 |
 //! | `elastic.fatal` | set by a worker whose work failed for another reason than membership: the job ends |
 //!
 //! and each generation forms its context under the store prefix `elastic.g<N>`.
@@ -90,6 +101,11 @@ fn regroup_key(g: u64) -> String {
     format!("elastic.g{g}.regroup")
 }
 
+/// The key holding generation `g`'s workers after its `k`-th shrink in place (1, 2, ...).
+fn shrink_key(g: u64, k: u32) -> String {
+    format!("elastic.g{g}.shrink{k}")
+}
+
 /// The store prefix generation `g`'s context forms under.
 fn generation_prefix(g: u64) -> String {
     format!("elastic.g{g}")
@@ -104,6 +120,8 @@ pub struct Coordinator {
     store: Box<dyn Store>,
     generation: u64,
     members: Vec<usize>,
+    /// How many shrinks in place of the current generation it has followed.
+    shrinks: u32,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -112,6 +130,7 @@ impl std::fmt::Debug for Coordinator {
             .field("store", &self.store.describe())
             .field("generation", &self.generation)
             .field("members", &self.members)
+            .field("shrinks", &self.shrinks)
             .finish()
     }
 }
@@ -120,7 +139,7 @@ impl Coordinator {
     /// Publishes generation 0 of the job in `store`: the workers `members` (their ids, as
     /// `FERROGLOO_WORKER` gives them), in rank order.
     pub fn start(store: Box<dyn Store>, members: &[usize]) -> Result<Self> {
-        let mut c = Coordinator { store, generation: 0, members: Vec::new() };
+        let mut c = Coordinator { store, generation: 0, members: Vec::new(), shrinks: 0 };
         c.publish(0, members)?;
         Ok(c)
     }
@@ -130,9 +149,34 @@ impl Coordinator {
         self.generation
     }
 
-    /// Its workers, in rank order.
+    /// Its workers, in rank order (after the shrinks in place it has
+    /// [followed](Self::follow_shrinks)).
     pub fn members(&self) -> &[usize] {
         &self.members
+    }
+
+    /// Follows the shrinks in place of the current generation that its workers recorded since
+    /// the last call (members died and the survivors went on over the connections they hold,
+    /// [`run`]): [`members`](Self::members) are then the survivors. True when there was one.
+    /// No new generation is needed for such a loss.
+    pub fn follow_shrinks(&mut self) -> Result<bool> {
+        let mut followed = false;
+        // At most one shrink per member lost.
+        while (self.shrinks as usize) < self.members.len() {
+            let Some(raw) = self.store.try_get(&shrink_key(self.generation, self.shrinks + 1))? else { break };
+            let text = String::from_utf8_lossy(&raw);
+            let members: Option<Vec<usize>> = text.split(',').map(|m| m.trim().parse().ok()).collect();
+            let Some(members) = members else {
+                return Err(Error::store(
+                    shrink_key(self.generation, self.shrinks + 1),
+                    format!("holds {text:?}, not a list of workers"),
+                ));
+            };
+            self.members = members;
+            self.shrinks += 1;
+            followed = true;
+        }
+        Ok(followed)
     }
 
     /// Publishes the next generation, of `members` (in rank order): every worker of the
@@ -152,6 +196,7 @@ impl Coordinator {
         self.store.set(GENERATION_KEY, g.to_string().as_bytes())?;
         self.generation = g;
         self.members = members.to_vec();
+        self.shrinks = 0;
         Ok(())
     }
 
@@ -206,6 +251,7 @@ pub struct Membership<'a> {
     store: &'a dyn Store,
     generation: u64,
     worker: u64,
+    shrinks: u32,
 }
 
 impl Membership<'_> {
@@ -217,6 +263,13 @@ impl Membership<'_> {
     /// This worker's id (stable across generations, unlike its rank).
     pub fn worker(&self) -> u64 {
         self.worker
+    }
+
+    /// How many times this generation's context has shrunk in place (members died and the
+    /// survivors went on without them) before this call of the work: 0 on a context fresh
+    /// from the store.
+    pub fn shrinks(&self) -> u32 {
+        self.shrinks
     }
 
     /// Whether the launcher has published a newer generation (ranks joined or left): then
@@ -258,7 +311,7 @@ pub fn run<R>(
     let Some((me, wait_for)) = worker_in(&Vars::process())? else {
         let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, device)?;
         let fixed = crate::rendezvous::HashStore::new();
-        return work(&ctx, &Membership { store: &fixed, generation: 0, worker: env.rank as u64 });
+        return work(&ctx, &Membership { store: &fixed, generation: 0, worker: env.rank as u64, shrinks: 0 });
     };
     let worker = Worker { store: &*store, device, timeout, me, wait_for };
     worker.run(work)
@@ -320,16 +373,19 @@ impl Worker<'_> {
             outside_since = None;
             tracing::info!(generation = g, rank, size = members.len(), "elastic job: joining a generation");
             let scoped = PrefixStore::new(generation_prefix(g), store);
-            let membership = Membership { store, generation: g, worker: me };
-            let result =
-                Context::builder(rank, members.len()).timeout(timeout).connect(&scoped, device).and_then(|ctx| {
-                    // Counted so that the launcher adds ranks only once every member is here: a worker
-                    // still forming an older generation would wait out its deadline for one that left.
+            let result = match Context::builder(rank, members.len()).timeout(timeout).connect(&scoped, device) {
+                Ok(ctx) => {
+                    // Counted so that the launcher adds ranks only once every member is here: a
+                    // worker still forming an older generation would wait out its deadline for one
+                    // that left.
                     if let Err(e) = store.add(&ready_key(g), 1) {
                         tracing::warn!(error = %e, "elastic job: could not count this worker in the store");
                     }
-                    work(&ctx, &membership)
-                });
+                    self.in_place(ctx, g, &members, &mut work)
+                }
+                Err(e) if is_membership_error(&e) => Err(e),
+                Err(e) => return Err(self.fatal(rank, g, e)),
+            };
             match result {
                 Ok(r) => return Ok(r),
                 Err(e) if is_membership_error(&e) => {
@@ -342,17 +398,88 @@ impl Worker<'_> {
                         tracing::warn!(error = %se, "elastic job: could not ask for a new generation");
                     }
                 }
-                Err(e) => {
-                    // Tell the launcher before this worker exits: this failure ends the job.
-                    let why = format!("worker {me} (rank {rank} of generation {g}): {e}");
-                    if let Err(se) = store.set(FATAL_KEY, why.as_bytes()) {
-                        tracing::warn!(error = %se, "elastic job: could not record this worker's failure in the store");
-                    }
-                    return Err(e);
-                }
+                // Recorded as fatal already, while the context was still up.
+                Err(e) => return Err(e),
             }
         }
     }
+
+    /// Records `e`, this worker's failure as rank `rank` of generation `g`, for the launcher
+    /// (the failure ends the job), and returns it. Called while the worker's context is still
+    /// up: the peers that lose it then find the record and do not go on without it.
+    fn fatal(&self, rank: usize, g: u64, e: Error) -> Error {
+        let why = format!("worker {} (rank {rank} of generation {g}): {e}", self.me);
+        if let Err(se) = self.store.set(FATAL_KEY, why.as_bytes()) {
+            tracing::warn!(error = %se, "elastic job: could not record this worker's failure in the store");
+        }
+        e
+    }
+}
+
+impl Worker<'_> {
+    /// Runs `work` on `ctx`, generation `g`'s context (of workers `members`, in rank order),
+    /// and each time it fails because members died, [shrinks](Context::shrink) the context in
+    /// place and runs `work` again on the survivors' context: no store round trip and no new
+    /// connection. The new rank 0 records the survivors (`elastic.g<N>.shrink<K>`) so that the
+    /// launcher follows instead of publishing a generation. Returns the error that ends this
+    /// generation for this worker: one that a shrink cannot mend (a stalled peer, a newer
+    /// generation, a failure of its own), or the peer's loss when the shrink failed (this
+    /// worker was decided failed, too few survived, a member did not take part in time).
+    fn in_place<R>(
+        &self,
+        mut ctx: Context,
+        g: u64,
+        members: &[u64],
+        work: &mut impl FnMut(&Context, &Membership<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let mut shrinks = 0u32;
+        loop {
+            let membership = Membership { store: self.store, generation: g, worker: self.me, shrinks };
+            let e = match work(&ctx, &membership) {
+                Ok(r) => return Ok(r),
+                Err(e) if !is_membership_error(&e) => {
+                    return Err(self.fatal(ctx.world_rank(ctx.rank()).unwrap_or(0), g, e));
+                }
+                Err(e) => e,
+            };
+            // A stalled peer cannot be agreed away (it would hold the agreement to its deadline
+            // too), a newer generation replaces this one anyway, and a member's own failure
+            // (recorded before its context closed) ends the job rather than leaving the others
+            // to go on without it.
+            if !is_peer_loss(&e)
+                || read_generation(self.store)?.is_some_and(|latest| latest > g)
+                || self.store.try_get(FATAL_KEY)?.is_some()
+            {
+                return Err(e);
+            }
+            tracing::warn!(generation = g, error = %e, "elastic job: a member was lost; shrinking in place");
+            let shrunk = match ctx.shrink() {
+                Ok(s) => s,
+                Err(why) => {
+                    tracing::warn!(generation = g, error = %why, "elastic job: could not shrink in place");
+                    return Err(e);
+                }
+            };
+            shrinks += 1;
+            let ids: Vec<u64> =
+                (0..shrunk.size()).filter_map(|r| members.get(shrunk.world_rank(r)?).copied()).collect();
+            tracing::info!(generation = g, shrinks, rank = shrunk.rank(), workers = ?ids, "elastic job: shrank in place");
+            if shrunk.rank() == 0 {
+                let list = ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+                if let Err(se) = self.store.set(&shrink_key(g, shrinks), list.as_bytes()) {
+                    // The launcher then publishes a generation of the survivors: they rebuild.
+                    tracing::warn!(error = %se, "elastic job: could not record the shrink in the store");
+                }
+            }
+            ctx = shrunk;
+        }
+    }
+}
+
+/// Whether `e` says a member of the context was lost (its connection closed, it went silent,
+/// or the context was aborted or revoked because of a loss): what a shrink in place mends.
+fn is_peer_loss(e: &Error) -> bool {
+    matches!(e, Error::PeerClosed { .. } | Error::PeerSilent { .. } | Error::Aborted { .. } | Error::Revoked { .. })
 }
 
 /// The latest generation the store holds, if any.
@@ -465,6 +592,30 @@ mod tests {
     }
 
     #[test]
+    fn the_survivors_of_a_dead_worker_shrink_in_place_and_the_coordinator_follows() {
+        let store = Arc::new(HashStore::new());
+        let mut c = Coordinator::start(Box::new(store.clone()), &[0, 1, 2]).unwrap();
+        let work = |ctx: &Context, m: &Membership<'_>| -> Result<(u64, u32, usize)> {
+            Ok((m.generation(), m.shrinks(), size_by_allreduce(ctx)?))
+        };
+        let survivors: Vec<_> = (0..2).map(|w| worker(&store, w, work)).collect();
+        // Worker 2 joins generation 0 and dies: its connections close with no error of its own.
+        let scoped = PrefixStore::new(generation_prefix(0), &*store);
+        let ctx = Context::builder(2, 3).timeout(Duration::from_secs(2)).connect(&scoped, &Device::in_process());
+        drop(ctx.unwrap());
+        // The survivors shrink their context in place and finish in the same generation, at
+        // size 2, with no new generation and no request to regroup...
+        let got: Vec<(u64, u32, usize)> = survivors.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        assert_eq!(got, [(0, 1, 2), (0, 1, 2)]);
+        // ... and the launcher's side follows their record.
+        assert_eq!(c.members(), [0, 1, 2]);
+        assert!(c.follow_shrinks().unwrap());
+        assert_eq!((c.generation(), c.members(), c.regroup_count().unwrap()), (0, &[0, 1][..], 0));
+        assert!(!c.follow_shrinks().unwrap(), "nothing new to follow");
+        assert_eq!((read_generation(&*store).unwrap(), c.fatal().unwrap()), (Some(0), None));
+    }
+
+    #[test]
     fn a_failure_of_a_worker_s_own_is_fatal_and_the_stranded_ask_to_regroup() {
         let store = Arc::new(HashStore::new());
         let mut c = Coordinator::start(Box::new(store.clone()), &[0, 1, 2]).unwrap();
@@ -480,14 +631,37 @@ mod tests {
         assert!(failed.to_string().contains("bad input on worker 2"), "{failed}");
         let fatal = c.fatal().unwrap().expect("the failure is recorded for the launcher");
         assert!(fatal.contains("worker 2 (rank 2 of generation 0)") && fatal.contains("bad input"), "{fatal}");
-        // Nobody ended that the launcher could see die: both ask for a new generation...
+        // Nobody ended that the launcher could see die, and the survivors do not go on without
+        // the failed worker (no shrink in place): both ask for a new generation...
         until("both survivors to ask to regroup", || c.regroup_count().unwrap() == 2);
         assert_eq!(c.ready_count().unwrap(), 3);
+        assert!(!c.follow_shrinks().unwrap(), "no shrink in place after a member's own failure");
         // ... and finish in the one published for them.
         assert_eq!(c.publish_next(&[0, 1]).unwrap(), 1);
         let got: Vec<(u64, usize)> = survivors.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
         assert_eq!(got, [(1, 2), (1, 2)]);
         assert_eq!((c.generation(), c.members(), c.regroup_count().unwrap()), (1, &[0, 1][..], 0));
+    }
+
+    #[test]
+    fn a_stalled_worker_is_not_shrunk_away_the_others_ask_to_regroup() {
+        let store = Arc::new(HashStore::new());
+        let mut c = Coordinator::start(Box::new(store.clone()), &[0, 1, 2]).unwrap();
+        // Worker 2 stalls past the others' 2 s deadline in generation 0: a peer that is only
+        // slow cannot be agreed away, so nobody shrinks; everyone asks to regroup.
+        let work = |ctx: &Context, m: &Membership<'_>| -> Result<(u64, u32, usize)> {
+            if m.worker() == 2 && m.generation() == 0 {
+                std::thread::sleep(Duration::from_millis(2500));
+            }
+            Ok((m.generation(), m.shrinks(), size_by_allreduce(ctx)?))
+        };
+        let workers: Vec<_> = (0..3).map(|w| worker(&store, w, work)).collect();
+        until("the workers to ask to regroup", || c.regroup_count().unwrap() >= 2);
+        assert!(!c.follow_shrinks().unwrap(), "no shrink in place");
+        assert_eq!(c.publish_next(&[0, 1, 2]).unwrap(), 1);
+        let got: Vec<(u64, u32, usize)> = workers.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        assert_eq!(got, [(1, 0, 3), (1, 0, 3), (1, 0, 3)]);
+        assert_eq!(c.fatal().unwrap(), None);
     }
 
     #[test]

@@ -62,6 +62,46 @@ impl Node {
         Ok(Node { ctx: Arc::new(ctx), role, id, cfg, store: None })
     }
 
+    /// Makes `ctx`, a context the job already has, a node of the parameter server: ranks
+    /// `0..servers` are the servers and the workers follow, so this rank is `role` number `id`
+    /// exactly when its rank says so. For a context the job formed another way, for example
+    /// the survivors' context after a [shrink](Context::shrink) (workers then keep going when
+    /// another worker dies, and with [`PsConfig::replication`] a server's backup takes over its
+    /// keys, as on a context of their own). Requests time out after `cfg.timeout`, as on any
+    /// node; the context keeps its own deadline for the barriers.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when the context's size is not `servers + workers`
+    /// or its rank is not that of `role` number `id`.
+    pub fn over(ctx: Context, role: Role, id: usize, cfg: PsConfig) -> Result<Node> {
+        if cfg.servers == 0 || cfg.workers == 0 {
+            return Err(Error::invalid(format!(
+                "a parameter server needs at least one server and one worker, not {} and {}",
+                cfg.servers, cfg.workers
+            )));
+        }
+        let n = cfg.servers + cfg.workers;
+        let rank = match role {
+            Role::Server => id,
+            Role::Worker => cfg.servers + id,
+        };
+        let within = match role {
+            Role::Server => id < cfg.servers,
+            Role::Worker => id < cfg.workers,
+        };
+        if ctx.size() != n || ctx.rank() != rank || !within {
+            return Err(Error::invalid(format!(
+                "{} {id} of a parameter server of {} servers and {} workers is rank {rank} of {n}, but this is \
+                 rank {} of a context of {}",
+                role_name(role),
+                cfg.servers,
+                cfg.workers,
+                ctx.rank(),
+                ctx.size()
+            )));
+        }
+        Ok(Node { ctx: Arc::new(ctx), role, id, cfg, store: None })
+    }
+
     /// [`connect`](Self::connect), keeping the store: a server made this way watches it for
     /// workers that rejoin ([`PsConfig::rejoin_wait`]).
     pub fn connect_shared(

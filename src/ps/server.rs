@@ -208,6 +208,9 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
     fn take(&mut self, li: usize, got: Result<(usize, Vec<u8>)>) -> Result<()> {
         let id = self.node.id;
         let worker_at = |rank: usize| self.links[li].workers.get(&rank).copied();
+        // Errors name ranks of the mesh's context; the link's context may be a sub-group or a
+        // shrunk one, with ranks of its own.
+        let ctx_rank = |world: usize| self.links[li].ctx.rank_of_world(world);
         match got {
             Ok((rank, bytes)) => {
                 let Some(w) = worker_at(rank) else {
@@ -244,12 +247,12 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
                 }
             }
             Err(Error::Timeout { .. }) => Ok(()),
-            Err(Error::Mismatch { rank, detail }) if worker_at(rank).is_some() => {
+            Err(Error::Mismatch { rank, detail }) if ctx_rank(rank).and_then(worker_at).is_some() => {
                 // The pair reads past the message and goes on: only that message is lost.
-                tracing::warn!(server = id, worker = worker_at(rank), "{detail}; skipped");
+                tracing::warn!(server = id, worker = ctx_rank(rank).and_then(worker_at), "{detail}; skipped");
                 Ok(())
             }
-            Err(e) => match e.rank().and_then(worker_at) {
+            Err(e) => match e.rank().and_then(ctx_rank).and_then(worker_at) {
                 Some(w) => {
                     tracing::debug!(server = id, worker = w, error = %e, "a worker's connection failed");
                     self.depart(w, true)
@@ -260,7 +263,7 @@ impl<T: Element, H: Handler<T> + Clone> Serving<T, H> {
                     let gone: Vec<usize> = self.links[li].workers.values().copied().collect();
                     gone.into_iter().try_for_each(|w| self.depart(w, true))
                 }
-                None if e.rank().is_some_and(|r| r != self.links[li].ctx.rank()) => {
+                None if e.rank().is_some_and(|r| ctx_rank(r) != Some(self.links[li].ctx.rank())) => {
                     tracing::debug!(server = id, error = %e, "an error from a rank that is no live worker; ignored");
                     Ok(())
                 }

@@ -49,6 +49,12 @@ pub(super) struct Elastic<'a> {
 /// generation on its own) before the launcher publishes the same workers again.
 const REGROUP_DELAY: Duration = Duration::from_secs(1);
 
+/// How long, after the failures settled, the launcher waits for the survivors' record of a
+/// shrink in place before it publishes a generation of them itself. Survivors inside a call
+/// learn of the loss at once and shrink within milliseconds; survivors busy elsewhere rebuild
+/// in the launcher's generation instead.
+const SHRINK_WAIT: Duration = Duration::from_secs(1);
+
 /// The host discovery script, run in the background.
 struct Discovery {
     script: PathBuf,
@@ -141,6 +147,27 @@ impl<'a> Elastic<'a> {
         }
     }
 
+    /// The current generation's workers when none of `failed` is among them (its survivors
+    /// shrank it in place, [`elastic::Coordinator::follow_shrinks`]), waiting for their record
+    /// at most [`SHRINK_WAIT`]; `None` when a new generation is needed.
+    fn shrunk_without(&mut self, failed: &[usize]) -> Option<Vec<usize>> {
+        let deadline = Instant::now() + SHRINK_WAIT;
+        loop {
+            if let Err(e) = self.coordinator.follow_shrinks() {
+                eprintln!("ferrogloo-run: the elastic job's store: {e}");
+                return None;
+            }
+            let members = self.coordinator.members();
+            if failed.iter().all(|w| !members.contains(w)) {
+                return Some(members.to_vec());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// What the launcher knows of worker `w`.
     fn rank_of(&self, w: usize) -> Option<&Rank> {
         self.starter.as_ref().and_then(|s| s.ranks.get(w))
@@ -204,12 +231,12 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
             }
         }
         let alive: Vec<usize> = (0..statuses.len()).filter(|&w| statuses[w].is_none()).collect();
-        if alive.len() < self.min || self.resets_left == 0 {
+        // Survivors that shrank in place may have finished already (with success).
+        let left = statuses.iter().filter(|s| s.is_none_or(|s| s.success())).count();
+        if left < self.min || self.resets_left == 0 {
             eprintln!(
-                "ferrogloo-run: {r} failed and the elastic job cannot go on ({} left of at least {}, {} resets left)",
-                alive.len(),
-                self.min,
-                self.resets_left
+                "ferrogloo-run: {r} failed and the elastic job cannot go on ({left} left of at least {}, {} resets left)",
+                self.min, self.resets_left
             );
             return false;
         }
@@ -221,6 +248,26 @@ impl ferrogloo::launch::Elasticity for Elastic<'_> {
             self.blacklist.insert(machine, until);
         }
         self.resets_left -= 1;
+        // The survivors shrink their context in place when they notice the loss inside a call:
+        // then they go on without a new generation.
+        if let Some(members) = self.shrunk_without(failed) {
+            let g = self.coordinator.generation();
+            if members.len() < self.min {
+                eprintln!(
+                    "ferrogloo-run: {r} failed; the survivors shrank generation {g} in place to {} ranks, fewer than \
+                     --min-np {}: the elastic job ends",
+                    members.len(),
+                    self.min
+                );
+                return false;
+            }
+            eprintln!(
+                "ferrogloo-run: {r} failed; the survivors shrank generation {g} in place to {} ranks (workers \
+                 {members:?})",
+                members.len()
+            );
+            return true;
+        }
         match self.publish(&alive) {
             Ok(g) => {
                 eprintln!(

@@ -270,11 +270,12 @@ pub(super) fn receive_one<T: Element>(
             return Received::Nothing;
         }
         Some(Err(e)) => {
-            // Which server: the error names it (a closed connection), else every live one
-            // is suspect; the context itself is unusable then.
+            // Which server: the error names it (a closed connection; by its rank in the mesh's
+            // context, which a shrunk context renumbers), else every live one is suspect; the
+            // context itself is unusable then.
             let server = match &e {
-                Error::PeerClosed { rank, .. } | Error::PeerTimedOut { rank, .. } if *rank < sh.cfg.servers => {
-                    Some(*rank)
+                Error::PeerClosed { rank, .. } | Error::PeerTimedOut { rank, .. } => {
+                    sh.ctx.rank_of_world(*rank).filter(|&r| r < sh.cfg.servers)
                 }
                 _ => None,
             };
