@@ -215,13 +215,26 @@ pub(crate) fn form<S: Store + ?Sized>(
                 _ => last = Some(raw),
             }
         };
-        // Connection failures (a link still coming up) are retried until the deadline.
+        // Connection failures (a link still coming up) are retried until the deadline; then
+        // the peer is what the rendezvous waited for (it may have died after publishing).
         let mut retry = Backoff::new();
         loop {
             match ep.connect(peer, &entry.addr, rv.deadline) {
                 Ok(()) => break,
                 Err(ConnectError::Retry(e)) if retry.sleep_until(rv.deadline) => {
                     tracing::debug!(peer, error = %e, "connecting failed; trying again");
+                }
+                Err(ConnectError::Retry(e)) => {
+                    return Err(Error::Timeout {
+                        op: format!(
+                            "rendezvous of rank {rank} (of {size}) in {}: connecting to rank {peer}, which \
+                             published its endpoint but did not take the connection (last: {e})",
+                            store.describe()
+                        ),
+                        ranks: vec![peer],
+                        keys: Vec::new(),
+                        waited: spec.timeout,
+                    });
                 }
                 Err(e) => return Err(e.into_error()),
             }

@@ -246,6 +246,11 @@ fn survive_rank() {
     let Some(env) = common::rank_process() else { return };
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     let dev = Device::with_transport(Transport::from_env().expect("transport"), &TcpAttr::loopback()).expect("device");
+    if std::env::var(SCENARIO_ENV).as_deref() == Ok("connect") {
+        connecting(&env, &store, &dev);
+        println!("DONE rank {}", env.rank);
+        return;
+    }
     let ctx = Context::builder(env.rank, env.size).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");
     match std::env::var(SCENARIO_ENV).as_deref() {
         // Agreements in a loop, each printed; the victim dies in the middle of one.
@@ -265,6 +270,45 @@ fn survive_rank() {
         other => panic!("unknown scenario {other:?}"),
     }
     println!("DONE rank {}", env.rank);
+}
+
+/// The deadline of the mesh's forming in the connect scenario.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The ranks an error blames: those a deadline waited for, or the one it names.
+fn blamed(e: &Error) -> Vec<usize> {
+    match e {
+        Error::Timeout { ranks, .. } => ranks.clone(),
+        other => other.rank().into_iter().collect(),
+    }
+}
+
+/// The connect scenario's rank (see `survive_rank`): the parent kills the victim while the
+/// mesh forms. A survivor whose forming fails says so and whom it blames; one whose mesh
+/// formed (the victim died just after) finds the victim gone in barriers, agrees and shrinks.
+fn connecting(env: &ferrogloo::launch::RankEnv, store: &dyn ferrogloo::rendezvous::Store, dev: &Device) {
+    println!("CONNECTING");
+    let ctx = match Context::builder(env.rank, env.size).timeout(CONNECT_TIMEOUT).connect(store, dev) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            println!("CONNECT_FAILED blamed {:?}: {e}", blamed(&e));
+            return;
+        }
+    };
+    let err = loop {
+        if let Err(e) = ctx.barrier() {
+            break e;
+        }
+    };
+    println!("FAILED blamed {:?}: {err}", blamed(&err));
+    match ctx.shrink() {
+        Ok(small) => {
+            let members: Vec<usize> = (0..small.size()).filter_map(|r| small.world_rank(r)).collect();
+            println!("SHRUNK {members:?}");
+        }
+        // A survivor whose forming failed takes no part: the others' agreement times out.
+        Err(e) => println!("SHRINK_FAILED blamed {:?}: {e}", blamed(&e)),
+    }
 }
 
 /// The collective scenario's rank (see `survive_rank`).
@@ -468,6 +512,92 @@ fn survivors_of_a_rank_killed_in_each_algorithm_fail_agree_shrink_and_go_on() {
     }
     println!("| fault | during | transport | slowest survivor's error | slowest shrunk and checked |");
     println!("|---|---|---|---|---|");
+    for row in table {
+        println!("{row}");
+    }
+}
+
+/// Kills `victim` with SIGKILL `after` it printed that it starts forming the mesh of `n`
+/// processes on `transport`: every survivor must return within the forming's deadline plus
+/// an agreement's, with an error, or a shrink to the others; someone must blame the victim.
+/// Returns the slowest survivor's time from the kill and what the survivors did.
+fn killed_while_connecting(n: usize, victim: usize, after: Duration, transport: &str) -> (Duration, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut children = spawn(n, transport, &format!("file:{}", dir.path().display()), "connect", victim);
+    let mut doomed = children.remove(victim);
+    let mut lines = BufReader::new(doomed.stdout.take().expect("piped")).lines();
+    let started = lines.by_ref().map_while(|l| l.ok()).any(|l| l.ends_with("CONNECTING"));
+    assert!(started, "{transport}: the victim did not start connecting");
+    std::thread::sleep(after);
+    doomed.kill().expect("SIGKILL");
+    let killed = Instant::now();
+    doomed.wait().expect("reaped");
+    let bound = CONNECT_TIMEOUT + TIMEOUT + Duration::from_secs(5);
+    let deadline = killed + bound;
+    let (mut slowest, mut outcomes, mut blamed_victim) = (Duration::ZERO, Vec::new(), false);
+    let mut shrunk_to: Vec<String> = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let rank = if i < victim { i } else { i + 1 };
+        let (ok, out) = output(c, deadline);
+        slowest = slowest.max(killed.elapsed());
+        let what = |l: &str| out.lines().find(|x| x.contains(l)).map(str::to_string);
+        assert!(
+            ok && out.contains(&format!("DONE rank {rank}")),
+            "{transport}: survivor {rank} of {n}:
+{out}"
+        );
+        blamed_victim |= out.contains(&format!("blamed [{victim}]"));
+        // A survivor whose forming failed leaves: the others, if their mesh formed, shrink
+        // without it too, or find themselves a minority, or wait for it in their agreement.
+        let outcome = if let Some(l) = what("CONNECT_FAILED") {
+            assert!(l.contains("blamed [") && !l.contains("blamed []"), "{transport}: survivor {rank}: {l}");
+            "forming failed"
+        } else if let Some(l) = what("SHRUNK ") {
+            assert!(!l.contains(&victim.to_string()), "{transport}: survivor {rank}: {l}");
+            shrunk_to.push(l);
+            "shrank"
+        } else if let Some(l) = what("SHRINK_FAILED") {
+            if l.contains("timed out") {
+                "agreement timed out"
+            } else {
+                assert!(l.contains("not a majority"), "{transport}: survivor {rank}: {l}");
+                "a minority, stopped"
+            }
+        } else {
+            panic!("{transport}: survivor {rank} of {n} neither failed nor shrank:\n{out}");
+        };
+        outcomes.push(outcome);
+    }
+    assert!(blamed_victim, "{transport}: no survivor blamed rank {victim}: {outcomes:?}");
+    shrunk_to.dedup();
+    assert!(shrunk_to.len() <= 1, "{transport}: survivors shrank to different members: {shrunk_to:?}");
+    outcomes.sort_unstable();
+    outcomes.dedup();
+    (slowest, outcomes.join(", "))
+}
+
+#[test]
+fn survivors_of_a_rank_killed_while_the_mesh_forms_return_in_bounded_time() {
+    let mut table = Vec::new();
+    // The mesh of a few processes forms in about a millisecond here: kills from before the
+    // victim published its endpoint to after the mesh formed.
+    for (transport, n, victim, after_us) in [
+        ("tcp", 4, 2, 0),
+        ("tcp", 4, 0, 400),
+        ("tcp", 4, 3, 900),
+        ("tcp", 3, 1, 5000),
+        ("shm", 4, 1, 0),
+        ("shm", 4, 0, 400),
+        ("shm", 4, 3, 900),
+        ("shm", 3, 0, 5000),
+    ] {
+        let (slowest, what) = killed_while_connecting(n, victim, Duration::from_micros(after_us), transport);
+        table.push(format!(
+            "| SIGKILL rank {victim} of {n}, {after_us} µs into connect | {transport} | {what} | {slowest:.1?} |"
+        ));
+    }
+    println!("| fault | transport | survivors | slowest survivor's return |");
+    println!("|---|---|---|---|");
     for row in table {
         println!("{row}");
     }
