@@ -14,23 +14,30 @@
 //! 1. **Propose.** Each member sends its flag to the coordinator, the lowest rank it has not
 //!    seen die, with the proposal it has adopted, if any (below).
 //! 2. **Adopt.** The coordinator waits until every member it has not seen die has proposed.
-//!    Its proposal is the adopted one of the highest epoch among them (its own included), or,
-//!    if none adopted any, a fresh one: the AND of their flags and the ranks it has seen die.
-//!    It sends it to every live member, stamped with its rank (the epoch); each adopts it if
-//!    its epoch is at least that of what it holds, and acknowledges.
-//! 3. **Decide.** Once every member it has not seen die acknowledged, the coordinator sends
-//!    the decision to every live member. A member that receives a decision relays it to every
-//!    live member but the sender, and returns it.
+//!    Its proposal is the adopted one of the highest epoch among them (its own included),
+//!    with that epoch, or, if none adopted any, a fresh one stamped with its own rank (the
+//!    epoch): the AND of their flags and the ranks it has seen die. It adopts it itself and
+//!    sends it to every live member; each adopts it if its epoch is at least that of what it
+//!    holds. (An epoch names one proposal: the one its coordinator made fresh.)
+//! 3. **Acknowledge, and decide.** A member that adopts a proposal tells every live member
+//!    (the coordinator's own message counts as its acknowledgement). A member decides the
+//!    proposal it holds once every member it has not seen die has acknowledged that epoch.
 //! 4. **Take over.** A member that sees its coordinator die proposes to the next one.
 //!
-//! Why every member returns the same decision: a coordinator decides only after every member
-//! it has not seen die adopted its proposal, and a member that it saw die is dead. So every
-//! member alive when a decision was first made holds that proposal (or a later one of a
-//! coordinator that chose it the same way), and every later coordinator hears it from all of
-//! them and proposes it again. Why it ends: the relays. A coordinator waits only for members it
-//! has not seen die; a member that has returned relayed the decision to it before, and a
-//! member waiting for a coordinator that has returned received the coordinator's decision (or
-//! a relay) before anything else from it.
+//! Why every member returns the same decision: a member decides only after every member it has
+//! not seen die adopted its proposal, and a member that it saw die is dead. Adoptions only
+//! move to later epochs, and a member adopts from a coordinator only before it sees that
+//! coordinator die (a pair delivers what was sent before it closed first). So every member
+//! alive when a decision was first made holds that proposal (or a later one of a coordinator
+//! that chose it the same way) in every proposal it sends afterwards, and every later
+//! coordinator hears it from all of them and proposes it again. Why it ends: once any member
+//! decided, every live member holds that proposal and has told every other, so each of them
+//! decides on the acknowledgements it gets, whatever became of the coordinators; before that,
+//! a coordinator waits only for members it has not seen die, and none of them has returned.
+//!
+//! Without failures this is three message delays (propose, adopt, acknowledge) and, with `n`
+//! members, `(n - 1)(n + 1)` messages; a member other than the coordinator with one peer
+//! decides on the adopt already (the coordinator's adoption is the only other).
 
 /// A proposal: the value (AND of flags) and the failed ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,14 +58,11 @@ pub(crate) enum Msg {
     Adopt { epoch: usize, proposal: Proposal },
     /// Adopted coordinator `epoch`'s proposal.
     Ack { epoch: usize },
-    /// The decision.
-    Decide { proposal: Proposal },
 }
 
 const PROPOSE: u64 = 0x5052_4f50;
 const ADOPT: u64 = 0x4144_4f50;
 const ACK: u64 = 0x4143_4b21;
-const DECIDE: u64 = 0x4445_4349;
 /// No epoch (a proposal without an adopted one).
 const NONE: u64 = u64::MAX;
 /// Words before the bitmap of failed ranks: kind, agreement number, epoch, value, flag.
@@ -73,7 +77,6 @@ impl Msg {
             }
             Msg::Adopt { epoch, proposal } => (ADOPT, *epoch as u64, Some(proposal), 0),
             Msg::Ack { epoch } => (ACK, *epoch as u64, None, 0),
-            Msg::Decide { proposal } => (DECIDE, NONE, Some(proposal), 0),
         };
         let mut w = vec![kind, number, epoch, proposal.map_or(0, |p| p.value), flag];
         w.resize(HEAD + n.div_ceil(64), 0);
@@ -99,20 +102,10 @@ impl Msg {
             PROPOSE => Msg::Propose { flag: w[4], adopted: Some((epoch(w[2])?, proposal())) },
             ADOPT => Msg::Adopt { epoch: epoch(w[2])?, proposal: proposal() },
             ACK => Msg::Ack { epoch: epoch(w[2])? },
-            DECIDE => Msg::Decide { proposal: proposal() },
             k => return Err(format!("of unknown kind {k:#x}")),
         };
         Ok((w[1], msg))
     }
-}
-
-/// Where a coordinator is.
-#[derive(Debug, Clone)]
-enum Phase {
-    /// Waiting for proposals.
-    Collecting,
-    /// Waiting for acknowledgements of this proposal.
-    Adopting(Proposal),
 }
 
 /// One member's part in one agreement.
@@ -126,10 +119,11 @@ pub(crate) struct Machine {
     adopted: Option<Adopted>,
     /// What each member proposed to this one (flag, adopted).
     proposals: Vec<Option<(u64, Option<Adopted>)>>,
-    /// Who acknowledged this member's proposal as coordinator.
-    acks: Vec<bool>,
+    /// The epochs each member acknowledged to this one (a coordinator's adopt included).
+    acked: Vec<Vec<usize>>,
     proposed_to: Option<usize>,
-    phase: Phase,
+    /// As coordinator: every live member proposed, and its proposal went out.
+    collected: bool,
     out: Vec<(usize, Msg)>,
     decided: Option<Proposal>,
 }
@@ -158,9 +152,9 @@ impl Machine {
             dead: vec![false; n],
             adopted: None,
             proposals,
-            acks: vec![false; n],
+            acked: vec![Vec::new(); n],
             proposed_to: None,
-            phase: Phase::Collecting,
+            collected: false,
             out: Vec::new(),
             decided: None,
         }
@@ -184,37 +178,36 @@ impl Machine {
 
     /// Whom it waits for, and for what, in words (for a timeout's message).
     pub(crate) fn waiting_for(&self) -> (Vec<usize>, &'static str) {
+        if let Some((e, _)) = &self.adopted {
+            let missing: Vec<usize> = self.live_peers().into_iter().filter(|&r| !self.acked[r].contains(e)).collect();
+            return (missing, "the members to adopt the proposal it holds");
+        }
         let c = self.coordinator();
         if c != self.me {
-            return (vec![c], "the decision of its coordinator");
+            return (vec![c], "the proposal of its coordinator");
         }
-        match &self.phase {
-            Phase::Collecting => (
-                (0..self.n).filter(|&r| !self.dead[r] && self.proposals[r].is_none()).collect(),
-                "the proposals of the members",
-            ),
-            Phase::Adopting(_) => (
-                self.live_peers().into_iter().filter(|&r| !self.acks[r]).collect(),
-                "the members to adopt its proposal",
-            ),
-        }
+        (
+            (0..self.n).filter(|&r| !self.dead[r] && self.proposals[r].is_none()).collect(),
+            "the proposals of the members",
+        )
     }
 
     fn coordinator(&self) -> usize {
         (0..self.n).find(|&r| !self.dead[r]).unwrap_or(self.me)
     }
 
-    fn send_all(&mut self, msg: &Msg, except: Option<usize>) {
+    fn send_all(&mut self, msg: &Msg) {
         for r in self.live_peers() {
-            if Some(r) != except {
-                self.out.push((r, msg.clone()));
-            }
+            self.out.push((r, msg.clone()));
         }
     }
 
-    fn decide(&mut self, proposal: Proposal, except: Option<usize>) {
-        self.send_all(&Msg::Decide { proposal: proposal.clone() }, except);
-        self.decided = Some(proposal);
+    /// Decides the proposal it holds once every member it has not seen die acknowledged it.
+    fn try_decide(&mut self) {
+        let Some((e, p)) = &self.adopted else { return };
+        if self.live_peers().iter().all(|&r| self.acked[r].contains(e)) {
+            self.decided = Some(p.clone());
+        }
     }
 
     /// Peer `r` died: its connection closed, after everything it sent was read.
@@ -233,17 +226,14 @@ impl Machine {
         match msg {
             Msg::Propose { flag, adopted } => self.proposals[from] = Some((flag, adopted)),
             Msg::Adopt { epoch, proposal } => {
+                // The coordinator's adopt is its own acknowledgement.
+                self.acked[from].push(epoch);
                 if self.adopted.as_ref().is_none_or(|(e, _)| epoch >= *e) {
                     self.adopted = Some((epoch, proposal));
-                    self.out.push((from, Msg::Ack { epoch }));
+                    self.send_all(&Msg::Ack { epoch });
                 }
             }
-            Msg::Ack { epoch } => {
-                if epoch == self.me {
-                    self.acks[from] = true;
-                }
-            }
-            Msg::Decide { proposal } => return self.decide(proposal, Some(from)),
+            Msg::Ack { epoch } => self.acked[from].push(epoch),
         }
         self.step();
     }
@@ -260,34 +250,28 @@ impl Machine {
                 self.proposed_to = Some(c);
                 self.out.push((c, Msg::Propose { flag: self.flag, adopted: self.adopted.clone() }));
             }
-            return;
+            return self.try_decide();
         }
-        if let Phase::Collecting = self.phase {
+        if !self.collected {
             if (0..self.n).any(|r| !self.dead[r] && self.proposals[r].is_none()) {
-                return;
+                return self.try_decide();
             }
             let live = || (0..self.n).filter(|&r| !self.dead[r]);
             let newest = live()
                 .filter_map(|r| self.proposals[r].as_ref().and_then(|p| p.1.clone()))
                 .chain(self.adopted.clone())
                 .max_by_key(|(e, _)| *e);
-            let proposal = match newest {
-                Some((_, p)) => p,
-                None => Proposal {
-                    value: live().filter_map(|r| self.proposals[r].as_ref().map(|p| p.0)).fold(!0, |a, f| a & f),
-                    failed: self.dead.clone(),
-                },
-            };
-            self.adopted = Some((self.me, proposal.clone()));
-            self.send_all(&Msg::Adopt { epoch: self.me, proposal: proposal.clone() }, None);
-            self.phase = Phase::Adopting(proposal);
+            // An adopted proposal keeps its epoch: members that decided on it acknowledged
+            // that epoch, and may have returned.
+            let (epoch, proposal) = newest.unwrap_or_else(|| {
+                let value = live().filter_map(|r| self.proposals[r].as_ref().map(|p| p.0)).fold(!0, |a, f| a & f);
+                (self.me, Proposal { value, failed: self.dead.clone() })
+            });
+            self.adopted = Some((epoch, proposal.clone()));
+            self.send_all(&Msg::Adopt { epoch, proposal });
+            self.collected = true;
         }
-        if let Phase::Adopting(p) = &self.phase
-            && self.live_peers().iter().all(|&r| self.acks[r])
-        {
-            let p = p.clone();
-            self.decide(p, None);
-        }
+        self.try_decide();
     }
 }
 
@@ -397,6 +381,7 @@ mod tests {
             }
         }
         let all_live_decided = (0..n).all(|r| crashed[r] || m[r].decided().is_some());
+
         (m.iter().map(|x| x.decided().cloned()).collect(), all_live_decided)
     }
 
@@ -444,7 +429,6 @@ mod tests {
                 Msg::Propose { flag, adopted: Some((epoch, p.clone())) },
                 Msg::Adopt { epoch, proposal: p.clone() },
                 Msg::Ack { epoch },
-                Msg::Decide { proposal: p.clone() },
             ] {
                 let w = msg.encode(number, n);
                 prop_assert_eq!(Msg::decode(&w, n), Ok((number, msg)));
@@ -455,8 +439,8 @@ mod tests {
 
     #[test]
     fn a_coordinator_that_dies_mid_decision_leaves_its_decision_to_the_next() {
-        // Rank 0, the coordinator, crashes after 4 sends: its 3 adopts and one decision, so one
-        // member got the decision (and relays it) and the others take over.
+        // Rank 0, the coordinator, crashes after its 3 adopts: the members decide on each
+        // other's acknowledgements (and the next coordinator, waiting for proposals, too).
         for seed in 0..200 {
             let (d, ended) = simulate(4, &[0b111, 0b110, 0b011, 0b111], &[(0, 4)], seed);
             assert!(ended);

@@ -14,9 +14,12 @@
 //! connection, which on one host the shared-memory lifeline and the kernel's end of a socket
 //! say at once. The protocol is a sans-IO state machine ([`agree::Machine`]), run through
 //! random schedules with random crashes in its tests; this module feeds it what the pairs
-//! deliver. Why not the early-returning agreement (ERA) of Open MPI's ULFM: it saves a round
-//! trip when nobody fails, but a job calls agree after a failure, and this one is much simpler
-//! to get right.
+//! deliver. Without failures it takes three message delays (propose to the coordinator, its
+//! adopt, everyone's acknowledgement to everyone), the members deciding on the
+//! acknowledgements rather than on a fourth message from the coordinator. Why not the
+//! early-returning agreement (ERA) of Open MPI's ULFM: its tree saves messages at thousands of
+//! ranks, but it needs a repair protocol for the tree when members die inside it, and this
+//! one is much simpler to get right (and to check exhaustively on small meshes).
 //!
 //! A rank that the others decided failed (one whose connection looked dead to them) is told so
 //! and fails: it must not go on in the shrunk context (fail-stop).
@@ -241,7 +244,8 @@ impl Context {
                 Ok((k, msg, _)) if k == number => m.on_message(r, msg),
                 // The next agreement's (a peer that returned this one already): kept.
                 Ok((k, _, words)) if k == number + 1 => state.later.push((r, words)),
-                // A relay of one this member returned, or junk from the future: dropped.
+                // A late acknowledgement of one this member returned, or junk from the future:
+                // dropped.
                 Ok(_) => {}
             }
         }
