@@ -246,6 +246,11 @@ fn survive_rank() {
     let Some(env) = common::rank_process() else { return };
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     let dev = Device::with_transport(Transport::from_env().expect("transport"), &TcpAttr::loopback()).expect("device");
+    if std::env::var(SCENARIO_ENV).as_deref() == Ok("close") {
+        closing(&env, &*store);
+        println!("DONE rank {}", env.rank);
+        return;
+    }
     if std::env::var(SCENARIO_ENV).as_deref() == Ok("connect") {
         connecting(&env, &store, &dev);
         println!("DONE rank {}", env.rank);
@@ -270,6 +275,46 @@ fn survive_rank() {
         other => panic!("unknown scenario {other:?}"),
     }
     println!("DONE rank {}", env.rank);
+}
+
+/// Bytes rank 1 sends in the close scenario: more than rank 0's kernel takes while it is
+/// stopped, less than rank 1's send buffer.
+const CLOSING_SEND: usize = 768 << 10;
+
+/// The close scenario's rank (see `survive_rank`): rank 0 sends rank 1 a message it never
+/// takes (rank 1 has no early budget: it stays unread in rank 1's socket; under 256 KiB, it
+/// goes on the connection that carries all of rank 1's frames) and is stopped by the parent;
+/// rank 1 then sends [`CLOSING_SEND`] bytes, most of which wait in its own socket, and drops
+/// its context at once; the parent resumes rank 0, which must receive them whole.
+fn closing(env: &ferrogloo::launch::RankEnv, store: &dyn ferrogloo::rendezvous::Store) {
+    let attr = if env.rank == 1 {
+        TcpAttr { early_budget: 0, send_buffer: Some(1 << 20), ..TcpAttr::loopback() }
+    } else {
+        TcpAttr { recv_buffer: Some(64 << 10), send_buffer: Some(1 << 20), ..TcpAttr::loopback() }
+    };
+    let dev = Device::tcp(&attr).expect("device");
+    let ctx = Context::builder(env.rank, 2).timeout(TIMEOUT).connect(store, &dev).expect("rendezvous");
+    let pattern = |i: usize| (i as u32).wrapping_mul(2_654_435_761);
+    if env.rank == 1 {
+        store.get("go", TIMEOUT).expect("the parent's go");
+        let out: Vec<u32> = (0..CLOSING_SEND / 4).map(pattern).collect();
+        ctx.send(0, 9, &out).expect("send");
+        drop(ctx);
+        println!("CLOSED");
+        return;
+    }
+    // Larger than what rank 1 reads ahead, smaller than this rank's send buffer: sent whole,
+    // mostly unread by rank 1.
+    ctx.send(1, 7, &vec![7u8; 200 << 10]).expect("the unwanted message");
+    println!("UNWANTED");
+    let mut got = vec![0u32; CLOSING_SEND / 4];
+    match ctx.recv(1, 9, &mut got) {
+        Ok(()) => {
+            let wrong = got.iter().enumerate().position(|(i, &x)| x != pattern(i));
+            println!("RECEIVED wrong at {wrong:?}");
+        }
+        Err(e) => println!("RECEIVED error: {e}"),
+    }
 }
 
 /// The deadline of the mesh's forming in the connect scenario.
@@ -854,4 +899,30 @@ fn a_revoke_ends_a_wait_on_another_peer_that_is_alive_but_idle() {
         assert!(matches!(&err, Error::Revoked { rank: 0, .. }), "{name}: {err}");
         assert!(took < PROMPT, "{name}: the revoke took {took:?} to reach a wait on another peer");
     }
+}
+
+#[test]
+fn a_rank_that_closes_right_after_a_send_with_input_unread_loses_none_of_it_over_tcp() {
+    // A close with unread input resets the connection, and a reset throws away what the kernel
+    // had not sent yet: the closing rank's last send. The peer is stopped meanwhile, so most of
+    // that send still waits in the closing rank's socket when it closes.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("file:{}", dir.path().display());
+    let mut children = spawn(2, "tcp", &url, "close", 1);
+    let mut stopped = children.remove(0);
+    let mut lines = BufReader::new(stopped.stdout.take().expect("piped")).lines();
+    let sent = lines.by_ref().map_while(|l| l.ok()).any(|l| l.ends_with("UNWANTED"));
+    assert!(sent, "rank 0 did not send its message");
+    let pid = stopped.id() as i32;
+    // SAFETY: kill takes plain integers.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let store = ferrogloo::rendezvous::FileStore::new(dir.path()).expect("store");
+    ferrogloo::rendezvous::Store::set(&store, "go", b"1").expect("go");
+    let (ok, out) = output(children.remove(0), Instant::now() + TIMEOUT);
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(ok && out.contains("CLOSED"), "rank 1:\n{out}");
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    let _ = stopped.wait();
+    assert!(rest.iter().any(|l| l.ends_with("RECEIVED wrong at None")), "rank 0: {rest:?}");
 }

@@ -15,6 +15,7 @@ use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -214,17 +215,19 @@ impl DeviceState {
         Ok(())
     }
 
-    /// Forgets a context: closes its pairs and stops routing connections to it.
+    /// Forgets a context: closes its pairs (gracefully, see [`linger`]) and stops routing
+    /// connections to it.
     pub(crate) fn remove_route(&self, ctx: &ContextId, rank: usize) {
         let Some(route) = lock(&self.routes).remove(&(*ctx, rank)) else { return };
         let tokens: Vec<Token> = route.pairs.iter().flatten().flat_map(|p| p.tokens()).collect();
-        for p in route.pairs.iter().flatten() {
-            p.close();
+        let closing: Vec<TcpStream> = route.pairs.iter().flatten().flat_map(|p| p.close()).collect();
+        {
+            let mut pairs = lock(&self.pairs);
+            for t in tokens {
+                pairs.remove(&t);
+            }
         }
-        let mut pairs = lock(&self.pairs);
-        for t in tokens {
-            pairs.remove(&t);
-        }
+        linger(closing, LINGER);
     }
 
     /// Registers a connected stream for `pair` and attaches it as `lane`; returns whether the
@@ -524,4 +527,78 @@ mod tests {
         configure(&explicit, &opts(Some(64 << 10))).expect("configure");
         assert_eq!(explicit.send_buffer_size().expect("SO_SNDBUF"), kernel_size(64 << 10));
     }
+}
+
+/// The longest a context's close waits for its peers to take what it sent ([`linger`]).
+const LINGER: Duration = Duration::from_secs(1);
+
+/// Closes `streams` (each already shut down for writing) without losing what they sent: a
+/// socket closed while input waits unread in it resets the connection, and a reset throws away
+/// what its kernel had not sent yet (the last message of a rank that drops its context right
+/// after sending it, for one), so input is read and dropped until the peer's kernel has
+/// acknowledged everything sent (the end included), for at most `limit`. After `limit` (a peer
+/// that does not read) each is closed with its input drained: no reset, and the kernel goes
+/// on delivering the rest on its own.
+pub(crate) fn linger(streams: Vec<TcpStream>, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    let mut scratch = [0u8; 16 << 10];
+    // Each stream, and whether its peer's end was read (nothing more to read then).
+    let mut open: Vec<(TcpStream, bool)> = streams.into_iter().map(|s| (s, false)).collect();
+    loop {
+        open.retain_mut(|(s, ended)| match drain(s, &mut scratch) {
+            Input::Broken => false,
+            input => {
+                *ended |= input == Input::Ended;
+                unsent(s) > 0
+            }
+        });
+        if open.is_empty() || Instant::now() >= deadline {
+            return;
+        }
+        // Input wakes the poll; the peer's acknowledgements do not: look again soon.
+        let mut fds: Vec<libc::pollfd> = open
+            .iter()
+            .map(|(s, ended)| libc::pollfd {
+                fd: s.as_raw_fd(),
+                events: if *ended { 0 } else { libc::POLLIN },
+                revents: 0,
+            })
+            .collect();
+        let wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(2));
+        let _ = crate::transport::wake::poll_fds(&mut fds, wait);
+    }
+}
+
+/// What reading a closing stream found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Input {
+    /// Nothing more to read now.
+    Drained,
+    /// The peer's end of the stream.
+    Ended,
+    /// An error: the connection is gone (nothing more is delivered either way).
+    Broken,
+}
+
+/// Reads and drops what `s` has to read now.
+fn drain(s: &mut TcpStream, scratch: &mut [u8]) -> Input {
+    loop {
+        match s.read(scratch) {
+            Ok(0) => return Input::Ended,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Input::Drained,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return Input::Broken,
+        }
+    }
+}
+
+/// Bytes `s` has sent that its peer's kernel has not acknowledged yet, or not sent at all (the
+/// end of the stream counts one); 0 when unknown.
+fn unsent(s: &TcpStream) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) on a socket descriptor this stream owns writes one int
+    // through the pointer, which points at a live local of that type.
+    let r = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
+    if r < 0 { 0 } else { usize::try_from(n).unwrap_or(0) }
 }

@@ -248,10 +248,13 @@ impl TcpPair {
         }
     }
 
-    /// Closes the connection quietly (the context is going away).
-    pub(crate) fn close(&self) {
+    /// Closes the connection quietly (the context is going away), gracefully: the sockets
+    /// are shut down for writing only (the peer reads everything sent, then the end) and
+    /// handed back, for the caller to [`linger`](super::super::device::linger) on before it
+    /// closes them. A socket a waiting thread may still poll is closed at once instead.
+    pub(crate) fn close(&self) -> Vec<TcpStream> {
         let mut g = self.lock();
-        self.fail_locked(&mut g, Error::Aborted { rank: self.me, reason: "this rank closed the context".into() });
+        self.end_locked(&mut g, Error::Aborted { rank: self.me, reason: "this rank closed the context".into() }, true)
     }
 
     /// An error of the pair's socket: one that says the connection to the peer is lost (its
@@ -276,21 +279,36 @@ impl TcpPair {
 
     /// Fails the pair: closes its sockets and fails every pending operation with `err`.
     fn fail_locked(&self, g: &mut Inner, err: Error) {
+        let _ = self.end_locked(g, err, false);
+    }
+
+    /// [`fail_locked`](Self::fail_locked); with `graceful`, the sockets no thread polls are
+    /// shut down for writing only and returned instead of closed.
+    fn end_locked(&self, g: &mut Inner, err: Error, graceful: bool) -> Vec<TcpStream> {
+        let mut kept = Vec::new();
         if let Conn::Closed(_) = g.conn {
-            return;
+            return kept;
         }
         for Sock { mut stream, .. } in std::mem::replace(&mut g.conn, Conn::Closed(err.clone())).into_socks() {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+            let how = match (graceful, g.watching.watch) {
+                (true, Watch::Loop | Watch::Parked) => std::net::Shutdown::Write,
+                _ => std::net::Shutdown::Both,
+            };
+            let _ = stream.shutdown(how);
             match g.watching.watch {
                 Watch::Driven => {
                     // The driver may be polling this descriptor: keep it open until it stops.
                     g.watching.zombie.push(stream);
                     self.wake.signal();
+                    continue;
                 }
                 Watch::Loop => {
                     let _ = self.registry.deregister(&mut stream);
                 }
                 Watch::Parked => {}
+            }
+            if graceful {
+                kept.push(stream);
             }
         }
         tracing::debug!(peer = self.peer, error = %err, "pair failed");
@@ -303,6 +321,7 @@ impl TcpPair {
             _ => {}
         }
         g.rx.reset();
+        kept
     }
 }
 
