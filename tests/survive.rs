@@ -114,12 +114,21 @@ fn a_revoke_fails_every_member_at_once_and_they_shrink_to_the_same_members() {
 /// `dead` ranks leave (drop their context) in the middle of an allreduce; the others see the
 /// failure, agree on it and shrink; returns what each survivor saw.
 fn leave_mid_allreduce(dev: MakeDevice, n: usize, dead: &[usize]) -> Vec<Result<(Agreement, Vec<usize>)>> {
+    leave_mid_allreduce_and_shrink(dev, n, dead, &[])
+}
+
+/// [`leave_mid_allreduce`], and `in_shrink` ranks leave after the agreement on the first
+/// failure, during the survivors' shrink (whose own agreement must then count them failed).
+fn leave_mid_allreduce_and_shrink(
+    dev: MakeDevice,
+    n: usize,
+    dead: &[usize],
+    in_shrink: &[usize],
+) -> Vec<Result<(Agreement, Vec<usize>)>> {
     let finished = std::sync::Barrier::new(n);
     run(dev, n, |ctx| {
         let me = ctx.rank();
-        // One allreduce everybody finishes (a rank that closed its connections while a peer
-        // still read its last data could cut that data off: TCP resets on a close with data
-        // unread); then the dead leave during the next one.
+        // One allreduce everybody finishes; then the dead leave during the next one.
         checked_allreduce(&ctx)?;
         finished.wait();
         if dead.contains(&me) {
@@ -141,6 +150,10 @@ fn leave_mid_allreduce(dev: MakeDevice, n: usize, dead: &[usize]) -> Vec<Result<
         let err = ctx.allreduce(&mut v, Reduction::Sum).expect_err("a member left");
         assert!(err.rank().is_some(), "the error names a rank: {err:?}");
         let agreed = ctx.agree(!0)?;
+        if in_shrink.contains(&me) {
+            drop(ctx);
+            return Err(Error::invalid("left during the shrink"));
+        }
         let small = ctx.shrink()?;
         assert!(seen.elapsed() < PROMPT, "rank {me}: failure to shrink took {:?}", seen.elapsed());
         let members: Vec<usize> = (0..small.size()).filter_map(|r| small.world_rank(r)).collect();
@@ -170,6 +183,23 @@ fn the_survivors_of_ranks_that_leave_mid_allreduce_agree_on_them_and_shrink() {
                     outcome.unwrap_or_else(|e| panic!("{name}, {n} ranks, dead {dead:?}: rank {r}: {e}"));
                 assert_eq!(agreed.failed, dead, "{name}, {n} ranks: rank {r} agreed on another failed set");
                 assert_eq!(members, live, "{name}, {n} ranks: rank {r}'s shrunk context");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_member_that_leaves_during_the_shrink_is_left_out_of_the_shrunk_context() {
+    for (name, dev) in BACKENDS {
+        // Rank 1 leaves mid-allreduce; after the agreement on it, rank 3 (then the
+        // coordinator, rank 0) leaves while the others shrink.
+        for (n, dead, in_shrink) in [(5, vec![1], vec![3]), (5, vec![1], vec![0])] {
+            let got = leave_mid_allreduce_and_shrink(dev, n, &dead, &in_shrink);
+            let live: Vec<usize> = (0..n).filter(|r| !dead.contains(r) && !in_shrink.contains(r)).collect();
+            for r in live.iter().copied() {
+                let (agreed, members) = got[r].as_ref().unwrap_or_else(|e| panic!("{name}: rank {r}: {e}")).clone();
+                assert_eq!(agreed.failed, dead, "{name}: rank {r}'s first agreement");
+                assert_eq!(members, live, "{name}: rank {r}'s shrunk context");
             }
         }
     }
