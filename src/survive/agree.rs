@@ -24,6 +24,10 @@
 //!    proposal it holds once every member it has not seen die has acknowledged that epoch.
 //! 4. **Take over.** A member that sees its coordinator die proposes to the next one.
 //!
+//! The ranks a proposal names failed were seen die by the coordinator that made it: a member
+//! that receives the proposal counts them dead too (it does not wait for their
+//! acknowledgements until its own connection to them says so).
+//!
 //! Why every member returns the same decision: a member decides only after every member it has
 //! not seen die adopted its proposal, and a member that it saw die is dead. Adoptions only
 //! move to later epochs, and a member adopts from a coordinator only before it sees that
@@ -222,6 +226,17 @@ impl Machine {
     pub(crate) fn on_message(&mut self, from: usize, msg: Msg) {
         if from >= self.n || from == self.me || self.dead[from] || self.decided.is_some() {
             return;
+        }
+        // A proposal's failed ranks were seen die by its coordinator: they are dead, whether
+        // this member has seen it yet or not (nothing to wait for from them).
+        let learned = match &msg {
+            Msg::Propose { adopted: Some((_, p)), .. } | Msg::Adopt { proposal: p, .. } => Some(&p.failed),
+            _ => None,
+        };
+        for r in learned.into_iter().flat_map(|f| (0..self.n).filter(|&r| f.get(r) == Some(&true))) {
+            if r != self.me {
+                self.dead[r] = true;
+            }
         }
         match msg {
             Msg::Propose { flag, adopted } => self.proposals[from] = Some((flag, adopted)),
