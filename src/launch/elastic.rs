@@ -122,6 +122,8 @@ pub struct Coordinator {
     members: Vec<usize>,
     /// How many shrinks in place of the current generation it has followed.
     shrinks: u32,
+    /// How many workers the current generation had when it was published.
+    published: usize,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -139,7 +141,7 @@ impl Coordinator {
     /// Publishes generation 0 of the job in `store`: the workers `members` (their ids, as
     /// `FERROGLOO_WORKER` gives them), in rank order.
     pub fn start(store: Box<dyn Store>, members: &[usize]) -> Result<Self> {
-        let mut c = Coordinator { store, generation: 0, members: Vec::new(), shrinks: 0 };
+        let mut c = Coordinator { store, generation: 0, members: Vec::new(), shrinks: 0, published: 0 };
         c.publish(0, members)?;
         Ok(c)
     }
@@ -161,8 +163,8 @@ impl Coordinator {
     /// No new generation is needed for such a loss.
     pub fn follow_shrinks(&mut self) -> Result<bool> {
         let mut followed = false;
-        // At most one shrink per member lost.
-        while (self.shrinks as usize) < self.members.len() {
+        // At most one shrink per member of the generation as published.
+        while (self.shrinks as usize) < self.published {
             let Some(raw) = self.store.try_get(&shrink_key(self.generation, self.shrinks + 1))? else { break };
             let text = String::from_utf8_lossy(&raw);
             let members: Option<Vec<usize>> = text.split(',').map(|m| m.trim().parse().ok()).collect();
@@ -197,6 +199,7 @@ impl Coordinator {
         self.generation = g;
         self.members = members.to_vec();
         self.shrinks = 0;
+        self.published = members.len();
         Ok(())
     }
 
@@ -404,6 +407,20 @@ impl Worker<'_> {
         }
     }
 
+    /// Whether generation `g` must not go on in place: the launcher published a newer one, a
+    /// worker's own failure ends the job, or the store cannot say (then the launcher decides).
+    fn superseded(&self, g: u64) -> bool {
+        let newer = read_generation(self.store).map(|latest| latest.is_some_and(|l| l > g));
+        let fatal = self.store.try_get(FATAL_KEY).map(|f| f.is_some());
+        match (newer, fatal) {
+            (Ok(newer), Ok(fatal)) => newer || fatal,
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::warn!(generation = g, error = %e, "elastic job: the store cannot say whether to shrink in place");
+                true
+            }
+        }
+    }
+
     /// Records `e`, this worker's failure as rank `rank` of generation `g`, for the launcher
     /// (the failure ends the job), and returns it. Called while the worker's context is still
     /// up: the peers that lose it then find the record and do not go on without it.
@@ -446,10 +463,7 @@ impl Worker<'_> {
             // too), a newer generation replaces this one anyway, and a member's own failure
             // (recorded before its context closed) ends the job rather than leaving the others
             // to go on without it.
-            if !is_peer_loss(&e)
-                || read_generation(self.store)?.is_some_and(|latest| latest > g)
-                || self.store.try_get(FATAL_KEY)?.is_some()
-            {
+            if !is_peer_loss(&e) || self.superseded(g) {
                 return Err(e);
             }
             tracing::warn!(generation = g, error = %e, "elastic job: a member was lost; shrinking in place");
@@ -460,6 +474,13 @@ impl Worker<'_> {
                     return Err(e);
                 }
             };
+            // Again after the shrink: a member that the others agreed away may have left for
+            // a generation the launcher published meanwhile (its context closed as it left),
+            // or failed on its own; then all go there, or the job ends, rather than on
+            // without it.
+            if self.superseded(g) {
+                return Err(e);
+            }
             shrinks += 1;
             let ids: Vec<u64> =
                 (0..shrunk.size()).filter_map(|r| members.get(shrunk.world_rank(r)?).copied()).collect();
@@ -641,6 +662,23 @@ mod tests {
         let got: Vec<(u64, usize)> = survivors.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
         assert_eq!(got, [(1, 2), (1, 2)]);
         assert_eq!((c.generation(), c.members(), c.regroup_count().unwrap()), (1, &[0, 1][..], 0));
+    }
+
+    #[test]
+    fn the_coordinator_follows_every_shrink_down_to_one_worker() {
+        let store = Arc::new(HashStore::new());
+        let mut c = Coordinator::start(Box::new(store.clone()), &[0, 1, 2, 3]).unwrap();
+        // Three losses one after another; the last leaves one worker (half of two, rank 0).
+        for (k, members) in [(1, "0,1,2"), (2, "0,1"), (3, "0")] {
+            store.set(&shrink_key(0, k), members.as_bytes()).unwrap();
+        }
+        assert!(c.follow_shrinks().unwrap());
+        assert_eq!(c.members(), [0]);
+        // A record that is no list of workers is an error naming its key.
+        let mut c = Coordinator::start(Box::new(store.clone()), &[0, 1]).unwrap();
+        store.set(&shrink_key(0, 1), b"0,x").unwrap();
+        let e = c.follow_shrinks().unwrap_err();
+        assert!(e.to_string().contains("elastic.g0.shrink1"), "{e}");
     }
 
     #[test]

@@ -176,7 +176,21 @@ pub(super) fn barrier(ctx: &Context, cfg: &PsConfig, role: Role, group: Group) -
         (Group::Servers, Role::Server) => (0..cfg.servers).collect(),
         (g, r) => return Err(Error::invalid(format!("a {} is not in the group {g:?}", role_name(r)))),
     };
-    ctx.subgroup(&ranks)?.barrier().map_err(|e| name_roles(e, cfg))
+    ctx.subgroup(&ranks)?.barrier().map_err(|e| name_roles(in_context(e, ctx), cfg))
+}
+
+/// `e` with the ranks a timeout waited for as ranks of `ctx` (errors name ranks of the mesh's
+/// context, which a shrunk or sub-grouped context renumbers); others as they are.
+fn in_context(e: Error, ctx: &Context) -> Error {
+    match e {
+        Error::Timeout { op, ranks, keys, waited } => Error::Timeout {
+            op,
+            ranks: ranks.iter().map(|&w| ctx.rank_of_world(w).unwrap_or(w)).collect(),
+            keys,
+            waited,
+        },
+        other => other,
+    }
 }
 
 /// A rendezvous timeout in the parameter server's words: which roles are missing.

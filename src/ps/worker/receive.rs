@@ -257,8 +257,11 @@ pub(super) fn receive_one<T: Element>(
         // stream is out of step (an answer's values could be taken as the next head's): it
         // counts as gone. From one of several, it cannot be told which.
         Some(Err(e @ Error::Timeout { .. })) => {
-            let ranks = match &e {
-                Error::Timeout { ranks, .. } => ranks.clone(),
+            // The ranks of the mesh's context, which a shrunk context renumbers.
+            let ranks: Vec<usize> = match &e {
+                Error::Timeout { ranks, .. } => {
+                    ranks.iter().filter_map(|&w| sh.ctx.rank_of_world(w)).filter(|&r| r < sh.cfg.servers).collect()
+                }
                 _ => Vec::new(),
             };
             if let [server] = ranks[..] {

@@ -558,9 +558,11 @@ pub(crate) fn linger(streams: Vec<TcpStream>, limit: Duration) {
         // Input wakes the poll; the peer's acknowledgements do not: look again soon.
         let mut fds: Vec<libc::pollfd> = open
             .iter()
+            // A stream whose end was read reports a hang-up for ever: not polled (the wait
+            // then only sleeps until the next look at its acknowledgements).
             .map(|(s, ended)| libc::pollfd {
-                fd: s.as_raw_fd(),
-                events: if *ended { 0 } else { libc::POLLIN },
+                fd: if *ended { -1 } else { s.as_raw_fd() },
+                events: libc::POLLIN,
                 revents: 0,
             })
             .collect();
@@ -568,6 +570,9 @@ pub(crate) fn linger(streams: Vec<TcpStream>, limit: Duration) {
         let _ = crate::transport::wake::poll_fds(&mut fds, wait);
     }
 }
+
+/// The most a closing stream is read of in one pass of [`linger`].
+const DRAIN_PASS: usize = 4 << 20;
 
 /// What reading a closing stream found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -580,12 +585,17 @@ enum Input {
     Broken,
 }
 
-/// Reads and drops what `s` has to read now.
+/// Reads and drops what `s` has to read now, at most [`DRAIN_PASS`] bytes (a peer that keeps
+/// sending does not hold the caller past its deadline).
 fn drain(s: &mut TcpStream, scratch: &mut [u8]) -> Input {
+    let mut taken = 0;
     loop {
+        if taken >= DRAIN_PASS {
+            return Input::Drained;
+        }
         match s.read(scratch) {
             Ok(0) => return Input::Ended,
-            Ok(_) => {}
+            Ok(n) => taken += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Input::Drained,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return Input::Broken,
