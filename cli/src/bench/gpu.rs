@@ -146,5 +146,6 @@ pub(super) fn measure_gpu(
         algbw,
         busbw: algbw * factor,
         wrong: bad[0],
+        memcpy: None,
     })
 }

@@ -361,6 +361,7 @@ pub(super) fn measure(
         algbw,
         busbw: algbw * factor,
         wrong: bad[0],
+        memcpy: None,
     })
 }
 

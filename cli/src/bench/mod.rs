@@ -3,8 +3,9 @@
 //!
 //! `ferrogloo-bench --np 4 --op allreduce,allgather -b 8 -e 64M -f 4` runs 4 local ranks (a
 //! temporary FileStore) and prints one line per size and algorithm: time (p50 of the slowest
-//! rank per iteration), algorithm (for `auto`, the one it picked) and bus bandwidth, min/p99,
-//! and how many results were wrong.
+//! rank per iteration), algorithm (for `auto`, the one it picked) and bus bandwidth, its ratio
+//! to one thread's `memcpy` of that size measured in the same run (`eff`, see `memcpy`),
+//! min/p99, and how many results were wrong.
 //!
 //! Timing rule (the same as the Gloo and MPI anchors in `../shared/bench`): warm-up with the
 //! same count on every rank, then timed iterations, each after a barrier, each counted at the
@@ -25,6 +26,7 @@
 mod args;
 mod gpu;
 mod measure;
+mod memcpy;
 mod report;
 
 use args::{Args, algorithms, human, parse_size, sizes};
@@ -54,6 +56,8 @@ pub(crate) struct Cell {
     algbw: f64,
     busbw: f64,
     wrong: u32,
+    /// One thread's copy bandwidth at this size in the same run (rank 0 only), GB/s.
+    memcpy: Option<f64>,
 }
 
 impl Cell {
@@ -63,6 +67,11 @@ impl Cell {
             (Algorithm::Auto, Some(p)) => format!("auto:{}", p.name()),
             (a, _) => a.name().to_string(),
         }
+    }
+
+    /// Bus bandwidth ÷ one thread's copy bandwidth at the same size.
+    fn efficiency(&self) -> Option<f64> {
+        self.memcpy.filter(|m| *m > 0.0 && self.bytes > 0).map(|m| self.busbw / m)
     }
 }
 
@@ -107,6 +116,24 @@ fn run(ctx: &Context, s: &Setup<'_>, gpu: &mut Option<Gpu<'_>>) -> Result<Vec<Ce
         let w = Setup { args: &warm, dtype: s.dtype, red: s.red, seg: s.seg };
         measure(ctx, &w, gpu, op, Algorithm::Auto, largest)?;
     }
+    // The physical limit of each size, measured once by rank 0 while the others wait.
+    let limits = if ctx.rank() == 0 && gpu.is_none() {
+        let cell_sizes: std::collections::BTreeSet<usize> = args
+            .op
+            .iter()
+            .filter(|op| !matches!(op.as_str(), "barrier" | "agree" | "shrink"))
+            .flat_map(|op| sizes.iter().map(|&b| effective(op, b, ts, n)))
+            .collect();
+        let limits = memcpy::bandwidths(cell_sizes);
+        if !limits.is_empty() {
+            let list: Vec<String> = limits.iter().map(|(b, g)| format!("{} {g:.1}", human(*b))).collect();
+            println!("# memcpy, one thread, this run (bytes GB/s): {}; eff = busbw / memcpy", list.join(", "));
+        }
+        limits
+    } else {
+        Default::default()
+    };
+    ctx.barrier()?;
     let bar = if ctx.rank() == 0 {
         let b =
             indicatif::ProgressBar::with_draw_target(Some(plan.len() as u64), indicatif::ProgressDrawTarget::stderr());
@@ -122,7 +149,8 @@ fn run(ctx: &Context, s: &Setup<'_>, gpu: &mut Option<Gpu<'_>>) -> Result<Vec<Ce
     let mut last_op = String::new();
     for (op, algo, bytes) in plan {
         bar.set_message(format!("{op} {algo} {}", human(bytes)));
-        let cell = measure(ctx, s, gpu, &op, algo, bytes)?;
+        let mut cell = measure(ctx, s, gpu, &op, algo, bytes)?;
+        cell.memcpy = limits.get(&cell.bytes).copied();
         if ctx.rank() == 0 {
             if op != last_op {
                 bar.suspend(|| header(ctx, args, &op));

@@ -9,12 +9,12 @@ use std::path::PathBuf;
 pub(super) fn header(ctx: &Context, args: &Args, op: &str) {
     println!("#\n# {op}: {} ranks, type {}, reduction {}, root {}", ctx.size(), args.dtype, args.reduce, args.root);
     println!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>10} {:>10} {:>7}",
-        "size", "count", "type", "redop", "root", "algorithm", "time", "algbw", "busbw", "min", "p99", "#wrong"
+        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>5} {:>10} {:>10} {:>7}",
+        "size", "count", "type", "redop", "root", "algorithm", "time", "algbw", "busbw", "eff", "min", "p99", "#wrong"
     );
     println!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>10} {:>10} {:>7}",
-        "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "(us)", "(us)", ""
+        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>5} {:>10} {:>10} {:>7}",
+        "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", ""
     );
 }
 
@@ -22,7 +22,7 @@ pub(super) fn print_cell(args: &Args, c: &Cell) {
     let rooted = matches!(c.op.as_str(), "broadcast" | "reduce");
     let reducing = matches!(c.op.as_str(), "allreduce" | "reduce_scatter" | "reduce");
     println!(
-        "  {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10.1} {:>8.3} {:>8.3} {:>10.1} {:>10.1} {:>7}",
+        "  {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10.1} {:>8.3} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>7}",
         c.bytes,
         c.count,
         args.dtype,
@@ -32,6 +32,7 @@ pub(super) fn print_cell(args: &Args, c: &Cell) {
         c.p50,
         c.algbw,
         c.busbw,
+        c.efficiency().map_or("-".to_string(), |e| format!("{e:.2}")),
         c.min,
         c.p99,
         c.wrong
@@ -49,6 +50,7 @@ pub(super) fn write_json(path: &PathBuf, args: &Args, n: usize, transport: Trans
             "picked": c.picked.map(|a| a.name()), "ranks": n, "bytes": c.bytes,
             "dtype": args.dtype, "iters": c.iters, "p50_us": c.p50, "min_us": c.min, "p99_us": c.p99,
             "algbw_gbps": c.algbw, "busbw_gbps": c.busbw, "wrong": c.wrong,
+            "memcpy_gbps": c.memcpy, "efficiency": c.efficiency(),
             "transport": transport.name(),
         });
         out.push_str(&row.to_string());
