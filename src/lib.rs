@@ -33,6 +33,7 @@
 //! - [`types`], [`error`], `codec`: element types and the one reduction type, the one error
 //!   enum, the one codec of every wire type.
 #![deny(unsafe_op_in_unsafe_fn)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 pub mod algorithms;

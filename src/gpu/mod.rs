@@ -25,10 +25,12 @@ pub(crate) mod staging;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use cuda::{Cuda, CudaElement, DEFAULT_CHUNK_BYTES, cuda_available, default_stream};
 /// The cudarc crate these collectives take buffers of (the same version, for `CudaSlice`,
 /// `CudaStream` and friends).
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use cudarc;
 
 #[cfg(not(feature = "cuda"))]
