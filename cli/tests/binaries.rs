@@ -194,6 +194,49 @@ fn json_rows_are_appended_one_per_cell() {
 }
 
 #[test]
+fn json_rows_carry_the_memcpy_limit_and_the_efficiency() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let json = dir.path().join("rows.jsonl");
+    let json = json.to_str().expect("a UTF-8 path");
+    let out = bench(
+        &["--np", "2", "--op", "broadcast,barrier", "--sizes", "64K", "-n", "3", "--json", json],
+        &[],
+        Duration::from_secs(120),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains("# memcpy, one thread, this run (bytes GB/s): 64K "), "{t}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(json)
+        .expect("the JSON file")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+        .collect();
+    let cell = |op: &str| rows.iter().find(|r| r["op"] == op).unwrap_or_else(|| panic!("no {op} row: {rows:?}"));
+    let (b, memcpy) = (cell("broadcast"), cell("broadcast")["memcpy_gbps"].as_f64().expect("a number"));
+    assert!(memcpy > 0.0, "{b}");
+    let eff = b["efficiency"].as_f64().expect("a number");
+    let busbw = b["busbw_gbps"].as_f64().expect("a number");
+    assert!((eff - busbw / memcpy).abs() < 1e-9, "{b}");
+    // A barrier moves no bytes: no limit, no efficiency.
+    assert!(cell("barrier")["efficiency"].is_null(), "{rows:?}");
+}
+
+#[test]
+fn seconds_per_cell_are_filled_or_the_cap_is_said() {
+    // 0.6 s asked of a 64 KiB allreduce: the cell takes about that long, and nothing is capped.
+    let t = std::time::Instant::now();
+    let out =
+        bench(&["--np", "2", "--op", "allreduce", "--sizes", "64K", "--seconds", "0.6"], &[], Duration::from_secs(120));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!text(&out).contains("capped"), "{}", text(&out));
+    assert!(t.elapsed() >= Duration::from_millis(400), "a 0.6 s cell took {:?} in all", t.elapsed());
+    // A barrier takes a few microseconds: 100 s of them is more than the iterations kept.
+    let out = bench(&["--np", "2", "--op", "barrier", "--seconds", "100"], &[], Duration::from_secs(120));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("# --seconds 100: capped at 1000000 iterations"), "{}", text(&out));
+}
+
+#[test]
 fn a_loopback_address_published_where_other_hosts_read_is_warned_about() {
     // A server on every address, reached at this host's network address (skip without one).
     let (_server, url) = server(&["--bind", "0.0.0.0:0"]);

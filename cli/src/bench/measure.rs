@@ -84,6 +84,10 @@ pub(super) fn repeat(buf: &mut [u8], e: &[u8]) {
     }
 }
 
+/// The most timed iterations of one cell with `--seconds` (their times are kept, 8 bytes each,
+/// and reduced across the ranks).
+const MAX_ITERS: usize = 1_000_000;
+
 /// Times `iters` calls of `call` (each after a barrier, `reset` and a barrier); returns every
 /// iteration's time at the slowest rank, in microseconds.
 pub(super) fn timed<S>(
@@ -99,14 +103,25 @@ pub(super) fn timed<S>(
     }
     let iters = match args.seconds {
         Some(secs) => {
+            // Three iterations as the timed ones run them (barriers and reset included), so
+            // that the count fills the time asked for.
             let t = Instant::now();
             for _ in 0..3 {
+                ctx.barrier()?;
                 reset(state);
+                ctx.barrier()?;
                 call(state)?;
             }
             let mut per = [t.elapsed().as_secs_f64() / 3.0];
             ctx.allreduce(&mut per, ferrogloo::Reduction::Max)?;
-            ((secs / per[0].max(1e-9)) as usize).clamp(5, 2000)
+            let wanted = secs / per[0].max(1e-9);
+            if wanted > MAX_ITERS as f64 && ctx.rank() == 0 {
+                println!(
+                    "# --seconds {secs}: capped at {MAX_ITERS} iterations (about {:.1} s here; {wanted:.0} would fill it)",
+                    MAX_ITERS as f64 * per[0]
+                );
+            }
+            (wanted as usize).clamp(5, MAX_ITERS)
         }
         None => args.iters.max(1),
     };
