@@ -264,9 +264,15 @@ impl Engine {
     /// has joined, with the last rank to join (the highest, when several joined at once).
     pub fn join(&self) -> Result<Handle<usize>> {
         let meta = self.meta::<u8>(Kind::Join, &Tensor::from(Vec::new()));
-        let h = self.submit_raw("ferrogloo.join", meta, None, rank_of)?;
-        self.shared.joined.store(true, Ordering::SeqCst);
-        Ok(h)
+        // Marked before the submission: the engine's thread clears the mark when the join
+        // completes, which for the last rank to join can be at once (marked after, the mark
+        // would outlive the join and refuse every later allreduce).
+        let was = self.shared.joined.swap(true, Ordering::SeqCst);
+        let h = self.submit_raw("ferrogloo.join", meta, None, rank_of);
+        if h.is_err() && !was {
+            self.shared.joined.store(false, Ordering::SeqCst);
+        }
+        h
     }
 
     /// Starts writing a Chrome-trace timeline to `path` (replacing the one being written, if

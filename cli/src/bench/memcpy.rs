@@ -20,9 +20,14 @@ pub(super) fn bandwidths(sizes: impl IntoIterator<Item = usize>) -> BTreeMap<usi
     sizes.into_iter().filter(|&b| b > 0).map(|b| (b, bandwidth(b))).collect()
 }
 
-/// One thread's copy bandwidth for `bytes`, in GB/s: the median over samples of copying them
-/// from one warm buffer to another.
+/// The largest copy timed: past it, bandwidth is the memory's (the caches are long gone), and
+/// rank 0 need not hold two more buffers of a cell's full size beside the cell's own.
+const MAX_COPY: usize = 256 << 20;
+
+/// One thread's copy bandwidth for `bytes` (at most [`MAX_COPY`] of them), in GB/s: the median
+/// over samples of copying them from one warm buffer to another.
 pub(super) fn bandwidth(bytes: usize) -> f64 {
+    let bytes = bytes.min(MAX_COPY);
     let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
     let mut dst = vec![0u8; bytes];
     let batch = (BATCH_BYTES / bytes.max(1)).max(1);
