@@ -70,6 +70,40 @@ fn the_store_server_url_works_exactly_as_printed() {
     }
 }
 
+#[test]
+fn the_store_server_serves_the_tcpstore_protocol_at_the_url_it_prints() {
+    let (_server, url) = server(&["--protocol", "tcpstore", "--scope", "job2"]);
+    assert!(url.starts_with("tcpstore://127.0.0.1:") && url.ends_with("/job2"), "{url}");
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            Command::new(BENCH)
+                .args(["--rank", &r.to_string(), "--size", "2", "--store", &url])
+                .args(["--op", "allreduce", "--sizes", "4096", "-n", "3"])
+                .env_remove("FERROGLOO_STORE_TOKEN")
+                .env_remove("FERROGLOO_STORE_TOKEN_FILE")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().expect("a rank");
+        assert!(out.status.success(), "rank {r} with the printed URL {url}: {}", text(&out));
+    }
+    // A token cannot be enforced over TCPStore's protocol: refused, not ignored.
+    let dir = tempfile::tempdir().expect("a directory");
+    let token = private_file(dir.path(), "token", "s3cret-token-value", 0o600);
+    let out = Command::new(SERVER)
+        .args(["--protocol", "tcpstore", "--token-file"])
+        .arg(&token)
+        .args(["--seconds", "5"])
+        .output()
+        .expect("run ferrogloo-store-server");
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("TCPStore protocol has no authentication"), "{}", text(&out));
+}
+
 /// A file holding `content` with permissions `mode`.
 fn private_file(dir: &std::path::Path, name: &str, content: &str, mode: u32) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;

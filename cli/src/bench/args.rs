@@ -51,8 +51,8 @@ pub(super) struct Args {
     /// Root of broadcast and reduce.
     #[arg(long, default_value_t = 0)]
     pub(super) root: usize,
-    /// Timed seconds per cell (the iteration count follows from it, at most 1,000,000, which the
-    /// output says when it caps); overrides -n.
+    /// Timed seconds per cell: iterations run until they are spent (at least 5, at most
+    /// 1,000,000, which the output says when it caps); overrides -n.
     #[arg(long)]
     pub(super) seconds: Option<f64>,
     /// Timed iterations per cell.

@@ -7,7 +7,7 @@ use super::gpu::Gpu;
 #[cfg(feature = "cuda")]
 use super::gpu::measure_gpu;
 use ferrogloo::{Algorithm, CollectiveOptions, Context, DType, Error, Reduction, Result, bf16, f16};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Round trips per timed `pingpong` iteration (the time reported is one way: the iteration's
 /// time over twice this).
@@ -88,6 +88,9 @@ pub(super) fn repeat(buf: &mut [u8], e: &[u8]) {
 /// and reduced across the ranks).
 const MAX_ITERS: usize = 1_000_000;
 
+/// The fewest timed iterations of one cell with `--seconds`, however long they take.
+const MIN_ITERS: usize = 5;
+
 /// Times `iters` calls of `call` (each after a barrier, `reset` and a barrier); returns every
 /// iteration's time at the slowest rank, in microseconds.
 pub(super) fn timed<S>(
@@ -101,32 +104,30 @@ pub(super) fn timed<S>(
         reset(state);
         call(state)?;
     }
-    let iters = match args.seconds {
-        Some(secs) => {
-            // Three iterations as the timed ones run them (barriers and reset included), so
-            // that the count fills the time asked for.
-            let t = Instant::now();
-            for _ in 0..3 {
-                ctx.barrier()?;
-                reset(state);
-                ctx.barrier()?;
-                call(state)?;
-            }
-            let mut per = [t.elapsed().as_secs_f64() / 3.0];
-            ctx.allreduce(&mut per, ferrogloo::Reduction::Max)?;
-            let wanted = secs / per[0].max(1e-9);
-            if wanted > MAX_ITERS as f64 && ctx.rank() == 0 {
-                println!(
-                    "# --seconds {secs}: capped at {MAX_ITERS} iterations (about {:.1} s here; {wanted:.0} would fill it)",
-                    MAX_ITERS as f64 * per[0]
-                );
-            }
-            (wanted as usize).clamp(5, MAX_ITERS)
-        }
-        None => args.iters.max(1),
+    // With --seconds, rank 0 decides before each iteration whether another one fits, and
+    // tells the others (so every rank makes the same number).
+    let (limit, deadline) = match args.seconds {
+        // Beyond what a clock can hold: until the iterations run out.
+        Some(secs) => (
+            MAX_ITERS,
+            Some((secs, Duration::try_from_secs_f64(secs.max(0.0)).ok().and_then(|d| Instant::now().checked_add(d)))),
+        ),
+        None => (args.iters.max(1), None),
     };
-    let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    let mut times = Vec::new();
+    loop {
+        match deadline {
+            Some((_, until)) => {
+                let more = times.len() < limit && (times.len() < MIN_ITERS || until.is_none_or(|u| Instant::now() < u));
+                let mut go = [u8::from(more)];
+                ctx.broadcast(&mut go, 0, &Default::default())?;
+                if go[0] == 0 {
+                    break;
+                }
+            }
+            None if times.len() >= limit => break,
+            None => {}
+        }
         // Every rank resets only once all have finished the previous call: a rank refilling
         // a large buffer while a slower one is still inside its timed call would take CPU
         // from it, and the harness would be timed along with the collective (Open MPI's
@@ -137,6 +138,13 @@ pub(super) fn timed<S>(
         let t = Instant::now();
         call(state)?;
         times.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    if let Some((secs, until)) = deadline
+        && times.len() >= limit
+        && until.is_none_or(|u| Instant::now() < u)
+        && ctx.rank() == 0
+    {
+        println!("# --seconds {secs}: capped at {MAX_ITERS} iterations");
     }
     ctx.allreduce(&mut times, ferrogloo::Reduction::Max)?;
     Ok(times)

@@ -7,10 +7,15 @@
 //! With `--token-file FILE` (or `FERROGLOO_STORE_TOKEN_FILE` / `FERROGLOO_STORE_TOKEN` in its
 //! environment) it answers only requests carrying that bearer token, and `401` to others: give
 //! the ranks the same file as `FERROGLOO_STORE_TOKEN_FILE`.
+//!
+//! With `--protocol tcpstore` it speaks PyTorch's TCPStore protocol instead (the library's
+//! `rendezvous::TcpStoreServer`), for ranks and PyTorch programs alike, and prints
+//! `tcpstore://HOST:PORT/SCOPE`. That protocol has no authentication: a token is refused, and so
+//! is a journal.
 
 use clap::Parser;
 use ferrogloo::device::TcpAttr;
-use ferrogloo::rendezvous::{HttpStoreServer, ServerLimits};
+use ferrogloo::rendezvous::{HttpStoreServer, ServerLimits, TcpStoreServer};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -24,6 +29,11 @@ struct Args {
     /// The scope in the printed URL: the namespace of one job's keys.
     #[arg(long, default_value = "ferrogloo")]
     scope: String,
+    /// The protocol served: `http` (Horovod's rendezvous, with ferrogloo's atomic add) or
+    /// `tcpstore` (PyTorch's TCPStore; no token, no journal; `--max-total-bytes` and
+    /// `--max-connections` apply, the HTTP limits do not).
+    #[arg(long, default_value = "http", value_parser = ["http", "tcpstore"])]
+    protocol: String,
     /// Keep the entries in this journal file too, so that a server restarted on the same file
     /// (and address) carries on a rendezvous where the old one stopped.
     #[arg(long)]
@@ -99,6 +109,49 @@ fn token(args: &Args) -> ferrogloo::Result<Option<String>> {
     }
 }
 
+/// A running server of either protocol (serving until dropped).
+enum Server {
+    Http(HttpStoreServer),
+    TcpStore(TcpStoreServer),
+}
+
+impl Server {
+    fn local_addr(&self) -> SocketAddr {
+        match self {
+            Server::Http(s) => s.local_addr(),
+            Server::TcpStore(s) => s.local_addr(),
+        }
+    }
+
+    /// The scheme of its store URL.
+    fn scheme(&self) -> &'static str {
+        match self {
+            Server::Http(_) => "http",
+            Server::TcpStore(_) => "tcpstore",
+        }
+    }
+}
+
+/// Starts the server `args` ask for.
+fn serve(args: &Args, limits: ServerLimits, token: Option<&str>) -> ferrogloo::Result<Server> {
+    if args.protocol == "tcpstore" {
+        if token.is_some() {
+            return Err(ferrogloo::Error::invalid(
+                "PyTorch's TCPStore protocol has no authentication: a store token (--token-file, \
+                 FERROGLOO_STORE_TOKEN_FILE or FERROGLOO_STORE_TOKEN) cannot be enforced; use --protocol http",
+            ));
+        }
+        if args.journal.is_some() {
+            return Err(ferrogloo::Error::invalid("--journal is for --protocol http only"));
+        }
+        let s = TcpStoreServer::start(args.bind.as_str())?;
+        s.set_max_total_bytes(limits.max_total_bytes);
+        s.set_max_connections(limits.max_connections);
+        return Ok(Server::TcpStore(s));
+    }
+    HttpStoreServer::start_authenticated(args.bind.as_str(), limits, args.journal.as_deref(), token).map(Server::Http)
+}
+
 fn main() {
     ferrogloo_cli::init_logging();
     let args = Args::parse();
@@ -116,13 +169,11 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let started =
-        HttpStoreServer::start_authenticated(args.bind.as_str(), limits, args.journal.as_deref(), token.as_deref());
-    let server = match started {
+    let server = match serve(&args, limits, token.as_deref()) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("ferrogloo-store-server: {e}");
-            std::process::exit(1);
+            std::process::exit(if matches!(e, ferrogloo::Error::InvalidArgument(_)) { 2 } else { 1 });
         }
     };
     // A server listening everywhere is reached at this host's address, as a device finds it.
@@ -133,7 +184,7 @@ fn main() {
         addr.set_ip(ip);
     }
     // The first line is the URL, so scripts can read it; ranks take it as printed.
-    println!("http://{addr}/{}", args.scope);
+    println!("{}://{addr}/{}", server.scheme(), args.scope);
     match args.seconds {
         Some(s) => std::thread::sleep(Duration::from_secs(s)),
         None => loop {
