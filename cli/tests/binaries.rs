@@ -49,14 +49,12 @@ fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-#[test]
-fn the_store_server_url_works_exactly_as_printed() {
-    let (_server, url) = server(&["--scope", "job1"]);
-    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/job1"), "{url}");
+/// Two benchmark ranks meet through the store at `url` and run an allreduce.
+fn two_ranks_meet_at(url: &str) {
     let ranks: Vec<Child> = (0..2)
         .map(|r| {
             Command::new(BENCH)
-                .args(["--rank", &r.to_string(), "--size", "2", "--store", &url])
+                .args(["--rank", &r.to_string(), "--size", "2", "--store", url])
                 .args(["--op", "allreduce", "--sizes", "4096", "-n", "3"])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -71,26 +69,17 @@ fn the_store_server_url_works_exactly_as_printed() {
 }
 
 #[test]
+fn the_store_server_url_works_exactly_as_printed() {
+    let (_server, url) = server(&["--scope", "job1"]);
+    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/job1"), "{url}");
+    two_ranks_meet_at(&url);
+}
+
+#[test]
 fn the_store_server_serves_the_tcpstore_protocol_at_the_url_it_prints() {
     let (_server, url) = server(&["--protocol", "tcpstore", "--scope", "job2"]);
     assert!(url.starts_with("tcpstore://127.0.0.1:") && url.ends_with("/job2"), "{url}");
-    let ranks: Vec<Child> = (0..2)
-        .map(|r| {
-            Command::new(BENCH)
-                .args(["--rank", &r.to_string(), "--size", "2", "--store", &url])
-                .args(["--op", "allreduce", "--sizes", "4096", "-n", "3"])
-                .env_remove("FERROGLOO_STORE_TOKEN")
-                .env_remove("FERROGLOO_STORE_TOKEN_FILE")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("start a rank")
-        })
-        .collect();
-    for (r, child) in ranks.into_iter().enumerate() {
-        let out = child.wait_with_output().expect("a rank");
-        assert!(out.status.success(), "rank {r} with the printed URL {url}: {}", text(&out));
-    }
+    two_ranks_meet_at(&url);
     // A token cannot be enforced over TCPStore's protocol: refused, not ignored.
     let dir = tempfile::tempdir().expect("a directory");
     let token = private_file(dir.path(), "token", "s3cret-token-value", 0o600);
