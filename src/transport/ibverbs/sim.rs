@@ -40,8 +40,8 @@ pub(crate) enum Fault {
     /// `after` more requests were posted on them: that request fails as a broken link fails
     /// it (retries exhausted), later ones are flushed.
     QpError { dev: u32, after: u32 },
-    /// The next `count` requests posted on device `dev`'s queue pairs name a remote key the
-    /// peer never gave.
+    /// The next `count` requests posted on device `dev`'s queue pairs that carry bytes name a
+    /// remote key the peer never gave.
     BadRkey { dev: u32, count: u32 },
 }
 
@@ -333,7 +333,10 @@ impl QueuePair for SimQp {
                     true
                 }
             }
-            Fault::BadRkey { dev, count } if *dev == self.pd && *count > 0 => {
+            // Only a request that reaches remote memory checks its key (as on hardware, where a
+            // zero-length write is not checked): one of none, a credit or an immediate alone,
+            // would spend the fault and go through.
+            Fault::BadRkey { dev, count } if *dev == self.pd && *count > 0 && sge.len > 0 => {
                 bad_rkey = true;
                 *count -= 1;
                 *count > 0
