@@ -284,3 +284,38 @@ fn a_loopback_address_published_where_other_hosts_read_is_warned_about() {
     );
     assert!(!text(&out).contains("only this host can reach"), "{}", text(&out));
 }
+
+#[test]
+fn osu_columns_and_cache_cold_rotation_say_their_mode_and_check_every_result() {
+    let dir = tempfile::tempdir().expect("a directory");
+    let json = dir.path().join("rows.jsonl");
+    let json = json.to_str().expect("a UTF-8 path");
+    let ops = "allreduce,allgather,reduce_scatter,broadcast,alltoall,sendrecv";
+    let args = ["--np", "3", "--op", ops, "--sizes", "6K,3M", "-n", "7", "--osu", "--cold", "--json", json];
+    let out = bench(&args, &[], Duration::from_secs(180));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("# timing: per call, every call after a barrier") && t.contains("over the ranks (OSU)"), "{t}");
+    assert!(t.contains("# cache: cold: each cell rotates through buffers"), "{t}");
+    assert!(t.contains("avg        min        max        p50        p99    iters"), "{t}");
+    assert!(t.contains("# Out of bounds values : 0 OK"), "{t}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(json)
+        .expect("the JSON file")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+        .collect();
+    assert_eq!(rows.len(), 12, "{rows:?}");
+    for r in &rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("no {k}: {r}"));
+        assert!(f("rank_min_us") <= f("avg_us") && f("avg_us") <= f("rank_max_us"), "{r}");
+        assert!(f("rank_min_us") > 0.0, "{r}");
+        assert_eq!(
+            (r["cache"].as_str(), r["timing"].as_str(), r["wrong"].as_u64()),
+            (Some("cold"), Some("per-call-barrier"), Some(0)),
+            "{r}"
+        );
+    }
+    // Warm by default, and said so.
+    let out = bench(&["--np", "2", "--op", "allreduce", "--sizes", "4K", "-n", "3"], &[], Duration::from_secs(120));
+    assert!(text(&out).contains("# cache: warm (the same buffers every call)"), "{}", text(&out));
+}

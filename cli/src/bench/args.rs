@@ -65,6 +65,16 @@ pub(super) struct Args {
     /// when set, else 120).
     #[arg(long)]
     pub(super) timeout: Option<f64>,
+    /// OSU-style columns: each rank's mean time per call, then its mean, least and greatest
+    /// over the ranks (avg/min/max), beside p50 and p99 over the iterations of the slowest
+    /// rank. The timing is the same either way: every call after a barrier.
+    #[arg(long)]
+    pub(super) osu: bool,
+    /// Cache-cold: rotate each cell through buffers enough that twice the last-level cache
+    /// (from sysfs) goes through between two uses of one (at most 64 buffers), instead of
+    /// the same buffers every call.
+    #[arg(long)]
+    pub(super) cold: bool,
     /// Skip checking results.
     #[arg(long)]
     pub(super) no_check: bool,

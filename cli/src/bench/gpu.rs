@@ -60,7 +60,7 @@ pub(super) fn measure_gpu(
             let fresh = if op == "broadcast" && r != root { element(dtype, 0) } else { own.clone() };
             host.fill(&fresh);
             let dev: CudaSlice<u8> = stream.clone_htod(host.bytes()).map_err(cuda)?;
-            let mut st = (dev, &mut *g);
+            let mut st = [(dev, &mut *g)];
             let times = timed(
                 ctx,
                 args,
@@ -78,7 +78,7 @@ pub(super) fn measure_gpu(
                     stream.synchronize().map_err(cuda)
                 },
             )?;
-            let back = stream.clone_dtoh(&st.0).map_err(cuda)?;
+            let back = stream.clone_dtoh(&st[0].0).map_err(cuda)?;
             let want = match op {
                 "allreduce" => s.reduced(n, |p| p as u32 + 1)?,
                 "broadcast" => element(dtype, root as u32 + 1),
@@ -96,7 +96,7 @@ pub(super) fn measure_gpu(
             input.fill(&own);
             let din: CudaSlice<u8> = stream.clone_htod(input.bytes()).map_err(cuda)?;
             let dout: CudaSlice<u8> = stream.alloc_zeros(olen * ts).map_err(cuda)?;
-            let mut st = (dout, &mut *g);
+            let mut st = [(dout, &mut *g)];
             let times = timed(
                 ctx,
                 args,
@@ -111,7 +111,7 @@ pub(super) fn measure_gpu(
                     stream.synchronize().map_err(cuda)
                 },
             )?;
-            let back = stream.clone_dtoh(&st.0).map_err(cuda)?;
+            let back = stream.clone_dtoh(&st[0].0).map_err(cuda)?;
             let wrong = if op == "allgather" {
                 per > 0
                     && back.chunks_exact(per * ts).enumerate().any(|(p, b)| {
@@ -129,23 +129,5 @@ pub(super) fn measure_gpu(
     let _ = algo;
     let mut bad = [u32::from(wrong && !args.no_check)];
     ctx.allreduce(&mut bad, ferrogloo::Reduction::Max)?;
-    let mut sorted = times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let p50 = sorted[sorted.len() / 2];
-    let algbw = if p50 > 0.0 { moved as f64 / p50 / 1e3 } else { 0.0 };
-    Ok(Cell {
-        op: op.to_string(),
-        algorithm: algo,
-        picked: None,
-        bytes: moved,
-        count,
-        iters: sorted.len(),
-        p50,
-        min: sorted[0],
-        p99: sorted[((sorted.len() - 1) as f64 * 0.99) as usize],
-        algbw,
-        busbw: algbw * factor,
-        wrong: bad[0],
-        memcpy: None,
-    })
+    Ok(Cell::new(op, algo, None, (count, moved, factor), times, bad[0]))
 }

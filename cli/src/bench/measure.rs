@@ -91,18 +91,38 @@ const MAX_ITERS: usize = 1_000_000;
 /// The fewest timed iterations of one cell with `--seconds`, however long they take.
 const MIN_ITERS: usize = 5;
 
-/// Times `iters` calls of `call` (each after a barrier, `reset` and a barrier); returns every
-/// iteration's time at the slowest rank, in microseconds.
+/// What [`timed`] measured.
+pub(super) struct Timing {
+    /// Every timed iteration's time at the slowest rank, in microseconds.
+    pub(super) worst: Vec<f64>,
+    /// Each rank's mean time per call, then over the ranks: their mean, least and greatest
+    /// (OSU's avg/min/max), in microseconds.
+    pub(super) ranks: [f64; 3],
+    /// The state the last timed call used (the one whose result to check).
+    pub(super) last: usize,
+}
+
+/// Times calls of `call`, every one after a barrier, the reset and a barrier, on `states` in
+/// turn (one state: the same buffers every call; several: cache-cold rotation, each state
+/// reset right after its use, so that the others go through the caches before it is used
+/// again). Iterations: `-n`, or as many as `--seconds` allow.
 pub(super) fn timed<S>(
     ctx: &Context,
     args: &Args,
-    state: &mut S,
+    states: &mut [S],
     mut reset: impl FnMut(&mut S),
     mut call: impl FnMut(&mut S) -> Result<()>,
-) -> Result<Vec<f64>> {
-    for _ in 0..args.warmup {
-        reset(state);
-        call(state)?;
+) -> Result<Timing> {
+    let k = states.len();
+    if k == 0 {
+        return Err(Error::invalid("timing a collective on no buffers"));
+    }
+    for w in 0..args.warmup {
+        reset(&mut states[w % k]);
+        call(&mut states[w % k])?;
+    }
+    if k > 1 {
+        states.iter_mut().for_each(&mut reset);
     }
     // With --seconds, rank 0 decides before each iteration whether another one fits, and
     // tells the others (so every rank makes the same number).
@@ -132,11 +152,16 @@ pub(super) fn timed<S>(
         // a large buffer while a slower one is still inside its timed call would take CPU
         // from it, and the harness would be timed along with the collective (Open MPI's
         // harness has no reset at all; its calls are out of place).
+        let i = times.len();
         ctx.barrier()?;
-        reset(state);
+        match k {
+            1 => reset(&mut states[0]),
+            _ if i > 0 => reset(&mut states[(i - 1) % k]),
+            _ => {}
+        }
         ctx.barrier()?;
         let t = Instant::now();
-        call(state)?;
+        call(&mut states[i % k])?;
         times.push(t.elapsed().as_secs_f64() * 1e6);
     }
     if let Some((secs, until)) = deadline
@@ -146,8 +171,36 @@ pub(super) fn timed<S>(
     {
         println!("# --seconds {secs}: capped at {MAX_ITERS} iterations");
     }
+    let last = (times.len() - 1) % k;
+    let mean = times.iter().sum::<f64>() / times.len() as f64;
+    let (mut sum, mut least, mut most) = ([mean], [mean], [mean]);
+    ctx.allreduce(&mut sum, ferrogloo::Reduction::Sum)?;
+    ctx.allreduce(&mut least, ferrogloo::Reduction::Min)?;
+    ctx.allreduce(&mut most, ferrogloo::Reduction::Max)?;
     ctx.allreduce(&mut times, ferrogloo::Reduction::Max)?;
-    Ok(times)
+    Ok(Timing { worst: times, ranks: [sum[0] / ctx.size() as f64, least[0], most[0]], last })
+}
+
+/// How many states of `bytes` each a cell rotates through: one when the cache is left warm;
+/// with `--cold`, enough that the others touch twice the last-level cache between two uses of
+/// one, at least 2 and at most [`MAX_ROTATION`].
+pub(super) fn rotation(args: &Args, bytes: usize) -> usize {
+    match (args.cold, super::cache::last_level()) {
+        (true, _) if bytes == 0 => 1,
+        (true, Some(llc)) => (2 * llc).div_ceil(bytes).clamp(2, MAX_ROTATION),
+        (true, None) => MAX_ROTATION,
+        (false, _) => 1,
+    }
+}
+
+/// The most buffers one cell rotates through with `--cold` (so that a cell of 8 bytes does not
+/// allocate millions): cells smaller than twice the last-level cache over this stay partly
+/// warm there, which the header says.
+pub(super) const MAX_ROTATION: usize = 64;
+
+/// `k` states made by `make`.
+fn states<S>(k: usize, mut make: impl FnMut() -> S) -> Vec<S> {
+    (0..k).map(|_| make()).collect()
 }
 
 /// What a run measures: element type, reduction, options.
@@ -201,104 +254,126 @@ pub(super) fn measure(
     let own = element(dtype, r as u32 + 1);
     let mut picked = None;
     let mut wrong = false;
-    let (count, moved, factor, times) = match op {
+    let (count, moved, factor, timing) = match op {
         "allreduce" => {
             let count = bytes / ts;
-            let mut buf = Buf::new(count * ts);
+            let mut bufs = states(rotation(args, count * ts), || Buf::new(count * ts));
             picked = Some(ctx.allreduce_algorithm(count * ts, algo)?);
-            let times = timed(
+            let t = timed(
                 ctx,
                 args,
-                &mut buf,
+                &mut bufs,
                 |b| b.fill(&own),
                 |b| ctx.allreduce_bytes(b.bytes_mut(), dtype, s.red, &opts),
             )?;
-            wrong = !buf.all(&s.reduced(n, |p| p as u32 + 1)?);
-            (count, count * ts, 2.0 * (n - 1) as f64 / n as f64, times)
+            wrong = !bufs[t.last].all(&s.reduced(n, |p| p as u32 + 1)?);
+            (count, count * ts, 2.0 * (n - 1) as f64 / n as f64, t)
         }
         "allgather" => {
             let per = bytes / ts / n;
-            let mut mine = Buf::new(per * ts);
-            mine.fill(&own);
-            let mut out = Buf::new(per * n * ts);
+            let make = || {
+                let mut mine = Buf::new(per * ts);
+                mine.fill(&own);
+                (mine, Buf::new(per * n * ts))
+            };
+            let mut st = states(rotation(args, (n + 1) * per * ts), make);
             picked = Some(ctx.allgather_algorithm(per * n * ts, algo)?);
-            let times =
-                timed(ctx, args, &mut out, |_| {}, |o| ctx.allgather_bytes(mine.bytes(), o.bytes_mut(), dtype, &opts))?;
+            let t = timed(
+                ctx,
+                args,
+                &mut st,
+                |_| {},
+                |(mine, out)| ctx.allgather_bytes(mine.bytes(), out.bytes_mut(), dtype, &opts),
+            )?;
             wrong = per > 0
-                && out.bytes().chunks_exact(per * ts).enumerate().any(|(p, b)| {
+                && st[t.last].1.bytes().chunks_exact(per * ts).enumerate().any(|(p, b)| {
                     let e = element(dtype, p as u32 + 1);
                     b.chunks_exact(ts).any(|c| c != e)
                 });
-            (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
+            (per * n, per * n * ts, (n - 1) as f64 / n as f64, t)
         }
         "reduce_scatter" => {
             let per = bytes / ts / n;
-            let mut input = Buf::new(per * n * ts);
-            input.fill(&own);
-            let mut out = Buf::new(per * ts);
-            let times = timed(
+            let make = || {
+                let mut input = Buf::new(per * n * ts);
+                input.fill(&own);
+                (input, Buf::new(per * ts))
+            };
+            let mut st = states(rotation(args, (n + 1) * per * ts), make);
+            let t = timed(
                 ctx,
                 args,
-                &mut out,
+                &mut st,
                 |_| {},
-                |o| ctx.reduce_scatter_bytes(input.bytes(), o.bytes_mut(), dtype, s.red, &opts),
+                |(input, out)| ctx.reduce_scatter_bytes(input.bytes(), out.bytes_mut(), dtype, s.red, &opts),
             )?;
-            wrong = !out.all(&s.reduced(n, |p| p as u32 + 1)?);
-            (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
+            wrong = !st[t.last].1.all(&s.reduced(n, |p| p as u32 + 1)?);
+            (per * n, per * n * ts, (n - 1) as f64 / n as f64, t)
         }
         "broadcast" => {
             let count = bytes / ts;
             let fresh = if r == root { own.clone() } else { element(dtype, 0) };
-            let mut buf = Buf::new(count * ts);
+            let mut bufs = states(rotation(args, count * ts), || Buf::new(count * ts));
             picked = Some(ctx.broadcast_algorithm(count * ts, algo)?);
-            let times = timed(
+            let t = timed(
                 ctx,
                 args,
-                &mut buf,
+                &mut bufs,
                 |b| b.fill(&fresh),
                 |b| ctx.broadcast_bytes(b.bytes_mut(), dtype, root, &opts),
             )?;
-            wrong = !buf.all(&element(dtype, root as u32 + 1));
-            (count, count * ts, 1.0, times)
+            wrong = !bufs[t.last].all(&element(dtype, root as u32 + 1));
+            (count, count * ts, 1.0, t)
         }
         "reduce" => {
             let count = bytes / ts;
-            let mut buf = Buf::new(count * ts);
-            let times = timed(
+            let mut bufs = states(rotation(args, count * ts), || Buf::new(count * ts));
+            let t = timed(
                 ctx,
                 args,
-                &mut buf,
+                &mut bufs,
                 |b| b.fill(&own),
                 |b| ctx.reduce_bytes(b.bytes_mut(), dtype, root, s.red, &opts),
             )?;
             let want = if r == root { s.reduced(n, |p| p as u32 + 1)? } else { own.clone() };
-            wrong = !buf.all(&want);
-            (count, count * ts, 1.0, times)
+            wrong = !bufs[t.last].all(&want);
+            (count, count * ts, 1.0, t)
         }
         "alltoall" => {
             let per = bytes / ts / n;
-            let mut input = Buf::new(per * n * ts);
-            input.fill_blocks(per * ts, |p| element(dtype, ((r * n + p) % 100) as u32));
-            let mut out = Buf::new(per * n * ts);
-            let times =
-                timed(ctx, args, &mut out, |_| {}, |o| ctx.alltoall_bytes(input.bytes(), o.bytes_mut(), dtype, &opts))?;
+            let make = || {
+                let mut input = Buf::new(per * n * ts);
+                input.fill_blocks(per * ts, |p| element(dtype, ((r * n + p) % 100) as u32));
+                (input, Buf::new(per * n * ts))
+            };
+            let mut st = states(rotation(args, 2 * per * n * ts), make);
+            let t = timed(
+                ctx,
+                args,
+                &mut st,
+                |_| {},
+                |(input, out)| ctx.alltoall_bytes(input.bytes(), out.bytes_mut(), dtype, &opts),
+            )?;
             let mut want = Buf::new(per * n * ts);
             want.fill_blocks(per * ts, |p| element(dtype, ((p * n + r) % 100) as u32));
-            wrong = out.bytes() != want.bytes();
-            (per * n, per * n * ts, (n - 1) as f64 / n as f64, times)
+            wrong = st[t.last].1.bytes() != want.bytes();
+            (per * n, per * n * ts, (n - 1) as f64 / n as f64, t)
         }
         "sendrecv" => {
             let count = bytes / ts;
             let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-            let mut out = Buf::new(count * ts);
-            out.fill(&own);
-            let mut inbox = Buf::new(count * ts);
-            let times = timed(
+            let make = || {
+                let mut out = Buf::new(count * ts);
+                out.fill(&own);
+                (out, Buf::new(count * ts))
+            };
+            let mut st = states(rotation(args, 2 * count * ts), make);
+            let t = timed(
                 ctx,
                 args,
-                &mut inbox,
+                &mut st,
                 |_| {},
-                |inbox| {
+                |(out, inbox)| {
                     if n == 1 {
                         return Ok(());
                     }
@@ -310,22 +385,25 @@ pub(super) fn measure(
                     })
                 },
             )?;
-            wrong = n > 1 && !inbox.all(&element(dtype, left as u32 + 1));
-            (count, count * ts, 1.0, times)
+            wrong = n > 1 && !st[t.last].1.all(&element(dtype, left as u32 + 1));
+            (count, count * ts, 1.0, t)
         }
         "pingpong" => {
             // Ranks 0 and 1 bounce one message PINGPONG_ROUNDS times; the time is half a round
             // trip (the one-way latency), the bandwidth that of one direction.
             let count = bytes / ts;
-            let mut out = Buf::new(count * ts);
-            out.fill(&own);
-            let mut inbox = Buf::new(count * ts);
-            let times = timed(
+            let make = || {
+                let mut out = Buf::new(count * ts);
+                out.fill(&own);
+                (out, Buf::new(count * ts))
+            };
+            let mut st = states(rotation(args, 2 * count * ts), make);
+            let mut t = timed(
                 ctx,
                 args,
-                &mut inbox,
+                &mut st,
                 |_| {},
-                |inbox| {
+                |(out, inbox)| {
                     for _ in 0..PINGPONG_ROUNDS {
                         match r {
                             0 if n > 1 => {
@@ -343,49 +421,33 @@ pub(super) fn measure(
                 },
             )?;
             let from = if r == 0 { 2 } else { 1 };
-            wrong = r < 2 && n > 1 && !inbox.all(&element(dtype, from));
-            let one_way: Vec<f64> = times.iter().map(|t| t / (2 * PINGPONG_ROUNDS) as f64).collect();
-            (count, count * ts, 1.0, one_way)
+            wrong = r < 2 && n > 1 && !st[t.last].1.all(&element(dtype, from));
+            let one_way = (2 * PINGPONG_ROUNDS) as f64;
+            t.worst.iter_mut().for_each(|x| *x /= one_way);
+            t.ranks.iter_mut().for_each(|x| *x /= one_way);
+            (count, count * ts, 1.0, t)
         }
         "barrier" => {
-            let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.barrier())?;
-            (0, 0, 0.0, times)
+            let t = timed(ctx, args, &mut [()], |_| {}, |_| ctx.barrier())?;
+            (0, 0, 0.0, t)
         }
         "agree" => {
             let mut agreed = Vec::new();
-            let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.agree(!0).map(|a| agreed.push(a)))?;
+            let t = timed(ctx, args, &mut [()], |_| {}, |_| ctx.agree(!0).map(|a| agreed.push(a)))?;
             wrong = agreed.iter().any(|a| a.value != !0 || !a.failed.is_empty());
-            (0, 0, 0.0, times)
+            (0, 0, 0.0, t)
         }
         "shrink" => {
             let mut sizes = Vec::new();
-            let times = timed(ctx, args, &mut (), |_| {}, |_| ctx.shrink().map(|c| sizes.push(c.size())))?;
+            let t = timed(ctx, args, &mut [()], |_| {}, |_| ctx.shrink().map(|c| sizes.push(c.size())))?;
             wrong = sizes.iter().any(|&s| s != n);
-            (0, 0, 0.0, times)
+            (0, 0, 0.0, t)
         }
         other => return Err(Error::invalid(format!("unknown collective {other:?}"))),
     };
     let mut bad = [u32::from(wrong && !args.no_check)];
     ctx.allreduce(&mut bad, ferrogloo::Reduction::Max)?;
-    let mut sorted = times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let p50 = sorted[sorted.len() / 2];
-    let algbw = if p50 > 0.0 { moved as f64 / p50 / 1e3 } else { 0.0 };
-    Ok(Cell {
-        op: op.to_string(),
-        algorithm: algo,
-        picked,
-        bytes: moved,
-        count,
-        iters: sorted.len(),
-        p50,
-        min: sorted[0],
-        p99: sorted[((sorted.len() - 1) as f64 * 0.99) as usize],
-        algbw,
-        busbw: algbw * factor,
-        wrong: bad[0],
-        memcpy: None,
-    })
+    Ok(Cell::new(op, algo, picked, (count, moved, factor), timing, bad[0]))
 }
 
 /// The bytes a cell of `op` really moves when asked for `bytes`: whole elements, and for the

@@ -24,6 +24,7 @@
 //! rows and plot).
 
 mod args;
+mod cache;
 mod gpu;
 mod measure;
 mod memcpy;
@@ -36,7 +37,7 @@ use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::{Algorithm, Context, Error, Result};
 use gpu::{Gpu, gpu_for};
 use measure::{Setup, effective, measure};
-use report::{header, plot, print_cell, write_json};
+use report::{header, plot, print_cell, timing_mode, write_json};
 use std::time::Duration;
 
 /// One measured cell.
@@ -58,9 +59,43 @@ pub(crate) struct Cell {
     wrong: u32,
     /// One thread's copy bandwidth at this size in the same run (rank 0 only), GB/s.
     memcpy: Option<f64>,
+    /// Each rank's mean time per call, over the ranks: mean, least, greatest (µs).
+    ranks: [f64; 3],
 }
 
 impl Cell {
+    /// A cell from its timing: `moved` bytes per call, `factor` from algorithm to bus
+    /// bandwidth (nccl-tests' rule).
+    fn new(
+        op: &str,
+        algorithm: Algorithm,
+        picked: Option<Algorithm>,
+        (count, moved, factor): (usize, usize, f64),
+        t: measure::Timing,
+        wrong: u32,
+    ) -> Cell {
+        let mut sorted = t.worst;
+        sorted.sort_by(f64::total_cmp);
+        let p50 = sorted[sorted.len() / 2];
+        let algbw = if p50 > 0.0 { moved as f64 / p50 / 1e3 } else { 0.0 };
+        Cell {
+            op: op.to_string(),
+            algorithm,
+            picked,
+            bytes: moved,
+            count,
+            iters: sorted.len(),
+            p50,
+            min: sorted[0],
+            p99: sorted[((sorted.len() - 1) as f64 * 0.99) as usize],
+            algbw,
+            busbw: algbw * factor,
+            wrong,
+            memcpy: None,
+            ranks: t.ranks,
+        }
+    }
+
     /// "ring", or "auto:rd" when `auto` picked recursive doubling.
     fn algorithm_label(&self) -> String {
         match (self.algorithm, self.picked) {
@@ -207,9 +242,15 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
     if ctx.rank() == 0 {
         println!("# transport: {transport} ({} backend)", device.backend_name());
     }
+    if args.cold && args.device != "host" {
+        return Err(Error::invalid("--cold rotates host buffers only; GPU buffers are measured warm"));
+    }
     let mut gpu = gpu_for(&ctx, &args.device)?;
     if ctx.rank() == 0 && gpu.is_some() {
         println!("# buffers: GPU 0 (CUDA), staged through pinned host memory");
+    }
+    if ctx.rank() == 0 {
+        timing_mode(args);
     }
     let cells = run(&ctx, &setup, &mut gpu)?;
     if ctx.rank() == 0 {

@@ -2,12 +2,44 @@
 
 use super::Cell;
 use super::args::{Args, human};
+use super::cache;
+use super::measure::MAX_ROTATION;
 use ferrogloo::device::Transport;
 use ferrogloo::{Context, Error, Result};
 use std::path::PathBuf;
 
+/// What the run's timing is, said once before the tables: how calls are timed, and whether
+/// the caches are warm.
+pub(super) fn timing_mode(args: &Args) {
+    println!(
+        "# timing: per call, every call after a barrier (and the buffers' reset); time = the slowest rank's; \
+         time/min/p99 over the iterations{}",
+        if args.osu { "; avg/min/max = each rank's mean per call, over the ranks (OSU)" } else { "" }
+    );
+    match (args.cold, cache::last_level()) {
+        (false, _) => println!("# cache: warm (the same buffers every call)"),
+        (true, llc) => println!(
+            "# cache: cold: each cell rotates through buffers so that twice the last-level cache ({}) goes \
+             through between two uses of one, at most {MAX_ROTATION} buffers: cells under {} stay partly warm",
+            llc.map_or("size unknown: the most buffers".to_string(), |l| format!("{} from sysfs", human(l))),
+            llc.map_or("any size".to_string(), |l| human(2 * l / MAX_ROTATION)),
+        ),
+    }
+}
+
 pub(super) fn header(ctx: &Context, args: &Args, op: &str) {
     println!("#\n# {op}: {} ranks, type {}, reduction {}, root {}", ctx.size(), args.dtype, args.reduce, args.root);
+    if args.osu {
+        println!(
+            "# {:>12} {:>13} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}",
+            "size", "algorithm", "avg", "min", "max", "p50", "p99", "iters", "busbw", "#wrong"
+        );
+        println!(
+            "# {:>12} {:>13} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>7}",
+            "(B)", "", "(us)", "(us)", "(us)", "(us)", "(us)", "", "(GB/s)", ""
+        );
+        return;
+    }
     println!(
         "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>5} {:>10} {:>10} {:>7}",
         "size", "count", "type", "redop", "root", "algorithm", "time", "algbw", "busbw", "eff", "min", "p99", "#wrong"
@@ -19,6 +51,23 @@ pub(super) fn header(ctx: &Context, args: &Args, op: &str) {
 }
 
 pub(super) fn print_cell(args: &Args, c: &Cell) {
+    if args.osu {
+        let [avg, min, max] = c.ranks;
+        println!(
+            "  {:>12} {:>13} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>8} {:>8.3} {:>7}",
+            c.bytes,
+            c.algorithm_label(),
+            avg,
+            min,
+            max,
+            c.p50,
+            c.p99,
+            c.iters,
+            c.busbw,
+            c.wrong
+        );
+        return;
+    }
     let rooted = matches!(c.op.as_str(), "broadcast" | "reduce");
     let reducing = matches!(c.op.as_str(), "allreduce" | "reduce_scatter" | "reduce");
     println!(
@@ -51,6 +100,8 @@ pub(super) fn write_json(path: &PathBuf, args: &Args, n: usize, transport: Trans
             "dtype": args.dtype, "iters": c.iters, "p50_us": c.p50, "min_us": c.min, "p99_us": c.p99,
             "algbw_gbps": c.algbw, "busbw_gbps": c.busbw, "wrong": c.wrong,
             "memcpy_gbps": c.memcpy, "efficiency": c.efficiency(),
+            "avg_us": c.ranks[0], "rank_min_us": c.ranks[1], "rank_max_us": c.ranks[2],
+            "timing": "per-call-barrier", "cache": if args.cold { "cold" } else { "warm" },
             "transport": transport.name(),
         });
         out.push_str(&row.to_string());
