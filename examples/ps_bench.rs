@@ -65,7 +65,7 @@ fn iters_for(args: &Args, bytes: usize) -> usize {
 
 /// A plain context of the job for the anchors, meeting under `prefix`.
 fn plain(env: &RankEnv, prefix: &str) -> Result<Context> {
-    let store = PrefixStore::new(prefix, ferrogloo::rendezvous::open(&env.store)?);
+    let store = PrefixStore::new(prefix, env.open_store()?);
     let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
     Context::builder(env.rank, env.size).timeout(Duration::from_secs(60)).connect(&store, &dev)
 }
@@ -92,7 +92,7 @@ fn pingpong(ctx: &Context, servers: usize, bytes: usize, iters: usize) -> Result
 /// [`SumStore`]) until every worker has said goodbye and gives `None`; a worker is returned.
 fn ps_node(args: &Args, env: &RankEnv, prefix: &str) -> Result<Option<KvWorker<f32>>> {
     let (s, w) = (args.servers, args.workers);
-    let store = PrefixStore::new(prefix, ferrogloo::rendezvous::open(&env.store)?);
+    let store = PrefixStore::new(prefix, env.open_store()?);
     let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
     let cfg = PsConfig::new(w, s);
     if env.rank < s {

@@ -140,7 +140,7 @@ fn main() {
                 env.size, args.servers, args.workers
             )));
         }
-        let store = ferrogloo::rendezvous::open(&env.store)?;
+        let store = env.open_store()?;
         let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::from_env()?)?;
         let (role, id) =
             if env.rank < args.servers { (Role::Server, env.rank) } else { (Role::Worker, env.rank - args.servers) };

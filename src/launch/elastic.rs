@@ -310,7 +310,7 @@ pub fn run<R>(
     timeout: Duration,
     mut work: impl FnMut(&Context, &Membership<'_>) -> Result<R>,
 ) -> Result<R> {
-    let store = crate::rendezvous::open(&env.store)?;
+    let store = env.open_store()?;
     let Some((me, wait_for)) = worker_in(&Vars::process())? else {
         let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, device)?;
         let fixed = crate::rendezvous::HashStore::new();

@@ -194,6 +194,12 @@ fn present(l: Launcher, get: &dyn Fn(&str) -> Option<String>) -> bool {
     match l {
         Launcher::Torchrun => ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"].iter().all(|v| get(v).is_some()),
         Launcher::Slurm => get("SLURM_PROCID").is_some() && get("SLURM_STEP_ID").is_some(),
+        // Slurm's own PMI (`srun --mpi=pmi2`, or `MpiDefault=pmi2`) sets PMI_RANK and PMI_SIZE
+        // too, for the tasks srun started: those are Slurm's. MPICH's Hydra also sets
+        // MPI_LOCALRANKID, also when it runs inside an allocation.
+        Launcher::Mpich => {
+            get("PMI_RANK").is_some() && (get("MPI_LOCALRANKID").is_some() || get("SLURM_STEP_ID").is_none())
+        }
         l => get(l.marker()).is_some(),
     }
 }

@@ -106,14 +106,22 @@ impl RankEnv {
         })
     }
 
+    /// Opens the job's store ([`RankEnv::store`]); rank 0 of a job whose launcher runs none
+    /// ([`RankEnv::serve_store`]: Slurm without `FERROGLOO_STORE`) first starts serving it.
+    /// Programs that open the store themselves, rather than through [`RankEnv::connect`], must
+    /// open it this way.
+    pub fn open_store(&self) -> Result<Box<dyn crate::rendezvous::Store>> {
+        if self.serve_store && self.rank == 0 {
+            serve_store(&self.store)?;
+        }
+        crate::rendezvous::open(&self.store)
+    }
+
     /// Joins the job: opens the store and connects this rank's context, with `timeout` as its
     /// deadline, on a new device of the transport `FERROGLOO_TRANSPORT` names (default auto:
     /// shared memory to ranks on this host, TCP on the listener `attr` describes to the others).
     pub fn connect(&self, attr: &crate::device::TcpAttr, timeout: Duration) -> Result<crate::Context> {
-        if self.serve_store && self.rank == 0 {
-            serve_store(&self.store)?;
-        }
-        let store = crate::rendezvous::open(&self.store)?;
+        let store = self.open_store()?;
         let mut attr = attr.clone();
         if attr.iface.is_none() && attr.ip.is_none() && attr.hostname.is_none() {
             attr.iface = self.iface.clone();

@@ -228,7 +228,7 @@ fn rank_main(args: &Args, env: RankEnv) -> Result<()> {
         red: args.reduce.parse()?,
         seg: args.segment_bytes.as_deref().map(parse_size).transpose()?,
     };
-    let store = ferrogloo::rendezvous::open(&env.store)?;
+    let store = env.open_store()?;
     let transport = match &args.transport {
         Some(t) => t.parse()?,
         None => Transport::from_env()?,

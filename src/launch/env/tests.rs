@@ -122,6 +122,38 @@ fn every_launcher_is_read_from_its_own_variables() {
 }
 
 #[test]
+fn srun_with_slurms_pmi2_is_slurm_and_hydra_inside_an_allocation_is_mpich() {
+    let step = [
+        ("SLURM_PROCID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_STEP_ID", "3"),
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_STEP_NODELIST", "n1"),
+        ("SLURM_TASKS_PER_NODE", "2"),
+    ];
+    // srun --mpi=pmi2: Slurm's PMI sets PMI_RANK and PMI_SIZE, no MPI_LOCALRANKID.
+    let pmi2: Vec<_> = step.iter().copied().chain([("PMI_RANK", "1"), ("PMI_SIZE", "2")]).collect();
+    let got = detect(&env(&pmi2)).expect("detected").expect("a launcher");
+    assert_eq!((got.launcher, got.rank, got.size), (Some(Launcher::Slurm), 1, 2));
+    assert!(got.store.starts_with("http://n1:") && got.store.ends_with("/slurm-77.3"), "{}", got.store);
+    // mpiexec (Hydra) run inside an allocation: its own variables, MPI_LOCALRANKID among them.
+    let hydra: Vec<_> = step
+        .iter()
+        .copied()
+        .chain([
+            ("PMI_RANK", "4"),
+            ("PMI_SIZE", "6"),
+            ("MPI_LOCALRANKID", "0"),
+            ("MPI_LOCALNRANKS", "3"),
+            ("FERROGLOO_STORE", "file:/shared"),
+        ])
+        .collect();
+    let got = detect(&env(&hydra)).expect("detected").expect("a launcher");
+    assert_eq!((got.launcher, got.rank, got.size), (Some(Launcher::Mpich), 4, 6));
+}
+
+#[test]
 fn a_slurm_batch_shell_is_not_a_rank() {
     // sbatch sets SLURM_PROCID for the batch script; only srun's tasks have a step.
     let batch = env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4"), ("SLURM_JOB_ID", "9")]);
