@@ -11,6 +11,8 @@ use ferrogloo::device::TcpAttr;
 use ferrogloo::launch::{RankEnv, spawn_local};
 use ferrogloo::{Context, Error, Result};
 use std::time::Duration;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Options every example takes.
 #[derive(Args, Debug, Clone)]
@@ -37,14 +39,21 @@ pub struct JobArgs {
 
 /// `Ok(None)` when this process launched local ranks (they have finished); `Ok(Some(ctx))`
 /// when it is a rank. Library logs (a rank waiting for others, say) go to stderr at `info`
-/// unless `RUST_LOG` says otherwise.
+/// unless `RUST_LOG` says otherwise (`target=level` directives, comma-separated).
 pub fn join(args: &JobArgs) -> Result<Option<Context>> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // `target=level` directives (no regular expressions: the main job's binary builds without
+    // the regex crates, see allreduce/Cargo.toml).
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|v| v.parse::<tracing_subscriber::filter::Targets>().ok())
+        .unwrap_or_else(|| {
+            tracing_subscriber::filter::Targets::new().with_default(tracing_subscriber::filter::LevelFilter::INFO)
+        });
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .finish()
+        .with(filter)
         .try_init();
     let timeout = match args.timeout {
         Some(t) => {

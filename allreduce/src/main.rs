@@ -1,11 +1,13 @@
 //! The main job: N rank processes on this machine allreduce a buffer, and every rank checks the
 //! result against the sum computed on its own.
 //!
-//! `cargo run --release --example allreduce -- --np 4`
+//! `cargo run --release --bin allreduce -- --np 4` (from the repository's root)
 //!
 //! Rank r contributes `r + 1 + i` at index i (f32), so the sum at index i is
 //! `N(N+1)/2 + N·i`. Under a launcher (ferrogloo-run, mpirun, torchrun, ...) leave out `--np`.
 
+// The examples' shared part (`--np`, `--rank/--size/--store`, logs), used here as it is.
+#[path = "../../examples/common/mod.rs"]
 mod common;
 
 use clap::Parser;
