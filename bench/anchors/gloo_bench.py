@@ -9,8 +9,10 @@ ferrogloo-bench's --json rows have; a collective Gloo does not offer prints a ro
 """
 
 import argparse
+import datetime
 import json
 import os
+import queue
 import socket
 import sys
 import time
@@ -65,7 +67,16 @@ def expected(op, r, n, inp, out):
 
 
 def rank_main(r, n, port, args, queue):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=n)
+    try:
+        measure(r, n, port, args, queue)
+    finally:
+        if r == 0:
+            queue.put(None)  # the end, however it came: the parent stops reading
+
+
+def measure(r, n, port, args, queue):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=n,
+                            timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     for op in args.ops.split(","):
         for nbytes in (int(s) for s in args.sizes.split(",")):
@@ -109,8 +120,6 @@ def rank_main(r, n, port, args, queue):
                     "timing": "per-call-barrier",
                 })
     dist.destroy_process_group()
-    if r == 0:
-        queue.put(None)
 
 
 def main():
@@ -124,16 +133,30 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(r, args.np, port, args, queue)) for r in range(args.np)]
+    rows = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, args.np, port, args, rows)) for r in range(args.np)]
     for proc in procs:
         proc.start()
-    while (row := queue.get()) is not None:
+    # Rows until rank 0 says it has ended; a rank that dies (a peer then waits for it until
+    # Gloo's timeout) ends the run at once instead.
+    failed = None
+    while failed is None:
+        try:
+            row = rows.get(timeout=0.5)
+        except queue.Empty:
+            failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
+            continue
+        if row is None:
+            break
         print(json.dumps(row), flush=True)
     for proc in procs:
-        proc.join(timeout=60)
-    failed = [proc.exitcode for proc in procs if proc.exitcode != 0]
-    sys.exit(1 if failed else 0)
+        proc.join(timeout=0 if failed else 60)
+        if proc.is_alive():
+            proc.kill()
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        print(f"gloo_bench: ranks failed (rank, exit code): {bad}", file=sys.stderr)
+    sys.exit(1 if bad else 0)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ pub fn init_logging() {
         }),
         _ => info(),
     };
+    // fmt() caps events at info by itself: the cap goes to trace, and `filter` decides.
     let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .finish()

@@ -9,6 +9,7 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -51,10 +52,17 @@ fn mpiexec() -> Option<&'static str> {
             return Some(exe);
         }
     }
+    assert!(!required("mpich"), "FERROGLOO_TEST_REQUIRE names mpich, but its mpiexec is not installed here");
     eprintln!(
         "SKIPPED: MPICH's mpiexec (mpiexec.mpich or mpiexec.hydra) is not installed here (apt-get install mpich)"
     );
     None
+}
+
+/// Whether `FERROGLOO_TEST_REQUIRE` (comma-separated; `.ci/run` sets it where it installed
+/// them) makes `what` required: then a test that cannot run fails instead of skipping.
+fn required(what: &str) -> bool {
+    std::env::var("FERROGLOO_TEST_REQUIRE").is_ok_and(|v| v.split(',').any(|w| w.trim() == what))
 }
 
 #[test]
@@ -193,6 +201,7 @@ impl Slurm {
             let err = log.try_clone().map_err(|e| format!("{name}'s log: {e}"))?;
             // -D: in the foreground, logging to stderr; `timeout` ends it should this test die.
             let child = scrub(Command::new("timeout").arg("600").arg(exe).arg("-D"))
+                .process_group(0)
                 .env("SLURM_CONF", &slurm.conf)
                 .stdin(Stdio::null())
                 .stdout(log)
@@ -275,9 +284,12 @@ impl Drop for Slurm {
         // Jobs first (their steps' processes are not the daemons' children), then the daemons:
         // SIGTERM through `timeout`, which passes it on, and SIGKILL where that is not enough.
         let _ = self.cmd("scancel", 10).args(["--user", "root"]).output();
+        // Each daemon runs in a process group of its own (`timeout` and the daemon): signals go
+        // to the group, so a SIGKILL reaches the daemon too, not only `timeout`.
+        let group = |child: &Child| i32::try_from(child.id()).ok().map(nix::unistd::Pid::from_raw);
         for (_, child) in &mut self.daemons {
-            if let Ok(pid) = i32::try_from(child.id()) {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
+            if let Some(pg) = group(child) {
+                let _ = nix::sys::signal::killpg(pg, nix::sys::signal::Signal::SIGTERM);
             }
         }
         let t = Instant::now();
@@ -285,7 +297,9 @@ impl Drop for Slurm {
             while matches!(child.try_wait(), Ok(None)) && t.elapsed() < Duration::from_secs(15) {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            let _ = child.kill();
+            if let Some(pg) = group(child) {
+                let _ = nix::sys::signal::killpg(pg, nix::sys::signal::Signal::SIGKILL);
+            }
             let _ = child.wait();
         }
     }
@@ -300,6 +314,7 @@ fn cluster() -> Option<(std::sync::MutexGuard<'static, ()>, Slurm)> {
             Some((guard, s))
         }
         Err(why) => {
+            assert!(!required("slurm"), "FERROGLOO_TEST_REQUIRE names slurm, but it cannot run here: {why}");
             eprintln!("SKIPPED: cannot run a one-node Slurm cluster here (needs root and slurm-wlm): {why}");
             None
         }

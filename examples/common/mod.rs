@@ -49,7 +49,9 @@ pub fn join(args: &JobArgs) -> Result<Option<Context>> {
         .unwrap_or_else(|| {
             tracing_subscriber::filter::Targets::new().with_default(tracing_subscriber::filter::LevelFilter::INFO)
         });
+    // fmt() caps events at info by itself: the cap goes to trace, and `filter` decides.
     let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .finish()

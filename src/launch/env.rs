@@ -153,7 +153,13 @@ pub(crate) fn detect_in(vars: &Vars<'_>, log: bool) -> Result<Option<RankEnv>> {
     }
     let launcher = match vars.parse_own::<Launcher>(FERROGLOO_LAUNCHER)? {
         Some(l) => {
-            if !present(l, &get) {
+            // Named explicitly, MPICH needs only its rank (Slurm's PMI-2 sets it too; the
+            // user said whose it is).
+            let there = match l {
+                Launcher::Mpich => get("PMI_RANK").is_some(),
+                l => present(l, &get),
+            };
+            if !there {
                 let missing = match l {
                     Launcher::Torchrun => {
                         let gone: Vec<&str> = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]

@@ -122,6 +122,12 @@ pub(super) fn timed<S>(
         call(&mut states[w % k])?;
     }
     if k > 1 {
+        // Every state once, untimed, so that no timed call is the first to touch its pages
+        // (the page faults would be timed instead of the cold caches); then their inputs.
+        for st in states.iter_mut() {
+            reset(st);
+            call(st)?;
+        }
         states.iter_mut().for_each(&mut reset);
     }
     // With --seconds, rank 0 decides before each iteration whether another one fits, and
@@ -183,15 +189,19 @@ pub(super) fn timed<S>(
 
 /// How many states of `bytes` each a cell rotates through: one when the cache is left warm;
 /// with `--cold`, enough that the others touch twice the last-level cache between two uses of
-/// one, at least 2 and at most [`MAX_ROTATION`].
+/// one, at least 2 and at most [`MAX_ROTATION`] (a cache of unknown size is taken for
+/// [`ASSUMED_LLC`]).
 pub(super) fn rotation(args: &Args, bytes: usize) -> usize {
-    match (args.cold, super::cache::last_level()) {
-        (true, _) if bytes == 0 => 1,
-        (true, Some(llc)) => (2 * llc).div_ceil(bytes).clamp(2, MAX_ROTATION),
-        (true, None) => MAX_ROTATION,
-        (false, _) => 1,
+    if !args.cold || bytes == 0 {
+        return 1;
     }
+    let llc = super::cache::last_level().unwrap_or(ASSUMED_LLC);
+    ((2 * llc).div_ceil(bytes) + 1).clamp(2, MAX_ROTATION)
 }
+
+/// The last-level cache `--cold` assumes where sysfs does not give its size (the header says
+/// so).
+pub(super) const ASSUMED_LLC: usize = 32 << 20;
 
 /// The most buffers one cell rotates through with `--cold` (so that a cell of 8 bytes does not
 /// allocate millions): cells smaller than twice the last-level cache over this stay partly

@@ -3,7 +3,7 @@
 use super::Cell;
 use super::args::{Args, human};
 use super::cache;
-use super::measure::MAX_ROTATION;
+use super::measure::{ASSUMED_LLC, MAX_ROTATION};
 use ferrogloo::device::Transport;
 use ferrogloo::{Context, Error, Result};
 use std::path::PathBuf;
@@ -20,9 +20,14 @@ pub(super) fn timing_mode(args: &Args) {
         (false, _) => println!("# cache: warm (the same buffers every call)"),
         (true, llc) => println!(
             "# cache: cold: each cell rotates through buffers so that twice the last-level cache ({}) goes \
-             through between two uses of one, at most {MAX_ROTATION} buffers: cells under {} stay partly warm",
-            llc.map_or("size unknown: the most buffers".to_string(), |l| format!("{} from sysfs", human(l))),
-            llc.map_or("any size".to_string(), |l| human(2 * l / MAX_ROTATION)),
+             through between two uses of one, at most {MAX_ROTATION} buffers: cells under {} stay partly warm{}",
+            llc.map_or(format!("size unknown: {} assumed", human(ASSUMED_LLC)), |l| format!("{} from sysfs", human(l))),
+            human(2 * llc.unwrap_or(ASSUMED_LLC) / (MAX_ROTATION - 1)),
+            if args.op.iter().any(|o| o == "pingpong") {
+                "; pingpong bounces one buffer 100 times per timed call, so it is warm after the first"
+            } else {
+                ""
+            },
         ),
     }
 }

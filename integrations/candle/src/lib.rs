@@ -131,6 +131,28 @@ impl DataParallel {
     /// Sets every parameter on every rank to rank `root`'s value (call it once before
     /// training, so that every rank starts from the same weights).
     pub fn broadcast_parameters(&self, root: usize) -> Result<()> {
+        // Every type checked before anything is submitted: a refusal leaves nothing in flight.
+        for (name, var) in &self.params {
+            if !matches!(
+                var.dtype(),
+                DType::F32
+                    | DType::F64
+                    | DType::F16
+                    | DType::BF16
+                    | DType::U8
+                    | DType::U32
+                    | DType::I16
+                    | DType::I32
+                    | DType::I64
+            ) {
+                return Err(Error::Dtype {
+                    what: "parameter",
+                    name: name.clone(),
+                    dtype: var.dtype(),
+                    supported: CARRIED,
+                });
+            }
+        }
         let mut pending: Vec<Pending<'_>> = Vec::with_capacity(self.params.len());
         for (name, var) in &self.params {
             let key = format!("ferrogloo-candle.param.{name}");
@@ -156,10 +178,14 @@ impl DataParallel {
 
     /// Replaces the gradient of every parameter in `grads` by its average over the ranks.
     ///
-    /// All of them go to the engine at once, one group per element type, so they are
-    /// negotiated together and fused into few messages. A parameter without a gradient on
-    /// this rank (not used in this step's loss) contributes zeros, and gets the average like
-    /// the others: every rank ends with the same gradients.
+    /// All of them go to the engine at once, one group per element type, in the reverse of the
+    /// parameters' order (for a model given in forward order, the order backpropagation
+    /// produces them), so they are negotiated together and fused into few messages. A
+    /// floating-point parameter without a gradient on this rank (not used in this step's loss)
+    /// contributes zeros, and gets the average like the others: every rank ends with the same
+    /// gradients. One that no rank used therefore gets a zero gradient where one process would
+    /// have none: plain SGD leaves it as it is, but an optimizer with weight decay or momentum
+    /// (AdamW) still moves it. Integer parameters have no gradients and are left out.
     pub fn average_gradients(&self, grads: &mut GradStore) -> Result<()> {
         let mut by_type: [Vec<(usize, Tensor)>; 4] = Default::default();
         for (i, (name, var)) in self.params.iter().enumerate().rev() {
@@ -174,6 +200,8 @@ impl DataParallel {
                     }
                     g.clone()
                 }
+                // A parameter that cannot have a gradient (an integer counter, say) is not trained.
+                None if !var.dtype().is_float() => continue,
                 None => var.as_tensor().zeros_like()?,
             };
             let slot = match g.dtype() {

@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
-/// The example's binary, which `cargo test` builds beside this test.
+/// The example's binary, which `cargo test` builds beside this test (`cargo test --test ddp`
+/// alone does not rebuild examples: it would run whatever binary is there).
 fn ddp() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary");
     let profile = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>/deps/<test>");
@@ -66,7 +67,7 @@ fn a_batch_that_does_not_split_evenly_is_refused_on_every_rank() {
     let out = timed(120).arg(ddp()).args(["--np", "3", "--batch", "50"]).output().expect("starting the example");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--batch 50 must be a positive multiple of the 3 ranks"), "{err}");
+    assert_eq!(err.matches("--batch 50 must be a positive multiple of the 3 ranks").count(), 3, "{err}");
 }
 
 /// A python with torch: `FERROGLOO_TORCH_PYTHON`, or the venv `.ci/run` makes.

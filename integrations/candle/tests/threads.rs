@@ -195,3 +195,26 @@ fn duplicate_names_are_refused_saying_which() {
     let converted: candle_core::Error = Error::DuplicateName("y".into()).into();
     assert!(converted.to_string().contains("'y'"), "{converted}");
 }
+
+#[test]
+fn an_integer_parameter_is_broadcast_and_left_out_of_the_gradients() {
+    let got = all_ok(ranks(2, |engine| {
+        let r = engine.rank();
+        let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let steps = Var::new(&[r as i64 + 5], &Device::Cpu)?;
+        let dp = DataParallel::new(engine, [("w".into(), w.clone()), ("steps".into(), steps.clone())])?;
+        dp.broadcast_parameters(1)?;
+        let mut grads = (w.as_tensor() * (r as f64 + 1.0))?.sum_all()?.backward()?;
+        dp.average_gradients(&mut grads)?;
+        let out = (
+            values(steps.as_tensor()),
+            values(grads.get(w.as_tensor()).expect("w")),
+            grads.get(steps.as_tensor()).is_none(),
+        );
+        dp.shutdown()?;
+        Ok(out)
+    }));
+    for (steps, w, no_int_grad) in got {
+        assert_eq!((steps, w, no_int_grad), (vec![6.0], vec![1.5, 1.5], true));
+    }
+}

@@ -151,6 +151,11 @@ fn srun_with_slurms_pmi2_is_slurm_and_hydra_inside_an_allocation_is_mpich() {
         .collect();
     let got = detect(&env(&hydra)).expect("detected").expect("a launcher");
     assert_eq!((got.launcher, got.rank, got.size), (Some(Launcher::Mpich), 4, 6));
+    // Named explicitly, Slurm's PMI-2 variables are read as MPICH's (the user said so).
+    let named: Vec<_> =
+        pmi2.iter().copied().chain([("FERROGLOO_LAUNCHER", "mpich"), ("FERROGLOO_STORE", "file:/s")]).collect();
+    let got = detect(&env(&named)).expect("detected").expect("a launcher");
+    assert_eq!((got.launcher, got.rank, got.size), (Some(Launcher::Mpich), 1, 2));
 }
 
 #[test]
