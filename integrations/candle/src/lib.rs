@@ -183,10 +183,16 @@ impl DataParallel {
     /// produces them), so they are negotiated together and fused into few messages. A
     /// floating-point parameter without a gradient on this rank (not used in this step's loss)
     /// contributes zeros, and gets the average like the others: every rank ends with the same
-    /// gradients. One that no rank used therefore gets a zero gradient where one process would
-    /// have none: plain SGD leaves it as it is, but an optimizer with weight decay or momentum
-    /// (AdamW) still moves it. Integer parameters have no gradients and are left out.
+    /// gradients. One that no rank used gets none, as in one process (a small allreduce of
+    /// which parameters had a gradient goes with the gradients), so that an optimizer with
+    /// weight decay or momentum (AdamW) leaves it alone as it would there. Integer parameters
+    /// have no gradients and are left out.
     pub fn average_gradients(&self, grads: &mut GradStore) -> Result<()> {
+        if self.params.is_empty() {
+            return Ok(());
+        }
+        let had: Vec<u8> = self.params.iter().map(|(_, v)| u8::from(grads.get(v.as_tensor()).is_some())).collect();
+        let anywhere = self.engine.allreduce("ferrogloo-candle.grads.present", had, Reduction::Max)?;
         let mut by_type: [Vec<(usize, Tensor)>; 4] = Default::default();
         for (i, (name, var)) in self.params.iter().enumerate().rev() {
             let g = match grads.get(var.as_tensor()) {
@@ -222,7 +228,16 @@ impl DataParallel {
             self.average_group::<half::f16>("f16", f16s)?,
             self.average_group::<half::bf16>("bf16", bf16s)?,
         ];
-        finish(pending.into_iter().flatten().collect(), grads)
+        let averaged = finish(pending.into_iter().flatten().collect(), grads);
+        let anywhere = anywhere.wait()?;
+        averaged?;
+        // The zeros of a parameter no rank used are not a gradient.
+        for ((_, var), used) in self.params.iter().zip(&anywhere.data) {
+            if *used == 0 {
+                grads.remove(var.as_tensor());
+            }
+        }
+        Ok(())
     }
 
     /// Runs one step: the loss's backward pass, [`average_gradients`](Self::average_gradients),

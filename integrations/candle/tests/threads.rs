@@ -218,3 +218,27 @@ fn an_integer_parameter_is_broadcast_and_left_out_of_the_gradients() {
         assert_eq!((steps, w, no_int_grad), (vec![6.0], vec![1.5, 1.5], true));
     }
 }
+
+#[test]
+fn a_parameter_no_rank_used_gets_no_gradient_as_in_one_process_and_adamw_leaves_it_alone() {
+    let got = all_ok(ranks(3, |engine| {
+        let r = engine.rank();
+        let used = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let idle = Var::new(&[5f32, 6.0], &Device::Cpu)?;
+        let dp = DataParallel::new(engine, [("used".into(), used.clone()), ("idle".into(), idle.clone())])?;
+        let mut adamw = candle_nn::AdamW::new_lr(vec![used.clone(), idle.clone()], 0.1)?;
+        for _ in 0..3 {
+            dp.backward_step(&mut adamw, &(used.as_tensor() * (r as f64 + 1.0))?.sum_all()?)?;
+        }
+        let mut grads = used.as_tensor().sum_all()?.backward()?;
+        dp.average_gradients(&mut grads)?;
+        let out = (values(idle.as_tensor()), grads.get(idle.as_tensor()).is_none(), values(used.as_tensor()));
+        dp.shutdown()?;
+        Ok(out)
+    }));
+    for (idle, no_grad, used) in &got {
+        // AdamW's weight decay (0.01) would have moved it, had it got a zero gradient.
+        assert_eq!((idle.clone(), *no_grad), (vec![5.0, 6.0], true));
+        assert_eq!(used, &got[0].2);
+    }
+}
