@@ -80,12 +80,7 @@ fn mpich_mpiexec_starts_four_ranks_that_meet_through_a_file_store() {
     .env("RUST_LOG", "ferrogloo=info")
     .output()
     .expect("run mpiexec");
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "mpiexec failed ({}):\n{stdout}\n{stderr}", out.status);
-    assert!(stdout.contains("allreduce: 4 ranks"), "{stdout}");
-    assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
-    let found = stderr.matches("launched by mpich").count();
-    assert_eq!(found, 4, "every rank names MPICH as its launcher:\n{stderr}");
+    let (_, stderr) = job_ran(&out, "mpiexec", "mpich", 4, "");
     // Hydra's rank and local rank variables, all read: one node, so each rank is its local rank.
     for r in 0..4 {
         let line = format!("rank {r} of 4 (from PMI_RANK and PMI_SIZE), local rank {r} of 4, store {store}");
@@ -334,6 +329,19 @@ fn texts(out: &Output) -> (String, String) {
     (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// Checks that `what` ran a benchmark job of `n` ranks: it succeeded, rank 0's table is for `n`
+/// ranks with no wrong value, and every rank named `launcher` as its launcher (`more`: the
+/// daemons' errors, for the failure message). Returns the job's stdout and stderr.
+fn job_ran(out: &Output, what: &str, launcher: &str, n: usize, more: &str) -> (String, String) {
+    let (stdout, stderr) = texts(out);
+    assert!(out.status.success(), "{what} failed ({}):\n{stdout}\n{stderr}{more}", out.status);
+    assert!(stdout.contains(&format!("allreduce: {n} ranks")), "{what}: not a job of {n} ranks:\n{stdout}");
+    assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
+    let found = stderr.matches(&format!("launched by {launcher}")).count();
+    assert_eq!(found, n, "{what}: every rank names {launcher} as its launcher:\n{stderr}");
+    (stdout, stderr)
+}
+
 #[test]
 fn srun_starts_four_ranks_that_meet_through_rank_0s_store() {
     let Some((_serial, slurm)) = cluster() else { return };
@@ -342,12 +350,7 @@ fn srun_starts_four_ranks_that_meet_through_rank_0s_store() {
         .srun(&["-n", "4"], &["--op", "allreduce,broadcast", "--sizes", "4K,1M", "-n", "3", "--timeout", "60"])
         .output()
         .expect("run srun");
-    let (stdout, stderr) = texts(&out);
-    assert!(out.status.success(), "srun failed ({}):\n{stdout}\n{stderr}{}", out.status, slurm.errors());
-    assert!(stdout.contains("allreduce: 4 ranks"), "{stdout}");
-    assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
-    let found = stderr.matches("launched by slurm").count();
-    assert_eq!(found, 4, "every rank names Slurm as its launcher:\n{stderr}");
+    let (_, stderr) = job_ran(&out, "srun", "slurm", 4, &slurm.errors());
     for r in 0..4 {
         let line = format!("rank {r} of 4 (from SLURM_PROCID and SLURM_NTASKS), local rank {r} of 4, store http://");
         assert!(stderr.contains(&line), "no {line:?} in:\n{stderr}");
@@ -400,11 +403,8 @@ fn concurrent_srun_steps_of_one_allocation_do_not_meet() {
         steps.into_iter().map(|s| s.join().expect("a step's thread").expect("wait for srun")).collect();
     let mut urls = Vec::new();
     for out in &outs {
-        let (stdout, stderr) = texts(out);
-        assert!(out.status.success(), "a step failed ({}):\n{stdout}\n{stderr}{}", out.status, slurm.errors());
-        assert!(stdout.contains("allreduce: 2 ranks"), "each step is a job of its own 2 ranks:\n{stdout}");
-        assert!(stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
-        assert_eq!(stderr.matches("launched by slurm").count(), 2, "{stderr}");
+        // Each step is a job of its own 2 ranks.
+        let (_, stderr) = job_ran(out, "a step", "slurm", 2, &slurm.errors());
         let mine = stores(&stderr);
         assert!(mine.len() == 2 && mine[0] == mine[1], "the step's ranks share one store: {mine:?}");
         assert!(mine[0].contains(&format!("/slurm-{job}.")), "{mine:?}");
@@ -429,8 +429,5 @@ fn srun_with_slurms_own_pmi2_is_still_taken_for_slurm_not_mpich() {
         .srun(&["--mpi=pmi2", "-n", "2"], &["--op", "allreduce", "--sizes", "4K", "-n", "3", "--timeout", "60"])
         .output()
         .expect("run srun");
-    let (stdout, stderr) = texts(&out);
-    assert!(out.status.success(), "srun --mpi=pmi2 failed ({}):\n{stdout}\n{stderr}{}", out.status, slurm.errors());
-    assert!(stdout.contains("allreduce: 2 ranks") && stdout.contains("Out of bounds values : 0 OK"), "{stdout}");
-    assert_eq!(stderr.matches("launched by slurm").count(), 2, "{stderr}");
+    job_ran(&out, "srun --mpi=pmi2", "slurm", 2, &slurm.errors());
 }
