@@ -21,6 +21,7 @@
 use crate::error::{Error, Result};
 use crate::transport::handshake::codec::{BufMutExt, Reader};
 use crate::transport::{Backend, BusyWait, Completion, ConnectError, Done, Endpoint, EndpointSpec, Mesh, Progress};
+use smallvec::SmallVec;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -164,6 +165,11 @@ impl Progress for AutoProgress {
         self.local.interrupt();
     }
 
+    fn lend(&self, peers: &[usize]) {
+        self.remote.lend(peers);
+        self.local.lend(peers);
+    }
+
     fn wait(
         &self,
         done: &Completion,
@@ -174,6 +180,14 @@ impl Progress for AutoProgress {
     ) -> Option<Result<Done>> {
         let local = |r: &usize| self.via_local.get(*r).copied().unwrap_or(false);
         if own.iter().chain(others).any(local) {
+            // The remote pairs of the wait move on their event loop meanwhile, and what
+            // finishes there rings the doorbell the same-host engine sleeps on. A pair a
+            // remote wait left parked would otherwise lie still until the loop took it back
+            // (a ring step's receive over TCP, its send through shared memory: 1 ms a step).
+            let remote: SmallVec<[usize; 8]> = own.iter().chain(others).copied().filter(|r| !local(r)).collect();
+            if !remote.is_empty() {
+                self.remote.lend(&remote);
+            }
             return self.local.wait(done, own, others, deadline, busy);
         }
         if !self.via_local.iter().any(|&s| s) {

@@ -462,6 +462,12 @@ pub(crate) trait Progress: Send + Sync {
     /// transport (an interrupted wait, see `comm::Interrupter`). Waits that sleep on the
     /// completion itself need nothing (this default).
     fn interrupt(&self) {}
+
+    /// Makes the pairs of `peers` progress without a waiting thread of this engine, until a
+    /// wait of this engine takes them again: called before a wait sleeps in another engine
+    /// (a mixed backend's) while operations on these pairs are outstanding. Engines whose
+    /// pairs always progress on their own (this default) need nothing.
+    fn lend(&self, _peers: &[usize]) {}
 }
 
 /// Progress made by backend threads (or posters) alone: a wait just sleeps on its completion.

@@ -133,6 +133,13 @@ impl Progress for TcpProgress {
         }
     }
 
+    fn lend(&self, peers: &[usize]) {
+        // A parked pair is read by nobody until the loop's sweep takes it back (PARK_GRACE).
+        for p in peers.iter().filter_map(|&r| self.pair(r)) {
+            p.unpark();
+        }
+    }
+
     fn wait(
         &self,
         done: &Completion,

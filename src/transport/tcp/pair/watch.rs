@@ -142,6 +142,17 @@ impl TcpPair {
         !std::mem::replace(&mut g.watching.listed, true)
     }
 
+    /// Hands a parked pair to the event loop now, for a wait that sleeps elsewhere (on another
+    /// backend's doorbell) while this pair's operations must still move. A pair the loop or a
+    /// driver has is left as it is. (It stays on the parking list; the loop's sweep finds it
+    /// no longer parked and drops it.)
+    pub(crate) fn unpark(&self) {
+        let mut g = self.lock();
+        if g.watching.watch == Watch::Parked && matches!(g.conn, Conn::Open(_)) {
+            self.to_loop(&mut g);
+        }
+    }
+
     /// Registers a parked or driven pair's sockets with the event loop again. Epoll reports
     /// readiness that built up meanwhile at once, so nothing is missed.
     fn to_loop(&self, g: &mut Inner) {
