@@ -16,6 +16,7 @@ use crate::algorithms::{
     self, Algorithm, CollectiveOptions, allgather, allreduce, barrier, blocks_of, broadcast, check_counts, counts_hash,
     local, partition, personalized, reduce, steps,
 };
+use crate::comm::Comm;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::transport::LocalArea;
@@ -24,18 +25,6 @@ use std::sync::Arc;
 
 mod bytes;
 
-/// `Auto` allreduce uses recursive doubling (fewest steps, but S·log₂p bytes per rank against
-/// halving-doubling's 2S(p-1)/p) while S·log₂p stays below this many bytes. Measured with
-/// `ferrogloo-bench --algorithm rd,hd` (2-core machine, f32): with 2 ranks recursive doubling
-/// is much faster at 4 KiB (12 vs 33 µs) and they tie from 128 KiB; with 4 ranks recursive
-/// doubling wins at 32 KiB (64-90 vs 85-142 µs) and loses from 64 KiB (median of eight
-/// alternating runs: 64 KiB 149 vs 118 µs, 128 KiB 203 vs 164 µs).
-pub(crate) const ALLREDUCE_DOUBLING_BELOW: usize = 128 << 10;
-/// Up to this many bytes, `Auto` allreduce uses halving-doubling (fewer steps); above it, the
-/// ring (pipelined). Measured with `examples/algorithms` on a 2-core machine over loopback
-/// (f32, median of 10-30 calls): with 4 ranks halving-doubling is 15-35% faster at 1-4 MiB and
-/// the ring 10-20% faster from 8 MiB; with 2 ranks they tie at 16 MiB.
-pub(crate) const ALLREDUCE_RING_ABOVE: usize = 4 << 20;
 /// Up to this many bytes of output, `Auto` allgather uses recursive doubling when the world size
 /// is a power of two; the ring otherwise.
 pub(crate) const ALLGATHER_DOUBLING_UPTO: usize = 4 << 20;
@@ -47,13 +36,14 @@ fn bytes_of<T>(n: usize) -> usize {
     n.saturating_mul(std::mem::size_of::<T>())
 }
 
-/// The algorithm `Auto` allreduce picks for `bytes` on `n` ranks, or the one asked for.
-fn allreduce_algorithm(n: usize, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
-    let log2p = n.ilog2() as usize;
+/// The algorithm an allreduce of `bytes` over the pairs of `comm` runs when asked for `asked`:
+/// for `Auto`, the one the mesh's cost model predicts fastest.
+fn allreduce_algorithm(comm: &Comm, bytes: usize, asked: Algorithm) -> Result<Algorithm> {
     Ok(match asked {
-        Algorithm::Auto if bytes.saturating_mul(log2p) < ALLREDUCE_DOUBLING_BELOW => Algorithm::RecursiveDoubling,
-        Algorithm::Auto if bytes <= ALLREDUCE_RING_ABOVE => Algorithm::HalvingDoubling,
-        Algorithm::Auto => Algorithm::Ring,
+        Algorithm::Auto => match comm.cost_model() {
+            Some(m) => m.allreduce_choice(comm.size(), bytes),
+            None => Algorithm::RecursiveDoubling, // one rank: nothing to choose
+        },
         a @ (Algorithm::Ring | Algorithm::HalvingDoubling | Algorithm::RecursiveDoubling) => a,
         a => return Err(Error::invalid(format!("allreduce does not support the {a} algorithm"))),
     })
@@ -148,7 +138,37 @@ impl Context {
         }
         match area_choice(area, asked, "allreduce", self.size())? {
             Some(a) => Ok(a),
-            None => allreduce_algorithm(self.size(), bytes, asked),
+            None => allreduce_algorithm(self.comm(), bytes, asked),
+        }
+    }
+
+    /// The cost model of this context's links, with which `Auto` chooses an allreduce
+    /// algorithm (see [`crate::cost`]): `FERROGLOO_COST_MODEL`'s, or measured by every rank as
+    /// the context formed (all hold the same). `None` for a context of one rank.
+    pub fn cost_model(&self) -> Option<crate::cost::CostModel> {
+        self.comm().cost_model()
+    }
+
+    /// The time this context's [cost model](Self::cost_model) predicts for an allreduce of
+    /// `bytes` with `algorithm` (for `Auto`, the one it picks). `None` where the model does not
+    /// reach: the shared-memory algorithm of one host. The two-level allreduce is modelled as
+    /// the leaders' allreduce over the context's links plus the steps within a host at this
+    /// host's copy bandwidth (measured by this call).
+    pub fn predicted_allreduce_time(&self, algorithm: Algorithm, bytes: usize) -> Result<Option<std::time::Duration>> {
+        let n = self.size();
+        let Some(model) = self.cost_model() else { return Ok(Some(std::time::Duration::ZERO)) };
+        match self.allreduce_algorithm(bytes, algorithm)? {
+            Algorithm::SharedMemory if self.hierarchy().is_some() => {
+                let hosts = &self.comm().shared().hosts;
+                let mut distinct = hosts.clone();
+                distinct.sort();
+                distinct.dedup();
+                let per_host = hosts.iter().map(|h| hosts.iter().filter(|x| *x == h).count()).max().unwrap_or(1);
+                let local = crate::cost::memory_model(model.reduce_bytes_per_s)?;
+                Ok(Some(model.hierarchical_allreduce_time(&local, distinct.len(), per_host, bytes)))
+            }
+            Algorithm::SharedMemory => Ok(None),
+            a => Ok(model.allreduce_time(a, n, bytes)),
         }
     }
 
@@ -182,8 +202,10 @@ impl Context {
     ///   2(p-1)/p·S bytes (+S for folded ranks).
     /// - `RecursiveDoubling`: whole-buffer exchanges with partners 2^k away, both folding in
     ///   rank order. log₂p (+2) steps; S·log₂p bytes.
-    /// - `Auto` (default): recursive doubling while S·log₂p < 128 KiB (S < 128 KiB for 2 and 3
-    ///   ranks, < 64 KiB for 4 to 7), halving-doubling up to 4 MiB, the ring above.
+    /// - `Auto` (default): the one the context's [cost model](Self::cost_model) predicts
+    ///   fastest for S and n (measured the first time; see [`crate::cost`]). On one host with
+    ///   every rank in shared memory, the shared-memory algorithm; over several hosts whose
+    ///   ranks share memory within each, the two-level allreduce.
     ///
     /// Constraints: every rank passes the same length, element type and reduction. Zero-length
     /// buffers are allowed.
@@ -258,7 +280,7 @@ impl Context {
         };
         let algo = match shm {
             Some(a) => a,
-            None => allreduce_algorithm(n, bytes_of::<T>(buf.len()), opts.algorithm)?,
+            None => allreduce_algorithm(self.comm(), bytes_of::<T>(buf.len()), opts.algorithm)?,
         };
         if n == 1 {
             return Ok(());
@@ -304,8 +326,7 @@ impl Context {
                 local::allreduce(l, buf, op)?;
             }
             if let Some(lc) = leaders {
-                let n = lc.size();
-                let algo = allreduce_algorithm(n, bytes_of::<T>(buf.len()), Algorithm::Auto)?;
+                let algo = allreduce_algorithm(lc, bytes_of::<T>(buf.len()), Algorithm::Auto)?;
                 let cross = OpDesc::new(Call::Allreduce)
                     .dtype(T::DTYPE)
                     .count(buf.len())

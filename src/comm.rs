@@ -54,6 +54,8 @@ pub(crate) struct World {
     pending: Arc<[AtomicU32]>,
     /// How waits busy-poll before sleeping.
     pub(crate) spin: BusyWait,
+    /// The cost model of the mesh's links (see [`crate::cost`]), set as its context forms.
+    pub(crate) cost: Mutex<Option<crate::cost::CostModel>>,
     /// This rank's pair with itself (whatever the backend).
     own: Arc<dyn Pair>,
     /// Why the mesh's own context failed, until its survivors shrink it: told to every peer
@@ -99,7 +101,17 @@ impl World {
     pub(crate) fn new(mesh: Mesh, world_rank: usize, hosts: Vec<String>, spin: BusyWait) -> Self {
         let pending = (0..mesh.pairs.len()).map(|_| AtomicU32::new(0)).collect();
         let own = crate::transport::memory::loopback(world_rank, SELF_BUDGET);
-        World { mesh, world_rank, hosts, pending, spin, own, failure: Mutex::default(), area_busy: Default::default() }
+        World {
+            mesh,
+            world_rank,
+            hosts,
+            pending,
+            spin,
+            cost: Mutex::default(),
+            own,
+            failure: Mutex::default(),
+            area_busy: Default::default(),
+        }
     }
 
     /// The pair to mesh rank `r` (the loopback pair for this rank).
@@ -223,6 +235,13 @@ impl Comm {
         let n = made.entry(kind).or_insert(0);
         *n += 1;
         group_id(fnv(&[self.group, kind, *n]))
+    }
+
+    /// The cost model of the mesh's links, measured or read when the mesh's context formed
+    /// (see [`crate::cost`]); every communicator over the mesh uses it. `None` for a mesh of
+    /// one rank.
+    pub(crate) fn cost_model(&self) -> Option<crate::cost::CostModel> {
+        *lock(&self.shared.cost)
     }
 
     /// Whether this is the communicator of the whole mesh (group 0), not a sub-group.

@@ -39,6 +39,7 @@ pub struct ContextBuilder {
     secret: Option<Vec<u8>>,
     busy_poll: Option<Duration>,
     heartbeat: Option<Duration>,
+    cost: Option<crate::cost::CostModel>,
 }
 
 impl ContextBuilder {
@@ -52,6 +53,15 @@ impl ContextBuilder {
     /// busy-waiting.
     pub fn busy_poll(mut self, budget: Duration) -> Self {
         self.busy_poll = Some(budget);
+        self
+    }
+
+    /// The cost model of the links (see [`crate::cost`]) instead of measuring it as the
+    /// context forms: every rank must give the same one (ranks whose `Auto` allreduces choose
+    /// differently get [`Error::Mismatch`]). Also for a peer that does not speak the
+    /// collectives yet, such as a test's hand-made one.
+    pub fn cost_model(mut self, model: crate::cost::CostModel) -> Self {
+        self.cost = Some(model);
         self
     }
 
@@ -104,7 +114,7 @@ impl ContextBuilder {
     /// [`Error::Timeout`] naming the missing ranks and keys when the mesh is not complete in
     /// time.
     pub fn connect<S: Store + ?Sized>(self, store: &S, device: &Device) -> Result<Context> {
-        let ContextBuilder { rank, size, timeout, secret, busy_poll, heartbeat } = self;
+        let ContextBuilder { rank, size, timeout, secret, busy_poll, heartbeat, cost } = self;
         if size == 0 {
             return Err(Error::invalid("context size must be at least 1"));
         }
@@ -140,6 +150,16 @@ impl ContextBuilder {
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
         let shared = Arc::new(World::new(mesh, rank, hosts, spin));
         let comm = Comm::root(shared, timeout);
+        if size > 1 {
+            // The links' cost model, for `Auto`'s choices: the context's first collective, so
+            // every rank runs it at the same point of its calls.
+            let model = match cost.map_or_else(crate::cost::CostModel::from_env, |m| Ok(Some(m)))? {
+                Some(m) => m,
+                None => crate::cost::probe(&comm, std::time::Instant::now() + timeout)?,
+            };
+            tracing::debug!(rank, size, %model, "cost model");
+            *crate::sync::lock(&comm.shared().cost) = Some(model);
+        }
         let heartbeat = match heartbeat.is_zero() || size == 1 {
             true => None,
             false => Some(crate::comm::heartbeat::Heartbeat::start(&comm, heartbeat)?),
@@ -225,7 +245,7 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// Starts describing the context of `rank` in a job of `size` ranks.
     pub fn builder(rank: usize, size: usize) -> ContextBuilder {
-        ContextBuilder { rank, size, timeout: None, secret: None, busy_poll: None, heartbeat: None }
+        ContextBuilder { rank, size, timeout: None, secret: None, busy_poll: None, heartbeat: None, cost: None }
     }
 
     pub(crate) fn comm(&self) -> &Comm {

@@ -42,6 +42,7 @@ mod collectives;
 mod comm;
 pub mod config;
 pub mod context;
+pub mod cost;
 pub mod credentials;
 pub mod device;
 pub mod engine;
@@ -246,6 +247,7 @@ pub mod fuzzing {
 pub use algorithms::CollectiveOptions;
 pub use comm::{BytesRequest, RecvRequest, Scope, SendRequest};
 pub use context::{Context, ContextBuilder};
+pub use cost::CostModel;
 pub use device::Device;
 pub use error::{Error, Result};
 pub use survive::Agreement;

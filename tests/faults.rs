@@ -147,7 +147,11 @@ fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
     std::thread::scope(|s| {
         let real = s.spawn(|| {
             let dev = Device::loopback().expect("device");
-            let ctx = Context::builder(0, 2).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");
+            let ctx = Context::builder(0, 2)
+                .timeout(TIMEOUT)
+                .cost_model(fixed_model())
+                .connect(&store, &dev)
+                .expect("rendezvous");
             let mut buf = [0u8; 16];
             let t = Instant::now();
             let err = ctx.recv(1, 5, &mut buf).expect_err("a malformed frame cannot be received");
@@ -210,7 +214,11 @@ fn a_send_that_finds_the_peer_gone_reports_the_peers_abort() {
     let err = std::thread::scope(|s| {
         let real = s.spawn(|| {
             let dev = Device::loopback().expect("device");
-            let ctx = Context::builder(0, 2).timeout(TIMEOUT).connect(&store, &dev).expect("rendezvous");
+            let ctx = Context::builder(0, 2)
+                .timeout(TIMEOUT)
+                .cost_model(fixed_model())
+                .connect(&store, &dev)
+                .expect("rendezvous");
             let mut inbox = [0u8; 16];
             let waited = ctx.scope(|s| s.irecv(1, 5, &mut inbox)?.wait_timeout(Duration::from_millis(20)).map(drop));
             assert!(matches!(waited, Err(Error::Timeout { .. })), "nothing was sent: {waited:?}");
@@ -289,6 +297,12 @@ fn a_frame_claiming_an_enormous_length_is_a_mismatch_without_allocating_it() {
         other => panic!("expected a mismatch naming rank 1, got {other:?}"),
     }
     assert!(took < Duration::from_secs(2), "took {took:?}");
+}
+
+/// A cost model given to a context whose peer is made by hand here and runs no collective (a
+/// context measures its links in its first collective otherwise).
+fn fixed_model() -> ferrogloo::CostModel {
+    ferrogloo::CostModel::new(Duration::from_micros(20), 1e9, 1e10).expect("a valid model")
 }
 
 /// Resident set size of this process, from /proc (bytes).

@@ -88,6 +88,8 @@ variables! {
         "this host's identity: ranks with equal identities share memory";
     pub(crate) FERROGLOO_SHM_SINGLE_COPY, default "`0`", read by "`device::ShmAttr::from_env`":
         "`1`: a large message between ranks of one host is read straight from the sender's memory (`process_vm_readv`) where the kernel allows it";
+    pub(crate) FERROGLOO_COST_MODEL, default "measured by each context", read by "`cost::CostModel::from_env` (the `Auto` allreduce)":
+        "the links' cost model, `latency_us=50,link_gbs=1.25,reduce_gbs=8` (the same on every rank), instead of measuring it";
     pub(crate) FERROGLOO_IB_DEVICE, default "the first with an active port", read by "`device::IbAttr::from_env`":
         "the RDMA device (`mlx5_0`), or `sim` for the simulated provider";
     pub(crate) FERROGLOO_IB_PORT, default "`1`", read by "`device::IbAttr::from_env`":

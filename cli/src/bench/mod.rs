@@ -61,6 +61,8 @@ pub(crate) struct Cell {
     memcpy: Option<f64>,
     /// Each rank's mean time per call, over the ranks: mean, least, greatest (µs).
     ranks: [f64; 3],
+    /// The time the context's cost model predicts (allreduce, µs; on rank 0).
+    model: Option<f64>,
 }
 
 impl Cell {
@@ -93,6 +95,7 @@ impl Cell {
             wrong,
             memcpy: None,
             ranks: t.ranks,
+            model: None,
         }
     }
 
@@ -168,6 +171,9 @@ fn run(ctx: &Context, s: &Setup<'_>, gpu: &mut Option<Gpu<'_>>) -> Result<Vec<Ce
     } else {
         Default::default()
     };
+    if let Some(m) = ctx.cost_model().filter(|_| ctx.rank() == 0 && gpu.is_none()) {
+        println!("# cost model (measured as the context formed, the same on every rank): {m}; model = its prediction");
+    }
     ctx.barrier()?;
     let bar = if ctx.rank() == 0 {
         let b =
@@ -186,6 +192,9 @@ fn run(ctx: &Context, s: &Setup<'_>, gpu: &mut Option<Gpu<'_>>) -> Result<Vec<Ce
         bar.set_message(format!("{op} {algo} {}", human(bytes)));
         let mut cell = measure(ctx, s, gpu, &op, algo, bytes)?;
         cell.memcpy = limits.get(&cell.bytes).copied();
+        if op == "allreduce" && gpu.is_none() {
+            cell.model = ctx.predicted_allreduce_time(algo, cell.bytes)?.map(|t| t.as_secs_f64() * 1e6);
+        }
         if ctx.rank() == 0 {
             if op != last_op {
                 bar.suspend(|| header(ctx, args, &op));

@@ -46,12 +46,25 @@ pub(super) fn header(ctx: &Context, args: &Args, op: &str) {
         return;
     }
     println!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>5} {:>10} {:>10} {:>7}",
-        "size", "count", "type", "redop", "root", "algorithm", "time", "algbw", "busbw", "eff", "min", "p99", "#wrong"
+        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>5} {:>10} {:>10} {:>10} {:>7}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "algorithm",
+        "time",
+        "algbw",
+        "busbw",
+        "eff",
+        "min",
+        "p99",
+        "model",
+        "#wrong"
     );
     println!(
-        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>5} {:>10} {:>10} {:>7}",
-        "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", ""
+        "# {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10} {:>8} {:>8} {:>5} {:>10} {:>10} {:>10} {:>7}",
+        "(B)", "(elements)", "", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", "(us)", ""
     );
 }
 
@@ -76,7 +89,7 @@ pub(super) fn print_cell(args: &Args, c: &Cell) {
     let rooted = matches!(c.op.as_str(), "broadcast" | "reduce");
     let reducing = matches!(c.op.as_str(), "allreduce" | "reduce_scatter" | "reduce");
     println!(
-        "  {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10.1} {:>8.3} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>7}",
+        "  {:>12} {:>12} {:>6} {:>6} {:>5} {:>13} {:>10.1} {:>8.3} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>10} {:>7}",
         c.bytes,
         c.count,
         args.dtype,
@@ -89,6 +102,7 @@ pub(super) fn print_cell(args: &Args, c: &Cell) {
         c.efficiency().map_or("-".to_string(), |e| format!("{e:.2}")),
         c.min,
         c.p99,
+        c.model.map_or("-".to_string(), |m| format!("{m:.1}")),
         c.wrong
     );
 }
@@ -104,7 +118,7 @@ pub(super) fn write_json(path: &PathBuf, args: &Args, n: usize, transport: Trans
             "picked": c.picked.map(|a| a.name()), "ranks": n, "bytes": c.bytes,
             "dtype": args.dtype, "iters": c.iters, "p50_us": c.p50, "min_us": c.min, "p99_us": c.p99,
             "algbw_gbps": c.algbw, "busbw_gbps": c.busbw, "wrong": c.wrong,
-            "memcpy_gbps": c.memcpy, "efficiency": c.efficiency(),
+            "memcpy_gbps": c.memcpy, "efficiency": c.efficiency(), "model_us": c.model,
             "avg_us": c.ranks[0], "rank_min_us": c.ranks[1], "rank_max_us": c.ranks[2],
             "timing": "per-call-barrier", "cache": if args.cold { "cold" } else { "warm" },
             "transport": transport.name(),
