@@ -65,6 +65,19 @@ impl std::fmt::Display for CostModel {
     }
 }
 
+/// How a model is written (`FERROGLOO_COST_MODEL`, [`CostModel::from_str`]).
+const EXAMPLE: &str = "latency_us=50,link_gbs=1.25,reduce_gbs=8";
+
+impl std::str::FromStr for CostModel {
+    type Err = Error;
+
+    /// `latency_us=50,link_gbs=1.25,reduce_gbs=8`: α in µs, the link's and the reduction's
+    /// rates in GB/s (10^9 bytes per second), as `FERROGLOO_COST_MODEL` takes them.
+    fn from_str(text: &str) -> Result<Self> {
+        Self::parse(text).map_err(|why| Error::invalid(format!("cost model {text:?}: {why}")))
+    }
+}
+
 /// The allreduce algorithms over pairs that the model ranks, fewest steps first (the first of
 /// equal predictions wins).
 const FLAT: [Algorithm; 3] = [Algorithm::RecursiveDoubling, Algorithm::HalvingDoubling, Algorithm::Ring];
@@ -89,31 +102,31 @@ impl CostModel {
 
     pub(crate) fn from_vars(vars: &Vars<'_>) -> Result<Option<Self>> {
         let Some(text) = vars.text(FERROGLOO_COST_MODEL) else { return Ok(None) };
-        let bad = |why: &str| {
-            Error::invalid(format!(
-                "{FERROGLOO_COST_MODEL}={text:?}: {why} (give latency_us=…,link_gbs=…,reduce_gbs=…, such as \
-                 latency_us=50,link_gbs=1.25,reduce_gbs=8)"
-            ))
-        };
+        Self::parse(&text).map(Some).map_err(|why| Error::invalid(format!("{FERROGLOO_COST_MODEL}={text:?}: {why}")))
+    }
+
+    /// Parses `latency_us=…,link_gbs=…,reduce_gbs=…`; the error says what is wrong.
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        let bad = |why: String| format!("{why} (give latency_us=…,link_gbs=…,reduce_gbs=…, such as {EXAMPLE})");
         let (mut latency, mut link, mut reduce) = (None, None, None);
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (k, v) = part.split_once('=').ok_or_else(|| bad(&format!("{part:?} is not name=value")))?;
+            let (k, v) = part.split_once('=').ok_or_else(|| bad(format!("{part:?} is not name=value")))?;
             let v: f64 = v
                 .trim()
                 .parse()
                 .ok()
                 .filter(|v: &f64| v.is_finite() && *v > 0.0)
-                .ok_or_else(|| bad(&format!("{part:?} is not a positive number")))?;
+                .ok_or_else(|| bad(format!("{part:?} is not a positive number")))?;
             match k.trim() {
                 "latency_us" => latency = Some(Duration::from_secs_f64(v / 1e6)),
                 "link_gbs" => link = Some(v * 1e9),
                 "reduce_gbs" => reduce = Some(v * 1e9),
-                other => return Err(bad(&format!("{other:?} is not one of latency_us, link_gbs, reduce_gbs"))),
+                other => return Err(bad(format!("{other:?} is not one of latency_us, link_gbs, reduce_gbs"))),
             }
         }
         match (latency, link, reduce) {
-            (Some(l), Some(b), Some(g)) => Self::new(l, b, g).map(Some),
-            _ => Err(bad("all three are needed")),
+            (Some(l), Some(b), Some(g)) => Self::new(l, b, g).map_err(|e| bad(e.to_string())),
+            _ => Err(bad("all three are needed".into())),
         }
     }
 
@@ -392,6 +405,9 @@ mod tests {
         };
         let m = read("latency_us=50, link_gbs=1.25,reduce_gbs=8").unwrap().unwrap();
         assert_eq!(m, model(50.0, 1.25, 8.0));
+        assert_eq!("latency_us=50,link_gbs=1.25,reduce_gbs=8".parse::<CostModel>().unwrap(), m);
+        let e = "latency_us=50".parse::<CostModel>().unwrap_err().to_string();
+        assert!(e.contains("all three are needed") && e.contains("latency_us=50"), "{e}");
         let none = |_: &str| None;
         assert_eq!(CostModel::from_vars(&Vars::lookup(&none)).unwrap(), None);
         for bad in [
