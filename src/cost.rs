@@ -23,12 +23,12 @@
 //! [`CostModel::hierarchical_allreduce_time`].
 //!
 //! **Where the parameters come from.** A context measures them as it forms, in its first
-//! collective (a few milliseconds): ranks exchange a small message and then a 1 MiB one with a
-//! partner (half the power-of-two group away, so another host where ranks are numbered host
-//! by host) a few times, as a doubling step does, and time a reduction; each step counts at its slowest rank's time (the slowest
-//! link and core bound a collective) and the median step gives α and β, so every rank holds
-//! the same model and picks the same algorithm. Sub-groups and the two-level allreduce's
-//! leaders use the model of the context they were made from.
+//! collective (a few milliseconds): α from small recursive-doubling allreduces (their time per
+//! step), β from exchanges of 1 MiB with a partner half the ranks away (another host where
+//! ranks are numbered host by host), γ from timing an f32 sum. Each step counts at its slowest
+//! rank's time and the fastest of a few steps is kept, so every rank holds the same model and
+//! picks the same algorithm. Sub-groups and the two-level allreduce's leaders use the model of
+//! the context they were made from.
 //! `FERROGLOO_COST_MODEL` (`latency_us=50,link_gbs=1.25,reduce_gbs=8`) gives them instead;
 //! it must then be the same on every rank (ranks that choose differently get
 //! [`Error::Mismatch`](crate::Error::Mismatch), not wrong data).
@@ -207,8 +207,8 @@ impl CostModel {
 }
 
 /// Steps of the latency probe, and of the bandwidth probe.
-/// Small steps before the latency is timed. A context's first steps are slow (on 4 simulated
-/// hosts on 2 cores: 4 warm-up steps left 300 µs per step, 40 left 11-60 µs, as warm
+/// Small allreduces before the latency is timed: a context's first steps are slow (on 4
+/// simulated hosts on 2 cores, 4 warm-up steps left 300 µs per step, 40 left 11-60 µs, as warm
 /// allreduces take).
 const WARM_STEPS: usize = 40;
 const LATENCY_STEPS: usize = 8;
@@ -263,17 +263,26 @@ pub(crate) fn probe(comm: &Comm, deadline: Instant) -> Result<CostModel> {
         };
         // The first steps warm what a context's first collective finds cold: connections'
         // windows, the buffers' pages, caches.
-        let (small, mut small_in) = ([0u8; 8], [0u8; 8]);
         let (big, mut big_in) = (vec![0u8; PROBE_BYTES], vec![0u8; PROBE_BYTES]);
         shift(&big, &mut big_in)?;
+        // α as a doubling algorithm sees it: a small recursive-doubling allreduce, per step.
+        let doubling_steps = f64::from(n.ilog2()) + if n.is_power_of_two() { 0.0 } else { 2.0 };
+        let small_allreduce = || -> Result<f64> {
+            let mut x = [0.0f64];
+            let t = Instant::now();
+            allreduce::recursive_doubling(c, &mut x, &Fold::Builtin(Reduction::Max))?;
+            Ok(t.elapsed().as_secs_f64() / doubling_steps)
+        };
         for _ in 0..WARM_STEPS {
-            shift(&small, &mut small_in)?;
+            small_allreduce()?;
         }
-        // Each step's time as the slowest rank saw it (a step ends for the ring when its
-        // slowest rank's does), then the median step: one descheduled rank moves one step.
+        // Each step's time as the slowest rank saw it (a step ends when its slowest rank's
+        // does), then the fastest step: what the links allow when no rank was descheduled. (On
+        // a host with fewer cores than ranks, collectives run slower than this; the median
+        // step varied by 5x from run to run there, the fastest by less.)
         let mut times = [0.0f64; LATENCY_STEPS + BANDWIDTH_STEPS + 1];
         for t in &mut times[..LATENCY_STEPS] {
-            *t = shift(&small, &mut small_in)?.as_secs_f64();
+            *t = small_allreduce()?;
         }
         for t in &mut times[LATENCY_STEPS..LATENCY_STEPS + BANDWIDTH_STEPS] {
             *t = shift(&big, &mut big_in)?.as_secs_f64();
@@ -281,8 +290,8 @@ pub(crate) fn probe(comm: &Comm, deadline: Instant) -> Result<CostModel> {
         times[LATENCY_STEPS + BANDWIDTH_STEPS] = reduce_time();
         allreduce::recursive_doubling(c, &mut times, &Fold::Builtin(Reduction::Max))?;
         tracing::debug!(?times, "cost probe: each step's slowest rank (s), and the reduction");
-        let alpha = median(&mut times[..LATENCY_STEPS]);
-        let bulk = median(&mut times[LATENCY_STEPS..LATENCY_STEPS + BANDWIDTH_STEPS]);
+        let alpha = least(&times[..LATENCY_STEPS]);
+        let bulk = least(&times[LATENCY_STEPS..LATENCY_STEPS + BANDWIDTH_STEPS]);
         let beta = (bulk - alpha).max(1e-12) / PROBE_BYTES as f64;
         Ok([alpha, beta, times[LATENCY_STEPS + BANDWIDTH_STEPS]])
     })?;
@@ -320,9 +329,8 @@ fn reduce_time() -> f64 {
     best.max(1e-12) / (REDUCE_ELEMS * 4) as f64
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_unstable_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or_default()
+fn least(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
 }
 
 #[cfg(test)]
