@@ -118,7 +118,7 @@ impl CostModel {
                 .filter(|v: &f64| v.is_finite() && *v > 0.0)
                 .ok_or_else(|| bad(format!("{part:?} is not a positive number")))?;
             match k.trim() {
-                "latency_us" => latency = Some(Duration::from_secs_f64(v / 1e6)),
+                "latency_us" => latency = Some(secs(v / 1e6)),
                 "link_gbs" => link = Some(v * 1e9),
                 "reduce_gbs" => reduce = Some(v * 1e9),
                 other => return Err(bad(format!("{other:?} is not one of latency_us, link_gbs, reduce_gbs"))),
@@ -163,7 +163,7 @@ impl CostModel {
             Algorithm::Ring => 2.0 * (p - 1.0) * a + (p - 1.0) / p * s * (b.max(g) + b),
             _ => return None,
         };
-        Some(Duration::from_secs_f64(t))
+        Some(secs(t))
     }
 
     /// The algorithm the model predicts fastest for an allreduce of `bytes` on `n` ranks: the
@@ -202,7 +202,7 @@ impl CostModel {
         } else {
             0.0
         };
-        cross + Duration::from_secs_f64(within)
+        cross.saturating_add(secs(within))
     }
 }
 
@@ -296,7 +296,7 @@ pub(crate) fn probe(comm: &Comm, deadline: Instant) -> Result<CostModel> {
         Ok([alpha, beta, times[LATENCY_STEPS + BANDWIDTH_STEPS]])
     })?;
     let [alpha, beta, gamma] = measured;
-    CostModel::new(Duration::from_secs_f64(alpha), 1.0 / beta, 1.0 / gamma)
+    CostModel::new(secs(alpha), 1.0 / beta, 1.0 / gamma)
 }
 
 /// The model of memory a host's ranks share, for the two-level allreduce's steps within a
@@ -327,6 +327,12 @@ fn reduce_time() -> f64 {
     }
     std::hint::black_box(&acc);
     best.max(1e-12) / (REDUCE_ELEMS * 4) as f64
+}
+
+/// `t` seconds as a duration: `Duration::MAX` past its range (a model of absurd rates), zero
+/// for what is not a positive number.
+fn secs(t: f64) -> Duration {
+    if t.is_nan() || t <= 0.0 { Duration::ZERO } else { Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX) }
 }
 
 fn least(v: &[f64]) -> f64 {
@@ -390,6 +396,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn absurd_rates_predict_the_longest_time_rather_than_panic() {
+        let m = "latency_us=1e300,link_gbs=1e-300,reduce_gbs=1e-300".parse::<CostModel>().unwrap();
+        assert_eq!(m.latency, Duration::MAX);
+        assert_eq!(m.allreduce_time(Algorithm::Ring, 9, usize::MAX), Some(Duration::MAX));
+        let _ = m.allreduce_choice(1024, usize::MAX);
+        assert_eq!(m.hierarchical_allreduce_time(&m, 4, 2, 1 << 30), Duration::MAX);
     }
 
     #[test]

@@ -1037,3 +1037,75 @@ fn a_fold_that_panics(device: &(dyn Fn() -> ferrogloo::Result<Device> + Sync), w
         Ok(x) => assert_eq!(*x, 30.0, "rank 1 completed with a wrong value after its peer's fold panicked"),
     }
 }
+
+/// The links' cost model: measured as a context forms, the same bits on every rank (whatever
+/// each rank saw alone), so `Auto` picks the same allreduce everywhere; and the prediction of
+/// `Auto` is the pick's.
+#[test]
+fn every_rank_measures_the_same_cost_model_and_picks_by_it() {
+    for n in 1..=9 {
+        let store = HashStore::new();
+        let got = all_ok(run_ranks_with(
+            n,
+            &store,
+            &TcpAttr::loopback(),
+            |b| b,
+            |ctx| {
+                let m = ctx.cost_model();
+                let mut picks = Vec::new();
+                for shift in [0, 8, 12, 16, 20, 24, 26] {
+                    let bytes = 1usize << shift;
+                    let pick = ctx.allreduce_algorithm(bytes, Algorithm::Auto)?;
+                    if let Some(m) = m {
+                        assert_eq!(pick, m.allreduce_choice(n, bytes), "{n} ranks, {bytes} B");
+                        let want = m.allreduce_time(pick, n, bytes);
+                        assert_eq!(ctx.predicted_allreduce_time(Algorithm::Auto, bytes)?, want);
+                    }
+                    picks.push(pick);
+                }
+                // The model is usable: an allreduce of each size it chose for is right.
+                let mut v = vec![ctx.rank() as u32 + 1; 70_000];
+                ctx.allreduce(&mut v, Reduction::Sum)?;
+                assert!(v.iter().all(|&x| x as usize == n * (n + 1) / 2));
+                Ok((m.map(|m| (m.latency, m.link_bytes_per_s.to_bits(), m.reduce_bytes_per_s.to_bits())), picks))
+            },
+        ));
+        assert_eq!(got[0].0.is_some(), n > 1, "{n} ranks: a model exactly when there are links");
+        assert!(got.iter().all(|g| *g == got[0]), "{n} ranks disagree: {got:?}");
+        if let Some((latency, link, reduce)) = got[0].0 {
+            let (link, reduce) = (f64::from_bits(link), f64::from_bits(reduce));
+            assert!(latency > std::time::Duration::ZERO && latency < TIMEOUT, "{n} ranks: latency {latency:?}");
+            assert!(link.is_finite() && link > 0.0 && reduce.is_finite() && reduce > 0.0, "{link} {reduce}");
+        }
+    }
+}
+
+/// A model given to the builder is the one the context uses, and `Auto` follows it: with a
+/// slow step every size goes by recursive doubling, with slow reductions large ones by the ring.
+#[test]
+fn a_given_cost_model_decides_auto() {
+    use ferrogloo::CostModel;
+    let cases: [(&str, usize, Algorithm); 3] = [
+        ("latency_us=100000,link_gbs=100,reduce_gbs=100", 16 << 20, Algorithm::RecursiveDoubling),
+        ("latency_us=1,link_gbs=3,reduce_gbs=1", 64 << 20, Algorithm::Ring),
+        ("latency_us=50,link_gbs=1.25,reduce_gbs=8", 1 << 20, Algorithm::HalvingDoubling),
+    ];
+    for (model, bytes, want) in cases {
+        let m: CostModel = model.parse().expect("a model");
+        let store = HashStore::new();
+        let got = all_ok(run_ranks_with(
+            4,
+            &store,
+            &TcpAttr::loopback(),
+            |b| b.cost_model(m),
+            |ctx| {
+                assert_eq!(ctx.cost_model(), Some(m));
+                let mut v = vec![1.0f32; 1000];
+                ctx.allreduce(&mut v, Reduction::Sum)?;
+                assert!(v.iter().all(|&x| x == 4.0));
+                ctx.allreduce_algorithm(bytes, Algorithm::Auto)
+            },
+        ));
+        assert!(got.iter().all(|&a| a == want), "{model}: {got:?}, want {want}");
+    }
+}
