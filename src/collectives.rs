@@ -144,7 +144,8 @@ impl Context {
 
     /// The cost model of this context's links, with which `Auto` chooses an allreduce
     /// algorithm (see [`crate::cost`]): `FERROGLOO_COST_MODEL`'s, or measured by every rank as
-    /// the context formed (all hold the same). `None` for a context of one rank.
+    /// the context formed (all hold the same). `None` when the context's mesh has one rank (a
+    /// one-rank sub-group of a larger job has its job's model).
     pub fn cost_model(&self) -> Option<crate::cost::CostModel> {
         self.comm().cost_model()
     }
@@ -203,7 +204,7 @@ impl Context {
     /// - `RecursiveDoubling`: whole-buffer exchanges with partners 2^k away, both folding in
     ///   rank order. log₂p (+2) steps; S·log₂p bytes.
     /// - `Auto` (default): the one the context's [cost model](Self::cost_model) predicts
-    ///   fastest for S and n (measured the first time; see [`crate::cost`]). On one host with
+    ///   fastest for S and n (measured as the context formed; see [`crate::cost`]). On one host with
     ///   every rank in shared memory, the shared-memory algorithm; over several hosts whose
     ///   ranks share memory within each, the two-level allreduce.
     ///

@@ -57,9 +57,10 @@ impl ContextBuilder {
     }
 
     /// The cost model of the links (see [`crate::cost`]) instead of measuring it as the
-    /// context forms: every rank must give the same one (ranks whose `Auto` allreduces choose
-    /// differently get [`Error::Mismatch`]). Also for a peer that does not speak the
-    /// collectives yet, such as a test's hand-made one.
+    /// context forms (default: `FERROGLOO_COST_MODEL`'s, else measured). Every rank must give
+    /// the same one (see [`crate::cost`] for what happens otherwise). It also lets a context
+    /// form with a peer that runs no collective yet, such as a test's hand-made one. A model of
+    /// rates that are not positive and finite is [`Error::InvalidArgument`].
     pub fn cost_model(mut self, model: crate::cost::CostModel) -> Self {
         self.cost = Some(model);
         self
@@ -144,6 +145,11 @@ impl ContextBuilder {
                 other => other,
             })?,
         };
+        // A model given here or in the environment, checked before the mesh forms.
+        let cost = match cost {
+            Some(m) => Some(crate::cost::CostModel::new(m.latency, m.link_bytes_per_s, m.reduce_bytes_per_s)?),
+            None => crate::cost::CostModel::from_env()?,
+        };
         let spec = MeshSpec { rank, size, timeout, secret, host: device.host().to_string() };
         let (mesh, hosts) = mesh::form(store, device.backend(), &spec)?;
         let spin = busy_wait(busy_poll, &hosts, rank);
@@ -153,7 +159,7 @@ impl ContextBuilder {
         if size > 1 {
             // The links' cost model, for `Auto`'s choices: the context's first collective, so
             // every rank runs it at the same point of its calls.
-            let model = match cost.map_or_else(crate::cost::CostModel::from_env, |m| Ok(Some(m)))? {
+            let model = match cost {
                 Some(m) => m,
                 None => crate::cost::probe(&comm, std::time::Instant::now() + timeout)?,
             };

@@ -1109,3 +1109,36 @@ fn a_given_cost_model_decides_auto() {
         assert!(got.iter().all(|&a| a == want), "{model}: {got:?}, want {want}");
     }
 }
+
+/// A model given to some ranks only: the others measure alone. Every rank fails within its
+/// deadline, none hangs, and an error names the cost model or the disagreement (the measuring
+/// ranks meet rank 0's first allreduce).
+#[test]
+fn a_cost_model_given_to_some_ranks_only_fails_every_rank_in_time() {
+    let m: ferrogloo::CostModel = "latency_us=50,link_gbs=1.25,reduce_gbs=8".parse().expect("a model");
+    let deadline = std::time::Duration::from_secs(3);
+    let start = std::time::Instant::now();
+    let store = HashStore::new();
+    let got = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|rank| {
+                let store = &store;
+                s.spawn(move || -> ferrogloo::Result<()> {
+                    let dev = Device::tcp(&TcpAttr::loopback())?;
+                    let mut b = Context::builder(rank, 3).timeout(deadline);
+                    if rank == 0 {
+                        b = b.cost_model(m);
+                    }
+                    let ctx = b.connect(store, &dev)?;
+                    let mut v = vec![1.0f32; 100];
+                    ctx.allreduce(&mut v, Reduction::Sum)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("a rank thread panicked")).collect::<Vec<_>>()
+    });
+    assert!(start.elapsed() < 2 * deadline + std::time::Duration::from_secs(10), "took {:?}", start.elapsed());
+    let words: Vec<String> = got.iter().map(|r| r.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into())).collect();
+    assert!(got.iter().all(Result::is_err), "{words:?}");
+    assert!(words.iter().any(|w| w.contains("cost model") || w.contains("disagree")), "{words:?}");
+}
