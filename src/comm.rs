@@ -54,8 +54,8 @@ pub(crate) struct World {
     pending: Arc<[AtomicU32]>,
     /// How waits busy-poll before sleeping.
     pub(crate) spin: BusyWait,
-    /// The cost model of the mesh's links (see [`crate::cost`]), set as its context forms.
-    pub(crate) cost: Mutex<Option<crate::cost::CostModel>>,
+    /// The cost model of the mesh's links (see the `cost` module), set as its context forms.
+    pub(crate) cost: Mutex<Option<crate::types::CostModel>>,
     /// This rank's pair with itself (whatever the backend).
     own: Arc<dyn Pair>,
     /// Why the mesh's own context failed, until its survivors shrink it: told to every peer
@@ -238,9 +238,9 @@ impl Comm {
     }
 
     /// The cost model of the mesh's links, measured or read when the mesh's context formed
-    /// (see [`crate::cost`]); every communicator over the mesh uses it. `None` for a mesh of
+    /// (see the `cost` module); every communicator over the mesh uses it. `None` for a mesh of
     /// one rank.
-    pub(crate) fn cost_model(&self) -> Option<crate::cost::CostModel> {
+    pub(crate) fn cost_model(&self) -> Option<crate::types::CostModel> {
         *lock(&self.shared.cost)
     }
 

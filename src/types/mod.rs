@@ -1,13 +1,16 @@
 //! Element types ([`Element`], [`DType`]), the one reduction type ([`Reduction`]), algorithm
-//! names ([`Algorithm`]), and the call descriptor every message carries (crate-internal).
+//! names ([`Algorithm`]), the allreduce cost model ([`CostModel`]), and the call descriptor
+//! every message carries (crate-internal).
 
 mod algorithm;
+pub(crate) mod cost_model;
 mod desc;
 mod dtype;
 mod element;
 mod reduction;
 
 pub use algorithm::Algorithm;
+pub use cost_model::CostModel;
 pub(crate) use desc::{Call, DESC_LEN, OpDesc};
 pub use dtype::DType;
 pub use element::Element;
