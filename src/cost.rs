@@ -44,13 +44,16 @@
 pub use crate::types::CostModel;
 
 use crate::algorithms::{self, Algorithm, CollectiveOptions, allreduce};
-use crate::comm::Comm;
+use crate::comm::{Comm, fnv};
 use crate::error::Result;
+use crate::transport::group_id;
 use crate::types::cost_model::secs;
 use crate::types::{Call, DType, Fold, OpDesc, Reduction};
 use smallvec::{SmallVec, smallvec};
 use std::time::{Duration, Instant};
 
+/// The group id of the probe's messages, a sibling of the context's (hashed with it).
+const PROBE_GROUP: u64 = 0x636f_7374_7072_6f62;
 /// Small allreduces before the latency is timed: a context's first steps are slow (on 4
 /// simulated hosts on 2 cores, 4 warm-up steps left 300 µs per step, 40 left 11-60 µs, as warm
 /// allreduces take).
@@ -66,7 +69,7 @@ const PROBE_BYTES: usize = 1 << 20;
 const REDUCE_ELEMS: usize = 64 << 10;
 
 /// Measures the model of `comm`'s links (see the [module](self)): a collective of its ranks,
-/// its first (tag 0), ending by `deadline`. Every rank returns the same model.
+/// on a group of its own, ending by `deadline`. Every rank returns the same model.
 pub(crate) fn probe(comm: &Comm, deadline: Instant) -> Result<CostModel> {
     let opts = CollectiveOptions {
         timeout: Some(deadline.saturating_duration_since(Instant::now())),
@@ -90,6 +93,9 @@ pub(crate) fn probe(comm: &Comm, deadline: Instant) -> Result<CostModel> {
     };
     let what = "measuring the links for the cost model (a rank given a model, by ContextBuilder::cost_model or \
                 FERROGLOO_COST_MODEL, does not: give every rank the same or none)";
+    // A group of its own: a rank that has formed its context may revoke it (group 0) while
+    // others still measure; that must not fail their formation.
+    let comm = &comm.sibling(group_id(fnv(&[comm.group(), PROBE_GROUP])));
     let measured = algorithms::run(comm, what, desc, &opts, |c| {
         // One step: the exchange with the first partner, timed (not on a rank beyond the power
         // of two, which waits for its partner's first exchange), then the second untimed.

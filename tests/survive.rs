@@ -720,13 +720,18 @@ fn engines_recover_on_the_live_members_after_one_leaves() {
 fn shrink_then_grow(dev: MakeDevice, members: usize, leave: &[usize], newcomers: usize) -> Vec<(usize, usize)> {
     let store = HashStore::new();
     let grow_store = HashStore::new();
+    // Nobody leaves before every member has finished the first allreduce: a member still in it
+    // would rightly fail when the others abort on the leavers' departure.
+    let finished = std::sync::Barrier::new(members);
     std::thread::scope(|s| {
         let olds: Vec<_> = (0..members)
             .map(|r| {
-                let (store, grow_store) = (&store, &grow_store);
+                let (store, grow_store, finished) = (&store, &grow_store, &finished);
                 s.spawn(move || -> Result<Option<(usize, usize)>> {
                     let ctx = Context::builder(r, members).timeout(TIMEOUT).connect(store, &dev()?)?;
-                    checked_allreduce(&ctx)?;
+                    let first = checked_allreduce(&ctx);
+                    finished.wait();
+                    first?;
                     if leave.contains(&r) {
                         return Ok(None);
                     }

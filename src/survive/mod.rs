@@ -308,12 +308,18 @@ impl Context {
             });
         }
         let epoch = i64::try_from(open[0]).map_err(|_| Error::invalid("grow: a grow number out of range"))?;
+        // The grown context takes this one's cost model rather than measuring (newcomers read
+        // it from the store): every rank uses the model parsed from the same text.
+        let model = self.cost_model().map(|m| m.to_exact_text());
         if self.rank() == 0 {
-            store.set(GROW_OPEN, format!("{epoch} {size} {n}").as_bytes())?;
+            let text = format!("{epoch} {size} {n} {}", model.as_deref().unwrap_or("-"));
+            store.set(GROW_OPEN, text.as_bytes())?;
         }
-        let grown = Context::builder(self.rank(), size + n)
-            .timeout(self.timeout())
-            .connect(&PrefixStore::new(grow_prefix(epoch), store), self.device());
+        let mut builder = Context::builder(self.rank(), size + n).timeout(self.timeout());
+        if let Some(m) = model {
+            builder = builder.cost_model(m.parse()?);
+        }
+        let grown = builder.connect(&PrefixStore::new(grow_prefix(epoch), store), self.device());
         if self.rank() == 0 {
             // Closed: a newcomer that comes now waits for the next grow.
             let _ = store.delete(GROW_OPEN);
@@ -353,9 +359,11 @@ impl Context {
                         usize::try_from(rank).map_err(|_| Error::store(GROW_OPEN, "a rank out of range"))?,
                         usize::try_from(new_size).map_err(|_| Error::store(GROW_OPEN, "a size out of range"))?,
                     );
-                    return Context::builder(rank, new_size)
-                        .timeout(timeout)
-                        .connect(&PrefixStore::new(grow_prefix(epoch), store), device);
+                    let mut builder = Context::builder(rank, new_size).timeout(timeout);
+                    if let Some(m) = text.split(' ').nth(3).filter(|m| *m != "-") {
+                        builder = builder.cost_model(m.parse()?);
+                    }
+                    return builder.connect(&PrefixStore::new(grow_prefix(epoch), store), device);
                 }
                 // That grow is full: wait for the next.
             }

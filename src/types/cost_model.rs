@@ -95,6 +95,17 @@ impl CostModel {
         }
     }
 
+    /// The model as [`FromStr`](std::str::FromStr) reads it, every value written so that it
+    /// parses back to the same bits (what ranks that must agree exchange).
+    pub(crate) fn to_exact_text(self) -> String {
+        format!(
+            "latency_us={:?},link_gbs={:?},reduce_gbs={:?}",
+            self.latency.as_secs_f64() * 1e6,
+            self.link_bytes_per_s / 1e9,
+            self.reduce_bytes_per_s / 1e9
+        )
+    }
+
     fn alpha(&self) -> f64 {
         self.latency.as_secs_f64()
     }
@@ -225,6 +236,15 @@ mod tests {
         assert_eq!(m.allreduce_choice(1024, 64 << 20), Algorithm::HalvingDoubling);
         let slow_reduce = model(5.0, 3.0, 1.0);
         assert_eq!(slow_reduce.allreduce_choice(4, 64 << 20), Algorithm::Ring);
+    }
+
+    #[test]
+    fn the_exact_text_parses_to_a_fixed_point() {
+        let m = CostModel::new(Duration::from_nanos(31_234), 1.234_567_891e9, 6.7e10).unwrap();
+        let once: CostModel = m.to_exact_text().parse().unwrap();
+        let twice: CostModel = once.to_exact_text().parse().unwrap();
+        assert_eq!(once, twice);
+        assert_eq!(once.to_exact_text(), twice.to_exact_text());
     }
 
     #[test]
