@@ -147,7 +147,7 @@ impl Slurm {
             .map(|i| 20000 + 2 * ((seed.wrapping_add(i) % 4500) as u16))
             .find(|&p| TcpListener::bind(("0.0.0.0", p)).is_ok() && TcpListener::bind(("0.0.0.0", p + 1)).is_ok())
             .ok_or("no two free ports in 20000-28999 for slurmctld and slurmd")?;
-        // The store of job J's step 0 is at port 40000 + J mod 10000: clusters of this and
+        // The store of job J's step 0 is at port 10000 + J mod 10000: clusters of this and
         // other processes number their jobs apart.
         let first_job = 10_000 + (std::process::id().wrapping_mul(3).wrapping_add(n.wrapping_mul(5011))) % 10_000;
         let dir = tempfile::tempdir().map_err(|e| format!("a temporary directory: {e}"))?;
@@ -357,7 +357,13 @@ fn srun_starts_four_ranks_that_meet_through_rank_0s_store() {
     }
     // Rank 0 served the store on this node, under the scope of step 0 of the job.
     let urls = stores(&stderr);
-    assert!(urls.iter().all(|u| u.starts_with(&format!("http://{}:4", slurm.node)) && u.ends_with(".0")), "{urls:?}");
+    // Its port is 10000 + the job id mod 10000 (below the ephemeral ports).
+    let on_port = |u: &&str| {
+        u.strip_prefix(&format!("http://{}:", slurm.node))
+            .and_then(|rest| rest.split('/').next()?.parse::<u16>().ok())
+            .is_some_and(|p| (10_000..20_000).contains(&p))
+    };
+    assert!(urls.len() == 4 && urls.iter().all(|u| on_port(u) && u.ends_with(".0")), "{urls:?}");
     eprintln!("srun job of 4 ranks: {:?}", t.elapsed());
 }
 

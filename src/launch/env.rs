@@ -24,10 +24,11 @@
 //! rank must also have `SLURM_STEP_ID` (only `srun` sets it), so a batch shell is not mistaken
 //! for rank 0 of a job that waits for ranks that never start. Without `FERROGLOO_STORE`, rank 0
 //! serves an HTTP store on the first node of the step (`SLURM_STEP_NODELIST`, compressed lists
-//! like `gnode[01-04,10]` or `rack[1-2]n[01-16]` expanded) at port 40000 + (job id + 7919 ×
+//! like `gnode[01-04,10]` or `rack[1-2]n[01-16]` expanded) at port 10000 + (job id + 7919 ×
 //! step id) mod 10000, under the scope `slurm-<job id>.<step id>`: concurrent `srun` steps of
 //! one allocation (step ids less than 10000 apart) get ports and scopes of their own, and step 0
-//! keeps port 40000 + job id mod 10000.
+//! keeps port 10000 + job id mod 10000. (Below Linux's ephemeral ports, 32768-60999 by default:
+//! at 40000 + …, a port an outgoing connection of the node held made rank 0's bind fail.)
 
 use super::RankEnv;
 use crate::config::{
@@ -37,8 +38,9 @@ use crate::config::{
 };
 use crate::error::{Error, Result};
 /// The first port of the stores rank 0 serves for Slurm jobs without `FERROGLOO_STORE`: ports
-/// run from here to `SLURM_PORT_BASE + 9999` (see [`slurm_store`]).
-pub(crate) const SLURM_PORT_BASE: u16 = 40000;
+/// run from here to `SLURM_PORT_BASE + 9999` (see [`slurm_store`]), below Linux's ephemeral
+/// ports (32768-60999 by default), which the node's outgoing connections take.
+pub(crate) const SLURM_PORT_BASE: u16 = 10000;
 /// How far apart (mod 10000) the ports of consecutive steps of one Slurm job are: a prime, so
 /// steps less than 10000 apart never share a port, and step 1 of one job does not take the
 /// port of step 0 of the next job id.

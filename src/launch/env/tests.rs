@@ -108,7 +108,7 @@ fn every_launcher_is_read_from_its_own_variables() {
             5,
             7,
             Some((1, 2)),
-            "http://gnode07:43456/slurm-123456.0",
+            "http://gnode07:13456/slurm-123456.0",
         ),
     ];
     for (vars, l, rank, size, local, store) in cases {
@@ -316,8 +316,8 @@ fn store_of(vars: &[(&str, String)]) -> Result<String> {
 fn concurrent_slurm_steps_get_stores_of_their_own() {
     // Two srun steps of one allocation, at once: neither the port nor the scope is shared.
     let (a, b) = (store_of(&srun_task("77", "0")).unwrap(), store_of(&srun_task("77", "1")).unwrap());
-    assert_eq!(a, "http://a1b3:40077/slurm-77.0");
-    assert_eq!(b, "http://a1b3:47996/slurm-77.1");
+    assert_eq!(a, "http://a1b3:10077/slurm-77.0");
+    assert_eq!(b, "http://a1b3:17996/slurm-77.1");
     let mut ports = std::collections::HashSet::new();
     for step in 0..10_000u64 {
         let (port, scope) = slurm_store(77, step);
