@@ -157,14 +157,25 @@ impl ContextBuilder {
         let shared = Arc::new(World::new(mesh, rank, hosts, spin));
         let comm = Comm::root(shared, timeout);
         if size > 1 {
-            // The links' cost model, for `Auto`'s choices: the context's first collective, so
-            // every rank runs it at the same point of its calls.
+            // The links' cost model, for `Auto`'s choices: measured by every rank before the
+            // context is handed out (on a message group of its own), so all hold it before
+            // their first collective.
             let model = match cost {
-                Some(m) => m,
-                None => crate::cost::probe(&comm, std::time::Instant::now() + timeout)?,
+                Some(m) => Some(m),
+                None => match crate::cost::probe(&comm, std::time::Instant::now() + timeout) {
+                    Ok(m) => Some(m),
+                    // A rank that had formed its context aborted or revoked it while this one
+                    // still measured: the context is formed, and failed; every call says why.
+                    Err(e @ (Error::Aborted { .. } | Error::Revoked { .. })) => {
+                        tracing::debug!(rank, error = %e, "the cost model was not measured: the context failed");
+                        comm.fail(&e);
+                        None
+                    }
+                    Err(e) => return Err(e),
+                },
             };
-            tracing::debug!(rank, size, %model, "cost model");
-            *crate::sync::lock(&comm.shared().cost) = Some(model);
+            tracing::debug!(rank, size, ?model, "cost model");
+            *crate::sync::lock(&comm.shared().cost) = model;
         }
         let heartbeat = match heartbeat.is_zero() || size == 1 {
             true => None,
