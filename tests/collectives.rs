@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok, run_ranks_on, run_ranks_with};
+use common::{TIMEOUT, all_ok, run_ranks, run_ranks_on, run_ranks_with};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, Reduction, bf16, f16};
@@ -1045,31 +1045,25 @@ fn a_fold_that_panics(device: &(dyn Fn() -> ferrogloo::Result<Device> + Sync), w
 fn every_rank_measures_the_same_cost_model_and_picks_by_it() {
     for n in 1..=9 {
         let store = HashStore::new();
-        let got = all_ok(run_ranks_with(
-            n,
-            &store,
-            &TcpAttr::loopback(),
-            |b| b,
-            |ctx| {
-                let m = ctx.cost_model();
-                let mut picks = Vec::new();
-                for shift in [0, 8, 12, 16, 20, 24, 26] {
-                    let bytes = 1usize << shift;
-                    let pick = ctx.allreduce_algorithm(bytes, Algorithm::Auto)?;
-                    if let Some(m) = m {
-                        assert_eq!(pick, m.allreduce_choice(n, bytes), "{n} ranks, {bytes} B");
-                        let want = m.allreduce_time(pick, n, bytes);
-                        assert_eq!(ctx.predicted_allreduce_time(Algorithm::Auto, bytes)?, want);
-                    }
-                    picks.push(pick);
+        let got = all_ok(run_ranks(n, &store, |ctx| {
+            let m = ctx.cost_model();
+            let mut picks = Vec::new();
+            for shift in [0, 8, 12, 16, 20, 24, 26] {
+                let bytes = 1usize << shift;
+                let pick = ctx.allreduce_algorithm(bytes, Algorithm::Auto)?;
+                if let Some(m) = m {
+                    assert_eq!(pick, m.allreduce_choice(n, bytes), "{n} ranks, {bytes} B");
+                    let want = m.allreduce_time(pick, n, bytes);
+                    assert_eq!(ctx.predicted_allreduce_time(Algorithm::Auto, bytes)?, want);
                 }
-                // The model is usable: an allreduce of each size it chose for is right.
-                let mut v = vec![ctx.rank() as u32 + 1; 70_000];
-                ctx.allreduce(&mut v, Reduction::Sum)?;
-                assert!(v.iter().all(|&x| x as usize == n * (n + 1) / 2));
-                Ok((m.map(|m| (m.latency, m.link_bytes_per_s.to_bits(), m.reduce_bytes_per_s.to_bits())), picks))
-            },
-        ));
+                picks.push(pick);
+            }
+            // The model is usable: an allreduce of each size it chose for is right.
+            let mut v = vec![ctx.rank() as u32 + 1; 70_000];
+            ctx.allreduce(&mut v, Reduction::Sum)?;
+            assert!(v.iter().all(|&x| x as usize == n * (n + 1) / 2));
+            Ok((m.map(|m| (m.latency, m.link_bytes_per_s.to_bits(), m.reduce_bytes_per_s.to_bits())), picks))
+        }));
         assert_eq!(got[0].0.is_some(), n > 1, "{n} ranks: a model exactly when there are links");
         assert!(got.iter().all(|g| *g == got[0]), "{n} ranks disagree: {got:?}");
         if let Some((latency, link, reduce)) = got[0].0 {
