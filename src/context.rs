@@ -58,7 +58,8 @@ impl ContextBuilder {
 
     /// The cost model of the links (see [`crate::cost`]) instead of measuring it as the
     /// context forms (default: `FERROGLOO_COST_MODEL`'s, else measured). Every rank must give
-    /// the same one (see [`crate::cost`] for what happens otherwise). It also lets a context
+    /// the same one, or none: otherwise `connect` fails on every rank with
+    /// [`Error::Mismatch`] naming the ranks and their models (see [`crate::cost`]). It also lets a context
     /// form with a peer that runs no collective yet, such as a test's hand-made one. A model of
     /// rates that are not positive and finite is [`Error::InvalidArgument`].
     pub fn cost_model(mut self, model: crate::cost::CostModel) -> Self {
@@ -102,7 +103,8 @@ impl ContextBuilder {
     /// Rendezvous through `store` and connect the full mesh on `device`.
     ///
     /// Each rank publishes an entry under `ferrogloo.rank.<r>`: the context id, the size, its
-    /// backend, its host's identity and its endpoint's address (wrap the store in a
+    /// backend, its host's identity, its endpoint's address and the cost model it was given, if
+    /// any (wrap the store in a
     /// [`PrefixStore`](crate::rendezvous::PrefixStore) to form several contexts on one store).
     /// Rank 0 chooses a fresh random context id; every other rank confirms it by connecting to
     /// rank 0 and accepts only entries stamped with it, so entries left in the store by an
@@ -150,7 +152,14 @@ impl ContextBuilder {
             Some(m) => Some(crate::cost::CostModel::new(m.latency, m.link_bytes_per_s, m.reduce_bytes_per_s)?),
             None => crate::cost::CostModel::from_env()?,
         };
-        let spec = MeshSpec { rank, size, timeout, secret, host: device.host().to_string() };
+        let spec = MeshSpec {
+            rank,
+            size,
+            timeout,
+            secret,
+            host: device.host().to_string(),
+            cost: cost.map(crate::cost::CostModel::to_exact_text),
+        };
         let (mesh, hosts) = mesh::form(store, device.backend(), &spec)?;
         let spin = busy_wait(busy_poll, &hosts, rank);
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
@@ -159,7 +168,8 @@ impl ContextBuilder {
         if size > 1 {
             // The links' cost model, for `Auto`'s choices: measured by every rank before the
             // context is handed out (on a message group of its own), so all hold it before
-            // their first collective.
+            // their first collective. Formation checked that every rank was given the same
+            // model or none, so either all measure here or none does.
             let model = match cost {
                 Some(m) => Some(m),
                 None => match crate::cost::probe(&comm, std::time::Instant::now() + timeout) {

@@ -34,12 +34,15 @@
 //!
 //! The choice follows a measurement, so two runs of one program may choose differently, and a
 //! float sum's last bits may differ between them (the algorithms add in different orders).
-//! For runs that must repeat bit for bit, give the model:
-//! `FERROGLOO_COST_MODEL` (`latency_us=50,link_gbs=1.25,reduce_gbs=8`) gives them instead;
-//! it must then be the same on every rank. Ranks given different models get
-//! [`Error::Mismatch`](crate::Error::Mismatch) where their `Auto` allreduces choose differently;
-//! where some ranks were given one and others not, the others measure alone and their
-//! [`Error::Timeout`](crate::Error::Timeout) (or the first collective's `Mismatch`) says why.
+//! For runs that must repeat bit for bit, give the model: `FERROGLOO_COST_MODEL`
+//! (`latency_us=50,link_gbs=1.25,reduce_gbs=8`) or
+//! [`ContextBuilder::cost_model`](crate::ContextBuilder::cost_model), for instance the one a
+//! run measured ([`Context::cost_model`](crate::Context::cost_model)) written by
+//! [`CostModel::to_exact_text`]. Every rank must then be given the same one: each publishes
+//! the model it was given with its store entry, and where two differ (or one rank has a model
+//! and another none) every rank fails formation with [`Error::Mismatch`](crate::Error::Mismatch)
+//! naming both, rather than choosing different algorithms or waiting for a measurement that
+//! the given ranks would never join.
 
 pub use crate::types::CostModel;
 
@@ -91,8 +94,7 @@ pub(crate) fn probe(comm: &Comm, deadline: Instant) -> Result<CostModel> {
     } else {
         smallvec![r ^ (p / 2)]
     };
-    let what = "measuring the links for the cost model (a rank given a model, by ContextBuilder::cost_model or \
-                FERROGLOO_COST_MODEL, does not: give every rank the same or none)";
+    let what = "measuring the links for the cost model";
     // A group of its own: a rank that has formed its context may revoke it (group 0) while
     // others still measure; that must not fail their formation.
     let comm = &comm.sibling(group_id(fnv(&[comm.group(), PROBE_GROUP])));

@@ -5,11 +5,14 @@
 //! Each rank publishes `ferrogloo.rank.<r>`:
 //!
 //! ```text
-//! ferrogloo-v2 <context id, 32 hex digits> <size> <backend> <host identity> <address>
+//! ferrogloo-v2 <context id, 32 hex digits> <size> <backend> <host identity> <address> [cost=<model>]
 //! ```
 //!
-//! with the host identity and the backend's address blob percent-encoded (so the entry stays one
-//! line of printable text). Rank 0 chooses a fresh random context id and publishes first; every
+//! with the host identity, the backend's address blob and the cost model percent-encoded (so
+//! the entry stays one line of printable text). The last field is there when the rank was given
+//! a cost model (its exact text); every rank must publish the same one or none, else every rank
+//! fails formation with [`Error::Mismatch`] naming the two ranks (a rank without a model
+//! measures one in its first collective, which a rank given one never joins). Rank 0 chooses a fresh random context id and publishes first; every
 //! other rank reads rank 0's entry, makes its endpoint for that id and connects to rank 0,
 //! which refuses an id it does not know: so an entry left by an earlier job is recognised (the
 //! connect is refused, or nothing answers) and the rank waits for a fresh one. Then it
@@ -31,6 +34,9 @@ pub(crate) struct MeshSpec {
     pub(crate) secret: Option<Vec<u8>>,
     /// This rank's host identity.
     pub(crate) host: String,
+    /// The cost model this rank was given ([`CostModel::to_exact_text`](crate::CostModel)),
+    /// which every rank must give alike.
+    pub(crate) cost: Option<String>,
 }
 
 /// How often a waiting rank says what it waits for.
@@ -57,19 +63,26 @@ struct Entry {
     backend: String,
     host: String,
     addr: Vec<u8>,
+    cost: Option<String>,
 }
+
+/// The prefix of the entry's cost-model field.
+const COST_FIELD: &str = "cost=";
 
 impl Entry {
     fn encode(&self) -> Vec<u8> {
         let hex: String = self.ctx.iter().map(|b| format!("{b:02x}")).collect();
-        format!(
+        let mut text = format!(
             "ferrogloo-v2 {hex} {} {} {} {}",
             self.size,
             percent_encode(self.backend.as_bytes(), FIELD),
             percent_encode(self.host.as_bytes(), FIELD),
             percent_encode(&self.addr, FIELD)
-        )
-        .into_bytes()
+        );
+        if let Some(cost) = &self.cost {
+            text = format!("{text} {COST_FIELD}{}", percent_encode(cost.as_bytes(), FIELD));
+        }
+        text.into_bytes()
     }
 
     fn parse(raw: &[u8]) -> Option<Self> {
@@ -91,7 +104,11 @@ impl Entry {
         let backend = text(it.next()?)?;
         let host = text(it.next()?)?;
         let addr = percent_decode(it.next()?.as_bytes()).collect();
-        it.next().is_none().then_some(Entry { ctx, size, backend, host, addr })
+        let cost = match it.next() {
+            None => None,
+            Some(field) => Some(text(field.strip_prefix(COST_FIELD)?)?),
+        };
+        it.next().is_none().then_some(Entry { ctx, size, backend, host, addr, cost })
     }
 }
 
@@ -123,6 +140,9 @@ pub(crate) fn form<S: Store + ?Sized>(
     let (rank, size) = (spec.rank, spec.size);
     let mut hosts = vec![String::new(); size];
     hosts[rank] = host.clone();
+    // The cost model each rank was given (checked alike once every entry is read).
+    let mut costs = vec![None; size];
+    costs[rank] = spec.cost.clone();
     let endpoint =
         |ctx| backend.endpoint(EndpointSpec { ctx, rank, size, secret: spec.secret.clone(), host: host.clone() });
     let mine = |ctx, ep: &dyn Endpoint| Entry {
@@ -131,6 +151,7 @@ pub(crate) fn form<S: Store + ?Sized>(
         backend: backend.name().to_string(),
         host: host.clone(),
         addr: ep.address(),
+        cost: spec.cost.clone(),
     };
 
     // 1. Agree on the context id (rank 0 chooses it; others confirm it with rank 0).
@@ -186,6 +207,7 @@ pub(crate) fn form<S: Store + ?Sized>(
             match ep.connect(0, &entry.addr, rv.deadline) {
                 Ok(()) => {
                     hosts[0] = entry.host;
+                    costs[0] = entry.cost;
                     break (entry.ctx, ep);
                 }
                 Err(ConnectError::Retry(e)) => {
@@ -206,7 +228,7 @@ pub(crate) fn form<S: Store + ?Sized>(
     }
 
     // 2. Connect to every lower rank but 0, whose entries must carry this context id.
-    for (peer, peer_host) in hosts.iter_mut().enumerate().take(rank).skip(1) {
+    for peer in 1..rank {
         let mut last: Option<Vec<u8>> = None;
         let entry = loop {
             let raw = rv.next_value(peer, last.as_deref(), ENTRY, None)?;
@@ -239,7 +261,8 @@ pub(crate) fn form<S: Store + ?Sized>(
                 Err(e) => return Err(e.into_error()),
             }
         }
-        *peer_host = entry.host;
+        hosts[peer] = entry.host;
+        costs[peer] = entry.cost;
     }
 
     // 3. Wait for every higher rank to connect to us.
@@ -268,15 +291,33 @@ pub(crate) fn form<S: Store + ?Sized>(
     }
     // Their host identities: each published its entry before it connected to any rank but 0
     // (to rank 0 it connects first, to learn the context id), so rank 0 may wait a moment.
-    for (r, h) in hosts.iter_mut().enumerate().skip(rank + 1) {
+    for r in rank + 1..size {
         let mut last: Option<Vec<u8>> = None;
-        *h = loop {
+        let entry = loop {
             let raw = rv.next_value(r, last.as_deref(), ENTRY, None)?;
             match Entry::parse(&raw) {
-                Some(e) if e.ctx == ctx => break e.host,
+                Some(e) if e.ctx == ctx => break e,
                 _ => last = Some(raw),
             }
         };
+        hosts[r] = entry.host;
+        costs[r] = entry.cost;
+    }
+    // Every rank read every entry, so each finds a difference and fails alike.
+    if let Some(other) = costs.iter().position(|c| *c != costs[rank]) {
+        let given = |c: &Option<String>| match c {
+            Some(text) => format!("was given the cost model {text}"),
+            None => "was given none (it measures one)".to_string(),
+        };
+        return Err(Error::Mismatch {
+            rank: other,
+            detail: format!(
+                "rank {other} {} and rank {rank} {}: give every rank the same cost model or none \
+                 (ContextBuilder::cost_model, FERROGLOO_COST_MODEL)",
+                given(&costs[other]),
+                given(&costs[rank])
+            ),
+        });
     }
     Ok((ep.finish(), hosts))
 }
@@ -390,11 +431,24 @@ mod tests {
             backend: "tcp".into(),
             host: "node 7/boot%1".into(),
             addr: b"127.0.0.1:4000".to_vec(),
+            cost: None,
         };
         let raw = e.encode();
         assert!(!raw.contains(&b'\n'));
-        assert_eq!(Entry::parse(&raw), Some(e));
-        for bad in [&b"ferrogloo-v1 00 2 127.0.0.1:1"[..], b"", b"ferrogloo-v2 zz 2 tcp h a", b"\xff\xfe"] {
+        assert_eq!(Entry::parse(&raw), Some(e.clone()));
+        let given = Entry { cost: Some("latency_us=50.5,link_gbs=1.25,reduce_gbs=8.0".into()), ..e };
+        let raw = given.encode();
+        assert!(raw.ends_with(b" cost=latency_us=50.5,link_gbs=1.25,reduce_gbs=8.0"));
+        assert_eq!(Entry::parse(&raw), Some(given));
+        let hex = "ab".repeat(16);
+        for bad in [
+            &b"ferrogloo-v1 00 2 127.0.0.1:1"[..],
+            b"",
+            b"ferrogloo-v2 zz 2 tcp h a",
+            b"\xff\xfe",
+            format!("ferrogloo-v2 {hex} 2 tcp h a model=x").as_bytes(),
+            format!("ferrogloo-v2 {hex} 2 tcp h a cost=x extra").as_bytes(),
+        ] {
             assert_eq!(Entry::parse(bad), None);
         }
     }

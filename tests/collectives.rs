@@ -7,7 +7,7 @@ mod common;
 use common::{TIMEOUT, all_ok, run_ranks, run_ranks_on, run_ranks_with};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
-use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, Reduction, bf16, f16};
+use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, Error, Reduction, bf16, f16};
 use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -1104,35 +1104,45 @@ fn a_given_cost_model_decides_auto() {
     }
 }
 
-/// A model given to some ranks only: the others measure alone. Every rank fails within its
-/// deadline, none hangs, and an error names the cost model or the disagreement (the measuring
-/// ranks meet rank 0's first allreduce).
+/// Ranks given different cost models, or some one and others none, would choose different
+/// algorithms (or some would measure, waiting for ranks that never join): formation fails on
+/// every rank, at once, with `Mismatch` naming the rank that differs and both models.
 #[test]
-fn a_cost_model_given_to_some_ranks_only_fails_every_rank_in_time() {
+fn cost_models_that_differ_between_ranks_fail_formation_on_every_rank() {
     let m: ferrogloo::CostModel = "latency_us=50,link_gbs=1.25,reduce_gbs=8".parse().expect("a model");
-    let deadline = std::time::Duration::from_secs(3);
-    let start = std::time::Instant::now();
-    let store = HashStore::new();
-    let got = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..3)
-            .map(|rank| {
-                let store = &store;
-                s.spawn(move || -> ferrogloo::Result<()> {
-                    let dev = Device::tcp(&TcpAttr::loopback())?;
-                    let mut b = Context::builder(rank, 3).timeout(deadline);
-                    if rank == 0 {
-                        b = b.cost_model(m);
-                    }
-                    let ctx = b.connect(store, &dev)?;
-                    let mut v = vec![1.0f32; 100];
-                    ctx.allreduce(&mut v, Reduction::Sum)
+    let other: ferrogloo::CostModel = "latency_us=50,link_gbs=1.25,reduce_gbs=9".parse().expect("a model");
+    let deadline = std::time::Duration::from_secs(20);
+    // (rank 0's model, the others'): given to one rank only, and two different ones.
+    for (first, rest) in [(Some(m), None), (None, Some(m)), (Some(m), Some(other))] {
+        let start = std::time::Instant::now();
+        let store = HashStore::new();
+        let got = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|rank| {
+                    let store = &store;
+                    s.spawn(move || -> ferrogloo::Result<()> {
+                        let dev = Device::tcp(&TcpAttr::loopback())?;
+                        let mut b = Context::builder(rank, 3).timeout(deadline);
+                        if let Some(model) = if rank == 0 { first } else { rest } {
+                            b = b.cost_model(model);
+                        }
+                        b.connect(store, &dev).map(drop)
+                    })
                 })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("a rank thread panicked")).collect::<Vec<_>>()
-    });
-    assert!(start.elapsed() < 2 * deadline + std::time::Duration::from_secs(10), "took {:?}", start.elapsed());
-    let words: Vec<String> = got.iter().map(|r| r.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into())).collect();
-    assert!(got.iter().all(Result::is_err), "{words:?}");
-    assert!(words.iter().any(|w| w.contains("cost model") || w.contains("disagree")), "{words:?}");
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("a rank thread panicked")).collect::<Vec<_>>()
+        });
+        // Well inside the deadline: no rank waits for another to time out.
+        assert!(start.elapsed() < deadline / 2, "took {:?}", start.elapsed());
+        let text = |m: Option<ferrogloo::CostModel>| m.map_or("none".to_string(), |m| m.to_exact_text());
+        for (rank, r) in got.iter().enumerate() {
+            let Err(e @ Error::Mismatch { rank: peer, detail }) = r else {
+                panic!("{first:?}/{rest:?}: rank {rank}: {r:?}, want Mismatch")
+            };
+            // Rank 0 differs from the others, so it names rank 1 and they name rank 0.
+            assert_eq!(*peer, usize::from(rank == 0), "rank {rank}: {e}");
+            assert!(detail.contains(&text(first)) && detail.contains(&text(rest)), "rank {rank}: {e}");
+            assert!(e.to_string().contains("cost model"), "rank {rank}: {e}");
+        }
+    }
 }

@@ -169,8 +169,8 @@ fn fake_peer_sends(frame: Vec<u8>) -> (Error, Duration) {
 /// connections of the pair with their handshakes, and publishes an entry. Returns the main
 /// connection (which carries every frame of the higher rank) and the bulk one.
 fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
-    // Rank 0's entry: "ferrogloo-v2 <context id hex> <size> <backend> <host> <address>" (see
-    // src/mesh.rs; a loopback address needs no escaping).
+    // Rank 0's entry: "ferrogloo-v2 <context id hex> <size> <backend> <host> <address>
+    // [cost=<model>]" (see src/mesh.rs; a loopback address needs no escaping).
     let raw = store.get("ferrogloo.rank.0", TIMEOUT).expect("rank 0's entry");
     let entry = String::from_utf8(raw).expect("utf-8 entry");
     let fields: Vec<&str> = entry.split(' ').collect();
@@ -185,8 +185,10 @@ fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
         assert_eq!(status, 0, "rank 0 refused the fake rank's handshake");
         sock
     });
+    // The same cost model as rank 0's (ranks given different ones fail formation).
+    let cost = fields.get(6).map(|f| format!(" {f}")).unwrap_or_default();
     store
-        .set("ferrogloo.rank.1", format!("ferrogloo-v2 {} 2 tcp fake 127.0.0.1:1", fields[1]).as_bytes())
+        .set("ferrogloo.rank.1", format!("ferrogloo-v2 {} 2 tcp fake 127.0.0.1:1{cost}", fields[1]).as_bytes())
         .expect("set");
     lanes
 }
@@ -300,7 +302,8 @@ fn a_frame_claiming_an_enormous_length_is_a_mismatch_without_allocating_it() {
 }
 
 /// A cost model given to a context whose peer is made by hand here and runs no collective (a
-/// context measures its links in its first collective otherwise).
+/// context measures its links in its first collective otherwise); the hand-made peer publishes
+/// the same one.
 fn fixed_model() -> ferrogloo::CostModel {
     ferrogloo::CostModel::new(Duration::from_micros(20), 1e9, 1e10).expect("a valid model")
 }

@@ -133,13 +133,13 @@ fn many_silent_connections_do_not_block_the_listener() {
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
 }
 
-/// What rank `rank` published as its endpoint's address: the last field of its store entry
-/// (`ferrogloo-v2 <context> <size> <backend> <host> <address>`, percent-encoded).
+/// What rank `rank` published as its endpoint's address: the sixth field of its store entry
+/// (`ferrogloo-v2 <context> <size> <backend> <host> <address> [cost=<model>]`, percent-encoded).
 fn published_address(store: &HashStore, rank: usize) -> Vec<u8> {
     use ferrogloo::rendezvous::Store;
     let entry = store.get(&format!("ferrogloo.rank.{rank}"), TIMEOUT).expect("rank 0 publishes its entry");
     let entry = String::from_utf8(entry).expect("an entry is text");
-    let field = entry.rsplit(' ').next().expect("an address field");
+    let field = entry.split(' ').nth(5).expect("an address field");
     percent_encoding::percent_decode(field.as_bytes()).collect()
 }
 

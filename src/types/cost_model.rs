@@ -95,9 +95,17 @@ impl CostModel {
         }
     }
 
-    /// The model as [`FromStr`](std::str::FromStr) reads it, every value written so that it
-    /// parses back to the same bits (what ranks that must agree exchange).
-    pub(crate) fn to_exact_text(self) -> String {
+    /// The model as [`FromStr`](std::str::FromStr) and `FERROGLOO_COST_MODEL` read it, every
+    /// value written so that it parses back to the same bits: to give a later run the model
+    /// this one measured ([`Context::cost_model`](crate::Context::cost_model)), so that it
+    /// chooses the same algorithms.
+    ///
+    /// ```
+    /// let m: ferrogloo::CostModel = "latency_us=12.5,link_gbs=1.25,reduce_gbs=8".parse()?;
+    /// assert_eq!(m.to_exact_text().parse::<ferrogloo::CostModel>()?, m);
+    /// # Ok::<(), ferrogloo::Error>(())
+    /// ```
+    pub fn to_exact_text(self) -> String {
         format!(
             "latency_us={:?},link_gbs={:?},reduce_gbs={:?}",
             self.latency.as_secs_f64() * 1e6,
