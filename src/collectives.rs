@@ -20,7 +20,7 @@ use crate::comm::Comm;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::transport::LocalArea;
-use crate::types::{Call, Element, Fold, OpDesc, Reduction};
+use crate::types::{Call, CopyPlan, Element, Fold, OpDesc, Reduction};
 use std::sync::Arc;
 
 mod bytes;
@@ -148,6 +148,16 @@ impl Context {
     /// one-rank sub-group of a larger job has its job's model).
     pub fn cost_model(&self) -> Option<crate::cost::CostModel> {
         self.comm().cost_model()
+    }
+
+    /// How this rank's host copies in the collectives through its shared area (broadcast,
+    /// allgather and allreduce; the host steps of the two-level allreduce): decided by the
+    /// host's ranks together as the context formed, measured unless forced (see
+    /// [`ShmCopy`](crate::device::ShmCopy)); every rank of the host holds the same. `None` when
+    /// this rank shares no memory with another rank of the context (or the context was made by
+    /// [`grow`](Self::grow) or a join, which take two copies).
+    pub fn copy_plan(&self) -> Option<CopyPlan> {
+        self.comm().local_area().map(|_| self.comm().copy_plan())
     }
 
     /// The time this context's [cost model](Self::cost_model) predicts for an allreduce of
@@ -286,10 +296,21 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let desc =
-            OpDesc::new(Call::Allreduce).dtype(T::DTYPE).count(buf.len()).reduce(op.code()).algo(algo).extra(extra);
+        let single = shm.is_some()
+            && area.is_some()
+            && CopyPlan::single(self.comm().copy_plan().allreduce, bytes_of::<T>(buf.len()));
+        let desc = OpDesc::new(Call::Allreduce)
+            .dtype(T::DTYPE)
+            .count(buf.len())
+            .reduce(op.code())
+            .algo(algo)
+            .single_copy(single)
+            .extra(extra);
         if let (Some(_), Some(area)) = (shm, area) {
-            return local::run(self.comm(), &**area, "allreduce", desc, opts, |l| local::allreduce(l, buf, op));
+            return local::run(self.comm(), &**area, "allreduce", desc, opts, |l| match single {
+                true => local::allreduce_single(l, buf, op),
+                false => local::allreduce(l, buf, op),
+            });
         }
         if let (Some(_), Some(h)) = (shm, hier) {
             return self.hierarchical_allreduce(h.leaders.as_ref(), buf, op, desc, opts);
@@ -319,12 +340,20 @@ impl Context {
         let timeout = opts.timeout.unwrap_or(comm.timeout());
         let deadline = std::time::Instant::now() + timeout;
         let area = comm.local_area();
+        // The host steps' copy path is this host's (the leaders' call has its own descriptor).
+        let (plan, bytes) = (comm.copy_plan(), bytes_of::<T>(buf.len()));
+        let single = area.is_some() && CopyPlan::single(plan.allreduce, bytes);
+        let single_broadcast = area.is_some() && CopyPlan::single(plan.broadcast, bytes);
+        let desc = desc.single_copy(single);
         let mut local =
             area.map(|a| steps::Local::new(comm, &**a, "allreduce", desc, deadline, timeout)).transpose()?;
         comm.next_collective_key(opts.tag)?;
         let result = (|| {
             if let Some(l) = &mut local {
-                local::allreduce(l, buf, op)?;
+                match single {
+                    true => local::allreduce_single(l, buf, op)?,
+                    false => local::allreduce(l, buf, op)?,
+                }
             }
             if let Some(lc) = leaders {
                 let algo = allreduce_algorithm(lc, bytes_of::<T>(buf.len()), Algorithm::Auto)?;
@@ -348,7 +377,10 @@ impl Context {
                 })?;
             }
             if let Some(l) = &mut local {
-                local::broadcast(l, buf, 0)?;
+                match single_broadcast {
+                    true => local::broadcast_single(l, buf, 0)?,
+                    false => local::broadcast(l, buf, 0)?,
+                }
             }
             Ok(())
         })();
@@ -548,9 +580,20 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let desc = OpDesc::new(Call::Allgather).dtype(T::DTYPE).count(total).algo(algo).extra(counts_hash(counts));
+        let single = shm.is_some()
+            && area.is_some()
+            && CopyPlan::single(self.comm().copy_plan().allgather, bytes_of::<T>(total));
+        let desc = OpDesc::new(Call::Allgather)
+            .dtype(T::DTYPE)
+            .count(total)
+            .algo(algo)
+            .single_copy(single)
+            .extra(counts_hash(counts));
         if let (Some(_), Some(area)) = (shm, area) {
-            return local::run(self.comm(), &**area, "allgather", desc, opts, |l| local::allgather(l, input, output));
+            return local::run(self.comm(), &**area, "allgather", desc, opts, |l| match single {
+                true => local::allgather_single(l, input, output),
+                false => local::allgather(l, input, output),
+            });
         }
         algorithms::run(self.comm(), "allgather", desc, opts, |c| {
             if algo == Algorithm::RecursiveDoubling {
@@ -582,9 +625,16 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let desc = OpDesc::new(Call::Broadcast).dtype(T::DTYPE).count(buf.len()).root(root).algo(algo);
+        let single = shm.is_some()
+            && area.is_some()
+            && CopyPlan::single(self.comm().copy_plan().broadcast, bytes_of::<T>(buf.len()));
+        let desc =
+            OpDesc::new(Call::Broadcast).dtype(T::DTYPE).count(buf.len()).root(root).algo(algo).single_copy(single);
         if let (Some(_), Some(area)) = (shm, area) {
-            return local::run(self.comm(), &**area, "broadcast", desc, opts, |l| local::broadcast(l, buf, root));
+            return local::run(self.comm(), &**area, "broadcast", desc, opts, |l| match single {
+                true => local::broadcast_single(l, buf, root),
+                false => local::broadcast(l, buf, root),
+            });
         }
         let seg = opts.segment_elems::<T>();
         algorithms::run(self.comm(), "broadcast", desc, opts, |c| match algo {

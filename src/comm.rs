@@ -56,6 +56,9 @@ pub(crate) struct World {
     pub(crate) spin: BusyWait,
     /// The cost model of the mesh's links (see the `cost` module), set as its context forms.
     pub(crate) cost: Mutex<Option<crate::types::CostModel>>,
+    /// Which copy path the host's shared-area collectives take (decided as the context forms;
+    /// two copies until then, and for contexts made without it).
+    pub(crate) copy_plan: Mutex<crate::types::CopyPlan>,
     /// This rank's pair with itself (whatever the backend).
     own: Arc<dyn Pair>,
     /// Why the mesh's own context failed, until its survivors shrink it: told to every peer
@@ -108,6 +111,7 @@ impl World {
             pending,
             spin,
             cost: Mutex::default(),
+            copy_plan: Mutex::new(crate::types::CopyPlan::TWO),
             own,
             failure: Mutex::default(),
             area_busy: Default::default(),
@@ -242,6 +246,11 @@ impl Comm {
     /// one rank.
     pub(crate) fn cost_model(&self) -> Option<crate::types::CostModel> {
         *lock(&self.shared.cost)
+    }
+
+    /// The copy paths of the host's shared-area collectives.
+    pub(crate) fn copy_plan(&self) -> crate::types::CopyPlan {
+        *lock(&self.shared.copy_plan)
     }
 
     /// Whether this is the communicator of the whole mesh (group 0), not a sub-group.

@@ -186,6 +186,13 @@ impl ContextBuilder {
             };
             tracing::debug!(rank, size, ?model, "cost model");
             *crate::sync::lock(&comm.shared().cost) = model;
+            // The copy path of the host's shared-area collectives, decided by the host's
+            // members together (a rank alone on its host has no area).
+            if let Some(area) = comm.local_area() {
+                let plan =
+                    crate::algorithms::calibrate::copy_plan(&comm, &**area, std::time::Instant::now() + timeout)?;
+                *crate::sync::lock(&comm.shared().copy_plan) = plan;
+            }
         }
         let heartbeat = match heartbeat.is_zero() || size == 1 {
             true => None,

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{TIMEOUT, all_ok, run_ranks, run_ranks_on, run_ranks_with};
-use ferrogloo::device::{Device, TcpAttr};
+use ferrogloo::device::{CopyPlan, Device, ShmAttr, ShmCopy, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, Error, Reduction, bf16, f16};
 use proptest::prelude::*;
@@ -323,12 +323,19 @@ fn dispatch(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
 }
 
 /// The transports the plans run on.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Dev {
     /// TCP over loopback.
     Tcp,
-    /// Shared memory: `Auto` runs the shared-memory collectives.
+    /// Shared memory: `Auto` runs the shared-memory collectives (their copy path measured).
     Shm,
+    /// Shared memory, its collectives forced to read peers' buffers straight (single copy).
+    ShmSingle,
+    /// Shared memory, its collectives forced through the area's slots (two copies).
+    ShmTwo,
+    /// Shared memory with a given copy plan whose thresholds lie among the plans' sizes
+    /// ([`THRESHOLDS`]): calls on both sides of each.
+    ShmGiven,
     /// Auto devices on two pretend hosts: shared memory within each, TCP across.
     Mixed,
     /// The ibverbs transport on the simulated verbs provider.
@@ -340,11 +347,23 @@ enum Dev {
     IbverbsMixed,
 }
 
+/// [`Dev::ShmGiven`]'s plan: bytes from which each collective reads straight (the plans'
+/// buffers reach 24,000 bytes).
+const THRESHOLDS: CopyPlan = CopyPlan { broadcast: Some(1000), allgather: Some(2048), allreduce: Some(4000) };
+
 fn device(dev: Dev) -> ferrogloo::Result<Device> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     match dev {
         Dev::Tcp => Device::tcp(&TcpAttr::loopback()),
         Dev::Shm => Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
+        Dev::ShmSingle | Dev::ShmTwo | Dev::ShmGiven => {
+            let copy = match dev {
+                Dev::ShmSingle => ShmCopy::Single,
+                Dev::ShmTwo => ShmCopy::Two,
+                _ => ShmCopy::Given(THRESHOLDS),
+            };
+            Ok(Device::shared_memory(&ShmAttr { collective_copy: copy, ..ShmAttr::default() }))
+        }
         Dev::Mixed => {
             let host = NEXT.fetch_add(1, Ordering::Relaxed) % 2;
             Device::auto(&TcpAttr::loopback()).map(|d| d.on_host(format!("pretend-host-{host}")))
@@ -396,6 +415,20 @@ proptest! {
         n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10),
     ) {
         run_plan_on(Dev::Shm, n, &plan);
+    }
+
+    #[test]
+    fn collectives_on_shared_memory_with_single_copies_match_the_sequential_reference(
+        n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10),
+    ) {
+        run_plan_on(Dev::ShmSingle, n, &plan);
+    }
+
+    #[test]
+    fn collectives_on_shared_memory_on_both_sides_of_given_copy_thresholds_match_the_sequential_reference(
+        n in 1usize..=9, plan in proptest::collection::vec(case(), 1..10),
+    ) {
+        run_plan_on(Dev::ShmGiven, n, &plan);
     }
 
     #[test]
@@ -457,8 +490,8 @@ fn simulated_ibverbs_collectives_of_large_buffers() {
 #[test]
 fn shared_memory_collectives_of_every_kind_type_and_size_class() {
     // The shared-memory algorithm by name, for every collective that has it, beside the
-    // random plans (where `Auto` picks it).
-    for n in [1usize, 2, 3, 4, 7] {
+    // random plans (where `Auto` picks it), on both copy paths.
+    for (dev, n) in [Dev::ShmTwo, Dev::ShmSingle].into_iter().flat_map(|d| [1usize, 2, 3, 4, 7].map(|n| (d, n))) {
         let mut plan = Vec::new();
         let kinds = [
             Kind::Allreduce(Algorithm::SharedMemory),
@@ -481,20 +514,27 @@ fn shared_memory_collectives_of_every_kind_type_and_size_class() {
                 });
             }
         }
-        run_plan_on(Dev::Shm, n, &plan);
+        run_plan_on(dev, n, &plan);
     }
 }
 
 #[test]
 fn shared_memory_collectives_larger_than_a_slot_go_through_in_chunks() {
-    // 3 MiB of f32 (a slot holds 2 MiB): several chunks and a partial one, every collective.
+    // 3 MiB of f32 (a slot holds 2 MiB): several chunks and a partial one, every collective,
+    // on both copy paths (single copy reads the whole buffer, and a block of it, at once).
+    for dev in [Dev::ShmTwo, Dev::ShmSingle, Dev::Shm] {
+        larger_than_a_slot(dev);
+    }
+}
+
+fn larger_than_a_slot(dev: Dev) {
     let n = 3;
     let len = (3 << 20) / 4 + 7;
     let store = HashStore::new();
     all_ok(run_ranks_on(
         n,
         &store,
-        &|| device(Dev::Shm),
+        &|| device(dev),
         |b| b.timeout(TIMEOUT),
         |ctx| {
             let r = ctx.rank();
@@ -523,6 +563,49 @@ fn shared_memory_collectives_larger_than_a_slot_go_through_in_chunks() {
             Ok(())
         },
     ));
+}
+
+/// The copy path is the host's, not each rank's: every rank holds the plan one rank decided
+/// (measured, or forced alike), and ranks forced differently fail formation, each naming the
+/// other's setting, before any call could take two paths at once.
+#[test]
+fn every_rank_of_a_host_takes_the_same_copy_path_and_ranks_told_otherwise_fail_formation() {
+    for n in [2usize, 3, 4] {
+        for (dev, want) in [
+            (Dev::ShmSingle, Some(CopyPlan::SINGLE)),
+            (Dev::ShmTwo, Some(CopyPlan::TWO)),
+            (Dev::ShmGiven, Some(THRESHOLDS)),
+            (Dev::Shm, None),
+        ] {
+            let store = HashStore::new();
+            let plans =
+                all_ok(run_ranks_on(n, &store, &|| device(dev), |b| b.timeout(TIMEOUT), |ctx| Ok(ctx.copy_plan())));
+            assert!(plans.iter().all(|p| p.is_some() && *p == plans[0]), "{dev:?}, {n} ranks: {plans:?}");
+            if let Some(w) = want {
+                assert_eq!(plans[0], Some(w), "{dev:?}");
+            }
+        }
+    }
+    let store = HashStore::new();
+    let got = run_ranks_on(
+        3,
+        &store,
+        &{
+            let next = AtomicUsize::new(0);
+            move || device(if next.fetch_add(1, Ordering::Relaxed) == 0 { Dev::ShmSingle } else { Dev::ShmTwo })
+        },
+        |b| b.timeout(TIMEOUT),
+        |ctx| Ok(ctx.copy_plan()),
+    );
+    for r in &got {
+        match r {
+            Err(e @ Error::Mismatch { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("single copies") && text.contains("two copies"), "{text}");
+            }
+            other => panic!("ranks forced to different copy paths formed a context: {other:?}"),
+        }
+    }
 }
 
 #[test]

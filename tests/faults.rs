@@ -517,7 +517,7 @@ fn a_single_copy_send_aborted_before_its_peer_reads_it_is_never_received_as_good
     let store = HashStore::new();
     let (aborted, wait_abort) = std::sync::mpsc::channel::<()>();
     let wait_abort = std::sync::Mutex::new(wait_abort);
-    let single = || Ok(Device::shared_memory(&ferrogloo::device::ShmAttr { single_copy: true }));
+    let single = || Ok(Device::shared_memory(&ferrogloo::device::ShmAttr { single_copy: true, ..Default::default() }));
     let results = common::run_ranks_on(
         2,
         &store,

@@ -47,8 +47,20 @@ fn rank_worker() {
         println!("OUTLIVED rank {}", env.rank);
         return;
     }
+    if scenario == "copies-refused" {
+        // The kernel must refuse the others' reads of this process: not dumpable, and (run by
+        // `unshare --user`) none of them has power over its user namespace. Its one log line
+        // goes to stdout, where the parent counts it.
+        nix::sys::prctl::set_dumpable(false).expect("prctl(PR_SET_DUMPABLE)");
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stdout)
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .init();
+    }
     let ctx = Context::builder(env.rank, env.size).timeout(timeout).connect(&store, &dev).expect("rendezvous");
     match scenario.as_str() {
+        "copies" | "copies-refused" => copies(&ctx),
         "mesh" => mesh(&ctx),
         "kill" => kill(&ctx),
         "light" => light(&ctx),
@@ -110,6 +122,29 @@ fn big(ctx: &Context) {
     let mut part = vec![0u32; per];
     ctx.reduce_scatter(&all, &mut part, Reduction::Sum, &o).expect("reduce_scatter");
     assert!(part.iter().enumerate().all(|(i, &x)| x == (n * (r * per + i)) as u32), "reduce_scatter on rank {r}");
+}
+
+/// Broadcast, allgather and allreduce through the host's area at sizes below and above a
+/// slot, checked on every rank; prints the host's copy plan (`PLAN ...`) for the parent.
+fn copies(ctx: &Context) {
+    use ferrogloo::{CollectiveOptions, Reduction};
+    let (r, n) = (ctx.rank(), ctx.size());
+    let plan = ctx.copy_plan().expect("ranks of one host share an area");
+    println!("PLAN {plan:?}");
+    let o = CollectiveOptions::default();
+    for len in [0usize, 1, 1000, 70_000, (3 << 20) / 4 + 5] {
+        let data = |p: usize| -> Vec<u32> { (0..len).map(|i| (i as u32 % 977) * (p as u32 + 1)).collect() };
+        let mut b = if r == n - 1 { data(n - 1) } else { vec![0; len] };
+        ctx.broadcast(&mut b, n - 1, &o).expect("broadcast");
+        assert!(b == data(n - 1), "broadcast of {len} on rank {r}");
+        let mut all = vec![0u32; n * len];
+        ctx.allgather(&data(r), &mut all, &o).expect("allgather");
+        assert!(all == (0..n).flat_map(data).collect::<Vec<_>>(), "allgather of {len} on rank {r}");
+        let mut v = data(r);
+        ctx.allreduce(&mut v, Reduction::Sum).expect("allreduce");
+        let k = (n * (n + 1) / 2) as u32;
+        assert!(v.iter().enumerate().all(|(i, &x)| x == (i as u32 % 977) * k), "allreduce of {len} on rank {r}");
+    }
 }
 
 /// Barriers, and every rank reports to rank 0: cheap enough for 64 processes on 2 cores.
@@ -206,7 +241,15 @@ fn elastic(env: &RankEnv, store: &impl Store, dev: &Device) {
 /// (even and odd ranks: shared memory within each, TCP across); plain `scenario` over TCP.
 fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Command {
     let (scenario, transport) = scenario.split_once('@').unwrap_or((scenario, "tcp"));
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    // `@shm-refused`: each rank in a user namespace of its own, where it has no power over
+    // the others' processes (see `copies`).
+    let mut cmd = if transport == "shm-refused" {
+        let mut c = Command::new("unshare");
+        c.args(["--user", "--map-root-user"]).arg(std::env::current_exe().unwrap());
+        c
+    } else {
+        Command::new(std::env::current_exe().unwrap())
+    };
     cmd.args(["--ignored", "--exact", "rank_worker", "--nocapture", "--test-threads=1"])
         .env(RANK_ENV, rank.to_string())
         .env(SIZE_ENV, n.to_string())
@@ -215,19 +258,23 @@ fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Comma
         .stdout(Stdio::piped());
     match transport {
         "mixed" => cmd.env("FERROGLOO_TRANSPORT", "auto").env("FERROGLOO_HOST_ID", format!("pretend-{}", rank % 2)),
-        "shm-single-copy" => cmd.env("FERROGLOO_TRANSPORT", "shm").env("FERROGLOO_SHM_SINGLE_COPY", "1"),
+        "shm-single-copy" | "shm-refused" => {
+            cmd.env("FERROGLOO_TRANSPORT", "shm").env("FERROGLOO_SHM_SINGLE_COPY", "1")
+        }
+        "shm-two-copies" => cmd.env("FERROGLOO_TRANSPORT", "shm").env("FERROGLOO_SHM_SINGLE_COPY", "0"),
         t => cmd.env("FERROGLOO_TRANSPORT", t),
     };
     cmd
 }
 
 /// Shared-memory objects of ferrogloo's in `/dev/shm` (there should never be any: its
-/// segments are anonymous memfds).
+/// segments are anonymous memfds). The copy-path cache files (one per user, boot, member
+/// count, slot size and build: a few dozen bytes each, written once) are not objects.
 fn shm_objects() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-                .filter(|n| n.contains("ferrogloo"))
+                .filter(|n| n.contains("ferrogloo") && !n.starts_with("ferrogloo-copy-plan-"))
                 .collect()
         })
         .unwrap_or_default()
@@ -249,12 +296,69 @@ fn finish(mut child: Child, deadline: Instant) -> (bool, String) {
 }
 
 fn run_job(n: usize, scenario: &str, store_url: &str) {
+    run_job_output(n, scenario, store_url);
+}
+
+/// [`run_job`], returning each rank's output.
+fn run_job_output(n: usize, scenario: &str, store_url: &str) -> Vec<String> {
     let per_call = if scenario == "big" { BIG_TIMEOUT } else { WORKER_TIMEOUT };
     let deadline = Instant::now() + per_call * 2;
     let children = spawn(n, scenario, store_url);
+    let mut outs = Vec::new();
     for (rank, c) in children.into_iter().enumerate() {
         let (ok, out) = finish(c, deadline);
         assert!(ok && out.contains(&format!("DONE rank {rank}")), "rank {rank} of {n} failed:\n{out}");
+        outs.push(out);
+    }
+    outs
+}
+
+/// Collectives through the host's area between processes, on each copy path: single copies
+/// read another process's buffer (forced: the plan says so on every rank), two copies go
+/// through the slots, and a measured plan is one plan for all ranks.
+#[test]
+fn shared_area_collectives_between_processes_on_each_copy_path() {
+    for (transport, want) in
+        [("shm-single-copy", Some("SINGLE_ALL")), ("shm-two-copies", Some("TWO_ALL")), ("shm", None)]
+    {
+        for n in [2usize, 3] {
+            let dir = tempfile::tempdir().unwrap();
+            let outs = run_job_output(n, &format!("copies@{transport}"), &format!("file:{}", dir.path().display()));
+            // The line follows the test harness's "test rank_worker ... ".
+            let plans: Vec<&str> =
+                outs.iter().filter_map(|o| o.lines().find_map(|l| l.find("PLAN ").map(|i| &l[i..]))).collect();
+            assert_eq!(plans.len(), n, "{outs:?}");
+            assert!(plans.iter().all(|p| *p == plans[0]), "{transport}: {plans:?}");
+            let every = |t: &str| format!("PLAN CopyPlan {{ broadcast: {t}, allgather: {t}, allreduce: {t} }}");
+            match want {
+                Some("SINGLE_ALL") => assert_eq!(plans[0], every("Some(0)"), "{transport}"),
+                Some(_) => assert_eq!(plans[0], every("None"), "{transport}"),
+                None => {}
+            }
+        }
+    }
+}
+
+/// Where the kernel refuses `process_vm_readv` between the ranks (each is not dumpable and
+/// runs in a user namespace of its own, so none may read another), single copies forced by
+/// `FERROGLOO_SHM_SINGLE_COPY=1` fall back to two: the results are right, the plan says two
+/// copies on every rank, and each rank says so in one log line.
+#[test]
+fn a_kernel_that_refuses_cross_process_reads_gets_two_copies_and_one_log_line() {
+    let userns = Command::new("unshare").args(["--user", "--map-root-user", "true"]).status();
+    if !userns.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: this machine cannot make user namespaces (unshare --user), which the test needs");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let outs = run_job_output(2, "copies-refused@shm-refused", &format!("file:{}", dir.path().display()));
+    for (rank, out) in outs.iter().enumerate() {
+        let said = out.matches("does not let ranks of this host read each other's memory").count();
+        assert_eq!(said, 1, "rank {rank}:\n{out}");
+        assert!(
+            out.contains("PLAN CopyPlan { broadcast: None, allgather: None, allreduce: None }"),
+            "rank {rank}:\n{out}"
+        );
     }
 }
 

@@ -600,7 +600,7 @@ backends! {
     tcp => ferrogloo::device::Device::loopback,
     shm => || Ok(ferrogloo::device::Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
     shm_single_copy => || Ok(ferrogloo::device::Device::shared_memory(
-        &ferrogloo::device::ShmAttr { single_copy: true },
+        &ferrogloo::device::ShmAttr { single_copy: true, ..Default::default() },
     )),
     auto => || ferrogloo::device::Device::auto(&ferrogloo::device::TcpAttr::loopback()),
     mixed => super::mixed_hosts,

@@ -160,3 +160,90 @@ pub(crate) fn reduce_scatter<T: Element>(
 pub(crate) fn barrier(l: &mut Local<'_>) -> Result<()> {
     l.step::<u8>(|_| {}).map(drop)
 }
+
+/// Pieces in which the single-copy allreduce reads and reduces a block (a piece of every
+/// member's, then the next: they stay in cache between the read and the reduction).
+const PIECE_BYTES: usize = 128 << 10;
+
+/// The address a member publishes for its buffer `s`.
+fn address_of<T>(s: &[T]) -> u64 {
+    s.as_ptr() as u64
+}
+
+/// Single-copy broadcast of `buf` from member `root`: the root publishes its buffer's address,
+/// every other member reads it straight into its own (one copy, all at once), and the root
+/// waits until they are done. Two steps, whatever the size.
+pub(crate) fn broadcast_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], root: usize) -> Result<()> {
+    let me = l.me();
+    let addr = address_of(buf);
+    let t = l.step(|own: &mut [u64]| own[0] = addr)?;
+    if me != root {
+        let from = t.read::<u64>(root, 0..1)[0];
+        t.read_member(root, from, bytemuck::cast_slice_mut(buf))?;
+    }
+    // The root's buffer stays as it is until every member has read it.
+    t.next::<u8>(|_, _| {})?;
+    Ok(())
+}
+
+/// Single-copy allgather of equal blocks: every member publishes its `input`'s address and
+/// reads every other member's straight into its block of `output` (this rank's own block is
+/// the caller's to fill). Two steps.
+pub(crate) fn allgather_single<T: Element>(l: &mut Local<'_>, input: &[T], output: &mut [T]) -> Result<()> {
+    let (n, me) = (l.n(), l.me());
+    let b = input.len();
+    let addr = address_of(input);
+    let t = l.step(|own: &mut [u64]| own[0] = addr)?;
+    for m in (0..n).filter(|&m| m != me) {
+        let from = t.read::<u64>(m, 0..1)[0];
+        t.read_member(m, from, bytemuck::cast_slice_mut(&mut output[m * b..(m + 1) * b]))?;
+    }
+    t.next::<u8>(|_, _| {})?;
+    Ok(())
+}
+
+/// Single-copy allreduce of `buf`, in place. Every member publishes its buffer's address; each
+/// reduces its block (as [`block_of`] cuts it), reading every member's piece of it straight,
+/// in member order (so the results agree bit for bit), and writes the result into its own
+/// buffer; then each reads the others' results straight. Three steps: the addresses, the
+/// blocks reduced (no member reads a block that is still being written: in the first phase a
+/// member reads only the others' blocks of each buffer, never the one its owner writes), and
+/// every read done.
+pub(crate) fn allreduce_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<'_, T>) -> Result<()> {
+    let (n, me) = (l.n(), l.me());
+    let len = buf.len();
+    let size = std::mem::size_of::<T>() as u64;
+    let addr = address_of(buf);
+    let t = l.step(|own: &mut [u64]| own[0] = addr)?;
+    let addrs: Vec<u64> = (0..n).map(|m| t.read::<u64>(m, 0..1)[0]).collect();
+    let mine = block_of(len, n, me);
+    let piece = (PIECE_BYTES / size as usize).max(1).min(mine.len());
+    let (mut acc, mut got) = (vec![T::zeroed(); piece], vec![T::zeroed(); piece]);
+    let mut at = mine.start;
+    while at < mine.end {
+        let k = piece.min(mine.end - at);
+        let (acc, got) = (&mut acc[..k], &mut got[..k]);
+        for (m, &base) in addrs.iter().enumerate() {
+            let into = if m == 0 { &mut *acc } else { &mut *got };
+            if m == me {
+                into.copy_from_slice(&buf[at..at + k]);
+            } else {
+                t.read_member(m, base + at as u64 * size, bytemuck::cast_slice_mut(into))?;
+            }
+            if m > 0 {
+                op.apply(acc, got);
+            }
+        }
+        buf[at..at + k].copy_from_slice(acc);
+        at += k;
+    }
+    // Every block is reduced, in its owner's buffer.
+    let u = t.next::<u8>(|_, _| {})?;
+    for m in (0..n).filter(|&m| m != me) {
+        let p = block_of(len, n, m);
+        let from = addrs[m] + p.start as u64 * size;
+        u.read_member(m, from, bytemuck::cast_slice_mut(&mut buf[p]))?;
+    }
+    u.next::<u8>(|_, _| {})?;
+    Ok(())
+}

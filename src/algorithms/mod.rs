@@ -7,6 +7,7 @@ pub(crate) mod allgather;
 pub(crate) mod allreduce;
 pub(crate) mod barrier;
 pub(crate) mod broadcast;
+pub(crate) mod calibrate;
 pub(crate) mod local;
 pub(crate) mod personalized;
 pub(crate) mod reduce;

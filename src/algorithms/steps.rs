@@ -176,6 +176,18 @@ impl<'s, 'a> Step<'s, 'a> {
         &bytemuck::cast_slice(bytes)[range]
     }
 
+    /// Copies member `m`'s bytes at `addr` (an address it published in this step or an
+    /// earlier one of this call, for bytes it keeps unchanged until it arrives at the next
+    /// step) into `dst`, straight from its memory. This rank's own bytes are the caller's.
+    pub(crate) fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> Result<()> {
+        self.l.area.read_member(m, addr, dst).map_err(|e| match e {
+            Error::PeerClosed { rank, op, detail } if op.is_empty() => {
+                Error::PeerClosed { rank, op: self.l.what.to_string(), detail }
+            }
+            e => e,
+        })
+    }
+
     /// The next step: `write` fills this rank's slot of it, and may still read this step's
     /// slots (a different slot of each member); then this rank arrives and waits for the
     /// others.

@@ -241,6 +241,7 @@ fn the_device_s_settings_read_from_a_lookup() {
     let v = Vars::lookup(&none);
     assert_eq!(Transport::read(&v).unwrap(), Transport::Auto);
     assert!(!ShmAttr::read(&v).single_copy);
+    assert_eq!(ShmAttr::read(&v).collective_copy, crate::device::ShmCopy::Measure);
     let tcp = TcpAttr::read(&v).unwrap();
     assert!(tcp.ip.is_none() && tcp.iface.is_none() && tcp.hostname.is_none());
     let ib = IbAttr::read(&v).unwrap();
@@ -260,6 +261,10 @@ fn the_device_s_settings_read_from_a_lookup() {
     let v = Vars::lookup(&set);
     assert_eq!(Transport::read(&v).unwrap(), Transport::Tcp);
     assert!(ShmAttr::read(&v).single_copy);
+    assert_eq!(ShmAttr::read(&v).collective_copy, crate::device::ShmCopy::Single);
+    let off = map(&[(FERROGLOO_SHM_SINGLE_COPY, "0")]);
+    let off = ShmAttr::read(&Vars::lookup(&off));
+    assert_eq!((off.single_copy, off.collective_copy), (false, crate::device::ShmCopy::Two));
     let tcp = TcpAttr::read(&v).unwrap();
     assert_eq!(tcp.ip, Some("10.1.2.3".parse().unwrap()));
     assert_eq!((tcp.iface.as_deref(), tcp.hostname.as_deref()), (Some("eth1"), Some("node7")));

@@ -8,7 +8,9 @@ use crate::config::{
     FERROGLOO_IB_PORT, FERROGLOO_IFACE, FERROGLOO_SHM_SINGLE_COPY, FERROGLOO_TRANSPORT, Vars,
 };
 use crate::error::{Error, Result};
+use crate::transport::CopyChoice;
 use crate::transport::shm::ShmOptions;
+use crate::types::CopyPlan;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
 use std::time::Duration;
 
@@ -55,29 +57,66 @@ pub struct ShmAttr {
     /// 1 MiB took 26 µs one way against 79; the kernel pins every page it copies).
     /// ([`ShmAttr::from_env`] reads the variable; `default()` does not.)
     pub single_copy: bool,
+    /// How collectives through the host's shared area (broadcast, allgather, allreduce of a
+    /// context whose ranks all share memory) copy: measured when a context forms, by default
+    /// (see [`ShmCopy`]).
+    pub collective_copy: ShmCopy,
+}
+
+/// How a host's ranks move a collective's bytes: through the shared area's slots (two copies,
+/// into the owner's slot and out of it) or straight from the owner's buffer
+/// (`process_vm_readv`, one copy). Which is faster depends on the machine: on the AMD EPYC
+/// machine the area was tuned on, the kernel's page pinning made single copy 3 to 4 times
+/// slower; on an Intel Xeon with a 480 MiB L3, single copy halved a 64 KiB message's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShmCopy {
+    /// Measure both when a host's first context of this size forms (a few milliseconds; the
+    /// result is kept per user and boot in `/dev/shm`), and take the faster per collective and
+    /// size. One rank measures and decides for its host, so every rank takes the same path.
+    #[default]
+    Measure,
+    /// Single copy wherever the kernel allows the ranks to read each other's memory (it may
+    /// not: Yama's `ptrace_scope`, containers); otherwise two copies, with one log line.
+    Single,
+    /// Always two copies.
+    Two,
+    /// This plan, where the kernel allows single copies (otherwise two copies): to repeat a
+    /// plan measured elsewhere ([`Context::copy_plan`](crate::Context::copy_plan)), or to test
+    /// both paths around chosen sizes. Every rank of a host must be given the same.
+    Given(CopyPlan),
 }
 
 impl Default for ShmAttr {
-    /// Single copy off.
+    /// Single copy off for messages; measured for collectives.
     fn default() -> Self {
-        ShmAttr { single_copy: false }
+        ShmAttr { single_copy: false, collective_copy: ShmCopy::Measure }
     }
 }
 
 impl ShmAttr {
-    /// The defaults, with [`single_copy`](ShmAttr::single_copy) on when
-    /// `FERROGLOO_SHM_SINGLE_COPY=1`.
+    /// The defaults, with single copy forced for messages and collectives when
+    /// `FERROGLOO_SHM_SINGLE_COPY=1`, and two copies forced for both when it is `0`.
     pub fn from_env() -> Self {
         Self::read(&Vars::process())
     }
 
     /// [`ShmAttr::from_env`] as `vars` give it.
     pub(crate) fn read(vars: &Vars<'_>) -> Self {
-        ShmAttr { single_copy: vars.is_one(FERROGLOO_SHM_SINGLE_COPY) }
+        match vars.on_off(FERROGLOO_SHM_SINGLE_COPY) {
+            Some(true) => ShmAttr { single_copy: true, collective_copy: ShmCopy::Single },
+            Some(false) => ShmAttr { single_copy: false, collective_copy: ShmCopy::Two },
+            None => ShmAttr::default(),
+        }
     }
 
     pub(crate) fn options(&self) -> ShmOptions {
-        ShmOptions { single_copy: self.single_copy, ..ShmOptions::default() }
+        let collective_copy = match self.collective_copy {
+            ShmCopy::Measure => CopyChoice::Measure,
+            ShmCopy::Single => CopyChoice::Single,
+            ShmCopy::Two => CopyChoice::Two,
+            ShmCopy::Given(plan) => CopyChoice::Given(plan),
+        };
+        ShmOptions { single_copy: self.single_copy, collective_copy, ..ShmOptions::default() }
     }
 }
 

@@ -32,9 +32,10 @@
 
 mod attr;
 
+pub use crate::types::CopyPlan;
 #[cfg(test)]
 pub(crate) use attr::host_id_in;
-pub use attr::{Family, IbAttr, ShmAttr, TcpAttr, Transport, host_id};
+pub use attr::{Family, IbAttr, ShmAttr, ShmCopy, TcpAttr, Transport, host_id};
 
 use crate::error::{Error, Result};
 use crate::transport::Backend;

@@ -612,6 +612,21 @@ pub(crate) trait LocalArea: Send + Sync {
     /// written, and it is done reading the previous step's), waking members that sleep on it.
     fn arrive(&self, step: u64, desc: &OpDesc);
 
+    /// Copies `dst.len()` bytes at address `addr` of member `m`'s process into `dst`
+    /// (`process_vm_readv`: one copy, no slot), for collectives that read a peer's buffer
+    /// straight. The member must keep those bytes unchanged until this rank arrives at a
+    /// later step. An error where the kernel refuses (the area's calibration tries it first)
+    /// or the member's process is gone.
+    fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> Result<()> {
+        let _ = (addr, dst);
+        Err(Error::invalid(format!("this area cannot read member {m}'s memory")))
+    }
+
+    /// The copy path the device was told to take ([`CopyChoice::Measure`] unless forced).
+    fn copy_choice(&self) -> CopyChoice {
+        CopyChoice::Two
+    }
+
     /// Waits until every member has arrived at `step`, and checks that their calls agree
     /// with `desc`. Busy-waits as `busy` says, then sleeps. Fails at `deadline`
     /// ([`AreaWait::Late`]), when members disagree ([`AreaWait::Disagree`]) or when the pair
@@ -623,6 +638,49 @@ pub(crate) trait LocalArea: Send + Sync {
         deadline: Instant,
         busy: BusyWait,
     ) -> std::result::Result<(), AreaWait>;
+}
+
+/// How a host's ranks move a collective's bytes between their buffers: through the area's
+/// slots (two copies: into the owner's slot, out of it), or straight from the owner's buffer
+/// (`process_vm_readv`, one copy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyChoice {
+    /// Measured when the context forms (the default).
+    Measure,
+    /// Single copy wherever the kernel allows it (`FERROGLOO_SHM_SINGLE_COPY=1`).
+    Single,
+    /// Always through the slots (`FERROGLOO_SHM_SINGLE_COPY=0`).
+    Two,
+    /// This plan, wherever the kernel allows single copies.
+    Given(crate::types::CopyPlan),
+}
+
+impl CopyChoice {
+    /// The choice as words (published in the area by calibration, compared between members).
+    pub(crate) fn words(self) -> [u64; 4] {
+        match self {
+            CopyChoice::Measure => [0, 0, 0, 0],
+            CopyChoice::Single => [1, 0, 0, 0],
+            CopyChoice::Two => [2, 0, 0, 0],
+            CopyChoice::Given(p) => {
+                let [a, b, c] = p.words();
+                [3, a, b, c]
+            }
+        }
+    }
+
+    /// The choice of [`words`](Self::words), in words for messages.
+    pub(crate) fn describe(w: &[u64]) -> String {
+        match w.first() {
+            Some(0) => "to measure which copy path is faster".into(),
+            Some(1) => "single copies (FERROGLOO_SHM_SINGLE_COPY=1)".into(),
+            Some(2) => "two copies (FERROGLOO_SHM_SINGLE_COPY=0)".into(),
+            _ if w.len() == 4 => {
+                format!("the copy plan \"{}\"", crate::types::CopyPlan::from_words([w[1], w[2], w[3]]))
+            }
+            _ => "another copy path".into(),
+        }
+    }
 }
 
 /// Why [`LocalArea::wait_all`] failed.

@@ -66,6 +66,9 @@ pub(crate) struct OpDesc {
     pub(crate) extra: u64,
 }
 
+/// The bit of [`OpDesc::algo`] that marks a single-copy shared-area call.
+const SINGLE_COPY: u8 = 0x80;
+
 /// Bytes in an encoded [`OpDesc`].
 pub(crate) const DESC_LEN: usize = 24;
 
@@ -99,6 +102,15 @@ impl OpDesc {
     /// With algorithm `algo`.
     pub(crate) fn algo(mut self, algo: Algorithm) -> Self {
         self.algo = algo.code();
+        self
+    }
+
+    /// Marked as a shared-area call that reads peers' buffers straight (`on`), so that a
+    /// member that took the other copy path is a mismatch, never a misread slot.
+    pub(crate) fn single_copy(mut self, on: bool) -> Self {
+        if on {
+            self.algo |= SINGLE_COPY;
+        }
         self
     }
 
@@ -148,8 +160,13 @@ impl OpDesc {
     }
 
     fn algo_name(&self) -> String {
-        Algorithm::long_name(self.algo)
-            .map_or_else(|| format!("algorithm #{}", self.algo), |n| format!("the {n} algorithm"))
+        let code = self.algo & !SINGLE_COPY;
+        let name =
+            Algorithm::long_name(code).map_or_else(|| format!("algorithm #{code}"), |n| format!("the {n} algorithm"));
+        match self.algo & SINGLE_COPY {
+            0 => name,
+            _ => format!("{name}, reading the others' buffers straight (single copy)"),
+        }
     }
 
     /// The call in words: "allreduce of 1000 f32 elements (sum)", "broadcast of 16 u8

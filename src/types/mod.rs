@@ -3,6 +3,7 @@
 //! every message carries (crate-internal).
 
 mod algorithm;
+pub(crate) mod copy_plan;
 pub(crate) mod cost_model;
 mod desc;
 mod dtype;
@@ -10,6 +11,7 @@ mod element;
 mod reduction;
 
 pub use algorithm::Algorithm;
+pub use copy_plan::CopyPlan;
 pub use cost_model::CostModel;
 pub(crate) use desc::{Call, DESC_LEN, OpDesc};
 pub use dtype::DType;

@@ -174,6 +174,11 @@ fn run(ctx: &Context, s: &Setup<'_>, gpu: &mut Option<Gpu<'_>>) -> Result<Vec<Ce
     if let Some(m) = ctx.cost_model().filter(|_| ctx.rank() == 0 && gpu.is_none()) {
         println!("# cost model (measured as the context formed, the same on every rank): {m}; model = its prediction");
     }
+    if let Some(p) = ctx.copy_plan().filter(|_| ctx.rank() == 0) {
+        println!(
+            "# shared-memory copies (this host's, FERROGLOO_SHM_SINGLE_COPY or measured as the context formed): {p}"
+        );
+    }
     ctx.barrier()?;
     let bar = if ctx.rank() == 0 {
         let b =

@@ -20,7 +20,7 @@ use super::pair::ShmPair;
 use super::segment::{LINE, Segment};
 use crate::error::Error;
 use crate::transport::wake::{EventFd, poll_fds};
-use crate::transport::{AreaWait, BusyWait, LocalArea};
+use crate::transport::{AreaWait, BusyWait, CopyChoice, LocalArea};
 use crate::types::{DESC_LEN, OpDesc};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
@@ -48,6 +48,9 @@ pub(crate) struct ShmArea {
     /// The pair to each member (`None` for this rank).
     pairs: Vec<Option<Arc<ShmPair>>>,
     bell: Arc<EventFd>,
+    /// Each member's process id (this rank's own among them).
+    pids: Vec<i32>,
+    choice: CopyChoice,
     flags_at: usize,
     data_at: usize,
     slot_bytes: usize,
@@ -62,6 +65,7 @@ impl ShmArea {
         mine: Arc<Segment>,
         pairs: &[Option<Arc<ShmPair>>],
         bell: Arc<EventFd>,
+        choice: CopyChoice,
     ) -> Option<Arc<Self>> {
         let members: Vec<usize> = (0..pairs.len()).filter(|&r| r == me || pairs[r].is_some()).collect();
         if members.len() < 2 {
@@ -73,7 +77,11 @@ impl ShmArea {
             .map(|&r| if r == me { Some(mine.clone()) } else { pairs[r].as_ref().map(|p| p.theirs()) })
             .collect::<Option<Vec<_>>>()?;
         let slot_bytes = (layout.coll_bytes / 2) / LINE * LINE;
+        let own = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
+        let pids = members.iter().map(|&r| pairs[r].as_ref().map_or(own, |p| p.peer_pid())).collect();
         Some(Arc::new(ShmArea {
+            pids,
+            choice,
             me: members.iter().position(|&r| r == me)?,
             pairs: members.iter().map(|&r| pairs[r].clone()).collect(),
             members,
@@ -180,6 +188,23 @@ impl LocalArea for ShmArea {
     fn slot(&self, m: usize, step: u64) -> *mut u8 {
         let at = self.data_at + (step % 2) as usize * self.slot_bytes;
         self.segs[m].at(at, self.slot_bytes)
+    }
+
+    fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> crate::error::Result<()> {
+        let rank = self.members[m];
+        super::read_process(self.pids[m], addr, dst).map_err(|e| match e {
+            nix::errno::Errno::ESRCH => {
+                Error::PeerClosed { rank, op: String::new(), detail: "its process is gone".into() }
+            }
+            e => Error::io(
+                format!("reading {} bytes of rank {rank}'s buffer from its memory (process_vm_readv)", dst.len()),
+                e.into(),
+            ),
+        })
+    }
+
+    fn copy_choice(&self) -> CopyChoice {
+        self.choice
     }
 
     fn arrive(&self, step: u64, desc: &OpDesc) {

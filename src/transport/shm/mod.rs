@@ -55,6 +55,8 @@ pub(crate) struct ShmOptions {
     /// Whether this rank reads its peers' large messages straight from their memory, where
     /// the kernel allows it.
     pub(crate) single_copy: bool,
+    /// How the collective area's collectives copy.
+    pub(crate) collective_copy: crate::transport::CopyChoice,
 }
 
 impl Default for ShmOptions {
@@ -66,6 +68,7 @@ impl Default for ShmOptions {
             handshake_timeout: Duration::from_secs(10),
             max_pending: 64,
             single_copy: false,
+            collective_copy: crate::transport::CopyChoice::Measure,
         }
     }
 }
@@ -190,11 +193,37 @@ impl Endpoint for ShmEndpoint {
     fn finish(self: Box<Self>) -> Mesh {
         let dyn_pairs = self.pairs.iter().map(|p| p.clone().map(|p| p as Arc<dyn Pair>)).collect();
         let progress = Arc::new(ShmProgress::new(self.pairs.clone(), self.bell.clone()));
-        let local = area::ShmArea::new(self.spec.rank, self.segment.clone(), &self.pairs, self.bell.clone())
-            .map(|a| a as Arc<dyn crate::transport::LocalArea>);
+        let local = area::ShmArea::new(
+            self.spec.rank,
+            self.segment.clone(),
+            &self.pairs,
+            self.bell.clone(),
+            self.opts.collective_copy,
+        )
+        .map(|a| a as Arc<dyn crate::transport::LocalArea>);
         let guard = MeshGuard { _segment: self.segment, _bell: self.bell, pairs: self.pairs };
         Mesh { pairs: dyn_pairs, progress, local, _guard: Box::new(guard) }
     }
+}
+
+/// Copies `dst.len()` bytes at `addr` of process `pid` into `dst` (`process_vm_readv`, until
+/// all are read). `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
+pub(crate) fn read_process(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Result<(), nix::errno::Errno> {
+    let mut done = 0;
+    while done < dst.len() {
+        let remote = [nix::sys::uio::RemoteIoVec { base: addr as usize + done, len: dst.len() - done }];
+        match nix::sys::uio::process_vm_readv(
+            nix::unistd::Pid::from_raw(pid),
+            &mut [IoSliceMut::new(&mut dst[done..])],
+            &remote,
+        ) {
+            Ok(0) => return Err(nix::errno::Errno::EFAULT),
+            Ok(n) => done += n,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Whether this process may read process `pid`'s memory: the word at `probe` must read back as

@@ -239,6 +239,11 @@ impl ShmPair {
         self._segments[1].clone()
     }
 
+    /// The peer's process id.
+    pub(crate) fn peer_pid(&self) -> i32 {
+        self.peer_pid
+    }
+
     /// Why the pair can no longer serve the same-host area, once it cannot: it failed, or the
     /// mesh's own group (the only one the area serves) was aborted on it.
     pub(crate) fn failure(&self) -> Option<Error> {

@@ -12,7 +12,6 @@ use super::{HOLD, HOLD_MIN, Inner, Rx, ShmPair};
 use crate::error::{Error, Result};
 use crate::transport::Done;
 use crate::transport::matching::Dispatch;
-use std::io::IoSliceMut;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -207,30 +206,18 @@ impl ShmPair {
     /// Copies `dst.len()` bytes from the peer's memory at `addr`, then makes sure the peer had
     /// not broken its side meanwhile (a send it cancelled while it was being read).
     pub(super) fn cma_read(&self, g: &Inner, dst: &mut [u8], addr: u64) -> Result<()> {
-        let mut done = 0;
-        while done < dst.len() {
-            let remote = [nix::sys::uio::RemoteIoVec { base: addr as usize + done, len: dst.len() - done }];
-            match nix::sys::uio::process_vm_readv(
-                nix::unistd::Pid::from_raw(self.peer_pid),
-                &mut [IoSliceMut::new(&mut dst[done..])],
-                &remote,
-            ) {
-                Ok(0) => return Err(self.protocol("its memory could not be read".into())),
-                Ok(n) => done += n,
-                Err(nix::errno::Errno::EINTR) => {}
-                Err(nix::errno::Errno::ESRCH) => {
-                    return Err(Error::PeerClosed {
-                        rank: self.peer,
-                        op: String::new(),
-                        detail: "its process is gone".into(),
-                    });
-                }
-                Err(e) => {
-                    return Err(Error::io(
-                        format!("reading a message of rank {} from its memory", self.peer),
-                        e.into(),
-                    ));
-                }
+        match crate::transport::shm::read_process(self.peer_pid, addr, dst) {
+            Ok(()) => {}
+            Err(nix::errno::Errno::EFAULT) => return Err(self.protocol("its memory could not be read".into())),
+            Err(nix::errno::Errno::ESRCH) => {
+                return Err(Error::PeerClosed {
+                    rank: self.peer,
+                    op: String::new(),
+                    detail: "its process is gone".into(),
+                });
+            }
+            Err(e) => {
+                return Err(Error::io(format!("reading a message of rank {} from its memory", self.peer), e.into()));
             }
         }
         std::sync::atomic::fence(Ordering::SeqCst);
