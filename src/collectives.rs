@@ -296,9 +296,8 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let single = shm.is_some()
-            && area.is_some()
-            && CopyPlan::single(self.comm().copy_plan().allreduce, bytes_of::<T>(buf.len()));
+        let single =
+            shm.is_some() && area.is_some() && self.comm().copy_plan().allreduce.contains(bytes_of::<T>(buf.len()));
         let desc = OpDesc::new(Call::Allreduce)
             .dtype(T::DTYPE)
             .count(buf.len())
@@ -342,8 +341,8 @@ impl Context {
         let area = comm.local_area();
         // The host steps' copy path is this host's (the leaders' call has its own descriptor).
         let (plan, bytes) = (comm.copy_plan(), bytes_of::<T>(buf.len()));
-        let single = area.is_some() && CopyPlan::single(plan.allreduce, bytes);
-        let single_broadcast = area.is_some() && CopyPlan::single(plan.broadcast, bytes);
+        let single = area.is_some() && plan.allreduce.contains(bytes);
+        let single_broadcast = area.is_some() && plan.broadcast.contains(bytes);
         let desc = desc.single_copy(single);
         let mut local =
             area.map(|a| steps::Local::new(comm, &**a, "allreduce", desc, deadline, timeout)).transpose()?;
@@ -580,9 +579,8 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let single = shm.is_some()
-            && area.is_some()
-            && CopyPlan::single(self.comm().copy_plan().allgather, bytes_of::<T>(total));
+        let single =
+            shm.is_some() && area.is_some() && self.comm().copy_plan().allgather.contains(bytes_of::<T>(total));
         let desc = OpDesc::new(Call::Allgather)
             .dtype(T::DTYPE)
             .count(total)
@@ -625,9 +623,8 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let single = shm.is_some()
-            && area.is_some()
-            && CopyPlan::single(self.comm().copy_plan().broadcast, bytes_of::<T>(buf.len()));
+        let single =
+            shm.is_some() && area.is_some() && self.comm().copy_plan().broadcast.contains(bytes_of::<T>(buf.len()));
         let desc =
             OpDesc::new(Call::Broadcast).dtype(T::DTYPE).count(buf.len()).root(root).algo(algo).single_copy(single);
         if let (Some(_), Some(area)) = (shm, area) {

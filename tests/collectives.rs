@@ -5,7 +5,7 @@
 mod common;
 
 use common::{TIMEOUT, all_ok, run_ranks, run_ranks_on, run_ranks_with};
-use ferrogloo::device::{CopyPlan, Device, ShmAttr, ShmCopy, TcpAttr};
+use ferrogloo::device::{CopyPlan, Device, ShmAttr, ShmCopy, SizeRange, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Algorithm, CollectiveOptions, Context, Element, Error, Reduction, bf16, f16};
 use proptest::prelude::*;
@@ -347,9 +347,13 @@ enum Dev {
     IbverbsMixed,
 }
 
-/// [`Dev::ShmGiven`]'s plan: bytes from which each collective reads straight (the plans'
-/// buffers reach 24,000 bytes).
-const THRESHOLDS: CopyPlan = CopyPlan { broadcast: Some(1000), allgather: Some(2048), allreduce: Some(4000) };
+/// [`Dev::ShmGiven`]'s plan: the sizes (bytes) at which each collective reads straight, their
+/// ends among the plans' sizes (which reach 24,000 bytes).
+const THRESHOLDS: CopyPlan = CopyPlan {
+    broadcast: SizeRange { from: 1000, below: usize::MAX },
+    allgather: SizeRange { from: 0, below: 2048 },
+    allreduce: SizeRange { from: 4000, below: 12_000 },
+};
 
 fn device(dev: Dev) -> ferrogloo::Result<Device> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);

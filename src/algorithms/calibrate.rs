@@ -22,7 +22,7 @@ use super::steps::Local;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::transport::{CopyChoice, LocalArea};
-use crate::types::{Algorithm, Call, CopyPlan, DType, Fold, OpDesc, Reduction};
+use crate::types::{Algorithm, Call, CopyPlan, DType, Fold, OpDesc, Reduction, SizeRange};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -31,13 +31,15 @@ use std::time::{Duration, Instant};
 static PROBE: u64 = u64::from_le_bytes(*b"FGCOPY01");
 /// Marks the calibration's calls (their descriptors' `extra`).
 const CALIBRATION: u64 = 0x6361_6c69_6272_6174;
-/// Buffer sizes timed (bytes of the user's buffer; ascending).
-const SIZES: [usize; 3] = [64 << 10, 512 << 10, 4 << 20];
-/// Timed calls per size and path (after one untimed).
-const CALLS: u32 = 3;
+/// Buffer sizes timed (bytes of the user's buffer; ascending, each 4 times the last).
+const SIZES: [usize; 5] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20];
+/// Bytes of calls timed per size, path and round (between 2 and 32 calls).
+const CALL_BYTES: usize = 4 << 20;
+/// Rounds, the two paths alternating.
+const ROUNDS: usize = 2;
 /// The time the first member lets the timing take; past it, what is not measured takes two
 /// copies and the plan is not cached (a later context measures again).
-pub(crate) const BUDGET: Duration = Duration::from_millis(300);
+pub(crate) const BUDGET: Duration = Duration::from_secs(1);
 /// Single copy is taken where it is at least this much faster (noise does not flip a path).
 const MARGIN: f64 = 0.95;
 /// Said once per process: the kernel refused single copies.
@@ -65,16 +67,16 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     let told = choice.words();
     let t = l.step(|own: &mut [u64]| {
         own[0] = &raw const PROBE as u64;
-        own[1..5].copy_from_slice(&told);
+        own[1..8].copy_from_slice(&told);
     })?;
-    if let Some(m) = (0..n).find(|&m| t.read::<u64>(m, 1..5) != told) {
+    if let Some(m) = (0..n).find(|&m| t.read::<u64>(m, 1..8) != told) {
         return Err(Error::Mismatch {
             rank: members[m],
             detail: format!(
                 "rank {} of this host was told {} and rank {} {}: set FERROGLOO_SHM_SINGLE_COPY \
                  (ShmAttr::collective_copy) alike on every rank",
                 members[m],
-                CopyChoice::describe(t.read::<u64>(m, 1..5)),
+                CopyChoice::describe(t.read::<u64>(m, 1..8)),
                 members[me],
                 CopyChoice::describe(&told)
             ),
@@ -110,10 +112,10 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     let cached = if me == 0 { path.as_ref().and_then(load) } else { None };
     let t = t.next(|own: &mut [u64], _| {
         own[0] = u64::from(cached.is_some());
-        own[1..4].copy_from_slice(&cached.unwrap_or(CopyPlan::TWO).words());
+        own[1..7].copy_from_slice(&cached.unwrap_or(CopyPlan::TWO).words());
     })?;
     if t.read::<u64>(0, 0..1)[0] == 1 {
-        let plan = CopyPlan::from_words(first_three(t.read::<u64>(0, 1..4)));
+        let plan = CopyPlan::from_words(six(t.read::<u64>(0, 1..7)));
         tracing::debug!(%plan, "shared-memory copy path (cached)");
         return Ok(plan);
     }
@@ -121,8 +123,8 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     let (times, whole) = time_paths(comm, area, deadline)?;
     let decided = decide(&times);
     let mut l = Local::new(comm, area, what, desc, deadline, timeout)?;
-    let t = l.step(|own: &mut [u64]| own[..3].copy_from_slice(&decided.words()))?;
-    let plan = CopyPlan::from_words(first_three(t.read::<u64>(0, 0..3)));
+    let t = l.step(|own: &mut [u64]| own[..6].copy_from_slice(&decided.words()))?;
+    let plan = CopyPlan::from_words(six(t.read::<u64>(0, 0..6)));
     if me == 0 {
         tracing::debug!(%plan, ?times, "shared-memory copy path (measured: seconds per call, two copies and one)");
         if let (true, Some(path)) = (whole, &path) {
@@ -132,15 +134,20 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     Ok(plan)
 }
 
-fn first_three(w: &[u64]) -> [u64; 3] {
-    [w[0], w[1], w[2]]
+fn six(w: &[u64]) -> [u64; 6] {
+    let mut out = [0; 6];
+    out.copy_from_slice(&w[..6]);
+    out
 }
 
 /// Seconds per call, by collective, size and path (two copies, then one), as the first member
 /// timed them (a call's time there includes the others': each call's last step waits for
-/// every member), `None` where the budget ran out; and whether all were timed.
+/// every member), `None` where the budget ran out.
 type Times = [[Option<[f64; 2]>; SIZES.len()]; OPS.len()];
 
+/// Times every collective at every size both ways, the two paths alternating over
+/// [`ROUNDS`] (the fastest round of each counts: a machine's state can change between runs
+/// of seconds, not within the few milliseconds of a round). Returns whether all were timed.
 fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(Times, bool)> {
     let (n, me) = (area.members().len(), area.me());
     let elems = SIZES[SIZES.len() - 1] / 4;
@@ -152,60 +159,82 @@ fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(T
     for (o, op) in OPS.into_iter().enumerate() {
         for (s, size) in SIZES.into_iter().enumerate() {
             let k = size / 4;
-            let mut pair = [0.0; 2];
-            for (p, single) in [false, true].into_iter().enumerate() {
-                let call = match op {
-                    Op::Broadcast => Call::Broadcast,
-                    Op::Allgather => Call::Allgather,
-                    Op::Allreduce => Call::Allreduce,
-                };
-                let desc = OpDesc::new(call)
-                    .dtype(DType::F32)
-                    .count(k)
-                    .algo(Algorithm::SharedMemory)
-                    .single_copy(single)
-                    .extra(CALIBRATION);
-                let timeout = deadline.saturating_duration_since(Instant::now());
-                let mut l = Local::new(comm, area, "timing the shared-memory copy paths", desc, deadline, timeout)?;
-                let mut once = |l: &mut Local<'_>| -> Result<()> {
-                    let b = k / n;
-                    match (op, single) {
-                        (Op::Broadcast, false) => local::broadcast(l, &mut buf[..k], 0),
-                        (Op::Broadcast, true) => local::broadcast_single(l, &mut buf[..k], 0),
-                        (Op::Allgather, false) => local::allgather(l, &input[..b], &mut out[..b * n]),
-                        (Op::Allgather, true) => local::allgather_single(l, &input[..b], &mut out[..b * n]),
-                        (Op::Allreduce, false) => local::allreduce(l, &mut buf[..k], &sum),
-                        (Op::Allreduce, true) => local::allreduce_single(l, &mut buf[..k], &sum),
+            // Enough calls that a small size's time is not one call's noise.
+            let calls = (CALL_BYTES / size).clamp(2, 32) as u32;
+            let mut best = [f64::MAX; 2];
+            for round in 0..ROUNDS {
+                for (p, single) in [false, true].into_iter().enumerate() {
+                    let call = match op {
+                        Op::Broadcast => Call::Broadcast,
+                        Op::Allgather => Call::Allgather,
+                        Op::Allreduce => Call::Allreduce,
+                    };
+                    let desc = OpDesc::new(call)
+                        .dtype(DType::F32)
+                        .count(k)
+                        .algo(Algorithm::SharedMemory)
+                        .single_copy(single)
+                        .extra(CALIBRATION);
+                    let timeout = deadline.saturating_duration_since(Instant::now());
+                    let mut l = Local::new(comm, area, "timing the shared-memory copy paths", desc, deadline, timeout)?;
+                    let mut once = |l: &mut Local<'_>| -> Result<()> {
+                        let b = k / n;
+                        match (op, single) {
+                            (Op::Broadcast, false) => local::broadcast(l, &mut buf[..k], 0),
+                            (Op::Broadcast, true) => local::broadcast_single(l, &mut buf[..k], 0),
+                            (Op::Allgather, false) => local::allgather(l, &input[..b], &mut out[..b * n]),
+                            (Op::Allgather, true) => local::allgather_single(l, &input[..b], &mut out[..b * n]),
+                            (Op::Allreduce, false) => local::allreduce(l, &mut buf[..k], &sum),
+                            (Op::Allreduce, true) => local::allreduce_single(l, &mut buf[..k], &sum),
+                        }
+                    };
+                    if round == 0 {
+                        once(&mut l)?;
                     }
-                };
-                once(&mut l)?;
-                let t = Instant::now();
-                for _ in 0..CALLS {
-                    once(&mut l)?;
-                }
-                pair[p] = t.elapsed().as_secs_f64() / f64::from(CALLS);
-                // The first member says whether to go on (all stop at the same point).
-                let go = start.elapsed() < BUDGET;
-                let t = l.step(|own: &mut [u64]| own[0] = u64::from(me != 0 || go))?;
-                if t.read::<u64>(0, 0..1)[0] == 0 {
-                    return Ok((times, false));
+                    let t = Instant::now();
+                    for _ in 0..calls {
+                        once(&mut l)?;
+                    }
+                    best[p] = best[p].min(t.elapsed().as_secs_f64() / f64::from(calls));
+                    // The first member says whether to go on (all stop at the same point).
+                    let go = start.elapsed() < BUDGET;
+                    let t = l.step(|own: &mut [u64]| own[0] = u64::from(me != 0 || go))?;
+                    if t.read::<u64>(0, 0..1)[0] == 0 {
+                        return Ok((times, false));
+                    }
                 }
             }
-            times[o][s] = Some(pair);
+            times[o][s] = Some(best);
         }
     }
     Ok((times, true))
 }
 
-/// Per collective, the smallest size from which single copy won at every size timed (by
-/// [`MARGIN`]); two copies where it lost at the largest, or where nothing was timed.
+/// Per collective, the sizes where single copy won (by [`MARGIN`]): the longest run of
+/// consecutive sizes timed where it won (the first of equal runs), reaching halfway (in
+/// ratio) to the neighbouring sizes where it lost, and on past the largest size when it won
+/// there; from the smallest size timed at the least. Two copies where it never won, or where
+/// nothing was timed.
 fn decide(times: &Times) -> CopyPlan {
-    let threshold = |row: &[Option<[f64; 2]>; SIZES.len()]| -> Option<usize> {
+    let range = |row: &[Option<[f64; 2]>; SIZES.len()]| -> SizeRange {
         let wins: Vec<bool> = row.iter().map(|t| t.is_some_and(|[two, one]| one < two * MARGIN)).collect();
-        let from = wins.iter().rposition(|w| !w).map_or(0, |i| i + 1);
-        SIZES.get(from).copied()
+        let (mut best, mut at) = (0..0, 0);
+        while at < wins.len() {
+            let end = (at..wins.len()).find(|&j| !wins[j]).unwrap_or(wins.len());
+            if end - at > best.len() {
+                best = at..end;
+            }
+            at = end + 1;
+        }
+        if best.is_empty() {
+            return SizeRange::NONE;
+        }
+        let mid = |a: usize, b: usize| ((a as f64) * (b as f64)).sqrt() as usize;
+        let from = if best.start == 0 { SIZES[0] } else { mid(SIZES[best.start - 1], SIZES[best.start]) };
+        let below = if best.end == SIZES.len() { usize::MAX } else { mid(SIZES[best.end - 1], SIZES[best.end]) };
+        SizeRange { from, below }
     };
-    CopyPlan { broadcast: threshold(&times[0]), allgather: threshold(&times[1]), allreduce: threshold(&times[2]) }
+    CopyPlan { broadcast: range(&times[0]), allgather: range(&times[1]), allreduce: range(&times[2]) }
 }
 
 /// Where the first member keeps its host's plan: per user, boot, member count, slot size and
@@ -233,14 +262,14 @@ fn load(path: &PathBuf) -> Option<CopyPlan> {
     }
     let text = std::fs::read_to_string(path).ok()?;
     let words: Vec<u64> = text.split_whitespace().map(|w| w.parse().ok()).collect::<Option<_>>()?;
-    <[u64; 3]>::try_from(words).ok().map(CopyPlan::from_words)
+    <[u64; 6]>::try_from(words).ok().map(CopyPlan::from_words)
 }
 
 /// Caches `plan` at `path` (written aside, then renamed over it: a reader never sees half).
 fn save(path: &PathBuf, plan: &CopyPlan) {
-    let [a, b, c] = plan.words();
+    let text: Vec<String> = plan.words().iter().map(u64::to_string).collect();
     let aside = path.with_extension(format!("{}.tmp", std::process::id()));
-    let written = std::fs::write(&aside, format!("{a} {b} {c}\n")).and_then(|()| std::fs::rename(&aside, path));
+    let written = std::fs::write(&aside, text.join(" ") + "\n").and_then(|()| std::fs::rename(&aside, path));
     if let Err(e) = written {
         let _ = std::fs::remove_file(&aside);
         tracing::debug!(path = %path.display(), error = %e, "the shared-memory copy plan was not cached");
@@ -252,18 +281,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn single_copy_from_the_smallest_size_after_its_last_loss() {
-        let (win, lose) = (Some([2.0, 1.0]), Some([1.0, 2.0]));
-        let row = |r: [Option<[f64; 2]>; 3]| decide(&[r, [lose; 3], [None; 3]]).broadcast;
-        assert_eq!(row([win, win, win]), Some(SIZES[0]));
-        assert_eq!(row([lose, win, win]), Some(SIZES[1]));
-        assert_eq!(row([win, lose, win]), Some(SIZES[2]));
-        assert_eq!(row([win, win, lose]), None);
+    fn single_copy_over_the_longest_run_of_sizes_where_it_won() {
+        let (w, l) = (Some([2.0, 1.0]), Some([1.0, 2.0]));
+        let bcast = |r: [Option<[f64; 2]>; 5]| decide(&[r, [l; 5], [None; 5]]).broadcast;
+        let range = |from, below| SizeRange { from, below };
+        assert_eq!(bcast([w; 5]), range(SIZES[0], usize::MAX));
+        assert_eq!(bcast([l; 5]), SizeRange::NONE);
+        // Won in the middle: from halfway (in ratio) below to halfway above.
+        assert_eq!(bcast([l, w, w, l, l]), range(128 << 10, 2 << 20));
+        assert_eq!(bcast([l, l, l, l, w]), range(8 << 20, usize::MAX));
+        // The longer run counts; of equal runs, the first.
+        assert_eq!(bcast([w, l, w, w, l]), range(512 << 10, 8 << 20));
+        assert_eq!(bcast([w, l, w, l, l]), range(SIZES[0], 128 << 10));
         // Within the margin is no win; what was not timed is none either.
-        assert_eq!(row([win, win, Some([1.0, 0.99])]), None);
-        assert_eq!(row([win, win, None]), None);
-        let all = decide(&[[win; 3], [lose; 3], [None; 3]]);
-        assert_eq!((all.allgather, all.allreduce), (None, None));
+        assert_eq!(bcast([w, w, w, w, Some([1.0, 0.99])]), range(SIZES[0], 8 << 20));
+        assert_eq!(bcast([None; 5]), SizeRange::NONE);
+        let all = decide(&[[w; 5], [l; 5], [None; 5]]);
+        assert_eq!((all.allgather, all.allreduce), (SizeRange::NONE, SizeRange::NONE));
+        for size in [0, 1000, (64 << 10) - 1] {
+            assert!(!all.broadcast.contains(size), "{size}");
+        }
     }
 
     #[test]
@@ -271,10 +308,14 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ferrogloo-calibrate-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a directory");
         let path = dir.join("plan");
-        let plan = CopyPlan { broadcast: Some(65536), allgather: None, allreduce: Some(1 << 22) };
+        let plan = CopyPlan {
+            broadcast: SizeRange { from: 65536, below: 1 << 24 },
+            allgather: SizeRange::NONE,
+            allreduce: SizeRange { from: 1 << 22, below: usize::MAX },
+        };
         save(&path, &plan);
         assert_eq!(load(&path), Some(plan));
-        std::fs::write(&path, "1 2\n").expect("write");
+        std::fs::write(&path, "1 2 3\n").expect("write");
         assert_eq!(load(&path), None);
         std::fs::write(&path, "x y z\n").expect("write");
         assert_eq!(load(&path), None);

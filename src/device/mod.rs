@@ -32,7 +32,7 @@
 
 mod attr;
 
-pub use crate::types::CopyPlan;
+pub use crate::types::{CopyPlan, SizeRange};
 #[cfg(test)]
 pub(crate) use attr::host_id_in;
 pub use attr::{Family, IbAttr, ShmAttr, ShmCopy, TcpAttr, Transport, host_id};

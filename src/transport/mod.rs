@@ -657,16 +657,18 @@ pub(crate) enum CopyChoice {
 
 impl CopyChoice {
     /// The choice as words (published in the area by calibration, compared between members).
-    pub(crate) fn words(self) -> [u64; 4] {
+    pub(crate) fn words(self) -> [u64; 7] {
+        let mut w = [0u64; 7];
         match self {
-            CopyChoice::Measure => [0, 0, 0, 0],
-            CopyChoice::Single => [1, 0, 0, 0],
-            CopyChoice::Two => [2, 0, 0, 0],
+            CopyChoice::Measure => {}
+            CopyChoice::Single => w[0] = 1,
+            CopyChoice::Two => w[0] = 2,
             CopyChoice::Given(p) => {
-                let [a, b, c] = p.words();
-                [3, a, b, c]
+                w[0] = 3;
+                w[1..].copy_from_slice(&p.words());
             }
         }
+        w
     }
 
     /// The choice of [`words`](Self::words), in words for messages.
@@ -675,8 +677,10 @@ impl CopyChoice {
             Some(0) => "to measure which copy path is faster".into(),
             Some(1) => "single copies (FERROGLOO_SHM_SINGLE_COPY=1)".into(),
             Some(2) => "two copies (FERROGLOO_SHM_SINGLE_COPY=0)".into(),
-            _ if w.len() == 4 => {
-                format!("the copy plan \"{}\"", crate::types::CopyPlan::from_words([w[1], w[2], w[3]]))
+            Some(3) if w.len() == 7 => {
+                let mut p = [0u64; 6];
+                p.copy_from_slice(&w[1..]);
+                format!("the copy plan \"{}\"", crate::types::CopyPlan::from_words(p))
             }
             _ => "another copy path".into(),
         }
