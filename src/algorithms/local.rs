@@ -82,10 +82,11 @@ pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<
 
 /// Allgather of equal blocks: `output` (n blocks of `input.len()`) gets every member's
 /// `input`, in member order (this rank's own block is the caller's to fill). One step per
-/// slot-sized chunk.
+/// piece ([`Local::piece_elems`]): a member copies its next piece in while the others copy
+/// the last one out.
 pub(crate) fn allgather<T: Element>(l: &mut Local<'_>, input: &[T], output: &mut [T]) -> Result<()> {
     let (n, me) = (l.n(), l.me());
-    let (b, c) = (input.len(), l.elems::<T>());
+    let (b, c) = (input.len(), l.piece_elems::<T>(input.len()));
     let mut at = 0;
     loop {
         let len = c.min(b - at);
@@ -100,10 +101,11 @@ pub(crate) fn allgather<T: Element>(l: &mut Local<'_>, input: &[T], output: &mut
     }
 }
 
-/// Broadcast of `buf` from member `root`. One step per slot-sized chunk.
+/// Broadcast of `buf` from member `root`. One step per piece ([`Local::piece_elems`]): the
+/// root copies a piece in while the others copy the last one out.
 pub(crate) fn broadcast<T: Element>(l: &mut Local<'_>, buf: &mut [T], root: usize) -> Result<()> {
     let me = l.me();
-    let c = l.elems::<T>();
+    let c = l.piece_elems::<T>(buf.len());
     let mut at = 0;
     loop {
         let len = c.min(buf.len() - at);
