@@ -546,9 +546,11 @@ fn larger_than_a_slot(dev: Dev, n: usize) {
         |ctx| {
             let r = ctx.rank();
             let data = |p: usize| -> Vec<i32> { (0..len).map(|i| (i as i32 % 1000) * (p as i32 + 1)).collect() };
+            // Rank p contributes p + 1 times the pattern: the sum is n(n+1)/2 times it.
+            let k = (n * (n + 1) / 2) as i32;
             let mut v = data(r);
             ctx.allreduce(&mut v, Reduction::Sum)?;
-            assert!(v.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * 6), "allreduce");
+            assert!(v.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * k), "allreduce");
             let mut all = vec![0i32; n * len];
             ctx.allgather(&data(r), &mut all, &CollectiveOptions::new())?;
             assert!(all == (0..n).flat_map(data).collect::<Vec<_>>(), "allgather");
@@ -558,7 +560,7 @@ fn larger_than_a_slot(dev: Dev, n: usize) {
             let input: Vec<i32> = (0..n).flat_map(|_| data(r)).collect();
             let mut out = vec![0i32; len];
             ctx.reduce_scatter(&input, &mut out, Reduction::Sum, &CollectiveOptions::new())?;
-            assert!(out.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * 6), "reduce_scatter");
+            assert!(out.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * k), "reduce_scatter");
             for a in ["allreduce", "allgather", "broadcast"] {
                 let got = match a {
                     "allreduce" => ctx.allreduce_algorithm(len * 4, Algorithm::Auto)?,
