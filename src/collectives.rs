@@ -154,8 +154,9 @@ impl Context {
     /// allgather and allreduce; the host steps of the two-level allreduce): decided by the
     /// host's ranks together as the context formed, measured unless forced (see
     /// [`ShmCopy`](crate::device::ShmCopy)); every rank of the host holds the same. `None` when
-    /// this rank shares no memory with another rank of the context (or the context was made by
-    /// [`grow`](Self::grow) or a join, which take two copies).
+    /// this rank shares no memory with another rank of the context, and for a sub-group
+    /// ([`split`](Self::split), [`subgroup`](Self::subgroup)) or a context made by
+    /// [`shrink`](Self::shrink): they run over the pairs, not the area.
     pub fn copy_plan(&self) -> Option<CopyPlan> {
         self.comm().local_area().map(|_| self.comm().copy_plan())
     }

@@ -69,6 +69,10 @@ pub(crate) struct World {
     /// are numbered per area, so two at once from two threads would write slots the other
     /// reads (see `algorithms::steps::Local`).
     pub(crate) area_busy: std::sync::atomic::AtomicBool,
+    /// Whether the area's pipelined collectives go in pieces of a fraction of the buffer
+    /// (`Local::piece_elems`): the host's first rank's say, published as the context forms
+    /// (whole slots until then), so that every member cuts a buffer alike.
+    pub(crate) area_pieces: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for World {
@@ -115,6 +119,7 @@ impl World {
             own,
             failure: Mutex::default(),
             area_busy: Default::default(),
+            area_pieces: Default::default(),
         }
     }
 

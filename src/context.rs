@@ -165,6 +165,8 @@ impl ContextBuilder {
         tracing::debug!(rank, size, backend = device.backend().name(), ?spin, "context connected");
         let shared = Arc::new(World::new(mesh, rank, hosts, spin));
         let comm = Comm::root(shared, timeout);
+        // Set when a peer aborted or revoked the context as it formed: it is handed out failed.
+        let mut failed = false;
         if size > 1 {
             // The links' cost model, for `Auto`'s choices: measured by every rank before the
             // context is handed out (on a message group of its own), so all hold it before
@@ -179,6 +181,7 @@ impl ContextBuilder {
                     Err(e @ (Error::Aborted { .. } | Error::Revoked { .. })) => {
                         tracing::debug!(rank, error = %e, "the cost model was not measured: the context failed");
                         comm.fail(&e);
+                        failed = true;
                         None
                     }
                     Err(e) => return Err(e),
@@ -186,18 +189,25 @@ impl ContextBuilder {
             };
             tracing::debug!(rank, size, ?model, "cost model");
             *crate::sync::lock(&comm.shared().cost) = model;
-            // The copy path of the host's shared-area collectives, decided by the host's
-            // members together (a rank alone on its host has no area).
-            if let Some(area) = comm.local_area() {
-                let plan =
-                    crate::algorithms::calibrate::copy_plan(&comm, &**area, std::time::Instant::now() + timeout)?;
-                *crate::sync::lock(&comm.shared().copy_plan) = plan;
-            }
         }
+        // Heartbeats before the hosts decide their copy paths: a host deciding for up to a
+        // second must not look silent to ranks elsewhere that are done.
         let heartbeat = match heartbeat.is_zero() || size == 1 {
             true => None,
             false => Some(crate::comm::heartbeat::Heartbeat::start(&comm, heartbeat)?),
         };
+        // The copy path of the host's shared-area collectives, decided by the host's members
+        // together (a rank alone on its host has no area).
+        if let (false, Some(area)) = (failed, comm.local_area()) {
+            match crate::algorithms::calibrate::copy_plan(&comm, &**area, std::time::Instant::now() + timeout) {
+                Ok(plan) => *crate::sync::lock(&comm.shared().copy_plan) = plan,
+                Err(e @ (Error::Aborted { .. } | Error::Revoked { .. })) => {
+                    tracing::debug!(rank, error = %e, "the copy path was not decided: the context failed");
+                    comm.fail(&e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
         Ok(Context { comm, device: device.clone(), hier: OnceLock::new(), survival: Default::default(), heartbeat })
     }
 }

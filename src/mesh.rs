@@ -12,7 +12,7 @@
 //! the entry stays one line of printable text). The last field is there when the rank was given
 //! a cost model (its exact text); every rank must publish the same one or none, else every rank
 //! fails formation with [`Error::Mismatch`] naming the two ranks (a rank without a model
-//! measures one in its first collective, which a rank given one never joins). Rank 0 chooses a fresh random context id and publishes first; every
+//! measures one as the context forms, in a collective that a rank given one never joins). Rank 0 chooses a fresh random context id and publishes first; every
 //! other rank reads rank 0's entry, makes its endpoint for that id and connects to rank 0,
 //! which refuses an id it does not know: so an entry left by an earlier job is recognised (the
 //! connect is refused, or nothing answers) and the rank waits for a fresh one. Then it

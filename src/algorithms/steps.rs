@@ -44,6 +44,8 @@ pub(crate) struct Local<'a> {
     deadline: Instant,
     timeout: Duration,
     busy: BusyWait,
+    /// Whether pipelined collectives go in pieces ([`World::area_pieces`](crate::comm::World)).
+    pieces: bool,
     what: &'static str,
 }
 
@@ -88,8 +90,18 @@ impl<'a> Local<'a> {
                 comm.rank()
             )));
         }
-        let local =
-            Local { area, comm: Some(comm), busy_flag, desc, deadline, timeout, busy: comm.shared().spin, what };
+        let pieces = comm.shared().area_pieces.load(Ordering::Relaxed);
+        let local = Local {
+            area,
+            comm: Some(comm),
+            busy_flag,
+            desc,
+            deadline,
+            timeout,
+            busy: comm.shared().spin,
+            pieces,
+            what,
+        };
         // A call that failed (or panicked) in the area aborted the communicator before it let go
         // of the area: looked at only now, no call slips in between.
         comm.check_usable()?;
@@ -116,16 +128,18 @@ impl<'a> Local<'a> {
 
     /// Elements of `T` per step for a pipelined collective of `len` elements (a member copies
     /// one piece into its slot while the others copy the last one out): about a sixteenth of
-    /// the buffer, 64 KiB at least and a slot at most, where every member has a core to wait
-    /// on (a step then costs a look at the others' words); a whole slot where the members
-    /// outnumber the cores (a step costs a yield or a sleep, so fewer are better). Measured
-    /// with `ferrogloo-bench --transport shm --op broadcast` on the 2-core machine: a 1 MiB
-    /// 2-rank broadcast took 19 µs in 64 KiB pieces, 37 µs in one; at 4 ranks, 64 KiB pieces
-    /// made 64 MiB 40% slower than slots.
+    /// the buffer, 64 KiB at least and a slot at most, where the host's ranks each have a core
+    /// to wait on (a step then costs a look at the others' words); a whole slot where they
+    /// outnumber the cores (a step costs a yield or a sleep, so fewer are better). The host's
+    /// first rank says which as the context forms, for all (ranks pinned to different numbers
+    /// of cores could not cut a buffer alike otherwise). Measured with `ferrogloo-bench
+    /// --transport shm --op broadcast` on the 2-core machine: a 1 MiB 2-rank broadcast took
+    /// 19 µs in 64 KiB pieces, 37 µs in one; at 4 ranks, 64 KiB pieces made 64 MiB 40% slower
+    /// than slots.
     #[inline]
     pub(crate) fn piece_elems<T>(&self, len: usize) -> usize {
         let slot = self.elems::<T>();
-        if self.busy.yield_cpu {
+        if !self.pieces {
             return slot;
         }
         let least = (PIECE_MIN_BYTES / std::mem::size_of::<T>().max(1)).max(1);
@@ -200,8 +214,9 @@ impl<'s, 'a> Step<'s, 'a> {
     }
 
     /// Copies member `m`'s bytes at `addr` (an address it published in this step or an
-    /// earlier one of this call, for bytes it keeps unchanged until it arrives at the next
-    /// step) into `dst`, straight from its memory. This rank's own bytes are the caller's.
+    /// earlier one of this call, for bytes it keeps unchanged until every member has arrived
+    /// at a later step: until this rank is done reading) into `dst`, straight from its memory.
+    /// This rank's own bytes are the caller's.
     pub(crate) fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> Result<()> {
         self.l.area.read_member(m, addr, dst).map_err(|e| match e {
             Error::PeerClosed { rank, op, detail } if op.is_empty() => {
@@ -323,6 +338,7 @@ mod tests {
                             deadline,
                             timeout: Duration::from_secs(60),
                             busy: BusyWait { budget: Duration::ZERO, yield_cpu: true, alone: false },
+                            pieces: false,
                             what: "test",
                         };
                         shared.barrier.wait();

@@ -92,7 +92,6 @@ impl<'a> Vars<'a> {
 
     /// `Some(true)` when `name` is `1`, `Some(false)` when it is `0`, else (unset, or another
     /// value) `None`: the caller decides.
-    #[cfg_attr(not(feature = "ibverbs"), allow(dead_code))]
     pub(crate) fn on_off(&self, name: &str) -> Option<bool> {
         match self.text(name).as_deref() {
             Some("1") => Some(true),

@@ -622,7 +622,9 @@ pub(crate) trait LocalArea: Send + Sync {
         Err(Error::invalid(format!("this area cannot read member {m}'s memory")))
     }
 
-    /// The copy path the device was told to take ([`CopyChoice::Measure`] unless forced).
+    /// The copy path the device was told to take (the shared-memory area's default is
+    /// [`CopyChoice::Measure`]; an area that cannot read members' memory says
+    /// [`CopyChoice::Two`]).
     fn copy_choice(&self) -> CopyChoice {
         CopyChoice::Two
     }

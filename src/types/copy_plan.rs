@@ -49,7 +49,8 @@ pub struct CopyPlan {
     pub broadcast: SizeRange,
     /// Allgather's (equal blocks).
     pub allgather: SizeRange,
-    /// Allreduce's (and the host steps of the two-level allreduce).
+    /// Allreduce's (and the first host step of the two-level allreduce; its last one, a
+    /// broadcast, follows [`broadcast`](Self::broadcast)'s).
     pub allreduce: SizeRange,
 }
 
