@@ -166,8 +166,13 @@ type Times = [[Option<[f64; 2]>; SIZES.len()]; OPS.len()];
 fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(Times, bool)> {
     let (n, me) = (area.members().len(), area.me());
     let elems = SIZES[SIZES.len() - 1] / 4;
+    // Written, every page (a zeroed allocation reads the kernel's one zero page, which no
+    // user buffer does); zeros added stay zeros, so the sums cannot overflow.
     let (mut buf, mut out) = (vec![0f32; elems], vec![0f32; elems]);
-    let input = vec![0f32; elems / n];
+    let mut input = vec![0f32; elems / n];
+    for v in [&mut buf, &mut out, &mut input] {
+        v.fill(-0.0);
+    }
     let sum = Fold::Builtin(Reduction::Sum);
     let start = Instant::now();
     let mut times: Times = [[None; SIZES.len()]; OPS.len()];
