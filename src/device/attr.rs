@@ -72,7 +72,7 @@ pub struct ShmAttr {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ShmCopy {
     /// Measure both when a host's first context of this size forms (within a second: about
-    /// 0.2 s for 2 ranks of the 2-core development machine; the result is kept per user, boot,
+    /// 0.12 s for 2 ranks of the 2-core development machine, 0.7 s for 8; the result is kept per user, boot,
     /// rank count and build in `/dev/shm`, and a later context takes it from there), and take
     /// the faster per collective and size. One rank measures and decides for its host, so
     /// every rank takes the same path.
