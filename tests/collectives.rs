@@ -102,6 +102,9 @@ fn reference<T: Val>(r: Red, inputs: &[Vec<T>]) -> Vec<T> {
 enum Kind {
     Allreduce(Algorithm),
     AllreduceMulti,
+    /// `allreduce_many` of the rank's input cut into 0 to 40 parts (some empty), cut
+    /// differently on every rank.
+    AllreduceMany(Algorithm),
     Reduce,
     ReduceScatter,
     ReduceScatterV,
@@ -134,6 +137,9 @@ fn case() -> impl Strategy<Value = Case> {
         Just(Kind::Allreduce(Algorithm::HalvingDoubling)),
         Just(Kind::Allreduce(Algorithm::RecursiveDoubling)),
         Just(Kind::AllreduceMulti),
+        Just(Kind::AllreduceMany(Algorithm::Auto)),
+        Just(Kind::AllreduceMany(Algorithm::Ring)),
+        Just(Kind::AllreduceMany(Algorithm::RecursiveDoubling)),
         Just(Kind::Reduce),
         Just(Kind::ReduceScatter),
         Just(Kind::ReduceScatterV),
@@ -187,6 +193,28 @@ fn run_case<T: Val>(ctx: &Context, c: &Case) -> ferrogloo::Result<Vec<u8>> {
                 Some(op) => ctx.allreduce_with(&mut buf, op, &opts)?,
                 None => ctx.allreduce_custom(&mut buf, &custom_max::<T>, &opts)?,
             }
+            assert!(buf == reference(c.red, &all), "{ctxt}");
+            digest = bytemuck::cast_slice(&buf).to_vec();
+        }
+        Kind::AllreduceMany(a) => {
+            // Cut points from the seed and the rank: the parts differ between ranks, the whole
+            // does not.
+            let k = (c.seed % 41) as usize;
+            let k = if c.count > 0 { k.max(1) } else { k };
+            let mut cuts: Vec<usize> = (1..k).map(|j| count_for(c.seed ^ j as u64, r, c.count)).collect();
+            cuts.sort_unstable();
+            let mut buf = mine.clone();
+            let mut parts: Vec<&mut [T]> = Vec::with_capacity(k);
+            let mut rest: &mut [T] = &mut buf;
+            let mut at = 0;
+            for &cut in cuts.iter().chain(std::iter::once(&c.count)).take(k) {
+                let (part, tail) = std::mem::take(&mut rest).split_at_mut(cut - at);
+                parts.push(part);
+                rest = tail;
+                at = cut;
+            }
+            assert_eq!(parts.iter().map(|p| p.len()).sum::<usize>(), c.count, "{ctxt}");
+            ctx.allreduce_many(&mut parts, builtin, &opts.clone().algorithm(a))?;
             assert!(buf == reference(c.red, &all), "{ctxt}");
             digest = bytemuck::cast_slice(&buf).to_vec();
         }
@@ -551,6 +579,12 @@ fn larger_than_a_slot(dev: Dev, n: usize) {
             let mut v = data(r);
             ctx.allreduce(&mut v, Reduction::Sum)?;
             assert!(v.iter().enumerate().all(|(i, &x)| x == (i as i32 % 1000) * k), "allreduce");
+            // The same as parts whose ends fall inside chunks and across their boundaries.
+            let mut w = data(r);
+            let (a, rest) = w.split_at_mut(1000 + r);
+            let (b, c) = rest.split_at_mut(len / 3);
+            ctx.allreduce_many(&mut [a, &mut [], b, c], Reduction::Sum, &CollectiveOptions::new())?;
+            assert!(w == v, "allreduce_many");
             let mut all = vec![0i32; n * len];
             ctx.allgather(&data(r), &mut all, &CollectiveOptions::new())?;
             assert!(all == (0..n).flat_map(data).collect::<Vec<_>>(), "allgather");

@@ -366,6 +366,67 @@ fn fusion_packs_matching_tensors_up_to_the_threshold() {
     }
 }
 
+/// Ranks on one host fuse through the shared area, copying each tensor straight in and out
+/// (no fusion buffer): so a tensor above `fusion_max_tensor` joins its batch too. Scaling
+/// applies to each tensor in place; a compressed group still goes through the fusion buffer.
+#[test]
+fn fused_batches_through_the_shared_area_copy_no_tensor_and_scale_each() {
+    for n in [2usize, 3] {
+        let store = HashStore::new();
+        let config = EngineConfig { fusion_threshold: 1 << 22, fusion_max_tensor: 1000, ..cfg() };
+        let r = common::run_ranks_on(
+            n,
+            &store,
+            &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
+            |b| b,
+            |ctx| {
+                let e = Engine::new(ctx, config.clone())?;
+                let r = e.rank() as f32;
+                // Sizes around the one-step limit and a slot: 0 to 600,000 elements.
+                let lens = [0usize, 1, 100, 5000, 70_000, 600_000];
+                let tensors: Vec<(String, Tensor<f32>)> = lens
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &l)| (format!("t{t}"), Tensor::from(vec![r + t as f32; l])))
+                    .collect();
+                let opts = AllreduceOptions::new(Reduction::Average).prescale(2.0).postscale(0.5);
+                let hs = e.grouped_allreduce("plain", tensors, &opts)?;
+                let squeezed: Vec<(String, Tensor<f32>)> =
+                    (0..3).map(|t| (format!("c{t}"), Tensor::from(vec![r + 1.0; 64]))).collect();
+                let hc = e.grouped_allreduce(
+                    "squeezed",
+                    squeezed,
+                    &AllreduceOptions::new(Reduction::Sum).compression(Compression::F16),
+                )?;
+                let mut got = Vec::new();
+                for h in hs {
+                    got.push(h.wait()?.data);
+                }
+                let mut packed = Vec::new();
+                for h in hc {
+                    packed.push(h.wait()?.data);
+                }
+                Ok((got, packed, e.stats()))
+            },
+        );
+        let mean_rank = (n - 1) as f32 / 2.0;
+        let sum_ranks_plus_one = (n * (n + 1) / 2) as f32;
+        for (got, packed, st) in all_ok(r) {
+            for (t, v) in got.iter().enumerate() {
+                // The average of 2(r + t), halved: the mean of r + t.
+                assert!(
+                    v.iter().all(|&x| x == mean_rank + t as f32),
+                    "{n} ranks, tensor {t}: {:?}",
+                    &v[..v.len().min(4)]
+                );
+            }
+            assert!(packed.iter().all(|v| v == &vec![sum_ranks_plus_one; 64]), "{packed:?}");
+            // Both groups fused whole: the plain one with its tensors above fusion_max_tensor.
+            assert_eq!((st.fused_batches, st.fused_tensors), (2, 9), "{st:?}");
+        }
+    }
+}
+
 #[test]
 fn fusion_threshold_zero_runs_each_tensor_alone_and_compression_and_scaling_apply() {
     let r = engines(2, EngineConfig { fusion_threshold: 0, ..cfg() }, |e| {

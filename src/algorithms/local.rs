@@ -13,6 +13,7 @@ use crate::comm::Comm;
 use crate::error::Result;
 use crate::transport::LocalArea;
 use crate::types::{Element, Fold, OpDesc};
+use std::ops::Range;
 use std::time::Instant;
 
 /// Up to this many bytes (times the members), allreduce takes one step: every rank reduces
@@ -44,26 +45,93 @@ pub(crate) fn run<R>(
     result
 }
 
-/// Allreduce of `buf` across the members, in place. Small buffers take one step (each rank
-/// reduces everything, in member order); larger ones two steps per slot-sized chunk: each rank
-/// reduces its slice of the chunk, then copies everyone's slices.
+/// Allreduce of `buf` across the members, in place: [`allreduce_parts`] of one part.
 pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<'_, T>) -> Result<()> {
+    allreduce_parts(l, &mut Parts::new(&mut [buf]), op)
+}
+
+/// Buffers taken as one: element `i` of the whole is in the part that holds it, the parts in
+/// order. The area's collectives copy straight between the parts and the slots, so a fused
+/// batch of tensors needs no buffer of its own.
+pub(crate) struct Parts<'p, 'b, T> {
+    parts: &'p mut [&'b mut [T]],
+    /// Where each part starts in the whole.
+    starts: Vec<usize>,
+    len: usize,
+}
+
+impl<'p, 'b, T: Element> Parts<'p, 'b, T> {
+    pub(crate) fn new(parts: &'p mut [&'b mut [T]]) -> Self {
+        let mut len = 0;
+        let starts = parts
+            .iter()
+            .map(|p| {
+                let at = len;
+                len += p.len();
+                at
+            })
+            .collect();
+        Parts { parts, starts, len }
+    }
+
+    /// Elements in the whole.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The pieces of elements `range` of the whole, in order: each with its range in the whole.
+    fn runs(&mut self, range: Range<usize>) -> impl Iterator<Item = (Range<usize>, &mut [T])> {
+        self.parts.iter_mut().zip(&self.starts).filter_map(move |(part, &at)| {
+            let (from, to) = (range.start.max(at), range.end.min(at + part.len()));
+            (from < to).then(|| (from..to, &mut part[from - at..to - at]))
+        })
+    }
+
+    /// Copies elements `range` of the whole into `dst` (of `range.len()`).
+    fn gather(&mut self, range: Range<usize>, dst: &mut [T]) {
+        let base = range.start;
+        for (r, run) in self.runs(range) {
+            dst[r.start - base..r.end - base].copy_from_slice(run);
+        }
+    }
+
+    /// Copies `src` (of `range.len()`) into elements `range` of the whole.
+    fn scatter(&mut self, range: Range<usize>, src: &[T]) {
+        let base = range.start;
+        for (r, run) in self.runs(range) {
+            run.copy_from_slice(&src[r.start - base..r.end - base]);
+        }
+    }
+}
+
+/// Allreduce of the whole of `parts` across the members, in place, copying straight between
+/// the parts and the slots. Small wholes take one step (each rank reduces everything, in member
+/// order); larger ones two steps per slot-sized chunk: each rank reduces its slice of the
+/// chunk, then copies everyone's slices.
+pub(crate) fn allreduce_parts<T: Element>(
+    l: &mut Local<'_>,
+    parts: &mut Parts<'_, '_, T>,
+    op: &Fold<'_, T>,
+) -> Result<()> {
     let (n, me) = (l.n(), l.me());
     let c = l.elems::<T>();
-    let bytes = std::mem::size_of_val(buf);
+    let len = parts.len();
+    let bytes = len * std::mem::size_of::<T>();
     if bytes <= l.slot_bytes() && bytes.saturating_mul(n) <= ONE_STEP_BYTES {
-        let len = buf.len();
-        let t = l.step(|own: &mut [T]| own[..len].copy_from_slice(buf))?;
-        buf.copy_from_slice(t.read(0, 0..len));
-        for m in 1..n {
-            op.apply(buf, t.read(m, 0..len));
+        let t = l.step(|own: &mut [T]| parts.gather(0..len, &mut own[..len]))?;
+        for (r, run) in parts.runs(0..len) {
+            run.copy_from_slice(t.read(0, r.clone()));
+            for m in 1..n {
+                op.apply(run, t.read(m, r.clone()));
+            }
         }
         return Ok(());
     }
-    for chunk in buf.chunks_mut(c) {
-        let len = chunk.len();
-        let t = l.step(|own: &mut [T]| own[..len].copy_from_slice(chunk))?;
-        let mine = block_of(len, n, me);
+    let mut at = 0;
+    while at < len {
+        let k = c.min(len - at);
+        let t = l.step(|own: &mut [T]| parts.gather(at..at + k, &mut own[..k]))?;
+        let mine = block_of(k, n, me);
         // In step u this rank writes only its own slice of its own slot.
         let u = t.next(|own: &mut [T], t| {
             let out = &mut own[mine.clone()];
@@ -73,9 +141,10 @@ pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<
             }
         })?;
         for m in 0..n {
-            let p = block_of(len, n, m);
-            chunk[p.clone()].copy_from_slice(u.read(m, p));
+            let p = block_of(k, n, m);
+            parts.scatter(at + p.start..at + p.end, u.read(m, p));
         }
+        at += k;
     }
     Ok(())
 }

@@ -29,6 +29,34 @@ impl Context {
         })
     }
 
+    /// [`allreduce_many`](Self::allreduce_many) on bytes of `dtype`: each buffer a whole number
+    /// of elements. Buffers not aligned for `dtype` are copied into aligned ones and back.
+    pub fn allreduce_many_bytes(
+        &self,
+        bufs: &mut [&mut [u8]],
+        dtype: DType,
+        op: Reduction,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        crate::dispatch_dtype!(dtype, T => {
+            for b in bufs.iter() {
+                whole::<T>(b.len(), "allreduce_many")?;
+            }
+            if bufs.iter().all(|b| bytemuck::try_cast_slice::<u8, T>(b).is_ok()) {
+                let mut typed: Vec<&mut [T]> = bufs.iter_mut().map(|b| bytemuck::cast_slice_mut::<u8, T>(b)).collect();
+                self.allreduce_many(&mut typed, op, opts)
+            } else {
+                let mut copies: Vec<Vec<T>> = bufs.iter().map(|b| bytemuck::pod_collect_to_vec(b)).collect();
+                let mut typed: Vec<&mut [T]> = copies.iter_mut().map(Vec::as_mut_slice).collect();
+                self.allreduce_many(&mut typed, op, opts)?;
+                for (b, c) in bufs.iter_mut().zip(&copies) {
+                    b.copy_from_slice(bytemuck::cast_slice(c));
+                }
+                Ok(())
+            }
+        })
+    }
+
     /// [`reduce_scatter`](Self::reduce_scatter) on bytes of `dtype`.
     /// [`Reduction::Average`] sums, then scales every rank's block by 1 / [`size`](Self::size).
     pub fn reduce_scatter_bytes(

@@ -167,6 +167,9 @@ pub(crate) fn run(
     let mut spans = Vec::new();
     let runnable: Vec<usize> = (0..items.len()).filter(|&i| items[i].error.is_none()).collect();
     let metas: Vec<&Meta> = runnable.iter().map(|&i| &items[i].meta).collect();
+    // Through the host's area a batch costs no copies, so no tensor is too large to join one
+    // (a compressed tensor is converted whether it runs alone or not).
+    let max_tensor = if through_area(ctx) { usize::MAX } else { max_tensor };
     let batches: Vec<Vec<usize>> =
         plan(&metas, threshold, max_tensor).into_iter().map(|b| b.into_iter().map(|k| runnable[k]).collect()).collect();
     let mut leader = vec![None; items.len()];
@@ -224,6 +227,29 @@ fn allreduce(
         if post != 1.0 {
             scale(m.dtype, p, post)?;
         }
+    } else if wire == m.dtype && through_area(ctx) {
+        // Through the host's area the tensors are copied straight in and out: no fusion
+        // buffer, no copies of its own (on one host the collective is bound by memory, so the
+        // fusion buffer's two copies would double its traffic).
+        let mut taken: Vec<Option<&mut Item>> = items.iter_mut().map(Some).collect();
+        let mut parts = Vec::with_capacity(batch.len());
+        for &i in batch {
+            let item = taken
+                .get_mut(i)
+                .and_then(Option::take)
+                .ok_or_else(|| Error::invalid("engine: a batch names a tensor twice (a bug)"))?;
+            let p = item.input()?.bytes_mut();
+            if m.prescale != 1.0 {
+                scale(m.dtype, p, m.prescale)?;
+            }
+            parts.push(p);
+        }
+        timed(spans, batch, "ALLREDUCE", || ctx.allreduce_many_bytes(&mut parts, m.dtype, red, &opts))?;
+        if post != 1.0 {
+            for p in parts {
+                scale(m.dtype, p, post)?;
+            }
+        }
     } else {
         let total: usize = batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum();
         // The fusion buffer grows to the threshold at most; a lone compressed tensor larger
@@ -275,6 +301,13 @@ fn allreduce(
         );
     }
     Ok(())
+}
+
+/// Whether the engine's allreduces run through the host's shared area (every rank on this
+/// host, tag 0, `Auto`), where [`Context::allreduce_many_bytes`] copies the tensors straight
+/// in and out.
+fn through_area(ctx: &Context) -> bool {
+    ctx.size() > 1 && ctx.whole_area(0).is_some()
 }
 
 /// A collective other than a fused allreduce.
