@@ -286,11 +286,14 @@ impl Context {
     /// # Ok::<(), ferrogloo::Error>(())
     /// ```
     ///
-    /// Through the host's shared area (every rank of the context on one host, `Auto` or
+    /// Through the host's shared area (every rank of the context on one host, tag 0, `Auto` or
     /// `SharedMemory`) the buffers are copied straight into the area and the results straight
-    /// out of it, two copies as for one buffer, always (single copies do not apply here). Over
-    /// the pairs (the ring, halving-doubling, recursive doubling, the two-level allreduce) they
-    /// are still packed into one buffer first and unpacked after: a copy in and one out.
+    /// out of it, two copies as for one buffer, always (the copy plan's single copies do not
+    /// apply here). Over the pairs (the ring, halving-doubling, recursive doubling, the
+    /// two-level allreduce) they are still packed into one buffer first and unpacked after: a
+    /// copy in and one out. A rank calling this and another calling
+    /// [`allreduce_with`](Self::allreduce_with) on a buffer of the same total agree where the
+    /// latter takes two copies, and fail with [`Error::Mismatch`] where it reads straight.
     pub fn allreduce_many<T: Element>(
         &self,
         bufs: &mut [&mut [T]],
@@ -298,13 +301,20 @@ impl Context {
         opts: &CollectiveOptions,
     ) -> Result<()> {
         op.check(T::DTYPE)?;
-        if self.size() == 1 {
-            return Ok(());
-        }
         let fold = Fold::Builtin(op);
+        if self.size() == 1 {
+            // Nothing to reduce; the options are checked as an allreduce's are.
+            return self.allreduce_fold(&mut [], &fold, opts, 0);
+        }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         let area = self.whole_area(opts.tag);
-        let shm = area_choice(area, opts.algorithm, "allreduce", self.size())?;
+        // Over several hosts `Auto` and `SharedMemory` mean the two-level allreduce, which
+        // takes the packed path as the pair algorithms do.
+        let hier = self.hierarchy().filter(|_| opts.tag == 0 && area.is_none());
+        let shm = match hier {
+            Some(_) => None,
+            None => area_choice(area, opts.algorithm, "allreduce", self.size())?,
+        };
         match (shm, area) {
             (Some(_), Some(area)) => {
                 let desc = OpDesc::new(Call::Allreduce)

@@ -608,6 +608,36 @@ fn larger_than_a_slot(dev: Dev, n: usize) {
     ));
 }
 
+/// `allreduce_many` takes the options `allreduce_with` takes: `SharedMemory` over several
+/// hosts is the two-level allreduce (packed), and an algorithm allreduce has not is refused
+/// even on one rank.
+#[test]
+fn allreduce_many_takes_the_algorithms_allreduce_takes() {
+    let store = HashStore::new();
+    let got = all_ok(run_ranks_on(
+        4,
+        &store,
+        &|| device(Dev::Mixed),
+        |b| b.timeout(TIMEOUT),
+        |ctx| {
+            let r = ctx.rank() as u32;
+            let (mut a, mut b) = (vec![r; 700], vec![r + 1; 70_000]);
+            let opts = CollectiveOptions::new().algorithm(Algorithm::SharedMemory);
+            ctx.allreduce_many(&mut [&mut a[..], &mut b[..]], Reduction::Sum, &opts)?;
+            Ok((a, b))
+        },
+    ));
+    for (a, b) in got {
+        assert!(a.iter().all(|&x| x == 6) && b.iter().all(|&x| x == 10));
+    }
+    let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process()).expect("a context of one");
+    let tree = CollectiveOptions::new().algorithm(Algorithm::BinomialTree);
+    let err =
+        ctx.allreduce_many(&mut [&mut [1.0f32][..]], Reduction::Sum, &tree).expect_err("not an allreduce algorithm");
+    let plain = ctx.allreduce_with(&mut [1.0f32], Reduction::Sum, &tree).expect_err("not an allreduce algorithm");
+    assert_eq!(err.to_string(), plain.to_string());
+}
+
 /// The copy path is the host's, not each rank's: every rank holds the plan one rank decided
 /// (measured, or forced alike), and ranks forced differently fail formation, each naming the
 /// other's setting, before any call could take two paths at once.

@@ -56,7 +56,7 @@ pub(crate) fn allreduce<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<
 pub(crate) struct Parts<'p, 'b, T> {
     parts: &'p mut [&'b mut [T]],
     /// Where each part starts in the whole.
-    starts: Vec<usize>,
+    starts: smallvec::SmallVec<[usize; 4]>,
     len: usize,
 }
 

@@ -46,9 +46,10 @@
 //!   [`EngineConfig::fusion_threshold`], reused), looking ahead past tensors that do not match,
 //!   and run as one allreduce. Tensors above [`EngineConfig::fusion_max_tensor`] run alone, in
 //!   place: their copies would cost more than the collective saved. Where every rank shares
-//!   one host's area, a batch needs no fusion buffer: its tensors are copied straight into the
-//!   area and the results straight out ([`Context::allreduce_many`](crate::Context::allreduce_many)),
-//!   and any size joins a batch.
+//!   one host's area, an uncompressed batch needs no fusion buffer: its tensors are copied
+//!   straight into the area and the results straight out
+//!   ([`Context::allreduce_many`](crate::Context::allreduce_many), two copies whatever the copy
+//!   plan says), and any size joins a batch.
 //! - **Stalls.** Rank 0 reports names that some ranks submitted and others have not, after
 //!   [`EngineConfig::stall_check`] ([`Engine::stall_reports`], and a line on standard error);
 //!   after [`EngineConfig::stall_shutdown`] it fails the engine on every rank.
