@@ -306,7 +306,6 @@ impl Context {
             // Nothing to reduce; the options are checked as an allreduce's are.
             return self.allreduce_fold(&mut [], &fold, opts, 0);
         }
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
         let area = self.whole_area(opts.tag);
         // Over several hosts `Auto` and `SharedMemory` mean the two-level allreduce, which
         // takes the packed path as the pair algorithms do.
@@ -315,6 +314,8 @@ impl Context {
             Some(_) => None,
             None => area_choice(area, opts.algorithm, "allreduce", self.size())?,
         };
+        let mut parts = local::Parts::new(bufs);
+        let total = parts.len();
         match (shm, area) {
             (Some(_), Some(area)) => {
                 let desc = OpDesc::new(Call::Allreduce)
@@ -323,20 +324,13 @@ impl Context {
                     .reduce(fold.code())
                     .algo(Algorithm::SharedMemory);
                 local::run(self.comm(), &**area, "allreduce", desc, opts, |l| {
-                    local::allreduce_parts(l, &mut local::Parts::new(bufs), &fold)
+                    local::allreduce_parts(l, &mut parts, &fold)
                 })?;
             }
             _ => {
-                let mut whole: Vec<T> = Vec::with_capacity(total);
-                for b in bufs.iter() {
-                    whole.extend_from_slice(b);
-                }
+                let mut whole = parts.to_vec();
                 self.allreduce_fold(&mut whole, &fold, opts, 0)?;
-                let mut at = 0;
-                for b in bufs.iter_mut() {
-                    b.copy_from_slice(&whole[at..at + b.len()]);
-                    at += b.len();
-                }
+                parts.scatter(0..total, &whole);
             }
         }
         for b in bufs.iter_mut() {

@@ -177,6 +177,11 @@ fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(T
     let start = Instant::now();
     let mut times: Times = [[None; SIZES.len()]; OPS.len()];
     for (o, op) in OPS.into_iter().enumerate() {
+        let call = match op {
+            Op::Broadcast => Call::Broadcast,
+            Op::Allgather => Call::Allgather,
+            Op::Allreduce => Call::Allreduce,
+        };
         for (s, size) in SIZES.into_iter().enumerate() {
             let k = size / 4;
             // Enough calls that a small size's time is not one call's noise.
@@ -184,11 +189,6 @@ fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(T
             let mut best = [f64::MAX; 2];
             for round in 0..ROUNDS {
                 for (p, single) in [false, true].into_iter().enumerate() {
-                    let call = match op {
-                        Op::Broadcast => Call::Broadcast,
-                        Op::Allgather => Call::Allgather,
-                        Op::Allreduce => Call::Allreduce,
-                    };
                     let desc = OpDesc::new(call)
                         .dtype(DType::F32)
                         .count(k)
@@ -261,15 +261,14 @@ fn decide(times: &Times) -> CopyPlan {
 /// build profile (a debug build's reductions are many times slower), in `/dev/shm` (gone at
 /// reboot) or else the temporary directory.
 fn cache_path(n: usize, slot_bytes: usize) -> Option<PathBuf> {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let boot = crate::device::boot_id()?;
     let uid = nix::unistd::getuid();
     let build = if cfg!(debug_assertions) { "debug" } else { "release" };
     let dir = match std::path::Path::new("/dev/shm") {
         d if d.is_dir() => d.to_path_buf(),
         _ => std::env::temp_dir(),
     };
-    let name =
-        format!("ferrogloo-copy-plan-{}-u{uid}-{}-n{n}-s{slot_bytes}-{build}", env!("CARGO_PKG_VERSION"), boot.trim());
+    let name = format!("ferrogloo-copy-plan-{}-u{uid}-{boot}-n{n}-s{slot_bytes}-{build}", env!("CARGO_PKG_VERSION"));
     Some(dir.join(name))
 }
 

@@ -88,6 +88,15 @@ impl<'p, 'b, T: Element> Parts<'p, 'b, T> {
     }
 
     /// Copies elements `range` of the whole into `dst` (of `range.len()`).
+    /// The whole, in a buffer of its own.
+    pub(crate) fn to_vec(&self) -> Vec<T> {
+        let mut whole = Vec::with_capacity(self.len);
+        for part in self.parts.iter() {
+            whole.extend_from_slice(part);
+        }
+        whole
+    }
+
     fn gather(&mut self, range: Range<usize>, dst: &mut [T]) {
         let base = range.start;
         for (r, run) in self.runs(range) {
@@ -96,7 +105,7 @@ impl<'p, 'b, T: Element> Parts<'p, 'b, T> {
     }
 
     /// Copies `src` (of `range.len()`) into elements `range` of the whole.
-    fn scatter(&mut self, range: Range<usize>, src: &[T]) {
+    pub(crate) fn scatter(&mut self, range: Range<usize>, src: &[T]) {
         let base = range.start;
         for (r, run) in self.runs(range) {
             run.copy_from_slice(&src[r.start - base..r.end - base]);

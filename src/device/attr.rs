@@ -24,16 +24,21 @@ pub fn host_id() -> String {
     host_id_in(&Vars::process())
 }
 
+/// The kernel's boot id (`/proc/sys/kernel/random/boot_id`), or `/etc/machine-id` where there
+/// is none: what one boot of one machine shares, and the next boot does not.
+pub(crate) fn boot_id() -> Option<String> {
+    ["/proc/sys/kernel/random/boot_id", "/etc/machine-id"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()))
+}
+
 /// [`host_id`], with `FERROGLOO_HOST_ID` as `vars` give it.
 pub(crate) fn host_id_in(vars: &Vars<'_>) -> String {
     if let Some(id) = vars.text(FERROGLOO_HOST_ID) {
         return id;
     }
     let name = hostname().unwrap_or_else(|| "localhost".to_string());
-    let boot = ["/proc/sys/kernel/random/boot_id", "/etc/machine-id"]
-        .iter()
-        .find_map(|p| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()));
-    let mut id = match boot {
+    let mut id = match boot_id() {
         Some(b) => format!("{name}/{b}"),
         None => name,
     };

@@ -33,6 +33,7 @@
 mod attr;
 
 pub use crate::types::{CopyPlan, SizeRange};
+pub(crate) use attr::boot_id;
 #[cfg(test)]
 pub(crate) use attr::host_id_in;
 pub use attr::{Family, IbAttr, ShmAttr, ShmCopy, TcpAttr, Transport, host_id};
