@@ -127,13 +127,10 @@ impl PersistentRecv {
     /// (its sender stopped mid-message) is given up: the receive is withdrawn, which drops the
     /// message, and the wait fails with [`Error::Timeout`]; the next wait posts a new one, so
     /// one stalled sender does not keep the others' messages out for longer than that.
-    pub(crate) fn wait(&mut self, from: &[usize], deadline: Instant) -> Option<Result<Message>> {
-        self.wait_as(from, deadline, self.spin)
-    }
-
-    /// [`wait`](Self::wait), busy-waiting as `spin` says instead of as the receive was made
-    /// to (a caller that waits for its own answer spins as callers do; yielding, where ranks
-    /// share cores, whatever `spin` says).
+    ///
+    /// It busy-waits as `spin` says, not as the receive was made to (a caller that waits for
+    /// its own answer spins as callers do; yielding, where ranks share cores, whatever `spin`
+    /// says).
     pub(crate) fn wait_as(&mut self, from: &[usize], deadline: Instant, spin: BusyWait) -> Option<Result<Message>> {
         if let Err(e) = self.ensure_posted(from) {
             return Some(Err(e));
@@ -153,7 +150,7 @@ impl PersistentRecv {
         Interrupter { slot: self.interrupt.clone(), shared: self.shared.clone() }
     }
 
-    /// [`wait`](Self::wait), which an [`Interrupter`] of this receive ends early (`None`, the
+    /// [`wait_as`](Self::wait_as), which an [`Interrupter`] of this receive ends early (`None`, the
     /// receive still posted). `go_on` is asked once the wait can be interrupted: `false` ends
     /// it at once. A thread that wants the wait to end sets what `go_on` reads before it
     /// interrupts, so that either the wait sees it or the interrupt sees the wait.
@@ -186,7 +183,7 @@ impl PersistentRecv {
     }
 
     /// Withdraws the posted receive unless a message has claimed it (or it finished): that one
-    /// stays, for the next [`wait`](Self::wait) to return.
+    /// stays, for the next [`wait_as`](Self::wait_as) to return.
     pub(crate) fn withdraw(&mut self) {
         let Some(p) = self.posted.take() else { return };
         if p.op.done.try_claim() {
@@ -394,7 +391,7 @@ mod tests {
             let mut slices = 0;
             loop {
                 slices += 1;
-                match recv.wait(&[1], Instant::now() + Duration::from_millis(1)) {
+                match recv.wait_as(&[1], Instant::now() + Duration::from_millis(1), QUIET) {
                     Some(got) => {
                         let (from, msg) = got?;
                         assert_eq!(from, 1);
@@ -421,11 +418,12 @@ mod tests {
             }
             let mut recv = ctx.comm().persistent_recv(5, 64, QUIET, "test receive");
             let start = Instant::now();
-            assert!(recv.wait(&[1], start + Duration::from_millis(30)).is_none());
+            assert!(recv.wait_as(&[1], start + Duration::from_millis(30), QUIET).is_none());
             let waited = start.elapsed();
             assert!(recv.is_posted());
             ctx.barrier()?;
-            let (from, msg) = recv.wait(&[1], Instant::now() + Duration::from_secs(10)).expect("no message")?;
+            let (from, msg) =
+                recv.wait_as(&[1], Instant::now() + Duration::from_secs(10), QUIET).expect("no message")?;
             assert_eq!((from, msg.as_slice()), (1, &b"late"[..]));
             assert!(!recv.is_posted());
             Ok(waited)
@@ -445,7 +443,8 @@ mod tests {
                 let mut recv = sub.comm().persistent_recv(2, 64, QUIET, "test receive");
                 let mut seen = Vec::new();
                 for _ in 0..2 {
-                    let (from, msg) = recv.wait(&[1, 2], Instant::now() + Duration::from_secs(10)).expect("none")?;
+                    let (from, msg) =
+                        recv.wait_as(&[1, 2], Instant::now() + Duration::from_secs(10), QUIET).expect("none")?;
                     assert_eq!(msg, vec![from as u8; 3]);
                     seen.push(from);
                 }

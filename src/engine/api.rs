@@ -1,9 +1,10 @@
 //! The [`Engine`]: submissions from any thread, checked and queued for the background thread.
 
 use super::config::EngineConfig;
-use super::handle::{Handle, Output, Payload, Promise, rank_of, tensor_of, unit_of};
+use super::drive::Driver;
+use super::handle::{Drive, Handle, Output, Payload, Promise, rank_of, tensor_of, unit_of};
 use super::meta::{Kind, Meta};
-use super::shared::{EngineState, EngineStats, Queue, Submission, TimelineCommand};
+use super::shared::{EngineState, EngineStats, Queue, Submission, TimelineCommand, Turn};
 use super::stall::StallReport;
 use super::tensor::{AllreduceOptions, Compression, Tensor, fmt_shape};
 use super::{CONTROL_TAG, background, timeline, wire};
@@ -13,8 +14,8 @@ use crate::{Context, sync::lock};
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -25,6 +26,8 @@ use std::time::Instant;
 /// this rank.
 pub struct Engine {
     shared: Arc<EngineState>,
+    /// The engine's loop: run by its background thread, or by a caller waiting on a handle.
+    driver: Arc<Driver>,
     ctx: Arc<Context>,
     thread: Option<JoinHandle<()>>,
     /// Its configuration, for [`recover`](Engine::recover).
@@ -47,6 +50,10 @@ impl Engine {
             queue: Mutex::new(Queue::default()),
             arrived: Condvar::new(),
             wake_pending: AtomicBool::new(false),
+            on_inbox: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
+            turn: Mutex::new(Turn::default()),
+            turn_changed: Condvar::new(),
             failed: Mutex::new(None),
             inflight: Mutex::new(HashSet::new()),
             stats: Mutex::new(EngineStats::default()),
@@ -83,11 +90,13 @@ impl Engine {
             _ => None,
         };
         let core = background::Core::new(ctx.clone(), shared.clone(), config.clone(), timeline)?;
+        let driver = Driver::new(core, shared.clone());
+        let d = driver.clone();
         let thread = std::thread::Builder::new()
             .name(format!("ferrogloo-engine-{}", ctx.rank()))
-            .spawn(move || core.run())
+            .spawn(move || d.background())
             .map_err(|e| Error::io("starting the engine's thread", e))?;
-        Ok(Engine { shared, ctx, thread: Some(thread), config })
+        Ok(Engine { shared, driver, ctx, thread: Some(thread), config })
     }
 
     /// Goes on after a failure, without the ranks that failed: stops this engine (revoking its
@@ -325,6 +334,9 @@ impl Engine {
         f(&mut lock(&self.shared.queue));
         self.shared.arrived.notify_all();
         self.wake();
+        // Whoever runs the engine's loop now sees the command; if nobody does, the
+        // background thread takes it at once.
+        self.driver.kick();
     }
 
     fn wake(&self) {
@@ -462,6 +474,7 @@ impl Engine {
         }
         let now = Instant::now();
         let mut handles = Vec::with_capacity(subs.len());
+        let driver = Arc::downgrade(&self.driver) as Weak<dyn Drive>;
         {
             let mut q = lock(&self.shared.queue);
             if q.closed {
@@ -477,12 +490,23 @@ impl Engine {
             q.last = Some(now);
             for (name, meta, payload) in subs {
                 let done = Promise::new();
-                handles.push(Handle { done: done.clone(), name: name.clone(), convert, _o: PhantomData });
+                handles.push(Handle {
+                    done: done.clone(),
+                    name: name.clone(),
+                    convert,
+                    driver: driver.clone(),
+                    _o: PhantomData,
+                });
                 q.items.push(Submission { name, meta, payload, done, submitted: now });
             }
         }
         self.shared.arrived.notify_all();
-        self.wake();
+        // The loop's holder needs waking only in its wait for messages (the flag is set before
+        // it looks at the queue: it sees these submissions, or is woken); a caller about to
+        // wait runs them itself.
+        if self.shared.on_inbox.load(Ordering::SeqCst) {
+            self.wake();
+        }
         Ok(handles)
     }
 }

@@ -1,8 +1,9 @@
-//! The background thread: the thin I/O loop around the negotiation's state machine
-//! (`controller.rs`). It waits idle for a submission or a peer's state message, moves the
-//! controller's messages through `comm` (one persistent receive while idle, the cycle's sends
-//! and receives), runs what a cycle decided through `exec.rs`, writes the timeline, and when
-//! anything fails, fails every pending submission with the first cause.
+//! The engine's driving loop: the thin I/O loop around the negotiation's state machine
+//! (`controller.rs`), run by one thread at a time (the background thread, or a caller waiting
+//! for its result: `drive.rs`). It waits idle for a submission or a peer's state message, moves
+//! the controller's messages through `comm` (one persistent receive while idle, the cycle's
+//! sends and receives), runs what a cycle decided through `exec.rs`, writes the timeline, and
+//! when anything fails, fails every pending submission with the first cause.
 
 use super::CONTROL_TAG;
 use super::config::EngineConfig;
@@ -14,7 +15,7 @@ use super::shared::{EngineState, Submission, TimelineCommand};
 use super::timeline::Timeline;
 use super::wire;
 use crate::Context;
-use crate::comm::{PersistentRecv, SLEEPING};
+use crate::comm::{Interrupter, PersistentRecv, SLEEPING};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use std::io::Write as _;
@@ -23,7 +24,42 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-/// The background thread's state.
+/// Who drives the engine, and until when.
+pub(crate) enum Mode<'a> {
+    /// The background thread: until a caller comes to wait ([`EngineState::waiting`]), which
+    /// interrupts its idle wait.
+    Background,
+    /// A caller waiting for `done`: until it is finished, or `deadline`.
+    Caller { done: &'a Promise, deadline: Option<Instant> },
+}
+
+impl Mode<'_> {
+    /// Whether the driver has what it drove for (a caller's result, its deadline).
+    fn satisfied(&self) -> bool {
+        match self {
+            Mode::Background => false,
+            Mode::Caller { done, deadline } => done.is_done() || deadline.is_some_and(|d| Instant::now() >= d),
+        }
+    }
+
+    /// After an idle wait that ended with no message: whether to let go of the drive.
+    fn lets_go(&self, sh: &EngineState) -> bool {
+        match self {
+            Mode::Background => sh.waiting.load(Ordering::SeqCst) > 0,
+            Mode::Caller { .. } => self.satisfied(),
+        }
+    }
+}
+
+/// What an idle wait ended with.
+enum Idle {
+    /// A cycle begins: with a peer's state message, or (`None`) with this rank's news.
+    Cycle(Option<(usize, Vec<u8>)>),
+    /// The driver lets go ([`Mode`]).
+    LetGo,
+}
+
+/// The engine's state on this rank, driven by one thread at a time (`drive.rs`).
 pub(crate) struct Core {
     ctx: Arc<Context>,
     sh: Arc<EngineState>,
@@ -71,9 +107,32 @@ impl Core {
         self.ctx.world_rank(r).unwrap_or(r)
     }
 
-    /// The thread's body: serve until shutdown or failure, then fail whatever is left.
-    pub(crate) fn run(mut self) {
-        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve())).unwrap_or_else(|p| {
+    /// Drives the engine on this thread: waits for news and runs cycles until `mode` says to
+    /// let go (`Ok(None)`), a rank shut the engine down (`Ok(Some(rank))`) or something failed.
+    pub(crate) fn drive(&mut self, mode: &Mode<'_>) -> Result<Option<usize>> {
+        loop {
+            if mode.satisfied() {
+                return Ok(None);
+            }
+            match self.idle(mode)? {
+                Idle::Cycle(first) => {
+                    let shut = self.cycle(first)?;
+                    // Callers waiting for their turn look whether this cycle finished theirs.
+                    self.sh.changed();
+                    if let Some(by) = shut {
+                        return Ok(Some(by));
+                    }
+                }
+                Idle::LetGo => return Ok(None),
+            }
+        }
+    }
+
+    /// Ends the engine on this rank once driving it ended (`driven`: the rank that shut it
+    /// down, a failure, or a panic): tells the peers a failure's cause, records the first
+    /// cause, and fails whatever is left with it.
+    pub(crate) fn end(mut self, driven: std::thread::Result<Result<usize>>) {
+        let served = driven.unwrap_or_else(|p| {
             Err(Error::Aborted {
                 rank: self.w(self.rank),
                 reason: format!("the engine's thread panicked on rank {}: {}", self.w(self.rank), panic_message(&*p)),
@@ -115,16 +174,12 @@ impl Core {
         if let Some(t) = &mut self.timeline {
             t.flush();
         }
+        self.sh.changed();
     }
 
-    /// Cycles until a rank shuts down (returns that rank) or something fails.
-    fn serve(&mut self) -> Result<usize> {
-        loop {
-            let first = self.idle()?;
-            if let Some(by) = self.cycle(first)? {
-                return Ok(by);
-            }
-        }
+    /// What ends the idle wait of this rank's driver early: its interrupter.
+    pub(crate) fn interrupter(&self) -> Interrupter {
+        self.inbox.interrupter()
     }
 
     /// Whether this rank has something to negotiate.
@@ -165,24 +220,43 @@ impl Core {
         };
     }
 
-    /// Waits for news: a submission on this rank (it wakes itself with a message), or a
-    /// peer's state message (a cycle began). Returns the peer's message, or `None` for news
-    /// of this rank.
-    fn idle(&mut self) -> Result<Option<(usize, Vec<u8>)>> {
+    /// Waits for news: a submission on this rank (a message to itself wakes a driver waiting
+    /// here), or a peer's state message (a cycle began). Returns the peer's message, or `None`
+    /// for news of this rank; or says to let go ([`Mode`]).
+    fn idle(&mut self, mode: &Mode<'_>) -> Result<Idle> {
         let all: Vec<usize> = (0..self.size).collect();
         loop {
+            // Set before looking for news, so that a submission either is seen here or sees
+            // the flag and sends the wake-up message (shared.rs).
+            self.sh.on_inbox.store(true, Ordering::SeqCst);
             if self.has_news() {
+                self.sh.on_inbox.store(false, Ordering::SeqCst);
                 // The cycle's own receives must not race the idle one: withdraw it, unless a
                 // message is arriving into it already, which then comes first.
                 self.inbox.withdraw();
                 if !self.inbox.is_posted() {
-                    return Ok(None);
+                    return Ok(Idle::Cycle(None));
                 }
             }
             // Until the stall inspector's next look, when rank 0 holds pending names;
             // otherwise long (nothing to do until a message comes).
-            let timeout = self.ctl.stall_wait().unwrap_or(Duration::from_secs(3600));
-            match self.inbox.wait(&all, Instant::now() + timeout) {
+            let mut until = Instant::now() + self.ctl.stall_wait().unwrap_or(Duration::from_secs(3600));
+            let got = match mode {
+                Mode::Background => {
+                    let sh = &self.sh;
+                    self.inbox.wait_interruptibly(&all, until, || sh.waiting.load(Ordering::SeqCst) == 0)
+                }
+                Mode::Caller { deadline, .. } => {
+                    if let Some(d) = deadline {
+                        until = until.min(*d);
+                    }
+                    // A caller waiting for its own result busy-waits as callers do.
+                    let spin = self.ctx.comm().spin();
+                    self.inbox.wait_as(&all, until, spin)
+                }
+            };
+            self.sh.on_inbox.store(false, Ordering::SeqCst);
+            match got {
                 Some(Ok((peer, msg))) if peer == self.rank => {
                     self.sh.wake_pending.store(false, Ordering::SeqCst);
                     if msg != [wire::WAKE] {
@@ -192,9 +266,15 @@ impl Core {
                         });
                     }
                 }
-                Some(Ok((peer, msg))) => return Ok(Some((peer, msg))),
-                // A message that began arriving and stopped was dropped; so is a quiet slice.
-                None | Some(Err(Error::Timeout { .. })) => self.inspect_stalls()?,
+                Some(Ok((peer, msg))) => return Ok(Idle::Cycle(Some((peer, msg)))),
+                // A message that began arriving and stopped was dropped; so is a quiet slice
+                // (or an interrupted one).
+                None | Some(Err(Error::Timeout { .. })) => {
+                    self.inspect_stalls()?;
+                    if mode.lets_go(&self.sh) {
+                        return Ok(Idle::LetGo);
+                    }
+                }
                 Some(Err(e)) => return Err(e),
             }
         }

@@ -7,7 +7,7 @@ use crate::sync::lock;
 use crate::types::Element;
 use std::any::Any;
 use std::marker::PhantomData;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// What a finished submission produced, before it is given its type.
@@ -37,6 +37,13 @@ impl<T: Element> Payload for Vec<T> {
 }
 
 type Callback = Box<dyn FnOnce(Result<Output>) + Send>;
+
+/// What runs the engine's loop on a waiting caller's thread (`drive.rs`).
+pub(crate) trait Drive: Send + Sync {
+    /// Runs the engine's loop on this thread until `done` is finished or `deadline` (or, while
+    /// another thread runs it, sleeps until it is this thread's turn).
+    fn wait_for(&self, done: &Promise, deadline: Option<Instant>);
+}
 
 /// The completion of one submission.
 pub(crate) struct Promise {
@@ -92,6 +99,8 @@ pub struct Handle<O> {
     pub(crate) done: Arc<Promise>,
     pub(crate) name: String,
     pub(crate) convert: fn(Output) -> Result<O>,
+    /// The engine's loop, which a waiting caller runs itself (gone once the engine is).
+    pub(crate) driver: Weak<dyn Drive>,
     pub(crate) _o: PhantomData<fn() -> O>,
 }
 
@@ -122,6 +131,12 @@ impl<O: Send + 'static> Handle<O> {
 
     fn wait_until(self, deadline: Option<Instant>) -> Result<O> {
         let start = Instant::now();
+        // Runs the engine on this thread until the result is there (caller runs; drive.rs).
+        if !self.done.is_done()
+            && let Some(driver) = self.driver.upgrade()
+        {
+            driver.wait_for(&self.done, deadline);
+        }
         let mut s = lock(&self.done.state);
         loop {
             if let Some(out) = s.0.take() {
@@ -145,10 +160,13 @@ impl<O: Send + 'static> Handle<O> {
         }
     }
 
-    /// The callback form: `f` gets the result, on the engine's background thread as soon as
-    /// it is there (here and now, on the calling thread, if it already is). Keep it short: the
-    /// engine waits for it. A callback that panics on the engine's thread fails the engine on
-    /// every rank, with the panic as the cause (one run here panics here).
+    /// The callback form: `f` gets the result, on the thread that runs the engine's loop when
+    /// it is there (the background thread, or a thread of this rank waiting on another
+    /// handle), or here and now, on the calling thread, if it already is. Keep it short: the
+    /// engine waits for it, and do not wait on handles in it. A callback that panics on the
+    /// engine's loop fails the engine on every rank, with the panic as the cause (one run here
+    /// panics here). With no thread waiting, a callback comes at most about a millisecond
+    /// after a waiting thread last ran the loop (the background thread then takes it back).
     pub fn then(self, f: impl FnOnce(Result<O>) + Send + 'static) {
         let convert = self.convert;
         let mut s = lock(&self.done.state);

@@ -92,6 +92,7 @@ mod cache;
 mod config;
 mod controller;
 mod coordinator;
+mod drive;
 mod exec;
 mod handle;
 mod meta;

@@ -7,7 +7,7 @@ use super::stall::StallReport;
 use crate::error::Error;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,16 @@ pub(crate) struct EngineState {
     pub(crate) arrived: Condvar,
     /// A wake-up message to this rank is on its way and not yet received.
     pub(crate) wake_pending: AtomicBool,
+    /// The thread that drives the engine is in (or about to enter) its idle wait for
+    /// messages, where only a wake-up message reaches it: a submission sends one only then.
+    pub(crate) on_inbox: AtomicBool,
+    /// Callers in a [`Handle`](super::Handle) wait, which drive the engine themselves (see
+    /// `drive.rs`); the background thread lets go while there are any.
+    pub(crate) waiting: AtomicUsize,
+    /// Bumped whenever the drive is let go or a cycle completed something, for callers that
+    /// wait for their turn to drive.
+    pub(crate) turn: Mutex<Turn>,
+    pub(crate) turn_changed: Condvar,
     /// The engine's first failure; every later submission reports it.
     pub(crate) failed: Mutex<Option<Error>>,
     /// Names in flight on this rank.
@@ -57,6 +67,26 @@ pub(crate) struct EngineState {
     /// This rank has joined and its join has not completed.
     pub(crate) joined: AtomicBool,
     pub(crate) epoch: Instant,
+}
+
+/// What callers waiting for their turn to drive sleep on.
+#[derive(Default)]
+pub(crate) struct Turn {
+    pub(crate) generation: u64,
+    pub(crate) sleepers: usize,
+}
+
+impl EngineState {
+    /// Wakes the callers that wait for their turn to drive (the drive was let go, or a cycle
+    /// may have finished their submissions).
+    pub(crate) fn changed(&self) {
+        let mut t = crate::sync::lock(&self.turn);
+        t.generation = t.generation.wrapping_add(1);
+        if t.sleepers > 0 {
+            drop(t);
+            self.turn_changed.notify_all();
+        }
+    }
 }
 
 #[derive(Default)]
