@@ -452,7 +452,7 @@ fn latency(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<En
     })?;
     let warm_engine = job.engine("warm", |_| ())?;
     let warm = engine_rounds(&warm_engine, "latency.warm", iters, want)?;
-    let hits = warm_engine.stats().cache_hits;
+    let (hits, eager) = (warm_engine.stats().cache_hits, warm_engine.stats().eager);
     let cold_engine = job.engine("cold", |c| c.cache_capacity = 0)?;
     let cold = engine_rounds(&cold_engine, "latency.cold", iters, want)?;
     let cold_stats = cold_engine.stats();
@@ -461,7 +461,7 @@ fn latency(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<En
     let b = Summary::percentiles(&bare);
     for (mode, samples, extra) in [
         ("bare", &bare, vec![]),
-        ("warm", &warm, vec![("cache_hits", json!(hits))]),
+        ("warm", &warm, vec![("cache_hits", json!(hits)), ("eager", json!(eager))]),
         (
             "cold",
             &cold,

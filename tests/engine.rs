@@ -626,7 +626,9 @@ fn the_timeline_holds_negotiation_and_collective_spans_and_can_be_stopped_and_re
         .iter()
         .filter_map(|e| e["name"].as_str().map(String::from))
         .collect();
-    for want in ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE"] {
+    // The first step's names go to the coordinator and run as allreduces; later, small and
+    // cached, they are reduced from the tensors that travelled with the negotiation.
+    for want in ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", "ALLREDUCE_WITH_NEGOTIATION"] {
         assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
     }
     assert!(!names.iter().any(|n| n == "BROADCAST"), "written after the stop: {names:?}");
@@ -950,4 +952,178 @@ fn an_engine_on_a_sub_group_whose_ranks_differ_from_the_jobs_negotiates_and_redu
     for (rank, g) in got.iter().enumerate().skip(1) {
         assert_eq!(g, &want, "rank {rank}");
     }
+}
+
+/// Ranks as threads whose contexts hold `model` (which decides the tensors that travel with
+/// the negotiation: see `EngineStats::eager`).
+fn engines_with_model<T: Send>(
+    n: usize,
+    model: ferrogloo::cost::CostModel,
+    f: impl Fn(Engine) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let store = HashStore::new();
+    common::run_ranks_on(
+        n,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b.cost_model(model),
+        |ctx| f(Engine::new(ctx, cfg())?),
+    )
+}
+
+#[test]
+fn small_cached_allreduces_travel_with_the_negotiation_and_a_changed_order_stays_correct() {
+    // α large against the links' time for tens of KiB: those travel with the state messages;
+    // 2 MiB is over what one message carries, so that tensor runs as an allreduce.
+    let model: ferrogloo::cost::CostModel = "latency_us=100,link_gbs=2,reduce_gbs=4".parse().expect("a model");
+    let (small, big, steps) = (10usize, 2 << 20 >> 2, 6usize);
+    let sizes: Vec<usize> = (0..small).map(|t| [0, 1, 7, 300, 5000][t % 5]).chain([big]).collect();
+    for n in [2usize, 3, 5] {
+        let results = engines_with_model(n, model, |e| {
+            let r = e.rank();
+            let mut rng = Lcg(r as u64 * 31 + n as u64);
+            let mut out = Vec::new();
+            let mut eager_by_step = Vec::new();
+            for step in 0..steps {
+                let mut order: Vec<usize> = (0..sizes.len()).collect();
+                rng.shuffle(&mut order);
+                // From step 3 rank 1 submits in reverse, half from another thread.
+                if r == 1 && step >= 3 {
+                    order.reverse();
+                }
+                let sub = |part: &[usize]| -> Result<Vec<_>> {
+                    part.iter()
+                        .map(|&t| {
+                            let name = format!("t{t}");
+                            if t % 2 == 0 {
+                                let v: Vec<f32> = (0..sizes[t]).map(|i| val(r, t, i) as f32).collect();
+                                e.allreduce(&name, v, Reduction::Sum).map(|h| (t, Kind3::F(h)))
+                            } else {
+                                let v: Vec<i64> = (0..sizes[t]).map(|i| val(r, t, i)).collect();
+                                e.allreduce(&name, v, Reduction::Sum).map(|h| (t, Kind3::I(h)))
+                            }
+                        })
+                        .collect()
+                };
+                let handles = if r == 1 && step >= 3 {
+                    let (a, b) = order.split_at(order.len() / 2);
+                    std::thread::scope(|s| {
+                        let sub = &sub;
+                        let ha = s.spawn(move || sub(a));
+                        let hb = sub(b);
+                        let ha = ha.join().expect("submitting thread panicked");
+                        ha.and_then(|mut ha| {
+                            ha.extend(hb?);
+                            Ok(ha)
+                        })
+                    })?
+                } else {
+                    sub(&order)?
+                };
+                for (t, h) in handles {
+                    let got: Vec<f64> = match h {
+                        Kind3::F(h) => h.wait()?.data.into_iter().map(f64::from).collect(),
+                        Kind3::I(h) => h.wait()?.data.into_iter().map(|x| x as f64).collect(),
+                        _ => unreachable!("only f32 and i64 here"),
+                    };
+                    out.push((step, t, got));
+                }
+                eager_by_step.push(e.stats().eager);
+            }
+            Ok((out, eager_by_step, e.stats()))
+        });
+        for (rank, (out, eager_by_step, stats)) in all_ok(results).iter().enumerate() {
+            assert_eq!(out.len(), steps * sizes.len());
+            for (step, t, got) in out {
+                let want: Vec<f64> = (0..sizes[*t]).map(|i| (0..n).map(|r| val(r, *t, i) as f64).sum()).collect();
+                assert!(got == &want, "n={n} rank {rank} step {step} tensor {t}: a wrong result");
+            }
+            // From the second step on, every small name is found in the cache in a cycle in
+            // which every rank has it pending: it travels, from every rank, in that cycle. The
+            // large one never does.
+            assert_eq!(stats.eager, stats.cache_hits - (steps as u64 - 1), "n={n} rank {rank}: {stats:?}");
+            assert_eq!(stats.eager, (steps as u64 - 1) * small as u64, "n={n} rank {rank}: {stats:?}");
+            // Before and after rank 1 changed its order.
+            let per_step: Vec<u64> = eager_by_step.windows(2).map(|w| w[1] - w[0]).collect();
+            assert!(per_step.iter().all(|&k| k == small as u64), "n={n} rank {rank}: {per_step:?}");
+        }
+    }
+}
+
+#[test]
+fn without_a_model_that_favours_it_nothing_travels_with_the_negotiation() {
+    // Links so fast against their latency that sending a tensor to every rank never pays.
+    let model: ferrogloo::cost::CostModel =
+        "latency_us=0.001,link_gbs=0.001,reduce_gbs=0.001".parse().expect("a model");
+    let results = engines_with_model(3, model, |e| {
+        for step in 0..3 {
+            let got = e.allreduce("x", vec![e.rank() as f32 + step as f32; 100], Reduction::Sum)?.wait()?.data;
+            assert_eq!(got, vec![3.0 + 3.0 * step as f32; 100]);
+        }
+        Ok(e.stats())
+    });
+    for s in all_ok(results) {
+        assert_eq!((s.eager, s.cache_hits), (0, 2), "{s:?}");
+    }
+}
+
+#[test]
+fn threads_of_one_rank_waiting_at_once_take_turns_running_the_engine() {
+    let (n, threads, rounds) = (3usize, 4usize, 40usize);
+    let results = engines(n, cfg(), |e| {
+        let r = e.rank();
+        std::thread::scope(|s| {
+            let runs: Vec<_> = (0..threads)
+                .map(|j| {
+                    let e = &e;
+                    s.spawn(move || -> Result<()> {
+                        for k in 0..rounds {
+                            let name = format!("thread{j}.{}", k % 5);
+                            let v: Vec<i64> = (0..1 + 50 * j).map(|i| val(r, j + k, i)).collect();
+                            let got = e.allreduce(&name, v, Reduction::Sum)?.wait_timeout(TIMEOUT)?.data;
+                            let want: Vec<i64> =
+                                (0..1 + 50 * j).map(|i| (0..n).map(|q| val(q, j + k, i)).sum()).collect();
+                            assert_eq!(got, want, "rank {r} thread {j} round {k}");
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            runs.into_iter().try_for_each(|h| h.join().expect("a waiting thread panicked"))
+        })
+    });
+    all_ok(results);
+}
+
+#[test]
+fn a_callback_runs_with_nobody_waiting_and_a_waiter_leaves_at_its_deadline() {
+    let after_timeout = Barrier::new(2);
+    let results = engines(2, cfg(), |e| {
+        let r = e.rank();
+        // A caller ran the engine last; then a callback that nobody waits for.
+        e.allreduce("warm", vec![1f32; 4], Reduction::Sum)?.wait()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        e.allreduce("cb", vec![r as f32 + 1.0; 3], Reduction::Sum)?.then(move |out| {
+            let _ = tx.send(out.map(|t| t.data));
+        });
+        let got = rx.recv_timeout(TIMEOUT).map_err(|_| Error::invalid("the callback did not come"))??;
+        assert_eq!(got, vec![3.0; 3]);
+        // Rank 0 waits with a deadline for a name rank 1 submits only afterwards.
+        if r == 0 {
+            let h = e.allreduce("late", vec![1i32; 2], Reduction::Sum)?;
+            let start = Instant::now();
+            let err = h.wait_timeout(Duration::from_millis(200)).err();
+            let waited = start.elapsed();
+            assert!(matches!(err, Some(Error::Timeout { .. })), "{err:?}");
+            assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(5), "{waited:?}");
+            after_timeout.wait();
+            // The submission stayed in flight: the name completes for rank 1.
+            Ok(None)
+        } else {
+            after_timeout.wait();
+            Ok(Some(e.allreduce("late", vec![5i32; 2], Reduction::Sum)?.wait_timeout(TIMEOUT)?.data))
+        }
+    });
+    let results = all_ok(results);
+    assert_eq!(results[1], Some(vec![6, 6]));
 }

@@ -200,7 +200,11 @@ fn the_timeline_is_valid_json_after_its_rank_is_killed_with_sigkill() {
             .unwrap_or_else(|e| panic!("not JSON after SIGKILL ({e}): ...{}", &text[text.len().saturating_sub(300)..]));
         let events = tl["traceEvents"].as_array().expect("traceEvents");
         assert!(events.iter().any(|e| e["name"] == "NEGOTIATE_ALLREDUCE"), "no negotiation span");
-        assert!(events.iter().filter(|e| e["name"] == "ALLREDUCE").count() >= 20, "fewer allreduce spans than steps");
+        // Small tensors are reduced from what travelled with the negotiation
+        // (ALLREDUCE_WITH_NEGOTIATION), the others by an allreduce.
+        let allreduces =
+            events.iter().filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with("ALLREDUCE"))).count();
+        assert!(allreduces >= 20, "fewer allreduce spans than steps");
     }
 }
 

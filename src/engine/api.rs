@@ -41,7 +41,7 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// Starts an engine over `ctx` (its background thread owns the context's traffic from now
+    /// Starts an engine over `ctx` (the engine owns the context's traffic from now
     /// on: make no other calls on it). A process set is an engine over a sub-group made with
     /// [`Context::split`] or [`Context::subgroup`].
     pub fn new(ctx: Context, config: EngineConfig) -> Result<Engine> {

@@ -8,7 +8,7 @@
 use super::CONTROL_TAG;
 use super::config::EngineConfig;
 use super::controller::{COORDINATOR, Controller, Decision, Responses};
-use super::exec::{self, Item, Own};
+use super::exec::{self, Item, Own, Span};
 use super::handle::{Output, Promise, panic_message};
 use super::meta::Kind;
 use super::shared::{EngineState, Submission, TimelineCommand};
@@ -76,6 +76,40 @@ pub(crate) struct Core {
     /// The idle wait's receive of control messages from any rank: it stays posted from one
     /// idle slice to the next (withdrawn at a slice's end, a half-read message would be lost).
     inbox: PersistentRecv,
+    /// The largest tensor that travels with the state messages (0: none do); see [`eager_limit`].
+    eager_max: usize,
+    /// The cache slots whose tensors this rank sent with this cycle's state message.
+    eager_sent: Vec<u32>,
+    /// This cycle's state messages (envelopes) from each rank, for the tensors they carry.
+    received: Vec<Option<Vec<u8>>>,
+}
+
+/// The most bytes of tensors that travel with one state message (a bound on the memory a
+/// cycle's messages take, not a speed setting: which tensors travel is the cost model's).
+const EAGER_MESSAGE_BYTES: usize = 1 << 20;
+
+/// The largest tensor whose travelling with the state messages costs less, by `ctx`'s cost
+/// model, than the allreduce it replaces: each rank sends it to every other rank and folds
+/// theirs, `(n - 1) · bytes · (β + γ)`, against the allreduce `Auto` would run. Up to
+/// [`EAGER_MESSAGE_BYTES`]; 0 where there is no model (one rank). Every rank holds the same
+/// model, so every rank finds the same limit (and a tensor that travels from some ranks only
+/// is allreduced as usual: see [`Core::cycle`]).
+fn eager_limit(ctx: &Context) -> usize {
+    let n = ctx.size();
+    let Some(model) = ctx.cost_model().filter(|_| n > 1) else { return 0 };
+    let per_byte = (n - 1) as f64 * (1.0 / model.link_bytes_per_s + 1.0 / model.reduce_bytes_per_s);
+    let mut limit = 0;
+    let mut bytes = 64;
+    while bytes <= EAGER_MESSAGE_BYTES {
+        let allreduce = model.allreduce_choice(n, bytes);
+        let Some(t) = model.allreduce_time(allreduce, n, bytes) else { break };
+        if bytes as f64 * per_byte >= t.as_secs_f64() {
+            break;
+        }
+        limit = bytes;
+        bytes *= 2;
+    }
+    limit
 }
 
 impl Core {
@@ -91,6 +125,9 @@ impl Core {
         Ok(Core {
             ctl: Controller::new(rank, world, cfg.cache_capacity, cfg.stall_check, cfg.stall_shutdown),
             inbox: ctx.comm().persistent_recv(CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
+            eager_max: eager_limit(&ctx),
+            eager_sent: Vec::new(),
+            received: vec![None; size],
             ctx,
             sh,
             cfg,
@@ -332,18 +369,45 @@ impl Core {
     }
 
     /// Sends this rank's state to every rank and receives theirs (the direct bitwise
-    /// allreduce). `first` is a state already received (the one that began the cycle).
+    /// allreduce). `first` is a state already received (the one that began the cycle). Small
+    /// cached allreduces travel with the state ([`eager_limit`]).
     fn exchange(&mut self, first: Option<(usize, Vec<u8>)>) -> Result<()> {
         let (me, n) = (self.rank, self.size);
         let out = self.ctl.begin();
+        // This rank's tensors that travel: pending in the cache, small enough, up to the
+        // message's bound.
+        self.eager_sent.clear();
+        let mut eager: Vec<(u32, &[u8])> = Vec::new();
+        if self.eager_max > 0 {
+            let mut total = 0;
+            for (slot, meta, (payload, _, _)) in self.ctl.cached_pending() {
+                let Some(p) = payload.as_ref().map(|p| p.bytes()).filter(|_| exec::eager_kind(meta)) else {
+                    continue;
+                };
+                if p.len() <= self.eager_max && total + p.len() <= EAGER_MESSAGE_BYTES {
+                    total += p.len();
+                    eager.push((slot, p));
+                }
+            }
+        }
+        self.eager_sent.extend(eager.iter().map(|e| e.0));
+        let to_coordinator = wire::envelope(out.to(COORDINATOR), &eager);
+        let to_others = (out.to(COORDINATOR) != out.to((COORDINATOR + 1) % n.max(1)))
+            .then(|| wire::envelope(out.to((COORDINATOR + 1) % n.max(1)), &eager));
+        drop(eager);
+        self.received.iter_mut().for_each(|r| *r = None);
         if let Some((p, msg)) = first {
-            self.ctl.receive_state(p, &msg)?;
+            self.take_state(p, msg)?;
         }
         let need = self.ctl.awaiting();
         let got = self.ctx.scope(|s| {
             let mut sends = Vec::with_capacity(n);
             for p in (0..n).filter(|&p| p != me) {
-                sends.push(s.isend(p, CONTROL_TAG, out.to(p))?);
+                let msg = match &to_others {
+                    Some(m) if p != COORDINATOR => m,
+                    _ => &to_coordinator,
+                };
+                sends.push(s.isend(p, CONTROL_TAG, msg.as_slice())?);
             }
             let recvs = need
                 .iter()
@@ -359,9 +423,58 @@ impl Core {
             Ok(got)
         })?;
         for (p, msg) in got {
-            self.ctl.receive_state(p, &msg)?;
+            self.take_state(p, msg)?;
         }
         Ok(())
+    }
+
+    /// Rank `p`'s envelope of this cycle: its state to the controller, the message kept for
+    /// the tensors it carries.
+    fn take_state(&mut self, p: usize, msg: Vec<u8>) -> Result<()> {
+        let (state, _) = wire::open_envelope(&msg, self.w(p))?;
+        self.ctl.receive_state(p, state)?;
+        if let Some(r) = self.received.get_mut(p) {
+            *r = Some(msg);
+        }
+        Ok(())
+    }
+
+    /// Reduces the ready allreduces whose tensors came from every rank with this cycle's
+    /// state messages (`ready[i]`'s slot, for those the cache's bits found ready), with no
+    /// collective. Every rank sees the same messages, so every rank reduces the same ones;
+    /// the others run as usual. Returns the time spent on each, for the timeline.
+    fn reduce_eager(&mut self, items: &mut [Item], slots: &[Option<u32>]) -> Result<Vec<Span>> {
+        if self.eager_sent.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (me, n) = (self.rank, self.size);
+        let mut opened: Vec<Vec<(u32, &[u8])>> = Vec::with_capacity(n);
+        for (p, m) in self.received.iter().enumerate() {
+            let tensors = match m {
+                Some(m) if p != me => wire::open_envelope(m, p)?.1,
+                _ => Vec::new(),
+            };
+            opened.push(tensors);
+        }
+        let mut spans = Vec::new();
+        for (i, item) in items.iter_mut().enumerate() {
+            let (Some(slot), Some(len)) = (slots.get(i).copied().flatten(), item.eager_bytes()) else { continue };
+            if !self.eager_sent.contains(&slot) {
+                continue;
+            }
+            let peers: Option<Vec<Option<&[u8]>>> = (0..n)
+                .map(|p| {
+                    if p == me {
+                        return Some(None);
+                    }
+                    opened[p].iter().find(|(s, b)| *s == slot && b.len() == len).map(|(_, b)| Some(*b))
+                })
+                .collect();
+            if let Some(peers) = peers {
+                item.reduce_from(&peers, &mut spans, i)?;
+            }
+        }
+        Ok(spans)
     }
 
     /// One cycle. Returns the rank that shut the engine down, if one did.
@@ -388,15 +501,31 @@ impl Core {
         };
         let Decision { ready, from_coordinator, coordinated, contributors, join_done, shut_by } =
             self.ctl.conclude(responses.as_deref())?;
+        let slots: Vec<Option<u32>> = ready.iter().map(|r| r.slot).collect();
+        let hits = ready.len() - from_coordinator;
+        let mut items: Vec<Item> = ready.into_iter().map(|r| Item::new(r, now)).collect();
+        let eager = self.reduce_eager(&mut items, &slots);
         {
             let mut st = lock(&self.sh.stats);
             st.cycles += 1;
             st.coordinated_cycles += u64::from(coordinated);
             st.coordinated += from_coordinator as u64;
-            st.cache_hits += (ready.len() - from_coordinator) as u64;
+            st.cache_hits += hits as u64;
+            st.eager += eager.as_ref().map_or(0, Vec::len) as u64;
         }
-        let items = ready.into_iter().map(|r| Item::new(r, now)).collect();
-        self.execute(items, contributors)?;
+        let spans = match eager {
+            Ok(spans) => spans,
+            Err(e) => {
+                // The failure ends the engine: every item of the cycle reports it.
+                for mut item in items {
+                    lock(&self.sh.inflight).remove(&item.name);
+                    item.fail_unrun(&e);
+                    let _ = item.finish();
+                }
+                return Err(e);
+            }
+        };
+        self.execute(items, contributors, spans)?;
         if let Some(last) = join_done
             && let Some(j) = self.join.take()
         {
@@ -426,11 +555,12 @@ impl Core {
     }
 
     /// Runs the ready names in order (fusing allreduces) and completes this rank's handles.
-    fn execute(&mut self, mut items: Vec<Item>, contributors: usize) -> Result<()> {
+    /// `eager`: the spans of those reduced from the state messages.
+    fn execute(&mut self, mut items: Vec<Item>, contributors: usize, eager: Vec<Span>) -> Result<()> {
         if items.is_empty() {
             return Ok(());
         }
-        let (spans, ran) = exec::run(
+        let (mut spans, ran) = exec::run(
             &self.ctx,
             &mut self.fusion,
             &mut items,
@@ -438,6 +568,7 @@ impl Core {
             (self.cfg.fusion_threshold, self.cfg.fusion_max_tensor),
             &self.sh.stats,
         );
+        spans.extend(eager);
         if let Some(t) = &mut self.timeline {
             t.record(&items, &spans);
         }

@@ -94,6 +94,8 @@ pub(crate) struct Ready<T> {
     pub(crate) own: Option<T>,
     /// When each rank was first seen with it (rank 0, or when asked to record).
     pub(crate) seen: Option<Vec<Option<Instant>>>,
+    /// The cache slot whose bits found it ready this cycle (`None`: the coordinator did).
+    pub(crate) slot: Option<u32>,
 }
 
 /// What a cycle decided.
@@ -238,6 +240,21 @@ impl<T> Controller<T> {
     /// Every ticket still pending (the engine failed), in no particular order.
     pub(crate) fn drain_tickets(&mut self) -> Vec<T> {
         self.entries.drain().map(|(_, e)| e.ticket).collect()
+    }
+
+    /// This rank's submissions pending in the cache (their slot's bit is set in this cycle's
+    /// state message), by slot: what may travel with the state message.
+    pub(crate) fn cached_pending(&self) -> Vec<(u32, &Meta, &T)> {
+        let mut v: Vec<(u32, &Meta, &T)> = self
+            .entries
+            .values()
+            .filter_map(|e| match e.via {
+                Via::Cached(s) => Some((s, &e.meta, &e.ticket)),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable_by_key(|e| e.0);
+        v
     }
 
     /// Starts the next cycle: this rank's state message.
@@ -481,11 +498,13 @@ impl<T> Controller<T> {
                 *count.entry(g).or_default() += 1;
             }
         }
-        let mut ready: Vec<(String, Meta, Vec<u64>, Option<Error>)> = responses
+        // Name, what the ranks agreed on, first dimensions, a failure, the slot of a cache hit.
+        type Found = (String, Meta, Vec<u64>, Option<Error>, Option<u32>);
+        let mut ready: Vec<Found> = responses
             .into_iter()
             .map(|r| {
                 let error = r.error.map(|(rank, detail)| Error::Mismatch { rank: rank as usize, detail });
-                (r.name, r.meta, r.dims, error)
+                (r.name, r.meta, r.dims, error, None)
             })
             .collect();
         let from_coordinator = ready.len();
@@ -494,7 +513,7 @@ impl<T> Controller<T> {
             if group_of(meta).is_some_and(|g| count.get(&g).copied().unwrap_or(0) < meta.group_size) {
                 continue;
             }
-            ready.push((name.clone(), meta.clone(), Vec::new(), None));
+            ready.push((name.clone(), meta.clone(), Vec::new(), None, Some(*slot)));
             self.cache.touch(*slot, self.cycle);
         }
 
@@ -502,7 +521,7 @@ impl<T> Controller<T> {
         if joined.iter().any(|&j| j) {
             // Zeros stand in for a joined rank: right for sums and averages only.
             let who: Vec<usize> = (0..n).filter(|&r| joined[r]).map(|r| self.w(r)).collect();
-            for (name, meta, _, error) in &mut ready {
+            for (name, meta, _, error, _) in &mut ready {
                 if error.is_none()
                     && meta.kind == Kind::Allreduce
                     && !matches!(meta.op, Reduction::Sum | Reduction::Average)
@@ -516,13 +535,14 @@ impl<T> Controller<T> {
         }
         let ready = ready
             .into_iter()
-            .map(|(name, meta, dims, error)| Ready {
+            .map(|(name, meta, dims, error, slot)| Ready {
                 seen: self.stalls.take(&name),
                 own: self.entries.remove(&name).map(|e| e.ticket),
                 name,
                 meta,
                 dims,
                 error,
+                slot,
             })
             .collect();
 

@@ -71,6 +71,7 @@ impl Driver {
     pub(crate) fn background(&self) {
         loop {
             self.linger();
+            let seen = self.generation();
             match try_lock(&self.core) {
                 Some(mut core) => {
                     let ended = self.run(&mut core, &Mode::Background);
@@ -80,7 +81,7 @@ impl Driver {
                         return;
                     }
                 }
-                None => self.sleep_for_turn(None, Some(Instant::now() + LINGER)),
+                None => self.sleep_for_turn(seen, None, Some(Instant::now() + LINGER)),
             }
         }
     }
@@ -130,11 +131,16 @@ impl Driver {
         true
     }
 
-    /// Sleeps until the loop is let go or a cycle finished something (or `done` is finished,
-    /// or `until`).
-    fn sleep_for_turn(&self, done: Option<&Promise>, until: Option<Instant>) {
+    /// The turn's generation now (read before trying the loop's lock, so that a let-go
+    /// between the try and the sleep is not missed).
+    fn generation(&self) -> u64 {
+        lock(&self.sh.turn).generation
+    }
+
+    /// Sleeps until the loop is let go or a cycle finished something since the turn's
+    /// generation was `generation` (or `done` is finished, or `until`).
+    fn sleep_for_turn(&self, generation: u64, done: Option<&Promise>, until: Option<Instant>) {
         let mut t = lock(&self.sh.turn);
-        let generation = t.generation;
         t.sleepers += 1;
         while t.generation == generation && !done.is_some_and(|d| d.is_done()) {
             let left = until.map_or(TURN_SLICE, |u| u.saturating_duration_since(Instant::now()).min(TURN_SLICE));
@@ -159,6 +165,7 @@ impl Drive for Driver {
             if done.is_done() || deadline.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
+            let seen = self.generation();
             match try_lock(&self.core) {
                 Some(mut core) => {
                     if core.is_none() {
@@ -168,7 +175,7 @@ impl Drive for Driver {
                     drop(core);
                     self.sh.changed();
                 }
-                None => self.sleep_for_turn(Some(done), deadline),
+                None => self.sleep_for_turn(seen, Some(done), deadline),
             }
         }
         self.sh.waiting.fetch_sub(1, Ordering::SeqCst);

@@ -5,6 +5,7 @@ use super::controller::Ready;
 use super::handle::{Output, Payload, Promise};
 use super::meta::{Kind, Meta};
 use super::shared::EngineStats;
+use super::tensor::Compression;
 use crate::Context;
 use crate::algorithms::CollectiveOptions;
 use crate::error::{Error, Result};
@@ -165,7 +166,9 @@ pub(crate) fn run(
     stats: &Mutex<EngineStats>,
 ) -> (Vec<Span>, Result<()>) {
     let mut spans = Vec::new();
-    let runnable: Vec<usize> = (0..items.len()).filter(|&i| items[i].error.is_none()).collect();
+    // Items with an outcome already (reduced from the state messages) are not run again.
+    let runnable: Vec<usize> =
+        (0..items.len()).filter(|&i| items[i].error.is_none() && items[i].out.is_none()).collect();
     let metas: Vec<&Meta> = runnable.iter().map(|&i| &items[i].meta).collect();
     // Through the host's area a batch costs no copies, so no tensor is too large to join one
     // (a compressed tensor is converted whether it runs alone or not).
@@ -177,6 +180,9 @@ pub(crate) fn run(
         leader[batch[0]] = Some(b);
     }
     for i in 0..items.len() {
+        if items[i].out.is_some() {
+            continue;
+        }
         if let Some(e) = items[i].error.clone() {
             items[i].out = Some(Err(e));
             continue;
@@ -301,6 +307,71 @@ fn allreduce(
         );
     }
     Ok(())
+}
+
+/// Whether `item` may be reduced from tensors that travelled with the state messages: an
+/// uncompressed allreduce that every rank agreed on and this rank submitted.
+pub(crate) fn eager_kind(meta: &Meta) -> bool {
+    meta.kind == Kind::Allreduce && meta.compression == Compression::None
+}
+
+impl Item {
+    /// Whether this item may be reduced from the state messages' tensors ([`eager_kind`]),
+    /// and its bytes.
+    pub(crate) fn eager_bytes(&self) -> Option<usize> {
+        (eager_kind(&self.meta) && self.error.is_none() && self.done.is_some())
+            .then(|| self.payload.as_ref().map(|p| p.bytes().len()))
+            .flatten()
+    }
+
+    /// Reduces this allreduce from every rank's tensor (`peers[r]`: rank `r`'s bytes, `None`
+    /// for this rank, whose tensor is the item's own), folding in rank order so that every
+    /// rank computes the same bits; scales as [`run`]'s allreduces do.
+    pub(crate) fn reduce_from(&mut self, peers: &[Option<&[u8]>], spans: &mut Vec<Span>, at: usize) -> Result<()> {
+        let m = self.meta.clone();
+        let red = m.op.pairwise();
+        let post = m.postscale * if m.op == Reduction::Average { 1.0 / peers.len() as f64 } else { 1.0 };
+        let name = self.name.clone();
+        let own = self.input()?.bytes_mut();
+        let start = Instant::now();
+        let mut acc: Vec<u8> = Vec::new();
+        let mut scratch: Vec<u8> = Vec::new();
+        for (r, p) in peers.iter().enumerate() {
+            let src: &[u8] = match p {
+                Some(b) => b,
+                None => own,
+            };
+            if src.len() != own.len() {
+                return Err(Error::invalid(format!(
+                    "engine: allreduce '{name}' came with {} bytes from rank {r}, {} here (a bug)",
+                    src.len(),
+                    own.len()
+                )));
+            }
+            let dst = if r == 0 { &mut acc } else { &mut scratch };
+            dst.clear();
+            dst.extend_from_slice(src);
+            if m.prescale != 1.0 {
+                scale(m.dtype, dst, m.prescale)?;
+            }
+            if r > 0 {
+                red.apply_bytes(m.dtype, &mut acc, &scratch)?;
+            }
+        }
+        if post != 1.0 {
+            scale(m.dtype, &mut acc, post)?;
+        }
+        own.copy_from_slice(&acc);
+        spans.push(Span { item: at, phase: "ALLREDUCE_WITH_NEGOTIATION", start, end: Instant::now() });
+        let shape = self.shape();
+        self.out = Some(
+            self.payload
+                .take()
+                .map(|payload| Output::Tensor { payload, shape })
+                .ok_or_else(|| Error::invalid("engine: no tensor (a bug)")),
+        );
+        Ok(())
+    }
 }
 
 /// Whether the engine's allreduces run through the host's shared area (every rank on this

@@ -23,18 +23,31 @@
 //!
 //! # How it works
 //!
-//! - **Cycles, only when there is news.** A submission wakes the rank's background thread (a
-//!   message to itself on the context, so one wait covers peers and submissions); a thread
-//!   with new work starts a *cycle*: it sends a short state message to every rank, and an idle
-//!   rank that receives one joins the cycle with its own. Idle ranks exchange nothing. While
-//!   submissions keep arriving close together, the thread waits for the burst to end (at most
-//!   [`EngineConfig::batch_window`]) so that one cycle negotiates all of it.
+//! - **Cycles, only when there is news.** A rank with new work starts a *cycle*: it sends a
+//!   short state message to every rank, and an idle rank that receives one joins the cycle
+//!   with its own. Idle ranks exchange nothing. While submissions keep arriving close together,
+//!   the engine waits for the burst to end (at most [`EngineConfig::batch_window`]) so that one
+//!   cycle negotiates all of it.
+//! - **The caller runs.** A thread waiting on a [`Handle`] runs the engine's loop itself (its
+//!   cycles, collectives and completions), so a result does not cross threads; the background
+//!   thread runs it while nobody waits (callbacks, peers' cycles, handles never waited on),
+//!   lets go when a caller comes, and takes it back about a millisecond after the last caller
+//!   left. A submission wakes the loop (a message to itself on the context) only while it waits
+//!   for messages. Several threads of a rank waiting at once take turns.
 //! - **Response cache, one bitwise allreduce.** A name negotiated once gets a slot in every
 //!   rank's cache (the same slot everywhere, kept until evicted). Later submissions of it only
 //!   set their slot's bit in the state message; the bits of all ranks are ANDed (status bits:
 //!   joined, shut down, requests pending, slots to invalidate ORed): a slot every rank has set
 //!   is ready, with no coordinator round trip. The exchange *is* the allreduce: a direct
 //!   all-to-all of the small vectors, which is also how an idle rank learns a cycle began.
+//! - **Small tensors travel with the negotiation.** A cached allreduce small enough, by the
+//!   context's [cost model](crate::cost), that sending it to every rank costs less than the
+//!   allreduce it replaces rides in this rank's state message. When a cycle finds it ready and
+//!   every rank's message carried it, every rank folds the tensors in rank order (the same bits
+//!   everywhere) and no collective runs: the warm path is one exchange, not a negotiation and
+//!   then an allreduce. Nothing depends on the ranks' order of submission: a tensor that did
+//!   not come from every rank in that cycle runs as an allreduce, decided alike on every rank
+//!   from the same messages ([`EngineStats::eager`] counts the others).
 //! - **Coordinator.** A name not in the cache (first time, or its type or shape changed, which
 //!   invalidates its slot on every rank in the same cycle) travels in full to rank 0, which
 //!   finds it ready once every rank has submitted it, checks that they agree (type, shape,

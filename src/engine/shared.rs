@@ -28,6 +28,12 @@ pub struct EngineStats {
     pub fused_batches: u64,
     /// Tensors that went through those batches.
     pub fused_tensors: u64,
+    /// Allreduces whose tensors travelled with the negotiation's state messages and were
+    /// reduced on every rank with no collective of their own: small tensors, found ready in
+    /// the response cache in the cycle that brought every rank's tensor. (A tensor that
+    /// arrives when only some ranks have submitted it, or whose ranks submitted it in
+    /// different cycles, runs as an allreduce instead; see the [module](crate::engine).)
+    pub eager: u64,
 }
 
 /// One submission, on its way to the background thread.

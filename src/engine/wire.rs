@@ -171,7 +171,7 @@ impl Codec for Response {
 
 /// Decodes a whole message from rank `peer` with `read`: a message that does not decode, or
 /// has bytes after its end, is [`Error::Protocol`] saying what is wrong and at which byte.
-fn decode_message<T>(buf: &[u8], peer: usize, read: impl FnOnce(&mut Reader<'_>) -> Decoded<T>) -> Result<T> {
+fn decode_message<'a, T>(buf: &'a [u8], peer: usize, read: impl FnOnce(&mut Reader<'a>) -> Decoded<T>) -> Result<T> {
     let mut r = Reader::new(buf);
     let message = read(&mut r).and_then(|m| match r.remaining() {
         0 => Ok(m),
@@ -226,6 +226,44 @@ impl State {
     }
 }
 
+/// A state message as it travels, with the tensors that travel with it: the state message
+/// after its length (a `u32`), then a count of tensors and each one's cache slot (a `u32`) and
+/// bytes after their length (a `u32`). Small cached allreduces travel this way, so that the
+/// cycle that finds them ready on every rank also brought every rank's tensor (`background.rs`).
+pub(crate) fn envelope(state: &[u8], eager: &[Travelling<'_>]) -> Vec<u8> {
+    let data: usize = eager.iter().map(|(_, b)| 8 + b.len()).sum();
+    let mut out = Vec::with_capacity(8 + state.len() + data);
+    out.write_u32_prefixed(state);
+    out.write_count(eager.len());
+    for (slot, bytes) in eager {
+        out.write(*slot);
+        out.write_u32_prefixed(bytes);
+    }
+    out
+}
+
+/// A tensor travelling with a state message: its cache slot and its bytes.
+pub(crate) type Travelling<'a> = (u32, &'a [u8]);
+
+/// [`envelope`]'s parts: the state message, and each tensor's slot and bytes. A malformed
+/// envelope, or one naming a slot twice, is [`Error::Protocol`] naming rank `peer`.
+pub(crate) fn open_envelope(msg: &[u8], peer: usize) -> Result<(&[u8], Vec<Travelling<'_>>)> {
+    decode_message(msg, peer, |r| {
+        let state = r.u32_prefixed(MAX_MESSAGE, "a state message")?;
+        let n = r.count(8)?;
+        let mut eager: Vec<Travelling<'_>> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let slot = r.get::<u32>()?;
+            let bytes = r.u32_prefixed(MAX_MESSAGE, "a tensor")?;
+            if eager.iter().any(|(s, _)| *s == slot) {
+                return Err(DecodeError::malformed(format!("cache slot {slot} twice")));
+            }
+            eager.push((slot, bytes));
+        }
+        Ok((state, eager))
+    })
+}
+
 pub(crate) fn encode_responses(cycle: u64, responses: &[Response]) -> Vec<u8> {
     let mut out = Vec::new();
     out.write(RESPONSES);
@@ -265,6 +303,27 @@ mod tests {
             group: 7,
             group_size: 2,
         }
+    }
+
+    #[test]
+    fn envelopes_round_trip_and_malformed_ones_are_refused_naming_the_peer() {
+        let state = State { cycle: 3, flags: 0, pending: vec![6], invalidate: vec![0], requests: vec![] }.encode(true);
+        let (a, b) = (vec![1u8, 2, 3, 4], vec![]);
+        let msg = envelope(&state, &[(1, &a), (2, &b)]);
+        let (s, eager) = open_envelope(&msg, 2).expect("opens");
+        assert_eq!(s, &state[..]);
+        assert_eq!(eager, vec![(1, &a[..]), (2, &b[..])]);
+        assert_eq!(open_envelope(&envelope(&state, &[]), 2).map(|(_, e)| e.len()).ok(), Some(0));
+        // Cut anywhere, with a byte too many, or naming a slot twice: refused in words.
+        for cut in 0..msg.len() {
+            assert!(matches!(open_envelope(&msg[..cut], 2), Err(Error::Protocol { peer: Some(2), .. })), "{cut}");
+        }
+        let mut long = msg.clone();
+        long.push(0);
+        assert!(open_envelope(&long, 2).is_err());
+        let twice = envelope(&state, &[(1, &a), (1, &a)]);
+        let e = open_envelope(&twice, 5).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("rank 5") && e.contains("slot 1 twice"), "{e}");
     }
 
     #[test]
