@@ -9,7 +9,7 @@ use super::CONTROL_TAG;
 use super::config::EngineConfig;
 use super::controller::{COORDINATOR, Controller, Decision, Responses};
 use super::exec::{self, Item, Own, Span};
-use super::handle::{Output, Promise, panic_message};
+use super::handle::{Deferred, Output, Promise, panic_message};
 use super::meta::Kind;
 use super::shared::{EngineState, Submission, TimelineCommand};
 use super::timeline::Timeline;
@@ -18,6 +18,7 @@ use crate::Context;
 use crate::comm::{Interrupter, PersistentRecv, SLEEPING};
 use crate::error::{Error, Result};
 use crate::sync::lock;
+use crate::transport::BusyWait;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,16 +30,18 @@ pub(crate) enum Mode<'a> {
     /// The background thread: until a caller comes to wait ([`EngineState::waiting`]), which
     /// interrupts its idle wait.
     Background,
-    /// A caller waiting for `done`: until it is finished, or `deadline`.
-    Caller { done: &'a Promise, deadline: Option<Instant> },
+    /// A caller waiting for `done` (with no deadline: a cycle it runs may take longer than
+    /// one): until it is finished. Callbacks of others' submissions are handed to the
+    /// background thread ([`Core::take_deferred`]), not run on the caller's thread.
+    Caller { done: &'a Promise },
 }
 
 impl Mode<'_> {
-    /// Whether the driver has what it drove for (a caller's result, its deadline).
+    /// Whether the driver has what it drove for (a caller's result).
     fn satisfied(&self) -> bool {
         match self {
             Mode::Background => false,
-            Mode::Caller { done, deadline } => done.is_done() || deadline.is_some_and(|d| Instant::now() >= d),
+            Mode::Caller { done } => done.is_done(),
         }
     }
 
@@ -82,6 +85,10 @@ pub(crate) struct Core {
     eager_sent: Vec<u32>,
     /// This cycle's state messages (envelopes) from each rank, for the tensors they carry.
     received: Vec<Option<Vec<u8>>>,
+    /// A caller drives: callbacks are kept here for the background thread, not run.
+    deferring: bool,
+    /// Callbacks of finished submissions (with their names) for the background thread.
+    deferred: Vec<(String, Deferred)>,
 }
 
 /// The most bytes of tensors that travel with one state message (a bound on the memory a
@@ -128,6 +135,8 @@ impl Core {
             eager_max: eager_limit(&ctx),
             eager_sent: Vec::new(),
             received: vec![None; size],
+            deferring: false,
+            deferred: Vec::new(),
             ctx,
             sh,
             cfg,
@@ -147,6 +156,7 @@ impl Core {
     /// Drives the engine on this thread: waits for news and runs cycles until `mode` says to
     /// let go (`Ok(None)`), a rank shut the engine down (`Ok(Some(rank))`) or something failed.
     pub(crate) fn drive(&mut self, mode: &Mode<'_>) -> Result<Option<usize>> {
+        self.deferring = matches!(mode, Mode::Caller { .. });
         loop {
             if mode.satisfied() {
                 return Ok(None);
@@ -167,12 +177,13 @@ impl Core {
 
     /// Ends the engine on this rank once driving it ended (`driven`: the rank that shut it
     /// down, a failure, or a panic): tells the peers a failure's cause, records the first
-    /// cause, and fails whatever is left with it.
-    pub(crate) fn end(mut self, driven: std::thread::Result<Result<usize>>) {
+    /// cause, and fails whatever is left with it. Returns the callbacks of what it failed
+    /// when a caller drove (for the background thread).
+    pub(crate) fn end(mut self, driven: std::thread::Result<Result<usize>>) -> Vec<(String, Deferred)> {
         let served = driven.unwrap_or_else(|p| {
             Err(Error::Aborted {
                 rank: self.w(self.rank),
-                reason: format!("the engine's thread panicked on rank {}: {}", self.w(self.rank), panic_message(&*p)),
+                reason: format!("the engine's loop panicked on rank {}: {}", self.w(self.rank), panic_message(&*p)),
             })
         });
         let err = match served {
@@ -199,11 +210,19 @@ impl Core {
             std::mem::take(&mut q.items)
         };
         lock(&self.sh.inflight).clear();
+        let fail = |name: String, done: &Promise, deferred: &mut Vec<(String, Deferred)>, deferring: bool| {
+            if deferring {
+                deferred.extend(done.finish_deferring(Err(err.clone())).map(|d| (name, d)));
+            } else {
+                done.done_with(Err(err.clone()));
+            }
+        };
+        let mut deferred = std::mem::take(&mut self.deferred);
         for s in queued.drain(..) {
-            s.done.finish(Err(err.clone()));
+            fail(s.name, &s.done, &mut deferred, self.deferring);
         }
-        for (_, done, _) in self.ctl.drain_tickets() {
-            done.finish(Err(err.clone()));
+        for (name, (_, done, _)) in self.ctl.drain_tickets() {
+            fail(name, &done, &mut deferred, self.deferring);
         }
         if let Some(j) = self.join.take() {
             j.done_with(Err(err.clone()));
@@ -212,6 +231,17 @@ impl Core {
             t.flush();
         }
         self.sh.changed();
+        deferred
+    }
+
+    /// The callbacks a caller's driving kept for the background thread.
+    pub(crate) fn take_deferred(&mut self) -> Vec<(String, Deferred)> {
+        std::mem::take(&mut self.deferred)
+    }
+
+    /// The context the engine runs on.
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
     }
 
     /// What ends the idle wait of this rank's driver early: its interrupter.
@@ -277,18 +307,16 @@ impl Core {
             }
             // Until the stall inspector's next look, when rank 0 holds pending names;
             // otherwise long (nothing to do until a message comes).
-            let mut until = Instant::now() + self.ctl.stall_wait().unwrap_or(Duration::from_secs(3600));
+            let until = Instant::now() + self.ctl.stall_wait().unwrap_or(Duration::from_secs(3600));
             let got = match mode {
                 Mode::Background => {
                     let sh = &self.sh;
                     self.inbox.wait_interruptibly(&all, until, || sh.waiting.load(Ordering::SeqCst) == 0)
                 }
-                Mode::Caller { deadline, .. } => {
-                    if let Some(d) = deadline {
-                        until = until.min(*d);
-                    }
-                    // A caller waiting for its own result busy-waits as callers do.
-                    let spin = self.ctx.comm().spin();
+                Mode::Caller { .. } => {
+                    // A caller waiting for its own result busy-waits as callers do, then
+                    // sleeps as the only thread waiting on the mesh.
+                    let spin = BusyWait { alone: true, ..self.ctx.comm().spin() };
                     self.inbox.wait_as(&all, until, spin)
                 }
             };
@@ -443,15 +471,17 @@ impl Core {
     /// state messages (`ready[i]`'s slot, for those the cache's bits found ready), with no
     /// collective. Every rank sees the same messages, so every rank reduces the same ones;
     /// the others run as usual. Returns the time spent on each, for the timeline.
-    fn reduce_eager(&mut self, items: &mut [Item], slots: &[Option<u32>]) -> Result<Vec<Span>> {
-        if self.eager_sent.is_empty() {
+    fn reduce_eager(&mut self, items: &mut [Item], slots: &[Option<u32>], contributors: usize) -> Result<Vec<Span>> {
+        // With joined ranks, allreduces run as collectives (an average divides by the ranks
+        // that contributed: exec.rs).
+        if self.eager_sent.is_empty() || contributors != self.size {
             return Ok(Vec::new());
         }
         let (me, n) = (self.rank, self.size);
         let mut opened: Vec<Vec<(u32, &[u8])>> = Vec::with_capacity(n);
         for (p, m) in self.received.iter().enumerate() {
             let tensors = match m {
-                Some(m) if p != me => wire::open_envelope(m, p)?.1,
+                Some(m) if p != me => wire::open_envelope(m, self.w(p))?.1,
                 _ => Vec::new(),
             };
             opened.push(tensors);
@@ -504,7 +534,7 @@ impl Core {
         let slots: Vec<Option<u32>> = ready.iter().map(|r| r.slot).collect();
         let hits = ready.len() - from_coordinator;
         let mut items: Vec<Item> = ready.into_iter().map(|r| Item::new(r, now)).collect();
-        let eager = self.reduce_eager(&mut items, &slots);
+        let eager = self.reduce_eager(&mut items, &slots, contributors);
         {
             let mut st = lock(&self.sh.stats);
             st.cycles += 1;
@@ -582,6 +612,10 @@ impl Core {
         for item in items {
             let name = item.name.clone();
             lock(&self.sh.inflight).remove(&name);
+            if self.deferring {
+                self.deferred.extend(item.finish_deferring());
+                continue;
+            }
             if let Some(msg) = item.finish() {
                 panicked.get_or_insert(Error::Aborted {
                     rank: self.w(self.rank),

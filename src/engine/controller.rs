@@ -238,8 +238,8 @@ impl<T> Controller<T> {
     }
 
     /// Every ticket still pending (the engine failed), in no particular order.
-    pub(crate) fn drain_tickets(&mut self) -> Vec<T> {
-        self.entries.drain().map(|(_, e)| e.ticket).collect()
+    pub(crate) fn drain_tickets(&mut self) -> Vec<(String, T)> {
+        self.entries.drain().map(|(name, e)| (name, e.ticket)).collect()
     }
 
     /// This rank's submissions pending in the cache (their slot's bit is set in this cycle's

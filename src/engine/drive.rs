@@ -20,9 +20,11 @@
 //!   ([`EngineState::on_inbox`]); a caller about to wait needs no wake-up.
 
 use super::background::{Core, Mode};
-use super::handle::{Drive, Promise};
+use super::handle::{Deferred, Drive, Promise};
 use super::shared::EngineState;
+use crate::Context;
 use crate::comm::Interrupter;
+use crate::error::Error;
 use crate::sync::{lock, wait_timeout};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
@@ -33,13 +35,14 @@ pub(crate) const LINGER: Duration = Duration::from_millis(1);
 
 /// How long a caller waiting for its turn sleeps before it looks again (a safety net: it is
 /// woken when the loop is let go or a cycle finished something).
-const TURN_SLICE: Duration = Duration::from_millis(10);
+const TURN_SLICE: Duration = Duration::from_millis(250);
 
 /// The engine's loop and what decides who runs it.
 pub(crate) struct Driver {
     /// `None` once the engine ended (every submission was finished with its cause).
     core: Mutex<Option<Core>>,
     sh: Arc<EngineState>,
+    ctx: Arc<Context>,
     /// Ends the background thread's idle wait when a caller comes to wait.
     interrupter: Interrupter,
     /// The background thread's sleep between turns.
@@ -53,12 +56,17 @@ struct Background {
     last_left: Option<Instant>,
     /// Take the loop now (the engine is being stopped).
     kick: bool,
+    /// The background thread sleeps while callers wait (a caller that leaves wakes it).
+    sleeping: bool,
+    /// Callbacks of submissions that a caller's driving finished, for this thread to run.
+    callbacks: Vec<(String, Deferred)>,
 }
 
 impl Driver {
     pub(crate) fn new(core: Core, sh: Arc<EngineState>) -> Arc<Driver> {
         Arc::new(Driver {
             interrupter: core.interrupter(),
+            ctx: core.context().clone(),
             core: Mutex::new(Some(core)),
             sh,
             bg: Mutex::new(Background::default()),
@@ -70,7 +78,11 @@ impl Driver {
     /// ended.
     pub(crate) fn background(&self) {
         loop {
+            self.run_callbacks();
             self.linger();
+            if !lock(&self.bg).callbacks.is_empty() {
+                continue;
+            }
             let seen = self.generation();
             match try_lock(&self.core) {
                 Some(mut core) => {
@@ -78,6 +90,7 @@ impl Driver {
                     drop(core);
                     self.sh.changed();
                     if ended {
+                        self.run_callbacks();
                         return;
                     }
                 }
@@ -98,37 +111,71 @@ impl Driver {
     fn linger(&self) {
         let mut bg = lock(&self.bg);
         loop {
-            if std::mem::take(&mut bg.kick) {
+            if std::mem::take(&mut bg.kick) || !bg.callbacks.is_empty() {
                 return;
             }
+            // Read under the lock a leaving caller takes to wake this thread.
             let waiting = self.sh.waiting.load(Ordering::SeqCst) > 0;
             let since = bg.last_left.map(|t| t.elapsed());
-            if !waiting && since.is_none_or(|s| s >= LINGER) {
-                return;
+            if waiting {
+                bg.sleeping = true;
+                bg = crate::sync::wait(&self.bg_wake, bg);
+                bg.sleeping = false;
+                continue;
             }
-            let sleep = match since {
-                Some(s) if !waiting => LINGER - s,
-                _ => LINGER,
-            };
-            bg = wait_timeout(&self.bg_wake, bg, sleep);
+            match since {
+                Some(s) if s < LINGER => bg = wait_timeout(&self.bg_wake, bg, LINGER - s),
+                _ => return,
+            }
         }
     }
 
     /// Runs the loop as `mode` says; when it ends the engine (shut down, failed, panicked),
-    /// finishes everything with the cause and returns `true`.
+    /// finishes everything with the cause and returns `true`. Callbacks a caller's driving
+    /// kept go to the background thread.
     fn run(&self, core: &mut Option<Core>, mode: &Mode<'_>) -> bool {
         let Some(c) = core.as_mut() else { return true };
         let driven = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.drive(mode)));
+        let mut callbacks = c.take_deferred();
         let end = match driven {
-            Ok(Ok(None)) => return false,
-            Ok(Ok(Some(by))) => Ok(Ok(by)),
-            Ok(Err(e)) => Ok(Err(e)),
-            Err(p) => Err(p),
+            Ok(Ok(None)) => None,
+            Ok(Ok(Some(by))) => Some(Ok(Ok(by))),
+            Ok(Err(e)) => Some(Ok(Err(e))),
+            Err(p) => Some(Err(p)),
         };
-        if let Some(c) = core.take() {
-            c.end(end);
+        let ended = end.is_some();
+        if let (Some(end), Some(c)) = (end, ended.then(|| core.take()).flatten()) {
+            callbacks.extend(c.end(end));
         }
-        true
+        if !callbacks.is_empty() {
+            lock(&self.bg).callbacks.extend(callbacks);
+            self.bg_wake.notify_all();
+        }
+        ended
+    }
+
+    /// Runs the callbacks a caller's driving kept (on the background thread, holding nothing).
+    /// One that panics fails the engine on every rank with the panic as the cause.
+    fn run_callbacks(&self) {
+        let ready = std::mem::take(&mut lock(&self.bg).callbacks);
+        for (name, cb) in ready {
+            if let Some(msg) = cb.run() {
+                let me = self.ctx.world_rank(self.ctx.rank()).unwrap_or(self.ctx.rank());
+                let e = Error::Aborted {
+                    rank: me,
+                    reason: format!("a completion callback of '{name}' panicked on rank {me}: {msg}"),
+                };
+                {
+                    let mut f = lock(&self.sh.failed);
+                    if f.is_none() {
+                        *f = Some(e.clone());
+                    }
+                }
+                // Every wait on the context fails with the cause: the loop's holder ends the
+                // engine (this thread, if nobody else holds it).
+                self.ctx.comm().fail(&e);
+            }
+        }
     }
 
     /// The turn's generation now (read before trying the loop's lock, so that a let-go
@@ -157,29 +204,32 @@ impl Driver {
 }
 
 impl Drive for Driver {
-    fn wait_for(&self, done: &Promise, deadline: Option<Instant>) {
+    fn wait_for(&self, done: &Promise) {
         self.sh.waiting.fetch_add(1, Ordering::SeqCst);
         // The background thread lets go of its idle wait (it sees `waiting`, or is interrupted).
         self.interrupter.interrupt();
-        loop {
-            if done.is_done() || deadline.is_some_and(|d| Instant::now() >= d) {
-                break;
-            }
+        while !done.is_done() {
             let seen = self.generation();
             match try_lock(&self.core) {
                 Some(mut core) => {
                     if core.is_none() {
                         break; // ended: `done` was finished with the cause
                     }
-                    self.run(&mut core, &Mode::Caller { done, deadline });
+                    self.run(&mut core, &Mode::Caller { done });
                     drop(core);
                     self.sh.changed();
                 }
-                None => self.sleep_for_turn(seen, Some(done), deadline),
+                None => self.sleep_for_turn(seen, Some(done), None),
             }
         }
-        self.sh.waiting.fetch_sub(1, Ordering::SeqCst);
-        lock(&self.bg).last_left = Some(Instant::now());
+        let mut bg = lock(&self.bg);
+        bg.last_left = Some(Instant::now());
+        // The last caller to leave wakes the background thread (it takes the loop back after
+        // the linger).
+        if self.sh.waiting.fetch_sub(1, Ordering::SeqCst) == 1 && bg.sleeping {
+            drop(bg);
+            self.bg_wake.notify_all();
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! other collectives.
 
 use super::controller::Ready;
-use super::handle::{Output, Payload, Promise};
+use super::handle::{Deferred, Output, Payload, Promise};
 use super::meta::{Kind, Meta};
 use super::shared::EngineStats;
 use super::tensor::Compression;
@@ -79,6 +79,14 @@ impl Item {
         let out =
             self.out.unwrap_or_else(|| Err(Error::invalid(format!("engine: '{}' was not run (a bug)", self.name))));
         self.done.and_then(|d| d.finish(out))
+    }
+
+    /// [`finish`](Self::finish), but a callback is returned (with the name), not run.
+    pub(crate) fn finish_deferring(self) -> Option<(String, Deferred)> {
+        let out =
+            self.out.unwrap_or_else(|| Err(Error::invalid(format!("engine: '{}' was not run (a bug)", self.name))));
+        let name = self.name;
+        self.done.and_then(|d| d.finish_deferring(out)).map(|d| (name, d))
     }
 
     fn shape(&self) -> Vec<usize> {

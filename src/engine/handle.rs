@@ -40,9 +40,9 @@ type Callback = Box<dyn FnOnce(Result<Output>) + Send>;
 
 /// What runs the engine's loop on a waiting caller's thread (`drive.rs`).
 pub(crate) trait Drive: Send + Sync {
-    /// Runs the engine's loop on this thread until `done` is finished or `deadline` (or, while
-    /// another thread runs it, sleeps until it is this thread's turn).
-    fn wait_for(&self, done: &Promise, deadline: Option<Instant>);
+    /// Runs the engine's loop on this thread until `done` is finished (or, while another
+    /// thread runs it, sleeps until it is this thread's turn).
+    fn wait_for(&self, done: &Promise);
 }
 
 /// The completion of one submission.
@@ -75,6 +75,22 @@ impl Promise {
         None
     }
 
+    /// Finishes the submission (first outcome wins), except that a callback, if one is set,
+    /// is not run here but returned with its outcome, to run on another thread.
+    pub(crate) fn finish_deferring(&self, outcome: Result<Output>) -> Option<Deferred> {
+        let mut s = lock(&self.state);
+        if s.0.is_some() {
+            return None;
+        }
+        if let Some(cb) = s.1.take() {
+            return Some(Deferred { cb, outcome });
+        }
+        s.0 = Some(outcome);
+        drop(s);
+        self.cond.notify_all();
+        None
+    }
+
     /// Finishes a completion whose callback cannot panic the engine (join, shutdown).
     pub(crate) fn done_with(&self, out: Result<Output>) {
         let _ = self.finish(out);
@@ -82,6 +98,22 @@ impl Promise {
 
     pub(crate) fn is_done(&self) -> bool {
         lock(&self.state).0.is_some()
+    }
+}
+
+/// A finished submission's callback with its outcome, to run on the background thread (a
+/// thread waiting for its own result does not run others' callbacks: they may block on what
+/// it holds).
+pub(crate) struct Deferred {
+    cb: Callback,
+    outcome: Result<Output>,
+}
+
+impl Deferred {
+    /// Runs the callback; returns its panic message, if it panicked.
+    pub(crate) fn run(self) -> Option<String> {
+        let Deferred { cb, outcome } = self;
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(outcome))).err().map(|p| panic_message(&*p))
     }
 }
 
@@ -132,10 +164,12 @@ impl<O: Send + 'static> Handle<O> {
     fn wait_until(self, deadline: Option<Instant>) -> Result<O> {
         let start = Instant::now();
         // Runs the engine on this thread until the result is there (caller runs; drive.rs).
-        if !self.done.is_done()
+        // Not with a deadline: a cycle, once begun, may outlast it.
+        if deadline.is_none()
+            && !self.done.is_done()
             && let Some(driver) = self.driver.upgrade()
         {
-            driver.wait_for(&self.done, deadline);
+            driver.wait_for(&self.done);
         }
         let mut s = lock(&self.done.state);
         loop {
@@ -160,13 +194,13 @@ impl<O: Send + 'static> Handle<O> {
         }
     }
 
-    /// The callback form: `f` gets the result, on the thread that runs the engine's loop when
-    /// it is there (the background thread, or a thread of this rank waiting on another
-    /// handle), or here and now, on the calling thread, if it already is. Keep it short: the
-    /// engine waits for it, and do not wait on handles in it. A callback that panics on the
-    /// engine's loop fails the engine on every rank, with the panic as the cause (one run here
-    /// panics here). With no thread waiting, a callback comes at most about a millisecond
-    /// after a waiting thread last ran the loop (the background thread then takes it back).
+    /// The callback form: `f` gets the result on the engine's background thread once it is
+    /// there (never on a thread waiting for another handle's result), or here and now, on the
+    /// calling thread, if it already is. Keep it short: the engine's callbacks run one after
+    /// another on that thread. A callback that panics fails the engine on every rank, with
+    /// the panic as the cause (one run here panics here). With no thread waiting, the result
+    /// comes at most about a millisecond after a waiting thread last ran the engine (the
+    /// background thread then takes it back).
     pub fn then(self, f: impl FnOnce(Result<O>) + Send + 'static) {
         let convert = self.convert;
         let mut s = lock(&self.done.state);

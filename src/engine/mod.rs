@@ -30,10 +30,13 @@
 //!   cycle negotiates all of it.
 //! - **The caller runs.** A thread waiting on a [`Handle`] runs the engine's loop itself (its
 //!   cycles, collectives and completions), so a result does not cross threads; the background
-//!   thread runs it while nobody waits (callbacks, peers' cycles, handles never waited on),
-//!   lets go when a caller comes, and takes it back about a millisecond after the last caller
-//!   left. A submission wakes the loop (a message to itself on the context) only while it waits
-//!   for messages. Several threads of a rank waiting at once take turns.
+//!   thread runs it while nobody waits (peers' cycles, handles never waited on), lets go when a
+//!   caller comes, and takes it back about a millisecond after the last caller left. A
+//!   submission wakes the loop (a message to itself on the context) only while it waits for
+//!   messages. Several threads of a rank waiting at once take turns. Callbacks always run on
+//!   the background thread, and a wait with a deadline
+//!   ([`Handle::wait_timeout`]) leaves the loop to it (a cycle, once begun, could outlast the
+//!   deadline).
 //! - **Response cache, one bitwise allreduce.** A name negotiated once gets a slot in every
 //!   rank's cache (the same slot everywhere, kept until evicted). Later submissions of it only
 //!   set their slot's bit in the state message; the bits of all ranks are ANDed (status bits:
@@ -47,7 +50,7 @@
 //!   everywhere) and no collective runs: the warm path is one exchange, not a negotiation and
 //!   then an allreduce. Nothing depends on the ranks' order of submission: a tensor that did
 //!   not come from every rank in that cycle runs as an allreduce, decided alike on every rank
-//!   from the same messages ([`EngineStats::eager`] counts the others).
+//!   from the same messages. [`EngineStats::eager`] counts the tensors reduced this way.
 //! - **Coordinator.** A name not in the cache (first time, or its type or shape changed, which
 //!   invalidates its slot on every rank in the same cycle) travels in full to rank 0, which
 //!   finds it ready once every rank has submitted it, checks that they agree (type, shape,

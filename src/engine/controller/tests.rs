@@ -262,7 +262,7 @@ fn requests_travel_in_full_to_the_coordinator_only() {
     assert_eq!((short.requests.len(), short.flags & REQUESTS != 0), (0, true));
     assert!(!c.has_news(), "sent: no longer news");
     let drained = c.drain_tickets();
-    assert_eq!(drained, [0]);
+    assert_eq!(drained, [("x".to_string(), 0)]);
 }
 
 /// One submission of the random script: rank, name, variant.
