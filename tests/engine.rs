@@ -482,19 +482,24 @@ fn a_panicking_callback_fails_every_rank_with_its_cause() {
     let registered = Barrier::new(3);
     let r = engines(3, cfg(), |e| {
         if e.rank() == 1 {
-            // Registered before the others submit: it runs on the engine's thread.
+            // Registered before the others submit: it runs on the engine's background thread.
             e.allreduce("cb", vec![1u16; 3], Reduction::Sum)?.then(|_| panic!("boom in the callback"));
             registered.wait();
         } else {
             registered.wait();
             e.allreduce("cb", vec![1u16; 3], Reduction::Sum)?.wait()?;
         }
-        // The next collective fails everywhere with the panic as its cause.
-        let err = match e.allreduce("next", vec![1u16; 3], Reduction::Sum) {
-            Ok(h) => h.wait().err(),
-            Err(e) => Some(e),
-        };
-        Ok(err.map(|e| e.to_string()))
+        // Once it ran (the background thread runs callbacks, so that may be after a few more
+        // collectives), every collective fails everywhere with the panic as its cause.
+        let start = Instant::now();
+        for i in 0..100_000 {
+            let out = e.allreduce(&format!("next{}", i % 4), vec![1u16; 3], Reduction::Sum).and_then(|h| h.wait());
+            if let Err(err) = out {
+                return Ok(Some(err.to_string()));
+            }
+            assert!(start.elapsed() < TIMEOUT, "the engine did not fail in time");
+        }
+        Ok(None)
     });
     for (rank, err) in all_ok(r).into_iter().enumerate() {
         let err = err.unwrap_or_default();

@@ -19,6 +19,7 @@ use crate::comm::{Interrupter, PersistentRecv, SLEEPING};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::BusyWait;
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -81,10 +82,13 @@ pub(crate) struct Core {
     inbox: PersistentRecv,
     /// The largest tensor that travels with the state messages (0: none do); see [`eager_limit`].
     eager_max: usize,
-    /// The cache slots whose tensors this rank sent with this cycle's state message.
-    eager_sent: Vec<u32>,
-    /// This cycle's state messages (envelopes) from each rank, for the tensors they carry.
-    received: Vec<Option<Vec<u8>>>,
+    /// The tensors this rank sent with its state messages, by cache slot: the name and byte
+    /// length of the submission each was sent for. Each is sent once, in the first cycle its
+    /// slot's bit is set, and forgotten when the slot is found ready, or no longer holds it.
+    sent: HashMap<u32, (String, usize)>,
+    /// The tensors each rank sent, by cache slot, kept from cycle to cycle on the same terms
+    /// (every rank keeps the same ones: see [`Core::forget_travelled`]).
+    kept: Vec<HashMap<u32, Kept>>,
     /// A caller drives: callbacks are kept here for the background thread, not run.
     deferring: bool,
     /// Callbacks of finished submissions (with their names) for the background thread.
@@ -94,6 +98,18 @@ pub(crate) struct Core {
 /// The most bytes of tensors that travel with one state message (a bound on the memory a
 /// cycle's messages take, not a speed setting: which tensors travel is the cost model's).
 const EAGER_MESSAGE_BYTES: usize = 1 << 20;
+
+/// The most bytes of tensors a rank has sent and not yet seen used (what every other rank
+/// keeps of it, at most).
+const EAGER_KEPT_BYTES: usize = 4 << 20;
+
+/// A tensor a rank sent with its state message: what its slot held when it came.
+#[derive(Clone)]
+struct Kept {
+    name: String,
+    meta: super::meta::Meta,
+    bytes: Vec<u8>,
+}
 
 /// The largest tensor whose travelling with the state messages costs less, by `ctx`'s cost
 /// model, than the allreduce it replaces: each rank sends it to every other rank and folds
@@ -133,8 +149,8 @@ impl Core {
             ctl: Controller::new(rank, world, cfg.cache_capacity, cfg.stall_check, cfg.stall_shutdown),
             inbox: ctx.comm().persistent_recv(CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
             eager_max: eager_limit(&ctx),
-            eager_sent: Vec::new(),
-            received: vec![None; size],
+            sent: HashMap::new(),
+            kept: vec![HashMap::new(); size],
             deferring: false,
             deferred: Vec::new(),
             ctx,
@@ -398,34 +414,43 @@ impl Core {
 
     /// Sends this rank's state to every rank and receives theirs (the direct bitwise
     /// allreduce). `first` is a state already received (the one that began the cycle). Small
-    /// cached allreduces travel with the state ([`eager_limit`]).
+    /// cached allreduces travel with the state ([`eager_limit`]), each once.
     fn exchange(&mut self, first: Option<(usize, Vec<u8>)>) -> Result<()> {
         let (me, n) = (self.rank, self.size);
         let out = self.ctl.begin();
-        // This rank's tensors that travel: pending in the cache, small enough, up to the
-        // message's bound.
-        self.eager_sent.clear();
+        // This rank's tensors that travel: pending in the cache and not sent yet, small enough,
+        // within the message's and the kept bytes' bounds.
         let mut eager: Vec<(u32, &[u8])> = Vec::new();
+        let mut newly: Vec<(u32, String, usize)> = Vec::new();
         if self.eager_max > 0 {
+            let pending = self.ctl.cached_pending();
+            let sent = &mut self.sent;
+            sent.retain(|slot, (name, _)| pending.iter().any(|(s, n, _, _)| s == slot && *n == name.as_str()));
+            let mut kept: usize = sent.values().map(|(_, len)| len).sum();
             let mut total = 0;
-            for (slot, meta, (payload, _, _)) in self.ctl.cached_pending() {
-                let Some(p) = payload.as_ref().map(|p| p.bytes()).filter(|_| exec::eager_kind(meta)) else {
+            for (slot, name, meta, (payload, _, _)) in pending {
+                if sent.contains_key(&slot) || !exec::eager_kind(meta) {
                     continue;
-                };
-                if p.len() <= self.eager_max && total + p.len() <= EAGER_MESSAGE_BYTES {
+                }
+                let Some(p) = payload.as_ref().map(|p| p.bytes()) else { continue };
+                if p.len() <= self.eager_max
+                    && total + p.len() <= EAGER_MESSAGE_BYTES
+                    && kept + p.len() <= EAGER_KEPT_BYTES
+                {
                     total += p.len();
+                    kept += p.len();
                     eager.push((slot, p));
+                    newly.push((slot, name.to_string(), p.len()));
                 }
             }
         }
-        self.eager_sent.extend(eager.iter().map(|e| e.0));
         let to_coordinator = wire::envelope(out.to(COORDINATOR), &eager);
         let to_others = (out.to(COORDINATOR) != out.to((COORDINATOR + 1) % n.max(1)))
             .then(|| wire::envelope(out.to((COORDINATOR + 1) % n.max(1)), &eager));
         drop(eager);
-        self.received.iter_mut().for_each(|r| *r = None);
+        self.sent.extend(newly.into_iter().map(|(slot, name, len)| (slot, (name, len))));
         if let Some((p, msg)) = first {
-            self.take_state(p, msg)?;
+            self.take_state(p, &msg)?;
         }
         let need = self.ctl.awaiting();
         let got = self.ctx.scope(|s| {
@@ -451,45 +476,39 @@ impl Core {
             Ok(got)
         })?;
         for (p, msg) in got {
-            self.take_state(p, msg)?;
+            self.take_state(p, &msg)?;
         }
         Ok(())
     }
 
-    /// Rank `p`'s envelope of this cycle: its state to the controller, the message kept for
-    /// the tensors it carries.
-    fn take_state(&mut self, p: usize, msg: Vec<u8>) -> Result<()> {
-        let (state, _) = wire::open_envelope(&msg, self.w(p))?;
+    /// Rank `p`'s envelope of this cycle: its state to the controller, the tensors it carries
+    /// kept under what their slots hold (the same on every rank at a cycle's start).
+    fn take_state(&mut self, p: usize, msg: &[u8]) -> Result<()> {
+        let (state, tensors) = wire::open_envelope(msg, self.w(p))?;
         self.ctl.receive_state(p, state)?;
-        if let Some(r) = self.received.get_mut(p) {
-            *r = Some(msg);
+        for (slot, bytes) in tensors {
+            if let (Some((name, meta)), Some(kept)) = (self.ctl.cache().at(slot), self.kept.get_mut(p)) {
+                kept.insert(slot, Kept { name: name.clone(), meta: meta.clone(), bytes: bytes.to_vec() });
+            }
         }
         Ok(())
     }
 
-    /// Reduces the ready allreduces whose tensors came from every rank with this cycle's
-    /// state messages (`ready[i]`'s slot, for those the cache's bits found ready), with no
-    /// collective. Every rank sees the same messages, so every rank reduces the same ones;
-    /// the others run as usual. Returns the time spent on each, for the timeline.
+    /// Reduces the ready allreduces whose tensors every rank has sent for this submission
+    /// (`slots[i]`: `items[i]`'s slot, for those the cache's bits found ready), with no
+    /// collective. Every rank has the same messages, so every rank reduces the same ones; the
+    /// others run as usual. Returns the time spent on each, for the timeline.
     fn reduce_eager(&mut self, items: &mut [Item], slots: &[Option<u32>], contributors: usize) -> Result<Vec<Span>> {
         // With joined ranks, allreduces run as collectives (an average divides by the ranks
         // that contributed: exec.rs).
-        if self.eager_sent.is_empty() || contributors != self.size {
+        if self.sent.is_empty() || contributors != self.size {
             return Ok(Vec::new());
         }
         let (me, n) = (self.rank, self.size);
-        let mut opened: Vec<Vec<(u32, &[u8])>> = Vec::with_capacity(n);
-        for (p, m) in self.received.iter().enumerate() {
-            let tensors = match m {
-                Some(m) if p != me => wire::open_envelope(m, self.w(p))?.1,
-                _ => Vec::new(),
-            };
-            opened.push(tensors);
-        }
         let mut spans = Vec::new();
         for (i, item) in items.iter_mut().enumerate() {
             let (Some(slot), Some(len)) = (slots.get(i).copied().flatten(), item.eager_bytes()) else { continue };
-            if !self.eager_sent.contains(&slot) {
+            if self.sent.get(&slot).is_none_or(|(name, l)| *name != item.name || *l != len) {
                 continue;
             }
             let peers: Option<Vec<Option<&[u8]>>> = (0..n)
@@ -497,7 +516,10 @@ impl Core {
                     if p == me {
                         return Some(None);
                     }
-                    opened[p].iter().find(|(s, b)| *s == slot && b.len() == len).map(|(_, b)| Some(*b))
+                    self.kept[p]
+                        .get(&slot)
+                        .filter(|k| k.name == item.name && k.meta == item.meta && k.bytes.len() == len)
+                        .map(|k| Some(k.bytes.as_slice()))
                 })
                 .collect();
             if let Some(peers) = peers {
@@ -505,6 +527,25 @@ impl Core {
             }
         }
         Ok(spans)
+    }
+
+    /// After a cycle: forgets the tensors sent for the slots found ready (used, or allreduced
+    /// by a collective), and those kept under a slot that no longer holds the same name and
+    /// kind (invalidated, evicted, given to another name). Every rank found the same slots
+    /// ready and holds the same cache, so every rank forgets the same ones; a rank forgets
+    /// what it sent itself when its submission no longer pends in that slot
+    /// ([`exchange`](Self::exchange)).
+    fn forget_travelled(&mut self, ready: &[Option<u32>]) {
+        for slot in ready.iter().flatten() {
+            self.sent.remove(slot);
+            for k in &mut self.kept {
+                k.remove(slot);
+            }
+        }
+        let cache = self.ctl.cache();
+        for k in &mut self.kept {
+            k.retain(|slot, kept| cache.at(*slot).is_some_and(|(n, m)| *n == kept.name && *m == kept.meta));
+        }
     }
 
     /// One cycle. Returns the rank that shut the engine down, if one did.
@@ -535,6 +576,7 @@ impl Core {
         let hits = ready.len() - from_coordinator;
         let mut items: Vec<Item> = ready.into_iter().map(|r| Item::new(r, now)).collect();
         let eager = self.reduce_eager(&mut items, &slots, contributors);
+        self.forget_travelled(&slots);
         {
             let mut st = lock(&self.sh.stats);
             st.cycles += 1;
