@@ -11,7 +11,7 @@ use super::{CONTROL_TAG, background, timeline, wire};
 use crate::error::{Error, Result};
 use crate::types::{DType, Element, Reduction};
 use crate::{Context, sync::lock};
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -55,11 +55,11 @@ impl Engine {
             turn: Mutex::new(Turn::default()),
             turn_changed: Condvar::new(),
             failed: Mutex::new(None),
-            inflight: Mutex::new(HashSet::new()),
+            inflight: Mutex::new(HashSet::default()),
             stats: Mutex::new(EngineStats::default()),
             stalls: Mutex::new(Vec::new()),
             barriers: AtomicU64::new(0),
-            groups: Mutex::new(HashMap::new()),
+            groups: Mutex::new(HashMap::default()),
             joined: AtomicBool::new(false),
             epoch: Instant::now(),
         });
@@ -461,7 +461,7 @@ impl Engine {
         }
         {
             let mut inflight = lock(&self.shared.inflight);
-            let mut names = HashSet::new();
+            let mut names = HashSet::default();
             if let Some((name, meta, _)) =
                 subs.iter().find(|(n, _, _)| inflight.contains(n) || !names.insert(n.as_str()))
             {

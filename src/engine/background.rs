@@ -19,7 +19,7 @@ use crate::comm::{Interrupter, PersistentRecv, SLEEPING};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::BusyWait;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -89,6 +89,8 @@ pub(crate) struct Core {
     /// The tensors each rank sent, by cache slot, kept from cycle to cycle on the same terms
     /// (every rank keeps the same ones: see [`Core::forget_travelled`]).
     kept: Vec<HashMap<u32, Kept>>,
+    /// Storage for the folds of [`reduce_eager`](Self::reduce_eager), reused.
+    scratch: Vec<u64>,
     /// A caller drives: callbacks are kept here for the background thread, not run.
     deferring: bool,
     /// Callbacks of finished submissions (with their names) for the background thread.
@@ -103,12 +105,21 @@ const EAGER_MESSAGE_BYTES: usize = 1 << 20;
 /// keeps of it, at most).
 const EAGER_KEPT_BYTES: usize = 4 << 20;
 
-/// A tensor a rank sent with its state message: what its slot held when it came.
+/// A tensor a rank sent with its state message: what its slot held when it came, and where
+/// it lies in that message (kept whole while any of its tensors is).
 #[derive(Clone)]
 struct Kept {
     name: String,
     meta: super::meta::Meta,
-    bytes: Vec<u8>,
+    msg: Arc<Vec<u8>>,
+    at: usize,
+    len: usize,
+}
+
+impl Kept {
+    fn bytes(&self) -> &[u8] {
+        self.msg.get(self.at..self.at + self.len).unwrap_or(&[])
+    }
 }
 
 /// The largest tensor whose travelling with the state messages costs less, by `ctx`'s cost
@@ -149,8 +160,9 @@ impl Core {
             ctl: Controller::new(rank, world, cfg.cache_capacity, cfg.stall_check, cfg.stall_shutdown),
             inbox: ctx.comm().persistent_recv(CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
             eager_max: eager_limit(&ctx),
-            sent: HashMap::new(),
-            kept: vec![HashMap::new(); size],
+            sent: HashMap::default(),
+            kept: vec![HashMap::default(); size],
+            scratch: Vec::new(),
             deferring: false,
             deferred: Vec::new(),
             ctx,
@@ -450,7 +462,7 @@ impl Core {
         drop(eager);
         self.sent.extend(newly.into_iter().map(|(slot, name, len)| (slot, (name, len))));
         if let Some((p, msg)) = first {
-            self.take_state(p, &msg)?;
+            self.take_state(p, msg)?;
         }
         let need = self.ctl.awaiting();
         let got = self.ctx.scope(|s| {
@@ -476,19 +488,41 @@ impl Core {
             Ok(got)
         })?;
         for (p, msg) in got {
-            self.take_state(p, &msg)?;
+            self.take_state(p, msg)?;
         }
         Ok(())
     }
 
     /// Rank `p`'s envelope of this cycle: its state to the controller, the tensors it carries
     /// kept under what their slots hold (the same on every rank at a cycle's start).
-    fn take_state(&mut self, p: usize, msg: &[u8]) -> Result<()> {
-        let (state, tensors) = wire::open_envelope(msg, self.w(p))?;
+    fn take_state(&mut self, p: usize, msg: Vec<u8>) -> Result<()> {
+        let (state, tensors) = wire::open_envelope(&msg, self.w(p))?;
         self.ctl.receive_state(p, state)?;
-        for (slot, bytes) in tensors {
+        if tensors.is_empty() {
+            return Ok(());
+        }
+        let base = msg.as_ptr() as usize;
+        let mut found: Vec<(u32, usize, usize)> =
+            tensors.iter().map(|(slot, b)| (*slot, b.as_ptr() as usize - base, b.len())).collect();
+        // The message is kept whole unless it is mostly other things (names sent in full):
+        // then its tensors are copied out, 8-byte aligned.
+        let tensor_bytes: usize = found.iter().map(|f| f.2.next_multiple_of(8)).sum();
+        let msg = if msg.len() > 2 * tensor_bytes + 4096 {
+            let mut compact = Vec::with_capacity(tensor_bytes);
+            for (_, at, len) in &mut found {
+                let from = *at;
+                *at = compact.len();
+                compact.extend_from_slice(msg.get(from..from + *len).unwrap_or(&[]));
+                compact.resize(compact.len().next_multiple_of(8), 0);
+            }
+            compact
+        } else {
+            msg
+        };
+        let msg = Arc::new(msg);
+        for (slot, at, len) in found {
             if let (Some((name, meta)), Some(kept)) = (self.ctl.cache().at(slot), self.kept.get_mut(p)) {
-                kept.insert(slot, Kept { name: name.clone(), meta: meta.clone(), bytes: bytes.to_vec() });
+                kept.insert(slot, Kept { name: name.clone(), meta: meta.clone(), msg: msg.clone(), at, len });
             }
         }
         Ok(())
@@ -518,12 +552,12 @@ impl Core {
                     }
                     self.kept[p]
                         .get(&slot)
-                        .filter(|k| k.name == item.name && k.meta == item.meta && k.bytes.len() == len)
-                        .map(|k| Some(k.bytes.as_slice()))
+                        .filter(|k| k.name == item.name && k.meta == item.meta && k.len == len)
+                        .map(|k| Some(k.bytes()))
                 })
                 .collect();
             if let Some(peers) = peers {
-                item.reduce_from(&peers, &mut spans, i)?;
+                item.reduce_from(&peers, &mut self.scratch, &mut spans, i)?;
             }
         }
         Ok(spans)

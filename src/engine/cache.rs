@@ -5,7 +5,8 @@
 //! announced in the state messages. A name in the cache is negotiated by one bit per cycle.
 
 use super::meta::Meta;
-use std::collections::{BTreeSet, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BTreeSet;
 
 /// The slots: a name and what was agreed for it.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,7 +21,7 @@ pub(crate) struct Cache {
 impl Cache {
     /// An empty cache of at most `capacity` slots (0: nothing is cached).
     pub(crate) fn new(capacity: usize) -> Self {
-        Cache { slots: Vec::new(), index: HashMap::new(), used: Vec::new(), capacity }
+        Cache { slots: Vec::new(), index: HashMap::default(), used: Vec::new(), capacity }
     }
 
     /// The slot of `name` and what was agreed for it.

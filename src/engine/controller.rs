@@ -26,7 +26,8 @@ use super::stall::{StallInspector, Stalls};
 use super::wire::{self, JOINED, REQUESTS, Request, Response, SHUTDOWN, State};
 use crate::error::{Error, Result};
 use crate::types::Reduction;
-use std::collections::{BTreeSet, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 /// The coordinator's rank.
@@ -167,7 +168,7 @@ impl<T> Controller<T> {
         Controller {
             rank,
             cycle: 0,
-            entries: HashMap::new(),
+            entries: HashMap::default(),
             cache: Cache::new(cache_capacity.min(u32::MAX as usize - 1)),
             unsent: Vec::new(),
             invalidate: BTreeSet::new(),
@@ -486,7 +487,7 @@ impl<T> Controller<T> {
         }
 
         // Groups run whole or not at all.
-        let mut count: HashMap<u64, u32> = HashMap::new();
+        let mut count: HashMap<u64, u32> = HashMap::default();
         let group_of = |m: &Meta| (m.group != 0).then_some(m.group);
         for slot in &hits {
             if let Some(g) = self.cache.at(*slot).and_then(|(_, m)| group_of(m)) {

@@ -7,7 +7,8 @@ use super::cache::Cache;
 use super::meta::{Kind, Meta};
 use super::wire::{Request, Response};
 use crate::error::{Error, Result};
-use std::collections::{BTreeSet, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BTreeSet;
 
 /// A name the coordinator holds requests for.
 #[derive(Debug)]
@@ -29,7 +30,7 @@ pub(crate) struct Coordinator {
 impl Coordinator {
     /// An empty table for `size` ranks.
     pub(crate) fn new(size: usize) -> Self {
-        Coordinator { size, held: HashMap::new(), order: 0 }
+        Coordinator { size, held: HashMap::default(), order: 0 }
     }
 
     /// Takes rank `r`'s request (`world`: each rank's rank in the job, for errors). A rank
@@ -99,7 +100,7 @@ impl Coordinator {
             out.push(Response { name, meta: m0.clone(), slot: None, dims, error });
         }
         // Whole groups only (counting their members found ready in the cache).
-        let mut count: HashMap<u64, u32> = HashMap::new();
+        let mut count: HashMap<u64, u32> = HashMap::default();
         for slot in hits {
             if let Some((_, m)) = cache.at(*slot).filter(|(_, m)| m.group != 0) {
                 *count.entry(m.group).or_default() += 1;

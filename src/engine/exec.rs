@@ -334,42 +334,80 @@ impl Item {
 
     /// Reduces this allreduce from every rank's tensor (`peers[r]`: rank `r`'s bytes, `None`
     /// for this rank, whose tensor is the item's own), folding in rank order so that every
-    /// rank computes the same bits; scales as [`run`]'s allreduces do.
-    pub(crate) fn reduce_from(&mut self, peers: &[Option<&[u8]>], spans: &mut Vec<Span>, at: usize) -> Result<()> {
-        let m = self.meta.clone();
-        let red = m.op.pairwise();
+    /// rank computes the same bits; scales as [`run`]'s allreduces do. `scratch`: reused
+    /// storage (aligned for every element type).
+    pub(crate) fn reduce_from(
+        &mut self,
+        peers: &[Option<&[u8]>],
+        scratch: &mut Vec<u64>,
+        spans: &mut Vec<Span>,
+        at: usize,
+    ) -> Result<()> {
+        let m = &self.meta;
+        let (dtype, red, prescale) = (m.dtype, m.op.pairwise(), m.prescale);
         let post = m.postscale * if m.op == Reduction::Average { 1.0 / peers.len() as f64 } else { 1.0 };
-        let name = self.name.clone();
-        let own = self.input()?.bytes_mut();
         let start = Instant::now();
-        let mut acc: Vec<u8> = Vec::new();
-        let mut scratch: Vec<u8> = Vec::new();
-        for (r, p) in peers.iter().enumerate() {
-            let src: &[u8] = match p {
-                Some(b) => b,
-                None => own,
-            };
-            if src.len() != own.len() {
-                return Err(Error::invalid(format!(
-                    "engine: allreduce '{name}' came with {} bytes from rank {r}, {} here (a bug)",
-                    src.len(),
-                    own.len()
-                )));
+        let name = &self.name;
+        let own = self
+            .payload
+            .as_mut()
+            .ok_or_else(|| Error::invalid(format!("engine: '{name}' has no tensor on this rank (a bug)")))?
+            .bytes_mut();
+        let len = own.len();
+        if let Some((r, b)) = peers.iter().enumerate().find_map(|(r, p)| p.filter(|b| b.len() != len).map(|b| (r, b))) {
+            return Err(Error::invalid(format!(
+                "engine: allreduce '{name}' came with {} bytes from rank {r}, {len} here (a bug)",
+                b.len()
+            )));
+        }
+        let words = len.div_ceil(8);
+        scratch.clear();
+        scratch.resize(2 * words, 0);
+        let (acc, next) = scratch.split_at_mut(words);
+        let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(acc)[..len];
+        let next = &mut bytemuck::cast_slice_mut::<u64, u8>(next)[..len];
+        // Folds `src` into `acc` (copied into `next` first where it is not aligned for the
+        // type, or must be scaled).
+        let fold = |acc: &mut [u8], src: &[u8], next: &mut [u8]| -> Result<()> {
+            crate::dispatch_dtype!(dtype, T => {
+                let src: &[T] = match bytemuck::try_cast_slice::<u8, T>(src) {
+                    Ok(s) if prescale == 1.0 => s,
+                    _ => {
+                        next.copy_from_slice(src);
+                        if prescale != 1.0 {
+                            scale(dtype, next, prescale)?;
+                        }
+                        bytemuck::cast_slice::<u8, T>(next)
+                    }
+                };
+                red.apply(bytemuck::cast_slice_mut::<u8, T>(acc), src);
+            });
+            Ok(())
+        };
+        let me = peers.iter().position(Option::is_none).unwrap_or(0);
+        if prescale == 1.0 && (me == 0 || !dtype.is_float()) {
+            // Into this rank's tensor where it lies: it is the first of the rank order, or
+            // the order does not change the bits (integers).
+            for p in peers.iter().flatten() {
+                fold(own, p, next)?;
             }
-            let dst = if r == 0 { &mut acc } else { &mut scratch };
-            dst.clear();
-            dst.extend_from_slice(src);
-            if m.prescale != 1.0 {
-                scale(m.dtype, dst, m.prescale)?;
+        } else {
+            for (r, p) in peers.iter().enumerate() {
+                let src = p.unwrap_or(own);
+                if r == 0 {
+                    acc.copy_from_slice(src);
+                    if prescale != 1.0 {
+                        scale(dtype, acc, prescale)?;
+                    }
+                } else {
+                    fold(acc, src, next)?;
+                }
             }
-            if r > 0 {
-                red.apply_bytes(m.dtype, &mut acc, &scratch)?;
-            }
+            own.copy_from_slice(acc);
         }
         if post != 1.0 {
-            scale(m.dtype, &mut acc, post)?;
+            scale(dtype, own, post)?;
         }
-        own.copy_from_slice(&acc);
         spans.push(Span { item: at, phase: "ALLREDUCE_WITH_NEGOTIATION", start, end: Instant::now() });
         let shape = self.shape();
         self.out = Some(

@@ -5,7 +5,7 @@ use super::handle::{Payload, Promise};
 use super::meta::Meta;
 use super::stall::StallReport;
 use crate::error::Error;
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex};

@@ -6,7 +6,7 @@
 
 use super::meta::Kind;
 use crate::error::Error;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::time::{Duration, Instant};
 
 /// A name that some ranks submitted and others had not, as rank 0's stall inspector saw it.
@@ -64,7 +64,7 @@ impl StallInspector {
     /// An inspector for `size` ranks that reports after `check` and fails after `shutdown`
     /// (`None`: never).
     pub(crate) fn new(size: usize, check: Option<Duration>, shutdown: Option<Duration>) -> Self {
-        StallInspector { size, check, shutdown, seen: HashMap::new(), reported: HashMap::new() }
+        StallInspector { size, check, shutdown, seen: HashMap::default(), reported: HashMap::default() }
     }
 
     /// Notes that rank `r` has `name` pending at `now` (the first sighting counts).

@@ -227,17 +227,23 @@ impl State {
 }
 
 /// A state message as it travels, with the tensors that travel with it: the state message
-/// after its length (a `u32`), then a count of tensors and each one's cache slot (a `u32`) and
-/// bytes after their length (a `u32`). Small cached allreduces travel this way, so that the
-/// cycle that finds them ready on every rank also brought every rank's tensor (`background.rs`).
+/// after its length (a `u32`), then a count of tensors (a `u32`, and 4 bytes of zeros), and
+/// each tensor's cache slot and length (`u32`s) and bytes. Each part starts 8-byte aligned
+/// from the message's start (zeros in between), so a tensor in a received message can be
+/// folded where it lies. Small cached allreduces travel this way, so that the cycle that
+/// finds them ready on every rank brought every rank's tensor (`background.rs`).
 pub(crate) fn envelope(state: &[u8], eager: &[Travelling<'_>]) -> Vec<u8> {
-    let data: usize = eager.iter().map(|(_, b)| 8 + b.len()).sum();
-    let mut out = Vec::with_capacity(8 + state.len() + data);
+    let data: usize = eager.iter().map(|(_, b)| 8 + b.len().next_multiple_of(8)).sum();
+    let mut out = Vec::with_capacity(16 + state.len() + data);
+    let pad = |out: &mut Vec<u8>| out.resize(out.len().next_multiple_of(8), 0);
     out.write_u32_prefixed(state);
+    pad(&mut out);
     out.write_count(eager.len());
+    out.write(0u32);
     for (slot, bytes) in eager {
         out.write(*slot);
         out.write_u32_prefixed(bytes);
+        pad(&mut out);
     }
     out
 }
@@ -245,20 +251,29 @@ pub(crate) fn envelope(state: &[u8], eager: &[Travelling<'_>]) -> Vec<u8> {
 /// A tensor travelling with a state message: its cache slot and its bytes.
 pub(crate) type Travelling<'a> = (u32, &'a [u8]);
 
-/// [`envelope`]'s parts: the state message, and each tensor's slot and bytes. A malformed
-/// envelope, or one naming a slot twice, is [`Error::Protocol`] naming rank `peer`.
+/// [`envelope`]'s parts: the state message, and each tensor's slot and bytes (in slot order).
+/// A malformed envelope, or one naming a slot twice, is [`Error::Protocol`] naming rank
+/// `peer`.
 pub(crate) fn open_envelope(msg: &[u8], peer: usize) -> Result<(&[u8], Vec<Travelling<'_>>)> {
     decode_message(msg, peer, |r| {
+        let pad = |r: &mut Reader<'_>| {
+            let at = msg.len() - r.remaining();
+            r.reserved(at.next_multiple_of(8) - at, "padding")
+        };
         let state = r.u32_prefixed(MAX_MESSAGE, "a state message")?;
+        pad(r)?;
         let n = r.count(8)?;
+        r.reserved(4, "padding")?;
         let mut eager: Vec<Travelling<'_>> = Vec::with_capacity(n);
         for _ in 0..n {
             let slot = r.get::<u32>()?;
             let bytes = r.u32_prefixed(MAX_MESSAGE, "a tensor")?;
-            if eager.iter().any(|(s, _)| *s == slot) {
-                return Err(DecodeError::malformed(format!("cache slot {slot} twice")));
-            }
+            pad(r)?;
             eager.push((slot, bytes));
+        }
+        eager.sort_unstable_by_key(|e| e.0);
+        if let Some(w) = eager.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(DecodeError::malformed(format!("cache slot {} twice", w[0].0)));
         }
         Ok((state, eager))
     })
@@ -313,6 +328,8 @@ mod tests {
         let (s, eager) = open_envelope(&msg, 2).expect("opens");
         assert_eq!(s, &state[..]);
         assert_eq!(eager, vec![(1, &a[..]), (2, &b[..])]);
+        // Each tensor starts 8-byte aligned from the message's start.
+        assert!(eager.iter().all(|(_, t)| (t.as_ptr() as usize - msg.as_ptr() as usize).is_multiple_of(8)));
         assert_eq!(open_envelope(&envelope(&state, &[]), 2).map(|(_, e)| e.len()).ok(), Some(0));
         // Cut anywhere, with a byte too many, or naming a slot twice: refused in words.
         for cut in 0..msg.len() {
