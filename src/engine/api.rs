@@ -475,6 +475,7 @@ impl Engine {
         let now = Instant::now();
         let mut handles = Vec::with_capacity(subs.len());
         let driver = Arc::downgrade(&self.driver) as Weak<dyn Drive>;
+        let batching;
         {
             let mut q = lock(&self.shared.queue);
             if q.closed {
@@ -488,6 +489,7 @@ impl Engine {
             }
             q.gap = q.last.map(|l| now.saturating_duration_since(l));
             q.last = Some(now);
+            batching = q.batching;
             for (name, meta, payload) in subs {
                 let done = Promise::new();
                 handles.push(Handle {
@@ -500,7 +502,9 @@ impl Engine {
                 q.items.push(Submission { name, meta, payload, done, submitted: now });
             }
         }
-        self.shared.arrived.notify_all();
+        if batching {
+            self.shared.arrived.notify_all();
+        }
         // The loop's holder needs waking only in its wait for messages (the flag is set before
         // it looks at the queue: it sees these submissions, or is woken); a caller about to
         // wait runs them itself.

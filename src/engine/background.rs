@@ -82,10 +82,12 @@ pub(crate) struct Core {
     inbox: PersistentRecv,
     /// The largest tensor that travels with the state messages (0: none do); see [`eager_limit`].
     eager_max: usize,
-    /// The tensors this rank sent with its state messages, by cache slot: the name and byte
-    /// length of the submission each was sent for. Each is sent once, in the first cycle its
-    /// slot's bit is set, and forgotten when the slot is found ready, or no longer holds it.
-    sent: HashMap<u32, (String, usize)>,
+    /// The tensors this rank sent with its state messages, by cache slot: the slot's version
+    /// and the tensor's byte length. Each is sent once, in the first cycle its slot's bit is
+    /// set, and forgotten when the slot is found ready, or changes.
+    sent: HashMap<u32, (u64, usize)>,
+    /// The cache's changes when [`forget_travelled`](Self::forget_travelled) last looked.
+    seen_changes: u64,
     /// The tensors each rank sent, by cache slot, kept from cycle to cycle on the same terms
     /// (every rank keeps the same ones: see [`Core::forget_travelled`]).
     kept: Vec<HashMap<u32, Kept>>,
@@ -105,12 +107,12 @@ const EAGER_MESSAGE_BYTES: usize = 1 << 20;
 /// keeps of it, at most).
 const EAGER_KEPT_BYTES: usize = 4 << 20;
 
-/// A tensor a rank sent with its state message: what its slot held when it came, and where
-/// it lies in that message (kept whole while any of its tensors is).
+/// A tensor a rank sent with its state message: the version of its slot when it came (see
+/// `Cache::version`), and where it lies in that message (kept whole while any of its
+/// tensors is).
 #[derive(Clone)]
 struct Kept {
-    name: String,
-    meta: super::meta::Meta,
+    version: u64,
     msg: Arc<Vec<u8>>,
     at: usize,
     len: usize,
@@ -161,6 +163,7 @@ impl Core {
             inbox: ctx.comm().persistent_recv(CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
             eager_max: eager_limit(&ctx),
             sent: HashMap::default(),
+            seen_changes: 0,
             kept: vec![HashMap::default(); size],
             scratch: Vec::new(),
             deferring: false,
@@ -393,7 +396,9 @@ impl Core {
                 return;
             }
             let n = q.items.len();
+            q.batching = true;
             q = crate::sync::wait_timeout(&self.sh.arrived, q, gap.min(left));
+            q.batching = false;
             if q.items.len() == n {
                 return;
             }
@@ -433,18 +438,21 @@ impl Core {
         // This rank's tensors that travel: pending in the cache and not sent yet, small enough,
         // within the message's and the kept bytes' bounds.
         let mut eager: Vec<(u32, &[u8])> = Vec::new();
-        let mut newly: Vec<(u32, String, usize)> = Vec::new();
+        let mut newly: Vec<(u32, u64, usize)> = Vec::new();
         if self.eager_max > 0 {
             let pending = self.ctl.cached_pending();
+            let cache = self.ctl.cache();
             let sent = &mut self.sent;
-            sent.retain(|slot, (name, _)| pending.iter().any(|(s, n, _, _)| s == slot && *n == name.as_str()));
+            sent.retain(|slot, (version, _)| cache.version(*slot) == Some(*version));
             let mut kept: usize = sent.values().map(|(_, len)| len).sum();
             let mut total = 0;
-            for (slot, name, meta, (payload, _, _)) in pending {
+            for (slot, _, meta, (payload, _, _)) in pending {
                 if sent.contains_key(&slot) || !exec::eager_kind(meta) {
                     continue;
                 }
-                let Some(p) = payload.as_ref().map(|p| p.bytes()) else { continue };
+                let (Some(p), Some(version)) = (payload.as_ref().map(|p| p.bytes()), cache.version(slot)) else {
+                    continue;
+                };
                 if p.len() <= self.eager_max
                     && total + p.len() <= EAGER_MESSAGE_BYTES
                     && kept + p.len() <= EAGER_KEPT_BYTES
@@ -452,7 +460,7 @@ impl Core {
                     total += p.len();
                     kept += p.len();
                     eager.push((slot, p));
-                    newly.push((slot, name.to_string(), p.len()));
+                    newly.push((slot, version, p.len()));
                 }
             }
         }
@@ -460,7 +468,7 @@ impl Core {
         let to_others = (out.to(COORDINATOR) != out.to((COORDINATOR + 1) % n.max(1)))
             .then(|| wire::envelope(out.to((COORDINATOR + 1) % n.max(1)), &eager));
         drop(eager);
-        self.sent.extend(newly.into_iter().map(|(slot, name, len)| (slot, (name, len))));
+        self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
         if let Some((p, msg)) = first {
             self.take_state(p, msg)?;
         }
@@ -521,8 +529,8 @@ impl Core {
         };
         let msg = Arc::new(msg);
         for (slot, at, len) in found {
-            if let (Some((name, meta)), Some(kept)) = (self.ctl.cache().at(slot), self.kept.get_mut(p)) {
-                kept.insert(slot, Kept { name: name.clone(), meta: meta.clone(), msg: msg.clone(), at, len });
+            if let (Some(version), Some(kept)) = (self.ctl.cache().version(slot), self.kept.get_mut(p)) {
+                kept.insert(slot, Kept { version, msg: msg.clone(), at, len });
             }
         }
         Ok(())
@@ -542,7 +550,8 @@ impl Core {
         let mut spans = Vec::new();
         for (i, item) in items.iter_mut().enumerate() {
             let (Some(slot), Some(len)) = (slots.get(i).copied().flatten(), item.eager_bytes()) else { continue };
-            if self.sent.get(&slot).is_none_or(|(name, l)| *name != item.name || *l != len) {
+            let version = self.ctl.cache().version(slot);
+            if self.sent.get(&slot).is_none_or(|(v, l)| Some(*v) != version || *l != len) {
                 continue;
             }
             let peers: Option<Vec<Option<&[u8]>>> = (0..n)
@@ -552,7 +561,7 @@ impl Core {
                     }
                     self.kept[p]
                         .get(&slot)
-                        .filter(|k| k.name == item.name && k.meta == item.meta && k.len == len)
+                        .filter(|k| Some(k.version) == version && k.len == len)
                         .map(|k| Some(k.bytes()))
                 })
                 .collect();
@@ -577,8 +586,11 @@ impl Core {
             }
         }
         let cache = self.ctl.cache();
-        for k in &mut self.kept {
-            k.retain(|slot, kept| cache.at(*slot).is_some_and(|(n, m)| *n == kept.name && *m == kept.meta));
+        if cache.changes() != self.seen_changes {
+            self.seen_changes = cache.changes();
+            for k in &mut self.kept {
+                k.retain(|slot, kept| cache.version(*slot) == Some(kept.version));
+            }
         }
     }
 

@@ -15,13 +15,24 @@ pub(crate) struct Cache {
     index: HashMap<String, u32>,
     /// The cycle each slot was last run in (for choosing a slot to reuse).
     used: Vec<u64>,
+    /// Changes made to the slots so far; each slot's `version` is the count when it last
+    /// changed (the same on every rank, as the slots are).
+    changes: u64,
+    version: Vec<u64>,
     capacity: usize,
 }
 
 impl Cache {
     /// An empty cache of at most `capacity` slots (0: nothing is cached).
     pub(crate) fn new(capacity: usize) -> Self {
-        Cache { slots: Vec::new(), index: HashMap::default(), used: Vec::new(), capacity }
+        Cache {
+            slots: Vec::new(),
+            index: HashMap::default(),
+            used: Vec::new(),
+            changes: 0,
+            version: Vec::new(),
+            capacity,
+        }
     }
 
     /// The slot of `name` and what was agreed for it.
@@ -33,6 +44,26 @@ impl Cache {
     /// The name in `slot`, and what was agreed for it.
     pub(crate) fn at(&self, slot: u32) -> Option<&(String, Meta)> {
         self.slots.get(slot as usize)?.as_ref()
+    }
+
+    /// When `slot` last changed (a count of the cache's changes), if it holds a name: equal
+    /// versions of a slot hold the same name and agreement.
+    pub(crate) fn version(&self, slot: u32) -> Option<u64> {
+        self.at(slot)?;
+        self.version.get(slot as usize).copied()
+    }
+
+    /// The changes made to the slots so far.
+    pub(crate) fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    fn changed(&mut self, slot: usize) {
+        self.changes += 1;
+        if slot >= self.version.len() {
+            self.version.resize(slot + 1, 0);
+        }
+        self.version[slot] = self.changes;
     }
 
     /// Words of a bit vector over the slots.
@@ -51,6 +82,7 @@ impl Cache {
             && old != slot
         {
             self.slots[old as usize] = None;
+            self.changed(old as usize);
         }
         let replaced = self.slots[s].take().map(|(n, _)| n).filter(|n| n != name);
         if let Some(r) = &replaced {
@@ -59,6 +91,7 @@ impl Cache {
         self.slots[s] = Some((name.to_string(), meta.clone()));
         self.index.insert(name.to_string(), slot);
         self.used[s] = cycle;
+        self.changed(s);
         replaced
     }
 
@@ -66,6 +99,7 @@ impl Cache {
     pub(crate) fn drop_slot(&mut self, slot: u32) {
         if let Some((name, _)) = self.slots.get_mut(slot as usize).and_then(Option::take) {
             self.index.remove(&name);
+            self.changed(slot as usize);
         }
     }
 

@@ -7,6 +7,7 @@ use crate::sync::lock;
 use crate::types::Element;
 use std::any::Any;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -49,11 +50,14 @@ pub(crate) trait Drive: Send + Sync {
 pub(crate) struct Promise {
     state: Mutex<(Option<Result<Output>>, Option<Callback>)>,
     cond: Condvar,
+    /// Threads asleep on `cond` (it is notified only when there are: a waiting caller that
+    /// runs the engine itself is not asleep).
+    sleepers: AtomicUsize,
 }
 
 impl Promise {
     pub(crate) fn new() -> Arc<Self> {
-        Arc::new(Promise { state: Mutex::new((None, None)), cond: Condvar::new() })
+        Arc::new(Promise { state: Mutex::new((None, None)), cond: Condvar::new(), sleepers: AtomicUsize::new(0) })
     }
 
     /// Finishes the submission (first outcome wins); runs its callback, if one is set, on
@@ -71,8 +75,16 @@ impl Promise {
         }
         s.0 = Some(outcome);
         drop(s);
-        self.cond.notify_all();
+        self.wake();
         None
+    }
+
+    /// Wakes the threads asleep on the outcome, if any (read after the outcome was set under
+    /// the lock, which a sleeper holds while it counts itself and looks).
+    fn wake(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.cond.notify_all();
+        }
     }
 
     /// Finishes the submission (first outcome wins), except that a callback, if one is set,
@@ -87,7 +99,7 @@ impl Promise {
         }
         s.0 = Some(outcome);
         drop(s);
-        self.cond.notify_all();
+        self.wake();
         None
     }
 
@@ -177,7 +189,11 @@ impl<O: Send + 'static> Handle<O> {
                 return out.and_then(self.convert);
             }
             match deadline {
-                None => s = crate::sync::wait(&self.done.cond, s),
+                None => {
+                    self.done.sleepers.fetch_add(1, Ordering::SeqCst);
+                    s = crate::sync::wait(&self.done.cond, s);
+                    self.done.sleepers.fetch_sub(1, Ordering::SeqCst);
+                }
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
@@ -188,7 +204,9 @@ impl<O: Send + 'static> Handle<O> {
                             waited: start.elapsed(),
                         });
                     }
+                    self.done.sleepers.fetch_add(1, Ordering::SeqCst);
                     s = crate::sync::wait_timeout(&self.done.cond, s, d - now);
+                    self.done.sleepers.fetch_sub(1, Ordering::SeqCst);
                 }
             }
         }

@@ -102,6 +102,9 @@ pub(crate) struct Queue {
     /// The background thread has stopped: nothing more is taken.
     pub(crate) closed: bool,
     pub(crate) timeline: Vec<TimelineCommand>,
+    /// The engine's loop waits on `arrived` for a burst to end (submissions notify it only
+    /// then).
+    pub(crate) batching: bool,
     /// When the last submission came, and how long after the one before.
     pub(crate) last: Option<Instant>,
     pub(crate) gap: Option<Duration>,
