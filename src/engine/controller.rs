@@ -404,15 +404,21 @@ impl<T> Controller<T> {
             self.requeue_slot_except(slot, None);
         }
 
-        // Names every (needed) rank has pending in the cache: the ANDed bits.
-        for slot in 0..(words * 64) as u32 {
+        // Names every (needed) rank has pending in the cache: the ANDed bits (of the slots
+        // some rank has pending, in slot order).
+        let mut any = vec![0u64; words];
+        for s in &states {
+            for (a, b) in any.iter_mut().zip(&s.pending) {
+                *a |= b;
+            }
+        }
+        for slot in bits(&any) {
             if has_bit(&stale, slot) {
                 continue;
             }
             let Some((_, meta)) = self.cache.at(slot) else { continue };
-            let needed: Vec<usize> = (0..n).filter(|&r| meta.kind != Kind::Allreduce || !joined[r]).collect();
-            let any = states.iter().any(|s| has_bit(&s.pending, slot));
-            if any && !needed.is_empty() && needed.iter().all(|&r| has_bit(&states[r].pending, slot)) {
+            let needed = |r: usize| meta.kind != Kind::Allreduce || !joined[r];
+            if (0..n).any(needed) && (0..n).filter(|&r| needed(r)).all(|r| has_bit(&states[r].pending, slot)) {
                 cur.hits.push(slot);
             }
         }
