@@ -492,7 +492,7 @@ fn a_panicking_callback_fails_every_rank_with_its_cause() {
         // Once it ran (the background thread runs callbacks, so that may be after a few more
         // collectives), every collective fails everywhere with the panic as its cause.
         let start = Instant::now();
-        for i in 0..100_000 {
+        for i in 0..10_000 {
             let out = e.allreduce(&format!("next{}", i % 4), vec![1u16; 3], Reduction::Sum).and_then(|h| h.wait());
             if let Err(err) = out {
                 return Ok(Some(err.to_string()));
@@ -1007,11 +1007,13 @@ fn small_cached_allreduces_travel_with_the_negotiation_and_a_changed_order_stays
                     part.iter()
                         .map(|&t| {
                             let name = format!("t{t}");
+                            // Values change from step to step: a tensor kept from an earlier
+                            // step would give a wrong sum.
                             if t % 2 == 0 {
-                                let v: Vec<f32> = (0..sizes[t]).map(|i| val(r, t, i) as f32).collect();
+                                let v: Vec<f32> = (0..sizes[t]).map(|i| val(r, t + 7 * step, i) as f32).collect();
                                 e.allreduce(&name, v, Reduction::Sum).map(|h| (t, Kind3::F(h)))
                             } else {
-                                let v: Vec<i64> = (0..sizes[t]).map(|i| val(r, t, i)).collect();
+                                let v: Vec<i64> = (0..sizes[t]).map(|i| val(r, t + 7 * step, i)).collect();
                                 e.allreduce(&name, v, Reduction::Sum).map(|h| (t, Kind3::I(h)))
                             }
                         })
@@ -1047,7 +1049,8 @@ fn small_cached_allreduces_travel_with_the_negotiation_and_a_changed_order_stays
         for (rank, (out, eager_by_step, stats)) in all_ok(results).iter().enumerate() {
             assert_eq!(out.len(), steps * sizes.len());
             for (step, t, got) in out {
-                let want: Vec<f64> = (0..sizes[*t]).map(|i| (0..n).map(|r| val(r, *t, i) as f64).sum()).collect();
+                let want: Vec<f64> =
+                    (0..sizes[*t]).map(|i| (0..n).map(|r| val(r, *t + 7 * step, i) as f64).sum()).collect();
                 assert!(got == &want, "n={n} rank {rank} step {step} tensor {t}: a wrong result");
             }
             // From the second step on, every small name is found in the cache in a cycle in
@@ -1182,5 +1185,46 @@ fn a_waiting_thread_does_not_run_the_callbacks_of_other_submissions() {
     });
     for (rank, (waiters, ran_on)) in all_ok(results).into_iter().enumerate() {
         assert!(ran_on.iter().all(|id| !waiters.contains(id)), "rank {rank}: a callback ran on a waiting thread");
+    }
+}
+
+#[test]
+fn travelling_tensors_stay_right_through_eviction_invalidation_and_join() {
+    // Three hot names stay cached (and travel); a new name every step takes the fourth slot
+    // and evicts the last one; at step 4 `b` changes its length (its slot is invalidated on
+    // every rank), and changes back; rank 2 joins after step 5. Values depend on the step.
+    let n = 3;
+    let cfg = EngineConfig { cache_capacity: 4, ..cfg() };
+    let len = |name: &str, step: usize| if name == "b" && step == 4 { 9 } else { 5 };
+    let results = engines_with_model(n, eager_model(), cfg, |e| {
+        let r = e.rank();
+        let mut out = Vec::new();
+        let last = if r == 2 { 6 } else { 8 };
+        for step in 0..last {
+            let mut names: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+            if step < 6 {
+                names.push(format!("cold{step}"));
+            }
+            let mut hs = Vec::new();
+            for (k, name) in names.iter().enumerate() {
+                let v: Vec<i64> = (0..len(name, step)).map(|i| val(r, k + 5 * step, i)).collect();
+                hs.push((name.clone(), k, e.allreduce(name, v, Reduction::Sum)?));
+            }
+            for (name, k, h) in hs {
+                out.push((step, name, k, h.wait()?.data));
+            }
+        }
+        e.join()?.wait()?;
+        Ok((out, e.stats()))
+    });
+    for (rank, (out, stats)) in all_ok(results).into_iter().enumerate() {
+        for (step, name, k, got) in out {
+            // Ranks stepping at `step`: all three before 6, ranks 0 and 1 after (rank 2 joined).
+            let live = if step < 6 { 3 } else { 2 };
+            let want: Vec<i64> =
+                (0..len(&name, step)).map(|i| (0..live).map(|q| val(q, k + 5 * step, i)).sum()).collect();
+            assert_eq!(got, want, "rank {rank} step {step} {name}");
+        }
+        assert!(stats.eager > 0, "rank {rank}: nothing travelled: {stats:?}");
     }
 }

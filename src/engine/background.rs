@@ -108,19 +108,23 @@ const EAGER_MESSAGE_BYTES: usize = 1 << 20;
 const EAGER_KEPT_BYTES: usize = 4 << 20;
 
 /// A tensor a rank sent with its state message: the version of its slot when it came (see
-/// `Cache::version`), and where it lies in that message (kept whole while any of its
-/// tensors is).
-#[derive(Clone)]
+/// `Cache::version`), and a copy of its bytes (8-byte aligned, so it folds where it lies; a
+/// copy, so that what is kept is what was sent, not the message around it).
 struct Kept {
     version: u64,
-    msg: Arc<Vec<u8>>,
-    at: usize,
+    words: Box<[u64]>,
     len: usize,
 }
 
 impl Kept {
+    fn new(version: u64, bytes: &[u8]) -> Kept {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)].into_boxed_slice();
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        Kept { version, words, len: bytes.len() }
+    }
+
     fn bytes(&self) -> &[u8] {
-        self.msg.get(self.at..self.at + self.len).unwrap_or(&[])
+        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
     }
 }
 
@@ -164,7 +168,7 @@ impl Core {
             eager_max: eager_limit(&ctx),
             sent: HashMap::default(),
             seen_changes: 0,
-            kept: vec![HashMap::default(); size],
+            kept: (0..size).map(|_| HashMap::default()).collect(),
             scratch: Vec::new(),
             deferring: false,
             deferred: Vec::new(),
@@ -439,7 +443,8 @@ impl Core {
         // within the message's and the kept bytes' bounds.
         let mut eager: Vec<(u32, &[u8])> = Vec::new();
         let mut newly: Vec<(u32, u64, usize)> = Vec::new();
-        if self.eager_max > 0 {
+        // Nothing travels while a rank has joined (those allreduces run as collectives).
+        if self.eager_max > 0 && !self.ctl.any_joined() {
             let pending = self.ctl.cached_pending();
             let cache = self.ctl.cache();
             let sent = &mut self.sent;
@@ -506,31 +511,9 @@ impl Core {
     fn take_state(&mut self, p: usize, msg: Vec<u8>) -> Result<()> {
         let (state, tensors) = wire::open_envelope(&msg, self.w(p))?;
         self.ctl.receive_state(p, state)?;
-        if tensors.is_empty() {
-            return Ok(());
-        }
-        let base = msg.as_ptr() as usize;
-        let mut found: Vec<(u32, usize, usize)> =
-            tensors.iter().map(|(slot, b)| (*slot, b.as_ptr() as usize - base, b.len())).collect();
-        // The message is kept whole unless it is mostly other things (names sent in full):
-        // then its tensors are copied out, 8-byte aligned.
-        let tensor_bytes: usize = found.iter().map(|f| f.2.next_multiple_of(8)).sum();
-        let msg = if msg.len() > 2 * tensor_bytes + 4096 {
-            let mut compact = Vec::with_capacity(tensor_bytes);
-            for (_, at, len) in &mut found {
-                let from = *at;
-                *at = compact.len();
-                compact.extend_from_slice(msg.get(from..from + *len).unwrap_or(&[]));
-                compact.resize(compact.len().next_multiple_of(8), 0);
-            }
-            compact
-        } else {
-            msg
-        };
-        let msg = Arc::new(msg);
-        for (slot, at, len) in found {
+        for (slot, bytes) in tensors {
             if let (Some(version), Some(kept)) = (self.ctl.cache().version(slot), self.kept.get_mut(p)) {
-                kept.insert(slot, Kept { version, msg: msg.clone(), at, len });
+                kept.insert(slot, Kept::new(version, bytes));
             }
         }
         Ok(())

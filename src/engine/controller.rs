@@ -258,6 +258,11 @@ impl<T> Controller<T> {
         v
     }
 
+    /// Whether a rank had joined as of the last cycle (or this rank has).
+    pub(crate) fn any_joined(&self) -> bool {
+        self.joined || self.last_joined.iter().any(|&j| j)
+    }
+
     /// Starts the next cycle: this rank's state message.
     pub(crate) fn begin(&mut self) -> Outbox {
         self.cycle += 1;
