@@ -1,8 +1,11 @@
 //! Who runs the engine's loop (`background.rs`): one thread at a time holds it. A caller
-//! waiting on a [`Handle`](super::Handle) runs it itself ("caller runs"), so that a result
-//! does not cross threads: its submission was taken, negotiated, run and finished on the
-//! thread that waits for it. The background thread runs it when nobody waits: for callbacks,
-//! for peers' cycles while this rank's callers are elsewhere, and for handles never waited on.
+//! waiting on a [`Handle`](super::Handle) with no deadline runs it itself ("caller runs"), so
+//! that a result does not cross threads: its submission was taken, negotiated, run and
+//! finished on the thread that waits for it. The background thread runs it when nobody waits:
+//! for peers' cycles while this rank's callers are elsewhere, for handles never waited on or
+//! waited on with a deadline (a cycle, once begun, could outlast it). Callbacks always run on
+//! the background thread: a caller that finishes others' submissions hands their callbacks
+//! over (they might block on what the caller holds), and one that panics fails the engine.
 //!
 //! The hand-over, measured on a 2-core machine (README, engine table): a waiter that spun
 //! while the background thread ran its submission took the core that thread needed and made a
