@@ -160,15 +160,17 @@ impl<O: Send + 'static> Handle<O> {
         self.done.is_done()
     }
 
-    /// Blocks until the result is there. A name that other ranks never submit blocks until
-    /// the stall shutdown, if one is configured; use [`wait_timeout`](Self::wait_timeout) for
-    /// a deadline of your own.
+    /// Blocks until the result is there, running the engine on this thread meanwhile (its
+    /// negotiation and collectives: see the [module documentation](crate::engine)). A name
+    /// that other ranks never submit blocks until the stall shutdown, if one is configured;
+    /// use [`wait_timeout`](Self::wait_timeout) for a deadline of your own.
     pub fn wait(self) -> Result<O> {
         self.wait_until(None)
     }
 
     /// Like [`wait`](Self::wait), but gives up after `timeout` with [`Error::Timeout`] naming
-    /// the tensor (the submission stays in flight; its result is then dropped).
+    /// the tensor (the submission stays in flight; its result is then dropped). This thread
+    /// does not run the engine: the background thread does, so that the deadline holds.
     pub fn wait_timeout(self, timeout: Duration) -> Result<O> {
         self.wait_until(Instant::now().checked_add(timeout))
     }
