@@ -87,16 +87,12 @@ impl<'p, 'b, T: Element> Parts<'p, 'b, T> {
         })
     }
 
-    /// Copies elements `range` of the whole into `dst` (of `range.len()`).
     /// The whole, in a buffer of its own.
     pub(crate) fn to_vec(&self) -> Vec<T> {
-        let mut whole = Vec::with_capacity(self.len);
-        for part in self.parts.iter() {
-            whole.extend_from_slice(part);
-        }
-        whole
+        self.parts.concat()
     }
 
+    /// Copies elements `range` of the whole into `dst` (of `range.len()`).
     fn gather(&mut self, range: Range<usize>, dst: &mut [T]) {
         let base = range.start;
         for (r, run) in self.runs(range) {

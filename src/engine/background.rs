@@ -451,7 +451,7 @@ impl Core {
             sent.retain(|slot, (version, _)| cache.version(*slot) == Some(*version));
             let mut kept: usize = sent.values().map(|(_, len)| len).sum();
             let mut total = 0;
-            for (slot, _, meta, (payload, _, _)) in pending {
+            for (slot, meta, (payload, _, _)) in pending {
                 if sent.contains_key(&slot) || !exec::eager_kind(meta) {
                     continue;
                 }

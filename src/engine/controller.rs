@@ -244,13 +244,13 @@ impl<T> Controller<T> {
     }
 
     /// This rank's submissions pending in the cache (their slot's bit is set in this cycle's
-    /// state message), by slot, with their names: what may travel with the state message.
-    pub(crate) fn cached_pending(&self) -> Vec<(u32, &str, &Meta, &T)> {
-        let mut v: Vec<(u32, &str, &Meta, &T)> = self
+    /// state message), by slot: what may travel with the state message.
+    pub(crate) fn cached_pending(&self) -> Vec<(u32, &Meta, &T)> {
+        let mut v: Vec<(u32, &Meta, &T)> = self
             .entries
-            .iter()
-            .filter_map(|(name, e)| match e.via {
-                Via::Cached(s) => Some((s, name.as_str(), &e.meta, &e.ticket)),
+            .values()
+            .filter_map(|e| match e.via {
+                Via::Cached(s) => Some((s, &e.meta, &e.ticket)),
                 _ => None,
             })
             .collect();

@@ -76,17 +76,21 @@ impl Item {
 
     /// Hands the outcome to the submitter; returns a callback's panic message.
     pub(crate) fn finish(self) -> Option<String> {
-        let out =
-            self.out.unwrap_or_else(|| Err(Error::invalid(format!("engine: '{}' was not run (a bug)", self.name))));
-        self.done.and_then(|d| d.finish(out))
+        let (_, done, out) = self.outcome();
+        done.and_then(|d| d.finish(out))
     }
 
     /// [`finish`](Self::finish), but a callback is returned (with the name), not run.
     pub(crate) fn finish_deferring(self) -> Option<(String, Deferred)> {
+        let (name, done, out) = self.outcome();
+        done.and_then(|d| d.finish_deferring(out)).map(|d| (name, d))
+    }
+
+    /// The name, the completion and the outcome (an item never run is a bug, in words).
+    fn outcome(self) -> (String, Option<Arc<Promise>>, Result<Output>) {
         let out =
             self.out.unwrap_or_else(|| Err(Error::invalid(format!("engine: '{}' was not run (a bug)", self.name))));
-        let name = self.name;
-        self.done.and_then(|d| d.finish_deferring(out)).map(|d| (name, d))
+        (self.name, self.done, out)
     }
 
     fn shape(&self) -> Vec<usize> {

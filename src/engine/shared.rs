@@ -29,10 +29,11 @@ pub struct EngineStats {
     /// Tensors that went through those batches.
     pub fused_tensors: u64,
     /// Allreduces whose tensors travelled with the negotiation's state messages and were
-    /// reduced on every rank with no collective of their own: small tensors, found ready in
-    /// the response cache in the cycle that brought every rank's tensor. (A tensor that
-    /// arrives when only some ranks have submitted it, or whose ranks submitted it in
-    /// different cycles, runs as an allreduce instead; see the [module](crate::engine).)
+    /// reduced on every rank with no collective of their own: small tensors found ready in the
+    /// response cache once every rank had sent its tensor (each rank sends it once, in any
+    /// cycle; the others keep it). One that some rank did not send (too large for its
+    /// message, or sent while a rank had joined) runs as an allreduce instead; see the
+    /// [module](crate::engine).
     pub eager: u64,
 }
 
