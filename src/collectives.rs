@@ -20,7 +20,7 @@ use crate::comm::Comm;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::transport::LocalArea;
-use crate::types::{Call, CopyPlan, Element, Fold, OpDesc, Reduction};
+use crate::types::{BroadcastPath, Call, CopyPlan, Element, Fold, OpDesc, Reduction};
 use std::sync::Arc;
 
 mod bytes;
@@ -410,7 +410,10 @@ impl Context {
         // The host steps' copy path is this host's (the leaders' call has its own descriptor).
         let (plan, bytes) = (comm.copy_plan(), bytes_of::<T>(buf.len()));
         let single = area.is_some() && plan.allreduce.contains(bytes);
-        let single_broadcast = area.is_some() && plan.broadcast.contains(bytes);
+        let broadcast_path = match area {
+            Some(_) => plan.broadcast_path(bytes),
+            None => BroadcastPath::Two,
+        };
         let desc = desc.single_copy(single);
         let mut local =
             area.map(|a| steps::Local::new(comm, &**a, "allreduce", desc, deadline, timeout)).transpose()?;
@@ -444,9 +447,9 @@ impl Context {
                 })?;
             }
             if let Some(l) = &mut local {
-                match single_broadcast {
-                    true => local::broadcast_single(l, buf, 0)?,
-                    false => local::broadcast(l, buf, 0)?,
+                match broadcast_path {
+                    BroadcastPath::Two => local::broadcast(l, buf, 0)?,
+                    p => local::broadcast_single(l, buf, 0, p == BroadcastPath::Split)?,
                 }
             }
             Ok(())
@@ -642,13 +645,17 @@ impl Context {
             Some(a) => a,
             None => allgather_algorithm(n, bytes_of::<T>(total), opts.algorithm)?,
         };
-        // This rank's own block (the algorithms only send it).
-        output[blocks[self.rank()].clone()].copy_from_slice(input);
         if n == 1 {
+            output[blocks[self.rank()].clone()].copy_from_slice(input);
             return Ok(());
         }
         let single =
             shm.is_some() && area.is_some() && self.comm().copy_plan().allgather.contains(bytes_of::<T>(total));
+        // This rank's own block (the algorithms only send it; the single-copy one copies it
+        // piece by piece as it sends).
+        if !single {
+            output[blocks[self.rank()].clone()].copy_from_slice(input);
+        }
         let desc = OpDesc::new(Call::Allgather)
             .dtype(T::DTYPE)
             .count(total)
@@ -691,14 +698,21 @@ impl Context {
         if n == 1 {
             return Ok(());
         }
-        let single =
-            shm.is_some() && area.is_some() && self.comm().copy_plan().broadcast.contains(bytes_of::<T>(buf.len()));
-        let desc =
-            OpDesc::new(Call::Broadcast).dtype(T::DTYPE).count(buf.len()).root(root).algo(algo).single_copy(single);
+        let path = match (shm, area) {
+            (Some(_), Some(_)) => self.comm().copy_plan().broadcast_path(bytes_of::<T>(buf.len())),
+            _ => BroadcastPath::Two,
+        };
+        let desc = OpDesc::new(Call::Broadcast)
+            .dtype(T::DTYPE)
+            .count(buf.len())
+            .root(root)
+            .algo(algo)
+            .single_copy(path == BroadcastPath::Read)
+            .root_writes(path == BroadcastPath::Split);
         if let (Some(_), Some(area)) = (shm, area) {
-            return local::run(self.comm(), &**area, "broadcast", desc, opts, |l| match single {
-                true => local::broadcast_single(l, buf, root),
-                false => local::broadcast(l, buf, root),
+            return local::run(self.comm(), &**area, "broadcast", desc, opts, |l| match path {
+                BroadcastPath::Two => local::broadcast(l, buf, root),
+                p => local::broadcast_single(l, buf, root, p == BroadcastPath::Split),
             });
         }
         let seg = opts.segment_elems::<T>();

@@ -381,7 +381,66 @@ const THRESHOLDS: CopyPlan = CopyPlan {
     broadcast: SizeRange { from: 1000, below: usize::MAX },
     allgather: SizeRange { from: 0, below: 2048 },
     allreduce: SizeRange { from: 4000, below: 12_000 },
+    broadcast_split: SizeRange { from: 8192, below: 20_000 },
 };
+
+/// A single-copy broadcast whose root writes its share cuts each member's buffer at a page
+/// (bytes / n, in whole pages) and a single-copy allgather pushes its input in pieces of 256
+/// KiB: sizes on both sides of both, every root, element types of 1, 4 and 8 bytes, against
+/// the sequential reference on every rank.
+#[test]
+fn split_broadcasts_and_pushed_allgathers_are_right_on_both_sides_of_their_cuts() {
+    let plan = CopyPlan { broadcast_split: SizeRange::ALL, ..CopyPlan::SINGLE };
+    let dev = || Ok(Device::shared_memory(&ShmAttr { collective_copy: ShmCopy::Given(plan), ..ShmAttr::default() }));
+    fn check<T: Element + PartialEq + std::fmt::Debug>(ctx: &Context, from: impl Fn(usize, usize) -> T) {
+        let (n, me) = (ctx.size(), ctx.rank());
+        let page = 4096 / std::mem::size_of::<T>();
+        let piece = (256 << 10) / std::mem::size_of::<T>();
+        let lens = [0, 1, page - 1, page, page + 1, n * page - 1, n * page, n * page + 1, 3 * n * page + 7, piece + 1];
+        for len in lens {
+            for root in 0..n {
+                let mut buf: Vec<T> =
+                    (0..len).map(|i| if me == root { from(root, i) } else { from(n + 1, i) }).collect();
+                ctx.broadcast(&mut buf, root, &CollectiveOptions::default()).expect("broadcast");
+                assert!(
+                    buf.iter().enumerate().all(|(i, v)| *v == from(root, i)),
+                    "broadcast of {len} from {root}, rank {me}"
+                );
+            }
+            let input: Vec<T> = (0..len).map(|i| from(me, i)).collect();
+            let mut out = vec![from(n + 1, 0); len * n];
+            ctx.allgather(&input, &mut out, &CollectiveOptions::default()).expect("allgather");
+            for m in 0..n {
+                assert!(
+                    out[m * len..(m + 1) * len].iter().enumerate().all(|(i, v)| *v == from(m, i)),
+                    "allgather of {len} per rank, block {m}, rank {me}"
+                );
+            }
+        }
+        // 2.5 pieces per rank: whole pieces and a part.
+        let len = piece * 5 / 2;
+        let input: Vec<T> = (0..len).map(|i| from(me, i)).collect();
+        let mut out = vec![from(n + 1, 0); len * n];
+        ctx.allgather(&input, &mut out, &CollectiveOptions::default()).expect("allgather");
+        assert!((0..n * len).all(|j| out[j] == from(j / len, j % len)), "allgather of {len} per rank, rank {me}");
+    }
+    for n in [2usize, 3, 4] {
+        let store = HashStore::new();
+        all_ok(run_ranks_on(
+            n,
+            &store,
+            &dev,
+            |b| b.timeout(TIMEOUT),
+            |ctx| {
+                assert_eq!(ctx.copy_plan(), Some(plan));
+                check::<u8>(&ctx, |r, i| (r * 31 + i * 7) as u8);
+                check::<f32>(&ctx, |r, i| (r * 1_000_003 + i) as f32);
+                check::<u64>(&ctx, |r, i| ((r as u64) << 40) + i as u64);
+                Ok(())
+            },
+        ));
+    }
+}
 
 fn device(dev: Dev) -> ferrogloo::Result<Device> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);

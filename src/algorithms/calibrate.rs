@@ -72,20 +72,23 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     // Whether this rank would cut pipelined collectives in pieces (it has a core to wait on):
     // the first member's say holds for all.
     let pieces = !comm.shared().spin.yield_cpu;
+    const TOLD: std::ops::Range<usize> = 1..1 + CopyChoice::WORDS;
+    const PIECES: usize = TOLD.end;
     let t = l.step(|own: &mut [u64]| {
         own[0] = &raw const PROBE as u64;
-        own[1..8].copy_from_slice(&told);
-        own[8] = u64::from(pieces);
+        own[TOLD].copy_from_slice(&told);
+        own[PIECES] = u64::from(pieces);
     })?;
-    comm.shared().area_pieces.store(t.read::<u64>(0, 8..9)[0] == 1, Ordering::Relaxed);
-    if let Some(m) = (0..n).find(|&m| t.read::<u64>(m, 1..8) != told) {
+    let pieces = t.read::<u64>(0, PIECES..PIECES + 1)[0] == 1;
+    comm.shared().area_pieces.store(pieces, Ordering::Relaxed);
+    if let Some(m) = (0..n).find(|&m| t.read::<u64>(m, TOLD) != told) {
         return Err(Error::Mismatch {
             rank: members[m],
             detail: format!(
                 "rank {} of this host was told {} and rank {} {}: set FERROGLOO_SHM_SINGLE_COPY \
                  (ShmAttr::collective_copy) alike on every rank",
                 members[m],
-                CopyChoice::describe(t.read::<u64>(m, 1..8)),
+                CopyChoice::describe(t.read::<u64>(m, TOLD)),
                 members[me],
                 CopyChoice::describe(&told)
             ),
@@ -117,14 +120,14 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
         CopyChoice::Measure | CopyChoice::Two => {}
     }
     // The first member decides: from its cache, or by timing both paths.
-    let path = cache_path(n, area.slot_bytes());
+    let path = cache_path(n, area.slot_bytes(), pieces);
     let cached = if me == 0 { path.as_ref().and_then(load) } else { None };
     let t = t.next(|own: &mut [u64], _| {
         own[0] = u64::from(cached.is_some());
-        own[1..7].copy_from_slice(&cached.unwrap_or(CopyPlan::TWO).words());
+        own[1..1 + CopyPlan::WORDS].copy_from_slice(&cached.unwrap_or(CopyPlan::TWO).words());
     })?;
     if t.read::<u64>(0, 0..1)[0] == 1 {
-        let plan = CopyPlan::from_words(six(t.read::<u64>(0, 1..7)));
+        let plan = CopyPlan::from_words(plan_words(t.read::<u64>(0, 1..1 + CopyPlan::WORDS)));
         tracing::debug!(%plan, "shared-memory copy path (cached)");
         return Ok(plan);
     }
@@ -133,8 +136,8 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     let (times, whole) = time_paths(comm, area, deadline)?;
     let decided = decide(&times);
     let mut l = Local::new(comm, area, what, desc, deadline, timeout)?;
-    let t = l.step(|own: &mut [u64]| own[..6].copy_from_slice(&decided.words()))?;
-    let plan = CopyPlan::from_words(six(t.read::<u64>(0, 0..6)));
+    let t = l.step(|own: &mut [u64]| own[..CopyPlan::WORDS].copy_from_slice(&decided.words()))?;
+    let plan = CopyPlan::from_words(plan_words(t.read::<u64>(0, 0..CopyPlan::WORDS)));
     if me == 0 {
         tracing::debug!(
             %plan, ?times, whole, took = ?began.elapsed(),
@@ -149,16 +152,20 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     Ok(plan)
 }
 
-fn six(w: &[u64]) -> [u64; 6] {
-    let mut out = [0; 6];
-    out.copy_from_slice(&w[..6]);
+fn plan_words(w: &[u64]) -> [u64; CopyPlan::WORDS] {
+    let mut out = [0; CopyPlan::WORDS];
+    out.copy_from_slice(&w[..CopyPlan::WORDS]);
     out
 }
 
-/// Seconds per call, by collective, size and path (two copies, then one), as the first member
-/// timed them (a call's time there includes the others': each call's last step waits for
-/// every member), `None` where the budget ran out.
-type Times = [[Option<[f64; 2]>; SIZES.len()]; OPS.len()];
+/// The paths timed: two copies, single copy (every member reading), and for broadcast single
+/// copy with the root writing a share (where the members have cores of their own).
+const PATHS: usize = 3;
+
+/// Seconds per call, by collective, size and path ([`PATHS`]; infinite where a path was not
+/// timed), as the first member timed them (a call's time there includes the others': each
+/// call's last step waits for every member), `None` where the budget ran out.
+type Times = [[Option<[f64; PATHS]>; SIZES.len()]; OPS.len()];
 
 /// Times every collective at every size both ways, the two paths alternating over
 /// [`ROUNDS`] (the fastest round of each counts: a machine's state can change between runs
@@ -174,6 +181,8 @@ fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(T
         v.fill(-0.0);
     }
     let sum = Fold::Builtin(Reduction::Sum);
+    // Only a root with a core of its own can copy while the others do.
+    let split = comm.shared().area_pieces.load(Ordering::Relaxed);
     let start = Instant::now();
     let mut times: Times = [[None; SIZES.len()]; OPS.len()];
     for (o, op) in OPS.into_iter().enumerate() {
@@ -186,36 +195,59 @@ fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(T
             let k = size / 4;
             // Enough calls that a small size's time is not one call's noise.
             let calls = (CALL_BYTES / size).clamp(2, 32) as u32;
-            let mut best = [f64::MAX; 2];
+            let mut best = [f64::INFINITY; PATHS];
+            let paths = match op {
+                Op::Broadcast if split => PATHS,
+                _ => 2,
+            };
             for round in 0..ROUNDS {
-                for (p, single) in [false, true].into_iter().enumerate() {
+                for (p, best) in best.iter_mut().enumerate().take(paths) {
+                    let (single, writes) = (p == 1, p == 2);
                     let desc = OpDesc::new(call)
                         .dtype(DType::F32)
                         .count(k)
                         .algo(Algorithm::SharedMemory)
                         .single_copy(single)
+                        .root_writes(writes)
                         .extra(CALIBRATION);
                     let timeout = deadline.saturating_duration_since(Instant::now());
                     let mut l = Local::new(comm, area, "timing the shared-memory copy paths", desc, deadline, timeout)?;
-                    let mut once = |l: &mut Local<'_>| -> Result<()> {
+                    // One call, timed. A broadcast's members first write their buffers and
+                    // meet (untimed): a buffer a broadcast overwrites is usually the member's
+                    // own data, in its cache, not the last call's copy; a root writing a share
+                    // pays for that (measured: 5.2 us at 64 KiB where a fresh call took 3.4).
+                    let mut once = |l: &mut Local<'_>| -> Result<Duration> {
                         let b = k / n;
-                        match (op, single) {
-                            (Op::Broadcast, false) => local::broadcast(l, &mut buf[..k], 0),
-                            (Op::Broadcast, true) => local::broadcast_single(l, &mut buf[..k], 0),
-                            (Op::Allgather, false) => local::allgather(l, &input[..b], &mut out[..b * n]),
-                            (Op::Allgather, true) => local::allgather_single(l, &input[..b], &mut out[..b * n]),
-                            (Op::Allreduce, false) => local::allreduce(l, &mut buf[..k], &sum),
-                            (Op::Allreduce, true) => local::allreduce_single(l, &mut buf[..k], &sum),
+                        if let Op::Broadcast = op {
+                            if me != 0 {
+                                buf[..k].fill(-0.0);
+                            }
+                            local::barrier(l)?;
                         }
+                        let t = Instant::now();
+                        match (op, p) {
+                            (Op::Broadcast, 0) => local::broadcast(l, &mut buf[..k], 0),
+                            (Op::Broadcast, _) => local::broadcast_single(l, &mut buf[..k], 0, writes),
+                            (Op::Allgather, 0) => {
+                                // As the collective does: the own block is the caller's (the
+                                // single-copy path copies it itself).
+                                out[me * b..(me + 1) * b].copy_from_slice(&input[..b]);
+                                local::allgather(l, &input[..b], &mut out[..b * n])
+                            }
+                            (Op::Allgather, _) => local::allgather_single(l, &input[..b], &mut out[..b * n]),
+                            (Op::Allreduce, 0) => local::allreduce(l, &mut buf[..k], &sum),
+                            (Op::Allreduce, _) => local::allreduce_single(l, &mut buf[..k], &sum),
+                        }?;
+                        Ok(t.elapsed())
                     };
                     if round == 0 {
                         once(&mut l)?;
                     }
-                    let t = Instant::now();
+                    let mut spent = Duration::ZERO;
                     for _ in 0..calls {
-                        once(&mut l)?;
+                        spent += once(&mut l)?;
                     }
-                    best[p] = best[p].min(t.elapsed().as_secs_f64() / f64::from(calls));
+                    *best = best.min(spent.as_secs_f64() / f64::from(calls));
                     // The first member says whether to go on (all stop at the same point).
                     let go = start.elapsed() < BUDGET;
                     let t = l.step(|own: &mut [u64]| own[0] = u64::from(me != 0 || go))?;
@@ -230,14 +262,15 @@ fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(T
     Ok((times, true))
 }
 
-/// Per collective, the sizes where single copy won (by [`MARGIN`]): the longest run of
-/// consecutive sizes timed where it won (the first of equal runs), reaching halfway (in
-/// ratio) to the neighbouring sizes where it lost, and on past the largest size when it won
-/// there; from the smallest size timed at the least. Two copies where it never won, or where
-/// nothing was timed.
+/// Per collective, the sizes where single copy won (its faster form, by [`MARGIN`]): the
+/// longest run of consecutive sizes timed where it won (the first of equal runs), reaching
+/// halfway (in ratio) to the neighbouring sizes where it lost, and on past the largest size
+/// when it won there; from the smallest size timed at the least. Two copies where it never
+/// won, or where nothing was timed. Broadcast's split sizes likewise: where the root writing
+/// a share beat both other paths.
 fn decide(times: &Times) -> CopyPlan {
-    let range = |row: &[Option<[f64; 2]>; SIZES.len()]| -> SizeRange {
-        let wins: Vec<bool> = row.iter().map(|t| t.is_some_and(|[two, one]| one < two * MARGIN)).collect();
+    let range = |row: &[Option<[f64; PATHS]>; SIZES.len()], won: &dyn Fn(&[f64; PATHS]) -> bool| -> SizeRange {
+        let wins: Vec<bool> = row.iter().map(|t| t.as_ref().is_some_and(won)).collect();
         let (mut best, mut at) = (0..0, 0);
         while at < wins.len() {
             let end = (at..wins.len()).find(|&j| !wins[j]).unwrap_or(wins.len());
@@ -254,13 +287,21 @@ fn decide(times: &Times) -> CopyPlan {
         let below = if best.end == SIZES.len() { usize::MAX } else { mid(SIZES[best.end - 1], SIZES[best.end]) };
         SizeRange { from, below }
     };
-    CopyPlan { broadcast: range(&times[0]), allgather: range(&times[1]), allreduce: range(&times[2]) }
+    let single = |[two, one, split]: &[f64; PATHS]| one.min(*split) < two * MARGIN;
+    let split = |[two, one, split]: &[f64; PATHS]| *split < two.min(*one) * MARGIN;
+    CopyPlan {
+        broadcast: range(&times[0], &single),
+        allgather: range(&times[1], &single),
+        allreduce: range(&times[2], &single),
+        broadcast_split: range(&times[0], &split),
+    }
 }
 
-/// Where the first member keeps its host's plan: per user, boot, member count, slot size and
+/// Where the first member keeps its host's plan: per user, boot, member count, slot size,
+/// whether the members have cores of their own (only then is the root's share timed), and
 /// build profile (a debug build's reductions are many times slower), in `/dev/shm` (gone at
 /// reboot) or else the temporary directory.
-fn cache_path(n: usize, slot_bytes: usize) -> Option<PathBuf> {
+fn cache_path(n: usize, slot_bytes: usize, cores: bool) -> Option<PathBuf> {
     let boot = crate::device::boot_id()?;
     let uid = nix::unistd::getuid();
     let build = if cfg!(debug_assertions) { "debug" } else { "release" };
@@ -268,7 +309,11 @@ fn cache_path(n: usize, slot_bytes: usize) -> Option<PathBuf> {
         d if d.is_dir() => d.to_path_buf(),
         _ => std::env::temp_dir(),
     };
-    let name = format!("ferrogloo-copy-plan-{}-u{uid}-{boot}-n{n}-s{slot_bytes}-{build}", env!("CARGO_PKG_VERSION"));
+    let cores = if cores { "own" } else { "shared" };
+    let name = format!(
+        "ferrogloo-copy-plan-{}-u{uid}-{boot}-n{n}-s{slot_bytes}-cores-{cores}-{build}",
+        env!("CARGO_PKG_VERSION")
+    );
     Some(dir.join(name))
 }
 
@@ -281,7 +326,7 @@ fn load(path: &PathBuf) -> Option<CopyPlan> {
     }
     let text = std::fs::read_to_string(path).ok()?;
     let words: Vec<u64> = text.split_whitespace().map(|w| w.parse().ok()).collect::<Option<_>>()?;
-    <[u64; 6]>::try_from(words).ok().map(CopyPlan::from_words)
+    <[u64; CopyPlan::WORDS]>::try_from(words).ok().map(CopyPlan::from_words)
 }
 
 /// Caches `plan` at `path` (written aside, then renamed over it: a reader never sees half).
@@ -315,8 +360,8 @@ mod tests {
 
     #[test]
     fn single_copy_over_the_longest_run_of_sizes_where_it_won() {
-        let (w, l) = (Some([2.0, 1.0]), Some([1.0, 2.0]));
-        let bcast = |r: [Option<[f64; 2]>; 5]| decide(&[r, [l; 5], [None; 5]]).broadcast;
+        let (w, l) = (Some([2.0, 1.0, f64::INFINITY]), Some([1.0, 2.0, f64::INFINITY]));
+        let bcast = |r: [Option<[f64; PATHS]>; 5]| decide(&[r, [l; 5], [None; 5]]).broadcast;
         let range = |from, below| SizeRange { from, below };
         assert_eq!(bcast([w; 5]), range(SIZES[0], usize::MAX));
         assert_eq!(bcast([l; 5]), SizeRange::NONE);
@@ -327,13 +372,37 @@ mod tests {
         assert_eq!(bcast([w, l, w, w, l]), range(512 << 10, 8 << 20));
         assert_eq!(bcast([w, l, w, l, l]), range(SIZES[0], 128 << 10));
         // Within the margin is no win; what was not timed is none either.
-        assert_eq!(bcast([w, w, w, w, Some([1.0, 0.99])]), range(SIZES[0], 8 << 20));
+        assert_eq!(bcast([w, w, w, w, Some([1.0, 0.99, f64::INFINITY])]), range(SIZES[0], 8 << 20));
         assert_eq!(bcast([None; 5]), SizeRange::NONE);
         let all = decide(&[[w; 5], [l; 5], [None; 5]]);
         assert_eq!((all.allgather, all.allreduce), (SizeRange::NONE, SizeRange::NONE));
+        assert_eq!(all.broadcast_split, SizeRange::NONE);
         for size in [0, 1000, (64 << 10) - 1] {
             assert!(!all.broadcast.contains(size), "{size}");
         }
+    }
+
+    /// The root's share where it beat both other paths; single copy where either of its
+    /// forms beat two copies (the split one alone is enough).
+    #[test]
+    fn the_roots_share_where_it_beat_both_paths() {
+        let inf = f64::INFINITY;
+        // Two copies, reading, the root writing a share (microseconds): reading wins small,
+        // the share from 1 MiB, then nothing by the margin.
+        let row = [
+            Some([10.0, 3.0, 5.0]),
+            Some([27.0, 9.0, 16.0]),
+            Some([94.0, 50.0, 39.0]),
+            Some([338.0, 425.0, 209.0]),
+            Some([1340.0, 1800.0, 1320.0]),
+        ];
+        let plan = decide(&[row, [Some([1.0, 2.0, inf]); 5], [None; 5]]);
+        assert_eq!(plan.broadcast, SizeRange { from: SIZES[0], below: 8 << 20 });
+        assert_eq!(plan.broadcast_split, SizeRange { from: 512 << 10, below: 8 << 20 });
+        assert_eq!(plan.broadcast_path(64 << 10), crate::types::BroadcastPath::Read);
+        assert_eq!(plan.broadcast_path(4 << 20), crate::types::BroadcastPath::Split);
+        // At 16 MiB the share's 1320 is within the margin of two copies' 1340: two copies.
+        assert_eq!(plan.broadcast_path(16 << 20), crate::types::BroadcastPath::Two);
     }
 
     #[test]
@@ -345,6 +414,7 @@ mod tests {
             broadcast: SizeRange { from: 65536, below: 1 << 24 },
             allgather: SizeRange::NONE,
             allreduce: SizeRange { from: 1 << 22, below: usize::MAX },
+            broadcast_split: SizeRange { from: 1 << 19, below: usize::MAX },
         };
         save(&path, &plan);
         assert_eq!(load(&path), Some(plan));

@@ -241,39 +241,75 @@ pub(crate) fn barrier(l: &mut Local<'_>) -> Result<()> {
 /// member's, then the next: they stay in cache between the read and the reduction).
 const PIECE_BYTES: usize = 128 << 10;
 
+/// Pieces in which the single-copy allgather copies a member's input to its own output and
+/// on to the others': small enough to stay in any core's L2 cache between the two uses (512
+/// KiB and 4 MiB per core on the machines measured), large enough that a write's system call
+/// is a small part of it (64 KiB pieces measured 5% slower, 1 MiB 15%).
+const PUSH_PIECE_BYTES: usize = 256 << 10;
+
+/// The root's share of a split broadcast is cut in multiples of this many bytes (a page: no
+/// page of a member's buffer is copied into by both sides).
+const SPLIT_GRAIN: usize = 4096;
+
 /// The address a member publishes for its buffer `s`.
 fn address_of<T>(s: &[T]) -> u64 {
     s.as_ptr() as u64
 }
 
-/// Single-copy broadcast of `buf` from member `root`: the root publishes its buffer's address,
-/// every other member reads it straight into its own (one copy, all at once), and the root
-/// waits until they are done. Two steps, whatever the size.
-pub(crate) fn broadcast_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], root: usize) -> Result<()> {
-    let me = l.me();
+/// Single-copy broadcast of `buf` from member `root`: every member publishes its buffer's
+/// address, and every other member reads the root's buffer straight into its own (one copy).
+/// With `split` the root shares the copying: it writes the first part of each member's
+/// buffer straight into it while they read the rest, cut (in whole pages) so that every
+/// member copies about as much, `(n - 1)/n` of the buffer: two cores copy where one would.
+/// Then the root waits until all are done. Two steps, whatever the size.
+pub(crate) fn broadcast_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], root: usize, split: bool) -> Result<()> {
+    let (n, me) = (l.n(), l.me());
+    let bytes = std::mem::size_of_val(buf);
+    let share = if split { bytes / n / SPLIT_GRAIN * SPLIT_GRAIN } else { 0 };
     let addr = address_of(buf);
     let t = l.step(|own: &mut [u64]| own[0] = addr)?;
-    if me != root {
+    let whole: &mut [u8] = bytemuck::cast_slice_mut(buf);
+    if me == root {
+        for m in (0..n).filter(|&m| m != root && share > 0) {
+            t.write_member(m, t.read::<u64>(m, 0..1)[0], &whole[..share])?;
+        }
+    } else {
         let from = t.read::<u64>(root, 0..1)[0];
-        t.read_member(root, from, bytemuck::cast_slice_mut(buf))?;
+        t.read_member(root, from + share as u64, &mut whole[share..])?;
     }
-    // The root's buffer stays as it is until every member has read it.
+    // The root's buffer stays as it is until every member has read it, and no member looks
+    // at the share the root writes before the root is done.
     t.next::<u8>(|_, _| {})?;
     Ok(())
 }
 
-/// Single-copy allgather of equal blocks: every member publishes its `input`'s address and
-/// reads every other member's straight into its block of `output` (this rank's own block is
-/// the caller's to fill). Two steps.
+/// Single-copy allgather of equal blocks, pushed: every member publishes its `output`'s
+/// address; then, piece by piece of its `input` ([`PUSH_PIECE_BYTES`]), copies the piece
+/// into its own block of `output` and writes it straight into every other member's output
+/// (`process_vm_writev`), so that each piece is read from memory once and used from the
+/// cache after (measured on the 2-core Xeon, 2 ranks: 16 MiB 1543 -> 1340 us, 1 MiB 42 -> 30
+/// us against reading the others' inputs). Fills the whole of `output`, this rank's block
+/// too. Two steps: the addresses, and every write done (no member reads its output before).
 pub(crate) fn allgather_single<T: Element>(l: &mut Local<'_>, input: &[T], output: &mut [T]) -> Result<()> {
     let (n, me) = (l.n(), l.me());
     let b = input.len();
-    let addr = address_of(input);
+    let size = std::mem::size_of::<T>();
+    let addr = address_of(output);
     let t = l.step(|own: &mut [u64]| own[0] = addr)?;
-    for m in (0..n).filter(|&m| m != me) {
-        let from = t.read::<u64>(m, 0..1)[0];
-        t.read_member(m, from, bytemuck::cast_slice_mut(&mut output[m * b..(m + 1) * b]))?;
+    let piece = (PUSH_PIECE_BYTES / size).max(1);
+    let mut at = 0;
+    while at < b {
+        let k = piece.min(b - at);
+        let src = &input[at..at + k];
+        output[me * b + at..me * b + at + k].copy_from_slice(src);
+        // Each member starts with the next one's output: n - 1 writers, n - 1 destinations.
+        for m in (1..n).map(|d| (me + d) % n) {
+            let to = t.read::<u64>(m, 0..1)[0] + ((me * b + at) * size) as u64;
+            t.write_member(m, to, bytemuck::cast_slice(src))?;
+        }
+        at += k;
     }
+    // No member's output is read (returned) before every member has written its block.
     t.next::<u8>(|_, _| {})?;
     Ok(())
 }

@@ -226,6 +226,18 @@ impl<'s, 'a> Step<'s, 'a> {
         })
     }
 
+    /// Copies `src` to member `m`'s address `addr` (an address it published in this step or
+    /// an earlier one of this call, for bytes it leaves alone until every member has arrived
+    /// at a later step), straight into its memory.
+    pub(crate) fn write_member(&self, m: usize, addr: u64, src: &[u8]) -> Result<()> {
+        self.l.area.write_member(m, addr, src).map_err(|e| match e {
+            Error::PeerClosed { rank, op, detail } if op.is_empty() => {
+                Error::PeerClosed { rank, op: self.l.what.to_string(), detail }
+            }
+            e => e,
+        })
+    }
+
     /// The next step: `write` fills this rank's slot of it, and may still read this step's
     /// slots (a different slot of each member); then this rank arrives and waits for the
     /// others.

@@ -622,6 +622,15 @@ pub(crate) trait LocalArea: Send + Sync {
         Err(Error::invalid(format!("this area cannot read member {m}'s memory")))
     }
 
+    /// Copies `src` to address `addr` of member `m`'s process (`process_vm_writev`), for
+    /// collectives that write straight into a peer's buffer. The member must not touch those
+    /// bytes until this rank arrives at a later step. Errors as for
+    /// [`read_member`](LocalArea::read_member).
+    fn write_member(&self, m: usize, addr: u64, src: &[u8]) -> Result<()> {
+        let _ = (addr, src);
+        Err(Error::invalid(format!("this area cannot write member {m}'s memory")))
+    }
+
     /// The copy path the device was told to take (the shared-memory area's default is
     /// [`CopyChoice::Measure`]; an area that cannot read members' memory says
     /// [`CopyChoice::Two`]).
@@ -658,9 +667,12 @@ pub(crate) enum CopyChoice {
 }
 
 impl CopyChoice {
+    /// Words in [`words`](Self::words): the kind, then a plan's.
+    pub(crate) const WORDS: usize = 1 + crate::types::CopyPlan::WORDS;
+
     /// The choice as words (published in the area by calibration, compared between members).
-    pub(crate) fn words(self) -> [u64; 7] {
-        let mut w = [0u64; 7];
+    pub(crate) fn words(self) -> [u64; Self::WORDS] {
+        let mut w = [0u64; Self::WORDS];
         match self {
             CopyChoice::Measure => {}
             CopyChoice::Single => w[0] = 1,
@@ -679,8 +691,8 @@ impl CopyChoice {
             Some(0) => "to measure which copy path is faster".into(),
             Some(1) => "single copies (FERROGLOO_SHM_SINGLE_COPY=1)".into(),
             Some(2) => "two copies (FERROGLOO_SHM_SINGLE_COPY=0)".into(),
-            Some(3) if w.len() == 7 => {
-                let mut p = [0u64; 6];
+            Some(3) if w.len() == Self::WORDS => {
+                let mut p = [0u64; crate::types::CopyPlan::WORDS];
                 p.copy_from_slice(&w[1..]);
                 format!("the copy plan \"{}\"", crate::types::CopyPlan::from_words(p))
             }

@@ -52,34 +52,81 @@ pub struct CopyPlan {
     /// Allreduce's (and the first host step of the two-level allreduce; its last one, a
     /// broadcast, follows [`broadcast`](Self::broadcast)'s).
     pub allreduce: SizeRange,
+    /// The sizes at which a single-copy broadcast's root shares the copying: while the
+    /// others read the root's buffer straight, the root writes a part of each one's buffer
+    /// straight into it (`process_vm_writev`), so that two cores copy where one would. Taken
+    /// before [`broadcast`](Self::broadcast) where both hold a size. Worth it where the root
+    /// has a core of its own; measured with the rest.
+    pub broadcast_split: SizeRange,
+}
+
+/// How a shared-memory broadcast of some size copies ([`CopyPlan::broadcast_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BroadcastPath {
+    /// Through the root's slot.
+    Two,
+    /// The others read the root's buffer.
+    Read,
+    /// The others read a part of the root's buffer, the root writes the rest into theirs.
+    Split,
 }
 
 impl CopyPlan {
     /// Two copies always.
-    pub const TWO: CopyPlan =
-        CopyPlan { broadcast: SizeRange::NONE, allgather: SizeRange::NONE, allreduce: SizeRange::NONE };
-    /// Single copy always.
-    pub const SINGLE: CopyPlan =
-        CopyPlan { broadcast: SizeRange::ALL, allgather: SizeRange::ALL, allreduce: SizeRange::ALL };
+    pub const TWO: CopyPlan = CopyPlan {
+        broadcast: SizeRange::NONE,
+        allgather: SizeRange::NONE,
+        allreduce: SizeRange::NONE,
+        broadcast_split: SizeRange::NONE,
+    };
+    /// Single copy always, every member reading for itself (the root writes nothing).
+    pub const SINGLE: CopyPlan = CopyPlan {
+        broadcast: SizeRange::ALL,
+        allgather: SizeRange::ALL,
+        allreduce: SizeRange::ALL,
+        broadcast_split: SizeRange::NONE,
+    };
+
+    /// Words in [`words`](Self::words).
+    pub(crate) const WORDS: usize = 8;
 
     /// The plan as words, as the area and the cache carry it.
-    pub(crate) fn words(&self) -> [u64; 6] {
+    pub(crate) fn words(&self) -> [u64; Self::WORDS] {
         let w = |r: SizeRange| [r.from as u64, r.below as u64];
-        let ([a, b], [c, d], [e, g]) = (w(self.broadcast), w(self.allgather), w(self.allreduce));
-        [a, b, c, d, e, g]
+        let ([a, b], [c, d], [e, g], [h, i]) =
+            (w(self.broadcast), w(self.allgather), w(self.allreduce), w(self.broadcast_split));
+        [a, b, c, d, e, g, h, i]
     }
 
     /// The plan of [`words`](Self::words).
-    pub(crate) fn from_words(w: [u64; 6]) -> Self {
+    pub(crate) fn from_words(w: [u64; Self::WORDS]) -> Self {
         let size = |x: u64| usize::try_from(x).unwrap_or(usize::MAX);
         let r = |i: usize| SizeRange { from: size(w[i]), below: size(w[i + 1]) };
-        CopyPlan { broadcast: r(0), allgather: r(2), allreduce: r(4) }
+        CopyPlan { broadcast: r(0), allgather: r(2), allreduce: r(4), broadcast_split: r(6) }
+    }
+
+    /// The path of a shared-memory broadcast of `bytes`.
+    pub(crate) fn broadcast_path(&self, bytes: usize) -> BroadcastPath {
+        if self.broadcast_split.contains(bytes) {
+            BroadcastPath::Split
+        } else if self.broadcast.contains(bytes) {
+            BroadcastPath::Read
+        } else {
+            BroadcastPath::Two
+        }
     }
 }
 
 impl std::fmt::Display for CopyPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "broadcast {}, allgather {}, allreduce {}", self.broadcast, self.allgather, self.allreduce)
+        write!(f, "broadcast {}, allgather {}, allreduce {}", self.broadcast, self.allgather, self.allreduce)?;
+        let kib = |b: usize| format!("{} KiB", b >> 10);
+        match (self.broadcast_split.from, self.broadcast_split.below) {
+            _ if self.broadcast_split.is_empty() => Ok(()),
+            (0, usize::MAX) => f.write_str("; the broadcast's root writes a share always"),
+            (from, usize::MAX) => write!(f, "; the broadcast's root writes a share from {}", kib(from)),
+            (from, below) => write!(f, "; the broadcast's root writes a share from {} below {}", kib(from), kib(below)),
+        }
     }
 }
 
@@ -97,10 +144,18 @@ mod tests {
                 broadcast: some,
                 allgather: SizeRange::NONE,
                 allreduce: SizeRange { from: 1, below: usize::MAX },
+                broadcast_split: SizeRange { from: 1 << 20, below: 1 << 26 },
             },
         ] {
             assert_eq!(CopyPlan::from_words(p.words()), p);
         }
+        let split = CopyPlan { broadcast_split: SizeRange { from: 1 << 20, below: usize::MAX }, ..CopyPlan::SINGLE };
+        assert_eq!(
+            [0, (1 << 20) - 1, 1 << 20].map(|b| split.broadcast_path(b)),
+            [BroadcastPath::Read, BroadcastPath::Read, BroadcastPath::Split]
+        );
+        assert_eq!(CopyPlan::TWO.broadcast_path(1 << 20), BroadcastPath::Two);
+        assert!(split.to_string().ends_with("; the broadcast's root writes a share from 1024 KiB"), "{split}");
         assert!(SizeRange::ALL.contains(0) && SizeRange::ALL.contains(usize::MAX));
         assert!(!SizeRange::NONE.contains(0));
         assert!(

@@ -68,6 +68,9 @@ pub(crate) struct OpDesc {
 
 /// The bit of [`OpDesc::algo`] that marks a single-copy shared-area call.
 const SINGLE_COPY: u8 = 0x80;
+/// The bit of [`OpDesc::algo`] that marks a single-copy broadcast whose root writes a share
+/// of the others' buffers ([`BroadcastPath::Split`](crate::types::BroadcastPath::Split)).
+const ROOT_WRITES: u8 = 0x40;
 
 /// Bytes in an encoded [`OpDesc`].
 pub(crate) const DESC_LEN: usize = 24;
@@ -110,6 +113,15 @@ impl OpDesc {
     pub(crate) fn single_copy(mut self, on: bool) -> Self {
         if on {
             self.algo |= SINGLE_COPY;
+        }
+        self
+    }
+
+    /// Marked as a single-copy broadcast whose root writes a share of the others' buffers
+    /// (`on`): a member that took the plain single-copy path would leave that share unread.
+    pub(crate) fn root_writes(mut self, on: bool) -> Self {
+        if on {
+            self.algo |= SINGLE_COPY | ROOT_WRITES;
         }
         self
     }
@@ -160,12 +172,13 @@ impl OpDesc {
     }
 
     fn algo_name(&self) -> String {
-        let code = self.algo & !SINGLE_COPY;
+        let code = self.algo & !(SINGLE_COPY | ROOT_WRITES);
         let name =
             Algorithm::long_name(code).map_or_else(|| format!("algorithm #{code}"), |n| format!("the {n} algorithm"));
-        match self.algo & SINGLE_COPY {
-            0 => name,
-            _ => format!("{name}, reading the others' buffers straight (single copy)"),
+        match (self.algo & SINGLE_COPY, self.algo & ROOT_WRITES) {
+            (0, _) => name,
+            (_, 0) => format!("{name}, reading the others' buffers straight (single copy)"),
+            _ => format!("{name}, reading the root's buffer straight while the root writes a share (single copy)"),
         }
     }
 

@@ -11,6 +11,7 @@ mod element;
 mod reduction;
 
 pub use algorithm::Algorithm;
+pub(crate) use copy_plan::BroadcastPath;
 pub use copy_plan::{CopyPlan, SizeRange};
 pub use cost_model::CostModel;
 pub(crate) use desc::{Call, DESC_LEN, OpDesc};

@@ -203,6 +203,19 @@ impl LocalArea for ShmArea {
         })
     }
 
+    fn write_member(&self, m: usize, addr: u64, src: &[u8]) -> crate::error::Result<()> {
+        let rank = self.members[m];
+        super::write_process(self.pids[m], addr, src).map_err(|e| match e {
+            nix::errno::Errno::ESRCH => {
+                Error::PeerClosed { rank, op: String::new(), detail: "its process is gone".into() }
+            }
+            e => Error::io(
+                format!("writing {} bytes into rank {rank}'s buffer in its memory (process_vm_writev)", src.len()),
+                e.into(),
+            ),
+        })
+    }
+
     fn copy_choice(&self) -> CopyChoice {
         self.choice
     }

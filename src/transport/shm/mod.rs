@@ -226,6 +226,26 @@ pub(crate) fn read_process(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::
     Ok(())
 }
 
+/// Copies `src` to `addr` of process `pid` (`process_vm_writev`, until all are written).
+/// `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
+pub(crate) fn write_process(pid: i32, addr: u64, src: &[u8]) -> std::result::Result<(), nix::errno::Errno> {
+    let mut done = 0;
+    while done < src.len() {
+        let remote = [nix::sys::uio::RemoteIoVec { base: addr as usize + done, len: src.len() - done }];
+        match nix::sys::uio::process_vm_writev(
+            nix::unistd::Pid::from_raw(pid),
+            &[std::io::IoSlice::new(&src[done..])],
+            &remote,
+        ) {
+            Ok(0) => return Err(nix::errno::Errno::EFAULT),
+            Ok(n) => done += n,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Whether this process may read process `pid`'s memory: the word at `probe` must read back as
 /// [`PROBE`]'s value.
 fn cma_works(pid: i32, probe: u64) -> bool {
