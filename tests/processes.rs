@@ -335,7 +335,7 @@ fn shared_area_collectives_between_processes_on_each_copy_path() {
     }
 }
 
-/// Where the kernel refuses `process_vm_readv` between the ranks (each is not dumpable and
+/// Where the kernel refuses `process_vm_readv` (and `_writev`) between the ranks (each is not dumpable and
 /// runs in a user namespace of its own, so none may read another), single copies forced by
 /// `FERROGLOO_SHM_SINGLE_COPY=1` fall back to two: the results are right, the plan says two
 /// copies on every rank, and each rank says so in one log line.
@@ -349,7 +349,7 @@ fn a_kernel_that_refuses_cross_process_reads_gets_two_copies_and_one_log_line() 
     let dir = tempfile::tempdir().unwrap();
     let outs = run_job_output(2, "copies-refused@shm-refused", &format!("file:{}", dir.path().display()));
     for (rank, out) in outs.iter().enumerate() {
-        let said = out.matches("does not let ranks of this host read each other's memory").count();
+        let said = out.matches("does not let ranks of this host read and write each other's memory").count();
         assert_eq!(said, 1, "rank {rank}:\n{out}");
         assert!(out.contains(&format!("PLAN {}", ferrogloo::device::CopyPlan::TWO)), "rank {rank}:\n{out}");
     }

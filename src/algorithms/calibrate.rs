@@ -74,10 +74,15 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     let pieces = !comm.shared().spin.yield_cpu;
     const TOLD: std::ops::Range<usize> = 1..1 + CopyChoice::WORDS;
     const PIECES: usize = TOLD.end;
+    const TARGET: usize = PIECES + 1;
+    // A word the others write into (the single-copy broadcast and allgather write straight
+    // into members' buffers): it lives until every member has arrived at the next step.
+    let target = Box::new(std::sync::atomic::AtomicU64::new(0));
     let t = l.step(|own: &mut [u64]| {
         own[0] = &raw const PROBE as u64;
         own[TOLD].copy_from_slice(&told);
         own[PIECES] = u64::from(pieces);
+        own[TARGET] = target.as_ptr() as u64;
     })?;
     let pieces = t.read::<u64>(0, PIECES..PIECES + 1)[0] == 1;
     comm.shared().area_pieces.store(pieces, Ordering::Relaxed);
@@ -102,14 +107,19 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
         let mut word = [0u8; 8];
         let read = t.read_member(m, t.read::<u64>(m, 0..1)[0], &mut word);
         readable &= read.is_ok() && u64::from_le_bytes(word) == PROBE;
+        let wrote = t.write_member(m, t.read::<u64>(m, TARGET..TARGET + 1)[0], &PROBE.to_le_bytes());
+        readable &= wrote.is_ok();
     }
     let t = t.next(|own: &mut [u64], _| own[0] = u64::from(readable))?;
+    // Every member has written it (or failed to) before it arrived: no write comes later.
+    drop(target);
     if let Some(m) = (0..n).find(|&m| t.read::<u64>(m, 0..1)[0] != 1) {
         if !REFUSAL_SAID.swap(true, Ordering::Relaxed) {
             tracing::info!(
                 rank = members[m],
-                "the kernel does not let ranks of this host read each other's memory (process_vm_readv; \
-                 Yama's ptrace_scope or a container's rules): shared-memory collectives take two copies"
+                "the kernel does not let ranks of this host read and write each other's memory \
+                 (process_vm_readv and process_vm_writev; Yama's ptrace_scope or a container's rules): \
+                 shared-memory collectives take two copies"
             );
         }
         return Ok(CopyPlan::TWO);
