@@ -442,6 +442,58 @@ fn split_broadcasts_and_pushed_allgathers_are_right_on_both_sides_of_their_cuts(
     }
 }
 
+/// A member whose call failed (it timed out waiting for a late rank) gets its buffers back
+/// untouched: the late rank of a single-copy broadcast (the root, which writes a share) or
+/// allgather (which pushes its input) writes nothing into them once the member has left
+/// (it withdrew), and its own call fails instead.
+#[test]
+fn a_member_that_left_a_call_is_not_written_into_by_a_late_rank() {
+    use std::sync::{Mutex, mpsc};
+    use std::time::Duration;
+    let plan = CopyPlan { broadcast_split: SizeRange::ALL, ..CopyPlan::SINGLE };
+    let dev = || Ok(Device::shared_memory(&ShmAttr { collective_copy: ShmCopy::Given(plan), ..ShmAttr::default() }));
+    let len = 1 << 18;
+    for op in ["broadcast", "allgather"] {
+        // Rank 1 says it has left (and refilled its buffers); rank 0 says it is done.
+        let (left_tx, left_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let (left_tx, left_rx, done_tx, done_rx) =
+            (Mutex::new(left_tx), Mutex::new(left_rx), Mutex::new(done_tx), Mutex::new(done_rx));
+        let store = HashStore::new();
+        let results = run_ranks_on(
+            2,
+            &store,
+            &dev,
+            |b| b.timeout(TIMEOUT),
+            |ctx| {
+                let call = |buf: &mut Vec<f32>, out: &mut Vec<f32>, opts: &CollectiveOptions| match op {
+                    "broadcast" => ctx.broadcast(buf, 0, opts),
+                    _ => ctx.allgather(&buf.clone(), out, opts),
+                };
+                let (mut buf, mut out) = (vec![ctx.rank() as f32 + 1.0; len], vec![0f32; 2 * len]);
+                if ctx.rank() == 1 {
+                    let quick = CollectiveOptions { timeout: Some(Duration::from_millis(300)), ..Default::default() };
+                    let early = call(&mut buf, &mut out, &quick);
+                    assert!(matches!(early, Err(Error::Timeout { .. })), "{op}: {early:?}");
+                    buf.fill(-7.0);
+                    out.fill(-7.0);
+                    left_tx.lock().unwrap().send(()).unwrap();
+                    done_rx.lock().unwrap().recv_timeout(TIMEOUT).expect("rank 0 is done");
+                    assert!(buf.iter().all(|&v| v == -7.0), "{op}: rank 0 wrote into rank 1's buffer after it left");
+                    assert!(out.iter().all(|&v| v == -7.0), "{op}: rank 0 wrote into rank 1's output after it left");
+                } else {
+                    left_rx.lock().unwrap().recv_timeout(TIMEOUT).expect("rank 1 has left");
+                    let late = call(&mut buf, &mut out, &CollectiveOptions::default());
+                    done_tx.lock().unwrap().send(()).unwrap();
+                    assert!(late.is_err(), "{op}: the late rank's call succeeded");
+                }
+                Ok(())
+            },
+        );
+        all_ok(results);
+    }
+}
+
 fn device(dev: Dev) -> ferrogloo::Result<Device> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     match dev {

@@ -14,6 +14,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const SCENARIO_ENV: &str = "FERROGLOO_TEST_SCENARIO";
+/// Set by `@shm-split`: the worker's device takes [`split_plan`].
+const SPLIT_ENV: &str = "FERROGLOO_TEST_SPLIT";
+
+/// Single copies everywhere, and the broadcast's root writes its share at every size.
+fn split_plan() -> ferrogloo::device::CopyPlan {
+    use ferrogloo::device::{CopyPlan, SizeRange};
+    CopyPlan { broadcast_split: SizeRange::ALL, ..CopyPlan::SINGLE }
+}
 const WORKER_TIMEOUT: Duration = Duration::from_secs(20);
 /// Deadline of each call on 64 MiB buffers (a debug build on a loaded 2-core machine).
 const BIG_TIMEOUT: Duration = Duration::from_secs(60);
@@ -29,7 +37,14 @@ fn rank_worker() {
     let store = ferrogloo::rendezvous::open(&env.store).expect("open store");
     // FERROGLOO_TRANSPORT (set by `rank_command`) picks TCP, shared memory or both.
     let transport = Transport::from_env().expect("transport");
-    let dev = Device::with_transport(transport, &TcpAttr::loopback()).expect("device");
+    let dev = match std::env::var(SPLIT_ENV) {
+        // Single copies, the broadcast's root writing a share, at every size.
+        Ok(_) => Device::shared_memory(&ferrogloo::device::ShmAttr {
+            collective_copy: ferrogloo::device::ShmCopy::Given(split_plan()),
+            ..Default::default()
+        }),
+        Err(_) => Device::with_transport(transport, &TcpAttr::loopback()).expect("device"),
+    };
     let timeout = match scenario.as_str() {
         "kill" => KILL_TIMEOUT,
         "big" => BIG_TIMEOUT,
@@ -262,6 +277,7 @@ fn rank_command(rank: usize, n: usize, scenario: &str, store_url: &str) -> Comma
             cmd.env("FERROGLOO_TRANSPORT", "shm").env("FERROGLOO_SHM_SINGLE_COPY", "1")
         }
         "shm-two-copies" => cmd.env("FERROGLOO_TRANSPORT", "shm").env("FERROGLOO_SHM_SINGLE_COPY", "0"),
+        "shm-split" => cmd.env("FERROGLOO_TRANSPORT", "shm").env(SPLIT_ENV, "1"),
         t => cmd.env("FERROGLOO_TRANSPORT", t),
     };
     cmd
@@ -314,12 +330,18 @@ fn run_job_output(n: usize, scenario: &str, store_url: &str) -> Vec<String> {
 }
 
 /// Collectives through the host's area between processes, on each copy path: single copies
-/// read another process's buffer (forced: the plan says so on every rank), two copies go
-/// through the slots, and a measured plan is one plan for all ranks.
+/// read and write another process's buffer (forced: the plan says so on every rank; with
+/// and without the broadcast root's share), two copies go through the slots, and a measured
+/// plan is one plan for all ranks.
 #[test]
 fn shared_area_collectives_between_processes_on_each_copy_path() {
     let (single, two) = (ferrogloo::device::CopyPlan::SINGLE, ferrogloo::device::CopyPlan::TWO);
-    for (transport, want) in [("shm-single-copy", Some(single)), ("shm-two-copies", Some(two)), ("shm", None)] {
+    for (transport, want) in [
+        ("shm-single-copy", Some(single)),
+        ("shm-split", Some(split_plan())),
+        ("shm-two-copies", Some(two)),
+        ("shm", None),
+    ] {
         for n in [2usize, 3] {
             let dir = tempfile::tempdir().unwrap();
             let outs = run_job_output(n, &format!("copies@{transport}"), &format!("file:{}", dir.path().display()));

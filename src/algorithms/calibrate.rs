@@ -9,16 +9,20 @@
 //!
 //! 1. Every member publishes what it was told and the address of a known word; a member told
 //!    otherwise than the others fails formation on every member ([`Error::Mismatch`]).
-//! 2. Each tries to read every other member's word, and publishes whether it could: unless all
-//!    could, every collective takes two copies (one log line says so).
+//! 2. Each tries to read every other member's word and to write into another, and publishes
+//!    whether it could: unless all could, every collective takes two copies (one log line
+//!    says so).
 //!    The first member also says whether pipelined collectives go in pieces
 //!    ([`Local::piece_elems`]), for all.
 //! 3. The first member decides for all: from its cache (a file per user, boot, member count,
-//!    slot size and build, under `/dev/shm`), or by timing broadcast, allgather and allreduce
-//!    both ways at a few sizes (within [`BUDGET`]; what the budget leaves untimed takes two
-//!    copies, and the plan is cached all the same), and publishes its plan, which every
-//!    member takes. So no two members can take different paths in one call, whatever each
-//!    would have measured; a call's own path is also in its descriptor, as a second guard.
+//!    slot size, whether the members have cores of their own, and build, under `/dev/shm`),
+//!    or by timing broadcast, allgather and allreduce both ways at a few sizes (and
+//!    broadcast a third way, the root writing a share, where the members have cores; within
+//!    [`BUDGET`]; what the budget leaves untimed takes two copies, and the plan is cached all
+//!    the same), and publishes its plan, which every member takes. So no two members can
+//!    take different paths in one call, whatever each would have measured; a call's own path
+//!    is also in its descriptor, as a second guard (not for the two-level allreduce's last
+//!    host step, a broadcast: that call's descriptor says its first step's path).
 
 use super::local;
 use super::steps::Local;
@@ -32,6 +36,10 @@ use std::time::{Duration, Instant};
 
 /// The word whose address members publish, for the others to read.
 static PROBE: u64 = u64::from_le_bytes(*b"FGCOPY01");
+/// The word whose address members publish for the others to write into (the single-copy
+/// broadcast and allgather write straight into members' buffers). Static: a member that
+/// fails formation early may still be written into by a slower one.
+static WRITE_PROBE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Marks the calibration's calls (their descriptors' `extra`).
 const CALIBRATION: u64 = 0x6361_6c69_6272_6174;
 /// Buffer sizes timed (bytes of the user's buffer; ascending, each 4 times the last).
@@ -75,14 +83,11 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
     const TOLD: std::ops::Range<usize> = 1..1 + CopyChoice::WORDS;
     const PIECES: usize = TOLD.end;
     const TARGET: usize = PIECES + 1;
-    // A word the others write into (the single-copy broadcast and allgather write straight
-    // into members' buffers): it lives until every member has arrived at the next step.
-    let target = Box::new(std::sync::atomic::AtomicU64::new(0));
     let t = l.step(|own: &mut [u64]| {
         own[0] = &raw const PROBE as u64;
         own[TOLD].copy_from_slice(&told);
         own[PIECES] = u64::from(pieces);
-        own[TARGET] = target.as_ptr() as u64;
+        own[TARGET] = WRITE_PROBE.as_ptr() as u64;
     })?;
     let pieces = t.read::<u64>(0, PIECES..PIECES + 1)[0] == 1;
     comm.shared().area_pieces.store(pieces, Ordering::Relaxed);
@@ -111,8 +116,6 @@ pub(crate) fn copy_plan(comm: &Comm, area: &dyn LocalArea, deadline: Instant) ->
         readable &= wrote.is_ok();
     }
     let t = t.next(|own: &mut [u64], _| own[0] = u64::from(readable))?;
-    // Every member has written it (or failed to) before it arrived: no write comes later.
-    drop(target);
     if let Some(m) = (0..n).find(|&m| t.read::<u64>(m, 0..1)[0] != 1) {
         if !REFUSAL_SAID.swap(true, Ordering::Relaxed) {
             tracing::info!(
@@ -272,12 +275,12 @@ fn time_paths(comm: &Comm, area: &dyn LocalArea, deadline: Instant) -> Result<(T
     Ok((times, true))
 }
 
-/// Per collective, the sizes where single copy won (its faster form, by [`MARGIN`]): the
-/// longest run of consecutive sizes timed where it won (the first of equal runs), reaching
-/// halfway (in ratio) to the neighbouring sizes where it lost, and on past the largest size
-/// when it won there; from the smallest size timed at the least. Two copies where it never
-/// won, or where nothing was timed. Broadcast's split sizes likewise: where the root writing
-/// a share beat both other paths.
+/// Per collective, the sizes where single copy won (by [`MARGIN`]): the longest run of
+/// consecutive sizes timed where it won (the first of equal runs), reaching halfway (in
+/// ratio) to the neighbouring sizes where it lost, and on past the largest size when it won
+/// there; from the smallest size timed at the least. Two copies where it never won, or where
+/// nothing was timed. Broadcast's split sizes likewise, where the root writing a share beat
+/// both other paths (a broadcast takes it first, so it may lie outside the single-copy run).
 fn decide(times: &Times) -> CopyPlan {
     let range = |row: &[Option<[f64; PATHS]>; SIZES.len()], won: &dyn Fn(&[f64; PATHS]) -> bool| -> SizeRange {
         let wins: Vec<bool> = row.iter().map(|t| t.as_ref().is_some_and(won)).collect();
@@ -297,7 +300,8 @@ fn decide(times: &Times) -> CopyPlan {
         let below = if best.end == SIZES.len() { usize::MAX } else { mid(SIZES[best.end - 1], SIZES[best.end]) };
         SizeRange { from, below }
     };
-    let single = |[two, one, split]: &[f64; PATHS]| one.min(*split) < two * MARGIN;
+    // Reading where it beat two copies; the root's share where it beat both (taken first).
+    let single = |[two, one, _]: &[f64; PATHS]| one < &(two * MARGIN);
     let split = |[two, one, split]: &[f64; PATHS]| *split < two.min(*one) * MARGIN;
     CopyPlan {
         broadcast: range(&times[0], &single),
@@ -397,8 +401,9 @@ mod tests {
     #[test]
     fn the_roots_share_where_it_beat_both_paths() {
         let inf = f64::INFINITY;
-        // Two copies, reading, the root writing a share (microseconds): reading wins small,
-        // the share from 1 MiB, then nothing by the margin.
+        // Two copies, reading, the root writing a share (microseconds): reading wins to 1
+        // MiB, the share from 1 MiB (also at 4 MiB, where reading lost), then nothing by the
+        // margin.
         let row = [
             Some([10.0, 3.0, 5.0]),
             Some([27.0, 9.0, 16.0]),
@@ -407,12 +412,28 @@ mod tests {
             Some([1340.0, 1800.0, 1320.0]),
         ];
         let plan = decide(&[row, [Some([1.0, 2.0, inf]); 5], [None; 5]]);
-        assert_eq!(plan.broadcast, SizeRange { from: SIZES[0], below: 8 << 20 });
+        assert_eq!(plan.broadcast, SizeRange { from: SIZES[0], below: 2 << 20 });
         assert_eq!(plan.broadcast_split, SizeRange { from: 512 << 10, below: 8 << 20 });
         assert_eq!(plan.broadcast_path(64 << 10), crate::types::BroadcastPath::Read);
         assert_eq!(plan.broadcast_path(4 << 20), crate::types::BroadcastPath::Split);
         // At 16 MiB the share's 1320 is within the margin of two copies' 1340: two copies.
         assert_eq!(plan.broadcast_path(16 << 20), crate::types::BroadcastPath::Two);
+        // The share winning in two runs apart, reading in between only: reading is never taken
+        // where it lost to two copies.
+        let row = [
+            Some([10.0, 12.0, 5.0]),
+            Some([27.0, 9.0, 30.0]),
+            Some([94.0, 100.0, 39.0]),
+            Some([338.0, 425.0, 209.0]),
+            Some([1340.0, 1800.0, 900.0]),
+        ];
+        let plan = decide(&[row, [Some([1.0, 2.0, inf]); 5], [None; 5]]);
+        for (s, size) in SIZES.into_iter().enumerate() {
+            let path = plan.broadcast_path(size);
+            let [two, one, _] = row[s].unwrap_or([0.0; 3]);
+            assert!(path != crate::types::BroadcastPath::Read || one < two, "{size}: {path:?}");
+        }
+        assert_eq!(plan.broadcast_split, SizeRange { from: 512 << 10, below: usize::MAX });
     }
 
     #[test]

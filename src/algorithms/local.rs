@@ -247,8 +247,8 @@ const PIECE_BYTES: usize = 128 << 10;
 /// is a small part of it (64 KiB pieces measured 5% slower, 1 MiB 15%).
 const PUSH_PIECE_BYTES: usize = 256 << 10;
 
-/// The root's share of a split broadcast is cut in multiples of this many bytes (a page: no
-/// page of a member's buffer is copied into by both sides).
+/// The root's share of a split broadcast ends at a multiple of this many bytes in the
+/// member's address space (a page: no page of a member's buffer is copied into by both).
 const SPLIT_GRAIN: usize = 4096;
 
 /// The address a member publishes for its buffer `s`.
@@ -259,23 +259,40 @@ fn address_of<T>(s: &[T]) -> u64 {
 /// Single-copy broadcast of `buf` from member `root`: every member publishes its buffer's
 /// address, and every other member reads the root's buffer straight into its own (one copy).
 /// With `split` the root shares the copying: it writes the first part of each member's
-/// buffer straight into it while they read the rest, cut (in whole pages) so that every
-/// member copies about as much, `(n - 1)/n` of the buffer: two cores copy where one would.
-/// Then the root waits until all are done. Two steps, whatever the size.
+/// buffer straight into it while they read the rest, about 1/n of the buffer (cut at a page
+/// of the member's buffer, which both sides find from its address), so that every member
+/// copies about as much, `(n - 1)/n`: two cores copy where one would. Then the root waits
+/// until all are done. Two steps, whatever the size.
+///
+/// A member's buffer is written by the root while its call runs (like a device's DMA into
+/// it): the member does not touch the root's part between publishing its address and the
+/// last step, and a member whose call fails withdraws before it returns (see
+/// [`LocalArea::withdraw`](crate::transport::LocalArea::withdraw)).
 pub(crate) fn broadcast_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], root: usize, split: bool) -> Result<()> {
     let (n, me) = (l.n(), l.me());
     let bytes = std::mem::size_of_val(buf);
-    let share = if split { bytes / n / SPLIT_GRAIN * SPLIT_GRAIN } else { 0 };
+    // The root's share of the member whose buffer is at `addr`.
+    let share = |addr: u64| match split {
+        true => {
+            let end = (addr + (bytes / n) as u64) / SPLIT_GRAIN as u64 * SPLIT_GRAIN as u64;
+            usize::try_from(end.saturating_sub(addr)).unwrap_or(0).min(bytes)
+        }
+        false => 0,
+    };
     let addr = address_of(buf);
     let t = l.step(|own: &mut [u64]| own[0] = addr)?;
     let whole: &mut [u8] = bytemuck::cast_slice_mut(buf);
     if me == root {
-        for m in (0..n).filter(|&m| m != root && share > 0) {
-            t.write_member(m, t.read::<u64>(m, 0..1)[0], &whole[..share])?;
+        for m in (0..n).filter(|&m| m != root) {
+            let to = t.read::<u64>(m, 0..1)[0];
+            let part = share(to);
+            if part > 0 {
+                t.write_member(m, to, &whole[..part])?;
+            }
         }
     } else {
-        let from = t.read::<u64>(root, 0..1)[0];
-        t.read_member(root, from + share as u64, &mut whole[share..])?;
+        let (from, part) = (t.read::<u64>(root, 0..1)[0], share(addr));
+        t.read_member(root, from + part as u64, &mut whole[part..])?;
     }
     // The root's buffer stays as it is until every member has read it, and no member looks
     // at the share the root writes before the root is done.

@@ -51,6 +51,9 @@ pub(crate) struct Local<'a> {
 
 impl Drop for Local<'_> {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.leave();
+        }
         if std::thread::panicking()
             && let Some(comm) = self.comm
         {
@@ -166,7 +169,33 @@ impl<'a> Local<'a> {
     #[inline]
     fn arrive_and_wait(&self, t: u64) -> Result<()> {
         self.area.arrive(t, &self.desc);
-        self.area.wait_all(t, &self.desc, self.deadline, self.busy).map_err(|w| self.error(w))
+        self.area.wait_all(t, &self.desc, self.deadline, self.busy).map_err(|w| {
+            self.leave();
+            self.error(w)
+        })
+    }
+
+    /// `e`, a copy's failure, named for this call; this rank leaves the call.
+    fn failed(&self, e: Error) -> Error {
+        self.leave();
+        match e {
+            Error::PeerClosed { rank, op, detail } if op.is_empty() => {
+                Error::PeerClosed { rank, op: self.what.to_string(), detail }
+            }
+            e => e,
+        }
+    }
+
+    /// This rank leaves the call early: it withdraws from the area, so that no member writes
+    /// into its buffers once the caller has them back (see [`LocalArea::withdraw`]).
+    fn leave(&self) {
+        if !self.area.withdraw(Instant::now() + self.timeout) {
+            tracing::error!(
+                op = self.what,
+                "a member was still writing into this rank's buffer {:?} after the call failed",
+                self.timeout
+            );
+        }
     }
 
     fn error(&self, w: AreaWait) -> Error {
@@ -218,24 +247,14 @@ impl<'s, 'a> Step<'s, 'a> {
     /// at a later step: until this rank is done reading) into `dst`, straight from its memory.
     /// This rank's own bytes are the caller's.
     pub(crate) fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> Result<()> {
-        self.l.area.read_member(m, addr, dst).map_err(|e| match e {
-            Error::PeerClosed { rank, op, detail } if op.is_empty() => {
-                Error::PeerClosed { rank, op: self.l.what.to_string(), detail }
-            }
-            e => e,
-        })
+        self.l.area.read_member(m, addr, dst).map_err(|e| self.l.failed(e))
     }
 
     /// Copies `src` to member `m`'s address `addr` (an address it published in this step or
     /// an earlier one of this call, for bytes it leaves alone until every member has arrived
     /// at a later step), straight into its memory.
     pub(crate) fn write_member(&self, m: usize, addr: u64, src: &[u8]) -> Result<()> {
-        self.l.area.write_member(m, addr, src).map_err(|e| match e {
-            Error::PeerClosed { rank, op, detail } if op.is_empty() => {
-                Error::PeerClosed { rank, op: self.l.what.to_string(), detail }
-            }
-            e => e,
-        })
+        self.l.area.write_member(m, addr, src).map_err(|e| self.l.failed(e))
     }
 
     /// The next step: `write` fills this rank's slot of it, and may still read this step's

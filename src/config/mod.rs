@@ -87,7 +87,7 @@ variables! {
     pub FERROGLOO_HOST_ID, default "host name, boot id and network namespace", read by "`device::host_id`":
         "this host's identity: ranks with equal identities share memory";
     pub(crate) FERROGLOO_SHM_SINGLE_COPY, default "unset: messages two copies, collectives measured", read by "`device::ShmAttr::from_env`":
-        "`1`: large messages and the shared area's collectives between ranks of one host read straight from the sender's memory (`process_vm_readv`) where the kernel allows it; `0`: both always copy through shared memory (two copies)";
+        "`1`: large messages and the shared area's collectives between ranks of one host copy straight between the ranks' memory (`process_vm_readv`, and `process_vm_writev` for collectives) where the kernel allows it; `0`: both always copy through shared memory (two copies)";
     pub(crate) FERROGLOO_COST_MODEL, default "measured by each context", read by "`cost::CostModel::from_env` (the `Auto` allreduce)":
         "the links' cost model, `latency_us=50,link_gbs=1.25,reduce_gbs=8` (the same on every rank), instead of measuring it";
     pub(crate) FERROGLOO_IB_DEVICE, default "the first with an active port", read by "`device::IbAttr::from_env`":

@@ -69,22 +69,24 @@ pub struct ShmAttr {
 }
 
 /// How a host's ranks move a collective's bytes: through the shared area's slots (two copies,
-/// into the owner's slot and out of it) or straight from the owner's buffer
-/// (`process_vm_readv`, one copy). Which is faster depends on the machine: on the AMD EPYC
-/// machine the area was tuned on, single copy was 1.3 to 3 times slower in every collective
-/// and size (the kernel pins every page it copies); on an Intel Xeon with a 480 MiB L3, it
-/// halved a 64 KiB message's time.
+/// into the owner's slot and out of it) or straight between the ranks' buffers
+/// (`process_vm_readv` and `process_vm_writev`, one copy). Which is faster depends on the
+/// machine: on the AMD EPYC machine the area was tuned on, single copy was 1.3 to 3 times
+/// slower in every collective and size (the kernel pins every page it copies); on an Intel
+/// Xeon with a 480 MiB L3, it wins from 64 KiB at 2 ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ShmCopy {
-    /// Measure both when a host's first context of this size forms (within a second: about
-    /// 0.12 s for 2 ranks of the 2-core development machine, 0.7 s for 8; the result is kept per user, boot,
-    /// rank count and build in `/dev/shm`, and a later context takes it from there), and take
-    /// the faster per collective and size. One rank measures and decides for its host, so
-    /// every rank takes the same path.
+    /// Measure the paths when a host's first context of this size forms (within a second:
+    /// about 0.2 s for 2 ranks of the 2-core development machine; the result is kept per
+    /// user, boot, rank count, slot size, whether the ranks have cores of their own, and
+    /// build, in `/dev/shm`, and a later context takes it from there), and take the faster per
+    /// collective and size (for broadcast, also whether the root writes a share). One rank
+    /// measures and decides for its host, so every rank takes the same path.
     #[default]
     Measure,
-    /// Single copy wherever the kernel allows the ranks to read each other's memory (it may
-    /// not: Yama's `ptrace_scope`, containers); otherwise two copies, with one log line.
+    /// Single copy wherever the kernel allows the ranks to read and write each other's memory
+    /// (it may not: Yama's `ptrace_scope`, containers); otherwise two copies, with one log
+    /// line. The broadcast's root writes no share ([`CopyPlan::SINGLE`]).
     Single,
     /// Always two copies.
     Two,

@@ -625,10 +625,21 @@ pub(crate) trait LocalArea: Send + Sync {
     /// Copies `src` to address `addr` of member `m`'s process (`process_vm_writev`), for
     /// collectives that write straight into a peer's buffer. The member must not touch those
     /// bytes until this rank arrives at a later step. Errors as for
-    /// [`read_member`](LocalArea::read_member).
+    /// [`read_member`](LocalArea::read_member), and when the member has
+    /// [withdrawn](LocalArea::withdraw) (nothing is written then).
     fn write_member(&self, m: usize, addr: u64, src: &[u8]) -> Result<()> {
         let _ = (addr, src);
         Err(Error::invalid(format!("this area cannot write member {m}'s memory")))
+    }
+
+    /// This rank leaves its call early (a wait or a copy failed): from now on no member
+    /// writes into its memory ([`write_member`](LocalArea::write_member) refuses, and a
+    /// [`read_member`](LocalArea::read_member) that ends after it fails), and it waits, until
+    /// `until`, for writes already under way by members whose process lives. False when one
+    /// may still be under way then. Called before the failed call returns its buffers.
+    fn withdraw(&self, until: Instant) -> bool {
+        let _ = until;
+        true
     }
 
     /// The copy path the device was told to take (the shared-memory area's default is

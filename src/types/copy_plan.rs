@@ -38,7 +38,8 @@ impl std::fmt::Display for SizeRange {
 }
 
 /// The buffer sizes at which the collectives of a context whose ranks share one host's memory
-/// read each other's buffers straight (`process_vm_readv`: one copy) instead of going through
+/// copy straight between their buffers (`process_vm_readv`, `process_vm_writev`: one copy)
+/// instead of going through
 /// the shared area's slots (two copies: into the owner's slot, out of it); in bytes of the
 /// user's buffer (allgather's output). Every rank of the host holds the same plan: one rank
 /// measures and decides it as the context forms (see [`ShmCopy`](crate::device::ShmCopy)),

@@ -119,6 +119,8 @@ impl OpDesc {
 
     /// Marked as a single-copy broadcast whose root writes a share of the others' buffers
     /// (`on`): a member that took the plain single-copy path would leave that share unread.
+    /// (The two-level allreduce's last host step, a broadcast, is not marked: its path comes
+    /// from the same host plan on every member.)
     pub(crate) fn root_writes(mut self, on: bool) -> Self {
         if on {
             self.algo |= SINGLE_COPY | ROOT_WRITES;

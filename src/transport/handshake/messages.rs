@@ -9,8 +9,9 @@ use bytes::BufMut;
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"FGLO");
 /// Wire protocol version; both sides must agree. (2: two TCP connections per pair; 3: frame
 /// headers with a group and a call descriptor; 4: one handshake for every backend, nonces and
-/// proofs both ways, payloads after the proofs.)
-pub(crate) const VERSION: u16 = 4;
+/// proofs both ways, payloads after the proofs; 5: shared-memory collectives write into
+/// peers' memory, a single-copy allgather publishes its output, the copy plan has 8 words.)
+pub(crate) const VERSION: u16 = 5;
 /// Longest payload a side may carry: nothing a stranger sends sizes a larger allocation.
 pub(crate) const MAX_PAYLOAD: usize = 1024;
 /// Bytes of a [`Hello`] and of a [`Challenge`].

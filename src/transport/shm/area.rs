@@ -7,7 +7,17 @@
 //! +0    arrived: the last step this rank arrived at       (its own cache line)
 //! +64   asleep: nonzero while this rank sleeps in a wait  (its own cache line)
 //! +128  the call of even steps, then of odd steps: 3 words each (an encoded OpDesc)
+//! +192  writing: 1 + the member this rank is writing into (process_vm_writev), or 0
+//! +256  withdrawn: nonzero once this rank left a call early (its wait or copy failed)
 //! ```
+//!
+//! Single-copy collectives write into members' buffers and read from them, straight. A member
+//! whose call fails returns its buffer to its caller while the others may still be in the
+//! call: so it first *withdraws* ([`LocalArea::withdraw`]). A writer announces its write
+//! (`writing`), fences, and writes only if the member has not withdrawn; the member withdraws,
+//! fences, and waits for any write it sees announced. (Dekker's again: either the writer sees
+//! the withdrawal and does not write, or the member sees the write and waits for its end.) A
+//! reader looks at `withdrawn` after its read: set, the bytes may be from after the call.
 //!
 //! A rank writes its slot and the call of the step, then stores the step number with release
 //! ordering; a waiter loads it with acquire ordering, after which the slot and the call are
@@ -37,6 +47,11 @@ const SPINS_PER_DRIVE: u32 = 32;
 const ARRIVED: usize = 0;
 const ASLEEP: usize = LINE;
 const CALLS: usize = 2 * LINE;
+const WRITING: usize = 3 * LINE;
+const WITHDRAWN: usize = 4 * LINE;
+/// A write into a member goes in pieces of at most this many bytes, the member's withdrawal
+/// looked at before each: a member that withdraws waits for one piece at most (about 0.1 ms).
+const WRITE_PIECE: usize = 1 << 20;
 
 /// One host's collective area, as this rank sees it.
 pub(crate) struct ShmArea {
@@ -168,6 +183,20 @@ impl ShmArea {
     }
 }
 
+/// The error of a member whose process is gone.
+fn gone(rank: usize) -> Error {
+    Error::PeerClosed { rank, op: String::new(), detail: "its process is gone".into() }
+}
+
+/// The error of a member that left the call before this rank `did` what it had to.
+fn left(rank: usize, did: &str) -> Error {
+    Error::PeerClosed {
+        rank,
+        op: String::new(),
+        detail: format!("it left the call (its wait or copy failed) before this rank {did}"),
+    }
+}
+
 impl LocalArea for ShmArea {
     fn members(&self) -> &[usize] {
         &self.members
@@ -193,27 +222,64 @@ impl LocalArea for ShmArea {
     fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> crate::error::Result<()> {
         let rank = self.members[m];
         super::read_process(self.pids[m], addr, dst).map_err(|e| match e {
-            nix::errno::Errno::ESRCH => {
-                Error::PeerClosed { rank, op: String::new(), detail: "its process is gone".into() }
-            }
+            nix::errno::Errno::ESRCH => gone(rank),
             e => Error::io(
                 format!("reading {} bytes of rank {rank}'s buffer from its memory (process_vm_readv)", dst.len()),
                 e.into(),
             ),
-        })
+        })?;
+        // Withdrawn before the read ended: its buffer may have changed under the read.
+        match self.word(m, WITHDRAWN).load(Ordering::SeqCst) {
+            0 => Ok(()),
+            _ => Err(left(rank, "read its buffer")),
+        }
     }
 
     fn write_member(&self, m: usize, addr: u64, src: &[u8]) -> crate::error::Result<()> {
         let rank = self.members[m];
-        super::write_process(self.pids[m], addr, src).map_err(|e| match e {
-            nix::errno::Errno::ESRCH => {
-                Error::PeerClosed { rank, op: String::new(), detail: "its process is gone".into() }
+        let writing = self.word(self.me, WRITING);
+        let mut done = 0;
+        while done < src.len() {
+            let piece = &src[done..src.len().min(done + WRITE_PIECE)];
+            writing.store(m as u64 + 1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            if self.word(m, WITHDRAWN).load(Ordering::SeqCst) != 0 {
+                writing.store(0, Ordering::Release);
+                return Err(left(rank, "wrote into its buffer"));
             }
-            e => Error::io(
-                format!("writing {} bytes into rank {rank}'s buffer in its memory (process_vm_writev)", src.len()),
-                e.into(),
-            ),
-        })
+            let wrote = super::write_process(self.pids[m], addr + done as u64, piece);
+            writing.store(0, Ordering::Release);
+            wrote.map_err(|e| match e {
+                nix::errno::Errno::ESRCH => gone(rank),
+                e => Error::io(
+                    format!("writing {} bytes into rank {rank}'s buffer in its memory (process_vm_writev)", src.len()),
+                    e.into(),
+                ),
+            })?;
+            done += piece.len();
+        }
+        Ok(())
+    }
+
+    fn withdraw(&self, until: Instant) -> bool {
+        self.word(self.me, WITHDRAWN).store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let me = self.me as u64 + 1;
+        loop {
+            // A write announced into this rank, by a member whose process still lives.
+            let busy = (0..self.members.len()).any(|m| {
+                m != self.me
+                    && self.word(m, WRITING).load(Ordering::SeqCst) == me
+                    && self.pairs[m].as_ref().is_some_and(|p| p.failure().is_none())
+            });
+            if !busy {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::yield_now();
+        }
     }
 
     fn copy_choice(&self) -> CopyChoice {
