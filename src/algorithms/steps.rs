@@ -189,10 +189,14 @@ impl<'a> Local<'a> {
     /// This rank leaves the call early: it withdraws from the area, so that no member writes
     /// into its buffers once the caller has them back (see [`LocalArea::withdraw`]).
     fn leave(&self) {
+        // A writer that runs ends its piece in well under a millisecond; one whose process
+        // has exited has ended. What is left is a writer stopped (or hung) inside its write
+        // for the whole call's timeout again: said, and the buffer goes back all the same.
         if !self.area.withdraw(Instant::now() + self.timeout) {
             tracing::error!(
                 op = self.what,
-                "a member was still writing into this rank's buffer {:?} after the call failed",
+                "a member whose process still runs announced a write into this rank's buffer and had not \
+                 finished it {:?} after this call failed: the buffer is returned all the same",
                 self.timeout
             );
         }

@@ -15,9 +15,10 @@
 //! whose call fails returns its buffer to its caller while the others may still be in the
 //! call: so it first *withdraws* ([`LocalArea::withdraw`]). A writer announces its write
 //! (`writing`), fences, and writes only if the member has not withdrawn; the member withdraws,
-//! fences, and waits for any write it sees announced. (Dekker's again: either the writer sees
-//! the withdrawal and does not write, or the member sees the write and waits for its end.) A
-//! reader looks at `withdrawn` after its read: set, the bytes may be from after the call.
+//! fences, and waits for any write it sees announced by a member whose process has not exited.
+//! (Dekker's again: either the writer sees the withdrawal and does not write, or the member
+//! sees the write and waits for its end.) A reader looks at `withdrawn` after its read: set,
+//! the bytes may be from after the call.
 //!
 //! A rank writes its slot and the call of the step, then stores the step number with release
 //! ordering; a waiter loads it with acquire ordering, after which the slot and the call are
@@ -50,7 +51,8 @@ const CALLS: usize = 2 * LINE;
 const WRITING: usize = 3 * LINE;
 const WITHDRAWN: usize = 4 * LINE;
 /// A write into a member goes in pieces of at most this many bytes, the member's withdrawal
-/// looked at before each: a member that withdraws waits for one piece at most (about 0.1 ms).
+/// looked at before each: a member that withdraws waits for one piece at most (about 0.1 ms)
+/// from a writer that runs, and not at all for one whose process has exited.
 const WRITE_PIECE: usize = 1 << 20;
 
 /// One host's collective area, as this rank sees it.
@@ -65,6 +67,8 @@ pub(crate) struct ShmArea {
     bell: Arc<EventFd>,
     /// Each member's process id (this rank's own among them).
     pids: Vec<i32>,
+    /// Whether each member's process still runs ([`ShmArea::alive`]).
+    lives: Vec<Life>,
     choice: CopyChoice,
     flags_at: usize,
     data_at: usize,
@@ -93,8 +97,9 @@ impl ShmArea {
             .collect::<Option<Vec<_>>>()?;
         let slot_bytes = (layout.coll_bytes / 2) / LINE * LINE;
         let own = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
-        let pids = members.iter().map(|&r| pairs[r].as_ref().map_or(own, |p| p.peer_pid())).collect();
+        let pids: Vec<i32> = members.iter().map(|&r| pairs[r].as_ref().map_or(own, |p| p.peer_pid())).collect();
         Some(Arc::new(ShmArea {
+            lives: pids.iter().map(|&pid| Life::of(pid, own)).collect(),
             pids,
             choice,
             me: members.iter().position(|&r| r == me)?,
@@ -107,6 +112,13 @@ impl ShmArea {
             slot_bytes,
             next: AtomicU64::new(0),
         }))
+    }
+
+    /// Whether member `m`'s process has not exited: a write it announced may still be under
+    /// way. (Not its pair's state: a pair closes when this rank's context aborts, or when a
+    /// heartbeat suspects a peer that is only slow, while the peer's process still writes.)
+    fn alive(&self, m: usize) -> bool {
+        self.lives[m].alive()
     }
 
     fn word(&self, m: usize, off: usize) -> &AtomicU64 {
@@ -183,6 +195,50 @@ impl ShmArea {
     }
 }
 
+/// How this rank learns whether a member's process has exited.
+enum Life {
+    /// The member is this process (ranks as threads).
+    Same,
+    /// A pidfd of the member's process: readable once it has exited (zombies too).
+    Fd(std::os::fd::OwnedFd),
+    /// No pidfd (a kernel before 5.3): `kill(pid, 0)`, which sees an exited process only
+    /// once its parent has reaped it.
+    Pid(i32),
+}
+
+impl Life {
+    fn of(pid: i32, own: i32) -> Life {
+        if pid == own {
+            return Life::Same;
+        }
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; the
+        // descriptor is owned by the returned value alone.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        match i32::try_from(fd) {
+            // SAFETY: `fd` is a descriptor this call just opened, owned by nobody else.
+            Ok(fd) if fd >= 0 => Life::Fd(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }),
+            _ => Life::Pid(pid),
+        }
+    }
+
+    fn alive(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        match self {
+            Life::Same => true,
+            Life::Fd(fd) => {
+                let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd, no wait.
+                let ready = unsafe { libc::poll(&mut p, 1, 0) };
+                // Unknown (an error) counts as running: waiting longer is the safe side.
+                ready != 1
+            }
+            Life::Pid(pid) => {
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), None) != Err(nix::errno::Errno::ESRCH)
+            }
+        }
+    }
+}
+
 /// The error of a member whose process is gone.
 fn gone(rank: usize) -> Error {
     Error::PeerClosed { rank, op: String::new(), detail: "its process is gone".into() }
@@ -228,7 +284,9 @@ impl LocalArea for ShmArea {
                 e.into(),
             ),
         })?;
-        // Withdrawn before the read ended: its buffer may have changed under the read.
+        // Withdrawn before the read ended: its buffer may have changed under the read. (The
+        // fence keeps the copy's loads before the look, as a seqlock's reader does.)
+        fence(Ordering::SeqCst);
         match self.word(m, WITHDRAWN).load(Ordering::SeqCst) {
             0 => Ok(()),
             _ => Err(left(rank, "read its buffer")),
@@ -266,12 +324,10 @@ impl LocalArea for ShmArea {
         fence(Ordering::SeqCst);
         let me = self.me as u64 + 1;
         loop {
-            // A write announced into this rank, by a member whose process still lives.
-            let busy = (0..self.members.len()).any(|m| {
-                m != self.me
-                    && self.word(m, WRITING).load(Ordering::SeqCst) == me
-                    && self.pairs[m].as_ref().is_some_and(|p| p.failure().is_none())
-            });
+            // A write announced into this rank, by a member whose process still runs (a
+            // process's writes have ended once it has exited).
+            let busy = (0..self.members.len())
+                .any(|m| m != self.me && self.word(m, WRITING).load(Ordering::SeqCst) == me && self.alive(m));
             if !busy {
                 return true;
             }
@@ -365,5 +421,36 @@ impl LocalArea for ShmArea {
             self.drive();
             slept = true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Life;
+
+    /// A member's process counts as running until it exits, zombie or reaped; this process
+    /// always runs.
+    #[test]
+    fn a_process_is_alive_until_it_exits() {
+        let own = std::process::id() as i32;
+        assert!(Life::of(own, own).alive());
+        let mut child = std::process::Command::new("cat")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("cat");
+        let life = Life::of(child.id() as i32, own);
+        assert!(matches!(life, Life::Fd(_)), "pidfd_open is there on the kernels this runs on");
+        assert!(life.alive());
+        // cat ends at the end of its input; the zombie already counts as exited.
+        drop(child.stdin.take());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while life.alive() {
+            assert!(std::time::Instant::now() < deadline, "cat did not end");
+            std::thread::yield_now();
+        }
+        child.wait().expect("wait");
+        assert!(!life.alive());
+        assert!(!Life::Pid(child.id() as i32).alive(), "reaped: kill(pid, 0) says ESRCH");
     }
 }
