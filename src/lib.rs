@@ -204,7 +204,8 @@ pub mod fuzzing {
                 frame[24] = 11; // a small length
                 // A message head, a hello's or challenge's body (a valid backend and lane),
                 // and a sealed message's length.
-                let mut msg = b"FGLO\x04\x00".to_vec();
+                let mut msg = b"FGLO".to_vec();
+                msg.extend_from_slice(&crate::transport::handshake::messages::VERSION.to_le_bytes());
                 msg.extend_from_slice(&[ty, 0, backend, 0]);
                 msg.resize(120, 0);
                 for (i, x) in &flips {

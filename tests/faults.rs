@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok, handshake_without_secret, hello_lane, run_ranks};
+use common::{TIMEOUT, WIRE_VERSION, all_ok, handshake_without_secret, hello_lane, run_ranks};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::{HashStore, Store};
 use ferrogloo::{CollectiveOptions, Context, Error, Reduction};
@@ -181,7 +181,7 @@ fn join_as_fake_rank_1(store: &HashStore) -> [TcpStream; 2] {
     let lanes = [false, true].map(|bulk| {
         assert_eq!(fields[3], "tcp");
         let mut sock = TcpStream::connect(fields[5]).expect("connect to rank 0");
-        let status = handshake_without_secret(&mut sock, &hello_lane(b"FGLO", 4, ctx, 1, 0, 2, bulk));
+        let status = handshake_without_secret(&mut sock, &hello_lane(b"FGLO", WIRE_VERSION, ctx, 1, 0, 2, bulk));
         assert_eq!(status, 0, "rank 0 refused the fake rank's handshake");
         sock
     });

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{TIMEOUT, all_ok, hello};
+use common::{TIMEOUT, WIRE_VERSION, all_ok, hello};
 use ferrogloo::device::{Device, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Context, Reduction};
@@ -36,10 +36,10 @@ fn strangers(addr: SocketAddr) -> Vec<(&'static str, TcpStream)> {
     let noise: Vec<u8> = (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     send("random bytes", &noise);
     send("http request", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
-    send("wrong magic", &hello(b"GLOO", 4, [1; 16], 1, 0, 2));
+    send("wrong magic", &hello(b"GLOO", WIRE_VERSION, [1; 16], 1, 0, 2));
     send("wrong version", &hello(b"FGLO", 99, [1; 16], 1, 0, 2));
-    send("wrong context id", &hello(b"FGLO", 4, [0xEE; 16], 1, 0, 2));
-    send("short handshake then silence", &hello(b"FGLO", 4, [1; 16], 1, 0, 2)[..10]);
+    send("wrong context id", &hello(b"FGLO", WIRE_VERSION, [0xEE; 16], 1, 0, 2));
+    send("short handshake then silence", &hello(b"FGLO", WIRE_VERSION, [1; 16], 1, 0, 2)[..10]);
     out.push(("silent", TcpStream::connect(addr).unwrap()));
     out
 }
@@ -184,7 +184,7 @@ fn a_silent_stranger_does_not_hold_up_the_mesh<C: Send>(devs: Vec<Device>, knock
 
 /// A hello of backend `kind` (2 shared memory, 3 ibverbs), cut in half.
 fn half_hello(kind: u8) -> Vec<u8> {
-    let mut h = hello(b"FGLO", 4, [1; 16], 1, 0, 3);
+    let mut h = hello(b"FGLO", WIRE_VERSION, [1; 16], 1, 0, 3);
     h[8] = kind;
     h.truncate(h.len() / 2);
     h

@@ -378,7 +378,8 @@ fn a_rank_s_listener_under_attack_keeps_its_job_going() {
     let t = Instant::now();
     // Random bytes, truncated and mutated handshakes (56-byte hellos of a TCP pair, see
     // src/transport/handshake/mod.rs).
-    let mut hello = b"FGLO\x04\x00\x01\x00\x01\x00".to_vec();
+    // Version 5 (src/transport/handshake/messages.rs).
+    let mut hello = b"FGLO\x05\x00\x01\x00\x01\x00".to_vec();
     hello.resize(56, 0);
     for i in 0..600 {
         let bytes = match i % 3 {

@@ -267,7 +267,7 @@ fn address_of<T>(s: &[T]) -> u64 {
 /// A member's buffer is written by the root while its call runs (like a device's DMA into
 /// it): the member does not touch the root's part between publishing its address and the
 /// last step, and a member whose call fails withdraws before it returns (see
-/// [`LocalArea::withdraw`](crate::transport::LocalArea::withdraw)).
+/// [`LocalArea::withdraw`]).
 pub(crate) fn broadcast_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], root: usize, split: bool) -> Result<()> {
     let (n, me) = (l.n(), l.me());
     let bytes = std::mem::size_of_val(buf);

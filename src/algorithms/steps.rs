@@ -19,6 +19,13 @@
 //! write it. The synchronisation itself (the release store of the step number, the acquire
 //! loads that see it) is the area's, unchanged; what makes sharing sound across processes is
 //! that rule, exercised on every backend by the shared-memory cases of `tests/collectives.rs`.
+//!
+//! Single-copy collectives also read and write the members' own buffers, straight
+//! ([`Step::read_member`], [`Step::write_member`]), at addresses published in a step of the
+//! call, for bytes the owner leaves alone until a later step. A call that fails (a wait, a
+//! copy, a panic) withdraws this rank before its buffers go back to the caller
+//! ([`LocalArea::withdraw`]): no member writes into them after that, and a read that ended
+//! after it fails.
 
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -51,12 +58,13 @@ pub(crate) struct Local<'a> {
 
 impl Drop for Local<'_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.leave();
+        if !std::thread::panicking() {
+            self.busy_flag.store(false, Ordering::Release);
+            return;
         }
-        if std::thread::panicking()
-            && let Some(comm) = self.comm
-        {
+        // A panic left the call: no member may write into this rank's buffers any more.
+        self.leave();
+        if let Some(comm) = self.comm {
             // A panic left the call between steps: the members' step numbers no longer agree,
             // and a later call of this rank would take steps the others read as this one's.
             let rank = comm.world_rank(comm.rank()).unwrap_or(comm.rank());

@@ -68,6 +68,10 @@ pub fn pattern(from: usize, to: usize, len: usize) -> Vec<u32> {
     (0..len).map(|i| ((from as u32) << 24) ^ ((to as u32) << 16) ^ (i as u32).wrapping_mul(2654435761)).collect()
 }
 
+/// The handshake's wire protocol version (src/transport/handshake/messages.rs), which the
+/// tests that speak the handshake by hand must send.
+pub const WIRE_VERSION: u16 = 5;
+
 /// A handshake opening, a hello of a TCP pair (see src/transport/handshake/mod.rs for the
 /// layout), for tests that play a stranger or a fake rank.
 /// This opens a pair's main connection (lane 0), which carries every frame of the connector; a
@@ -100,7 +104,9 @@ pub fn handshake_without_secret(sock: &mut std::net::TcpStream, hello: &[u8]) ->
     sock.read_exact(&mut challenge).expect("challenge");
     if challenge[7] == 0 {
         // A proof: head (type 3), no payload, a zero MAC.
-        let mut proof = b"FGLO\x04\x00\x03\x00\x00\x00".to_vec();
+        let mut proof = b"FGLO".to_vec();
+        proof.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+        proof.extend_from_slice(&[3, 0, 0, 0]);
         proof.extend_from_slice(&[0; 32]);
         sock.write_all(&proof).expect("proof");
     }
