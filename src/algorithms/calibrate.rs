@@ -396,8 +396,8 @@ mod tests {
         }
     }
 
-    /// The root's share where it beat both other paths; single copy where either of its
-    /// forms beat two copies (the split one alone is enough).
+    /// The root's share where it beat both other paths (taken first); reading only where
+    /// reading beat two copies.
     #[test]
     fn the_roots_share_where_it_beat_both_paths() {
         let inf = f64::INFINITY;

@@ -25,14 +25,24 @@ impl SizeRange {
     }
 }
 
-impl std::fmt::Display for SizeRange {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl SizeRange {
+    /// The range's bounds in words, after what it is the range of: "", " from 64 KiB",
+    /// " from 64 KiB below 2048 KiB" (nothing said of an empty range).
+    fn bounds(&self) -> String {
         let kib = |b: usize| format!("{} KiB", b >> 10);
         match (self.from, self.below) {
-            _ if self.is_empty() => f.write_str("two copies"),
-            (0, usize::MAX) => f.write_str("single copy"),
-            (from, usize::MAX) => write!(f, "single copy from {}", kib(from)),
-            (from, below) => write!(f, "single copy from {} below {}", kib(from), kib(below)),
+            (0, usize::MAX) => String::new(),
+            (from, usize::MAX) => format!(" from {}", kib(from)),
+            (from, below) => format!(" from {} below {}", kib(from), kib(below)),
+        }
+    }
+}
+
+impl std::fmt::Display for SizeRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.is_empty() {
+            true => f.write_str("two copies"),
+            false => write!(f, "single copy{}", self.bounds()),
         }
     }
 }
@@ -121,12 +131,10 @@ impl CopyPlan {
 impl std::fmt::Display for CopyPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "broadcast {}, allgather {}, allreduce {}", self.broadcast, self.allgather, self.allreduce)?;
-        let kib = |b: usize| format!("{} KiB", b >> 10);
-        match (self.broadcast_split.from, self.broadcast_split.below) {
-            _ if self.broadcast_split.is_empty() => Ok(()),
-            (0, usize::MAX) => f.write_str("; the broadcast's root writes a share always"),
-            (from, usize::MAX) => write!(f, "; the broadcast's root writes a share from {}", kib(from)),
-            (from, below) => write!(f, "; the broadcast's root writes a share from {} below {}", kib(from), kib(below)),
+        match (self.broadcast_split.is_empty(), self.broadcast_split.bounds()) {
+            (true, _) => Ok(()),
+            (false, b) if b.is_empty() => f.write_str("; the broadcast's root writes a share always"),
+            (false, b) => write!(f, "; the broadcast's root writes a share{b}"),
         }
     }
 }

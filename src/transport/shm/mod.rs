@@ -209,34 +209,39 @@ impl Endpoint for ShmEndpoint {
 /// Copies `dst.len()` bytes at `addr` of process `pid` into `dst` (`process_vm_readv`, until
 /// all are read). `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
 pub(crate) fn read_process(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Result<(), nix::errno::Errno> {
-    let mut done = 0;
-    while done < dst.len() {
-        let remote = [nix::sys::uio::RemoteIoVec { base: addr as usize + done, len: dst.len() - done }];
-        match nix::sys::uio::process_vm_readv(
+    whole(addr, dst.len(), |remote, done| {
+        nix::sys::uio::process_vm_readv(
             nix::unistd::Pid::from_raw(pid),
             &mut [IoSliceMut::new(&mut dst[done..])],
-            &remote,
-        ) {
-            Ok(0) => return Err(nix::errno::Errno::EFAULT),
-            Ok(n) => done += n,
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+            remote,
+        )
+    })
 }
 
 /// Copies `src` to `addr` of process `pid` (`process_vm_writev`, until all are written).
 /// `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
 pub(crate) fn write_process(pid: i32, addr: u64, src: &[u8]) -> std::result::Result<(), nix::errno::Errno> {
-    let mut done = 0;
-    while done < src.len() {
-        let remote = [nix::sys::uio::RemoteIoVec { base: addr as usize + done, len: src.len() - done }];
-        match nix::sys::uio::process_vm_writev(
+    whole(addr, src.len(), |remote, done| {
+        nix::sys::uio::process_vm_writev(
             nix::unistd::Pid::from_raw(pid),
             &[std::io::IoSlice::new(&src[done..])],
-            &remote,
-        ) {
+            remote,
+        )
+    })
+}
+
+/// Runs a cross-process copy of `len` bytes at remote `addr` until all are copied: `copy`
+/// gets the remote rest and the bytes done, and returns how many more it copied (a partial
+/// copy goes on; an interrupted one is tried again; none at all is `EFAULT`).
+fn whole(
+    addr: u64,
+    len: usize,
+    mut copy: impl FnMut(&[nix::sys::uio::RemoteIoVec], usize) -> nix::Result<usize>,
+) -> std::result::Result<(), nix::errno::Errno> {
+    let mut done = 0;
+    while done < len {
+        let remote = [nix::sys::uio::RemoteIoVec { base: addr as usize + done, len: len - done }];
+        match copy(&remote, done) {
             Ok(0) => return Err(nix::errno::Errno::EFAULT),
             Ok(n) => done += n,
             Err(nix::errno::Errno::EINTR) => {}
