@@ -24,6 +24,8 @@ use crate::types::{BroadcastPath, Call, CopyPlan, Element, Fold, OpDesc, Reducti
 use std::sync::Arc;
 
 mod bytes;
+#[cfg(test)]
+mod tests;
 
 /// Up to this many bytes of output, `Auto` allgather uses recursive doubling when the world size
 /// is a power of two; the ring otherwise.
@@ -287,18 +289,33 @@ impl Context {
     /// ```
     ///
     /// Through the host's shared area (every rank of the context on one host, tag 0, `Auto` or
-    /// `SharedMemory`) the buffers are copied straight into the area and the results straight
-    /// out of it, two copies as for one buffer, always (the copy plan's single copies do not
-    /// apply here). Over the pairs (the ring, halving-doubling, recursive doubling, the
-    /// two-level allreduce) they are still packed into one buffer first and unpacked after: a
-    /// copy in and one out. A rank calling this and another calling
-    /// [`allreduce_with`](Self::allreduce_with) on a buffer of the same total agree where the
-    /// latter takes two copies, and fail with [`Error::Mismatch`] where it reads straight.
+    /// `SharedMemory`) the buffers take the path one buffer of the same total would take (the
+    /// [copy plan](Self::copy_plan)): copied straight into the area and the results straight
+    /// out of it, or read straight from the other ranks' buffers (single copies), so a rank
+    /// calling this and another calling [`allreduce_with`](Self::allreduce_with) on a buffer
+    /// of the same total agree. Over the pairs (the ring, halving-doubling, recursive
+    /// doubling, the two-level allreduce) they are packed into one buffer first and unpacked
+    /// after: a copy in and one out. (The engine, whose ranks cut a fused batch alike, runs
+    /// the ring on the tensors themselves.)
     pub fn allreduce_many<T: Element>(
         &self,
         bufs: &mut [&mut [T]],
         op: Reduction,
         opts: &CollectiveOptions,
+    ) -> Result<()> {
+        self.allreduce_parts(bufs, op, opts, false)
+    }
+
+    /// [`allreduce_many`](Self::allreduce_many); with `alike` every rank cuts the whole at the
+    /// same places (parts of the same lengths, as a fused batch's tensors), which lets the
+    /// ring over the pairs run on the parts themselves, with no copy in or out (a rank that
+    /// cuts differently is a [`Mismatch`](Error::Mismatch)).
+    pub(crate) fn allreduce_parts<T: Element>(
+        &self,
+        bufs: &mut [&mut [T]],
+        op: Reduction,
+        opts: &CollectiveOptions,
+        alike: bool,
     ) -> Result<()> {
         op.check(T::DTYPE)?;
         let fold = Fold::Builtin(op);
@@ -314,17 +331,43 @@ impl Context {
             Some(_) => None,
             None => area_choice(area, opts.algorithm, "allreduce", self.size())?,
         };
+        let total = bufs.iter().map(|b| b.len()).sum::<usize>();
+        let ring = match (alike, shm, hier) {
+            (true, None, None) => {
+                allreduce_algorithm(self.comm(), bytes_of::<T>(total), opts.algorithm)? == Algorithm::Ring
+            }
+            _ => false,
+        };
+        if ring {
+            let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+            let desc = OpDesc::new(Call::Allreduce)
+                .dtype(T::DTYPE)
+                .count(total)
+                .reduce(fold.code())
+                .algo(Algorithm::Ring)
+                .extra(counts_hash(&lens));
+            let seg = opts.segment_elems::<T>();
+            algorithms::run(self.comm(), "allreduce", desc, opts, |c| allreduce::ring_parts(c, bufs, &fold, seg))?;
+            for b in bufs.iter_mut() {
+                finish(op, b, self.size())?;
+            }
+            return Ok(());
+        }
         let mut parts = local::Parts::new(bufs);
-        let total = parts.len();
         match (shm, area) {
             (Some(_), Some(area)) => {
+                // The copy path of one buffer of the same size: a rank calling this and one
+                // calling `allreduce_with` agree.
+                let single = self.comm().copy_plan().allreduce.contains(bytes_of::<T>(total));
                 let desc = OpDesc::new(Call::Allreduce)
                     .dtype(T::DTYPE)
                     .count(total)
                     .reduce(fold.code())
-                    .algo(Algorithm::SharedMemory);
-                local::run(self.comm(), &**area, "allreduce", desc, opts, |l| {
-                    local::allreduce_parts(l, &mut parts, &fold)
+                    .algo(Algorithm::SharedMemory)
+                    .single_copy(single);
+                local::run(self.comm(), &**area, "allreduce", desc, opts, |l| match single {
+                    true => local::allreduce_single_parts(l, &mut parts, &fold),
+                    false => local::allreduce_parts(l, &mut parts, &fold),
                 })?;
             }
             _ => {

@@ -442,6 +442,58 @@ fn split_broadcasts_and_pushed_allgathers_are_right_on_both_sides_of_their_cuts(
     }
 }
 
+/// The single-copy allreduce of parts reads straight from the others' parts however each rank
+/// cuts the whole: rank 0 into more parts than its slot can list (140,000: it gathers them
+/// into a buffer of its own and the others read that), rank 1 into 3,000 parts with empty
+/// ones among them (more runs than one system call takes, on both sides of a read), rank 2
+/// passes one buffer to `allreduce_with` (the same path: no `Mismatch`). Every rank gets the
+/// sequential sum.
+#[test]
+fn single_copy_allreduce_of_parts_reads_straight_from_parts_cut_any_way() {
+    let dev = || {
+        Ok(Device::shared_memory(&ShmAttr { collective_copy: ShmCopy::Given(CopyPlan::SINGLE), ..ShmAttr::default() }))
+    };
+    let len = 150_000usize;
+    let data = |p: usize, i: usize| (i as i64) * 3 + (p as i64) * 1_000_003;
+    for n in [2usize, 3] {
+        let store = HashStore::new();
+        all_ok(run_ranks_on(
+            n,
+            &store,
+            &dev,
+            |b| b.timeout(TIMEOUT),
+            |ctx| {
+                let r = ctx.rank();
+                let mut v: Vec<i64> = (0..len).map(|i| data(r, i)).collect();
+                let opts = CollectiveOptions::default();
+                match r {
+                    0 => {
+                        let (ones, rest) = v.split_at_mut(140_000);
+                        let mut parts: Vec<&mut [i64]> = ones.chunks_mut(1).collect();
+                        parts.push(rest);
+                        ctx.allreduce_many(&mut parts, Reduction::Sum, &opts)?;
+                    }
+                    1 => {
+                        let mut parts: Vec<&mut [i64]> = Vec::new();
+                        let mut rest: &mut [i64] = &mut v;
+                        for j in 0..2999 {
+                            let (part, tail) = std::mem::take(&mut rest).split_at_mut(j % 7 * 5);
+                            parts.push(part);
+                            rest = tail;
+                        }
+                        parts.push(rest);
+                        ctx.allreduce_many(&mut parts, Reduction::Sum, &opts)?;
+                    }
+                    _ => ctx.allreduce_with(&mut v, Reduction::Sum, &opts)?,
+                }
+                let bad = (0..len).find(|&i| v[i] != (0..n).map(|p| data(p, i)).sum::<i64>());
+                assert_eq!(bad, None, "rank {r} of {n}: the first element that differs from the sum");
+                Ok(())
+            },
+        ));
+    }
+}
+
 /// A member whose call failed (it timed out waiting for a late rank) gets its buffers back
 /// untouched: the late rank of a single-copy broadcast (the root, which writes a share) or
 /// allgather (which pushes its input) writes nothing into them once the member has left

@@ -1228,3 +1228,53 @@ fn travelling_tensors_stay_right_through_eviction_invalidation_and_join() {
         assert!(stats.eager > 0, "rank {rank}: nothing travelled: {stats:?}");
     }
 }
+
+/// Over TCP pairs where `Auto` runs the ring, a fused batch runs on its tensors themselves:
+/// tensors above `fusion_max_tensor` join batches too, and the ring's segments are cut where
+/// the tensors end. Every rank gets the sums at every step, with rank 1 submitting in reverse
+/// order from step 2 (the batches are formed from the ready list, the same on every rank).
+#[test]
+fn fused_batches_over_tcp_run_the_ring_on_the_tensors_themselves() {
+    // Every tensor above the 1 MiB of `fusion_max_tensor` (262,145 f32 is 4 bytes more).
+    let lens = [300_001usize, 700_000, 262_145, 400_003];
+    let model: ferrogloo::cost::CostModel = "latency_us=30,link_gbs=1,reduce_gbs=4".parse().expect("a model");
+    let store = HashStore::new();
+    let steps = 4;
+    let r = common::run_ranks_on(
+        3,
+        &store,
+        &Device::loopback,
+        |b| b.cost_model(model),
+        |ctx: Context| {
+            let big = ctx.allreduce_algorithm((1 << 20) + 1, ferrogloo::Algorithm::Auto)?;
+            assert_eq!(big, ferrogloo::Algorithm::Ring, "the model must choose the ring above fusion_max_tensor");
+            let e = Engine::new(ctx, cfg())?;
+            let r = e.rank();
+            for step in 0..steps {
+                let mut order: Vec<usize> = (0..lens.len()).collect();
+                if r == 1 && step >= 2 {
+                    order.reverse();
+                }
+                let hs = order
+                    .iter()
+                    .map(|&t| {
+                        let data: Vec<f32> = (0..lens[t]).map(|i| (val(r, t, i) + step as i64) as f32).collect();
+                        Ok((t, e.allreduce(&format!("t{t}"), Tensor::new(data, vec![lens[t]])?, Reduction::Sum)?))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                for (t, h) in hs {
+                    let got = h.wait()?.data;
+                    let bad = (0..lens[t])
+                        .find(|&i| got[i] != (0..3).map(|p| (val(p, t, i) + step as i64) as f32).sum::<f32>());
+                    assert_eq!(bad, None, "rank {r}, step {step}, tensor {t}: first element wrong");
+                }
+            }
+            Ok(e.stats())
+        },
+    );
+    for s in all_ok(r) {
+        // Fused, though each is above `fusion_max_tensor` (without a fusion buffer none would be).
+        assert!(s.fused_batches >= 1 && s.fused_tensors > s.fused_batches, "{s:?}");
+        assert!(s.collectives < (steps * lens.len()) as u64, "{s:?}");
+    }
+}

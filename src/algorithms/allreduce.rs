@@ -139,17 +139,9 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
     seg: usize,
 ) -> Result<()> {
     let Some(ring) = Ring::of(c, shift) else { return Ok(()) };
-    let (n, right, left) = (ring.n, ring.right, ring.left);
-    // Every (step, segment) this rank receives, in order.
-    let items = (0..n - 1).flat_map(|k| segments(blocks[ring.recv_block(k)].clone(), seg).map(move |s| (k, s)));
-    let longest = items.clone().map(|(_, s)| s.len()).max().unwrap_or(0);
-    let mut slot_mem = c.scratch::<T>(longest * RING_SLOTS);
-    let mut rest: &mut [T] = &mut slot_mem;
-    let slots: [&mut [T]; RING_SLOTS] = std::array::from_fn(|_| {
-        let (slot, tail) = std::mem::take(&mut rest).split_at_mut(longest);
-        rest = tail;
-        slot
-    });
+    let n = ring.n;
+    // The length of every segment this rank receives, in order.
+    let lens = (0..n - 1).flat_map(|k| segments(blocks[ring.recv_block(k)].clone(), seg).map(|s| s.len()));
     let b0 = ring.send_block(0);
     let RingRuns { first, mut around, mut last, input } = bufs.runs(b0, blocks[b0].clone());
     // Where each segment received is reduced, in the order received, with its step and range.
@@ -164,24 +156,56 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
         };
         segment_runs(run, blocks[b].clone(), seg).map(move |(s, dst)| (k, s, dst))
     });
+    let at = blocks[b0].start;
+    let firsts = segments(blocks[b0].clone(), seg).map(|s| &first[s.start - at..s.end - at]);
+    reduce_loop(c, &ring, firsts, dsts, lens, input, op)
+}
+
+/// The pipelined loop of a ring reduce-scatter: sends `firsts` (the step-0 segments) right;
+/// receives segments of `lens` from the left into [`RING_SLOTS`] slots, in order; reduces
+/// each into its `dsts` entry (step, range in the whole, run), after copying `input`'s
+/// elements of that range there first when given; and forwards those of the steps before the
+/// last. Every send is waited for before return.
+fn reduce_loop<'s, T: Element>(
+    c: &Coll<'_>,
+    ring: &Ring,
+    firsts: impl Iterator<Item = &'s [T]>,
+    dsts: impl Iterator<Item = (usize, Range<usize>, &'s mut [T])>,
+    lens: impl Iterator<Item = usize> + Clone,
+    input: Option<&[T]>,
+    op: &Fold<'_, T>,
+) -> Result<()> {
+    let (n, right, left) = (ring.n, ring.right, ring.left);
+    let longest = lens.clone().max().unwrap_or(0);
+    let mut slot_mem = c.scratch::<T>(longest * RING_SLOTS);
+    let mut rest: &mut [T] = &mut slot_mem;
+    let slots: [&mut [T]; RING_SLOTS] = std::array::from_fn(|_| {
+        let (slot, tail) = std::mem::take(&mut rest).split_at_mut(longest);
+        rest = tail;
+        slot
+    });
     c.phase(|p| {
+        // Each run lent again for the phase's scope (an iterator's item type does not
+        // shorten by itself; `pace` takes items of the scope's lifetime).
+        #[allow(clippy::map_identity)]
+        let mut firsts = firsts.map(|f| f);
+        #[allow(clippy::map_identity)]
+        let dsts = dsts.map(|(k, r, d)| (k, r, d));
         // Sends leave in one order (every step-0 segment, then each forwarded segment as it
         // is reduced), because the right neighbour matches them by order alone. They are
         // paced: one credit per receive slot to start, one more per segment received, so
         // segments land in the neighbour's posted slots instead of its early-arrival buffer.
-        let at = blocks[b0].start;
-        let mut firsts = segments(blocks[b0].clone(), seg).map(|s| &first[s.start - at..s.end - at]);
         let mut queue = Waiting::new();
         let mut credit = RING_SLOTS;
         let mut sends = Sends::new();
         pace(p, right, &mut firsts, &mut queue, &mut credit, &mut sends, false)?;
         // Segment i is received into slot i mod RING_SLOTS, which has at most one receive
         // pending and is read only once it came back.
-        let mut ahead = items.clone();
+        let mut ahead = lens;
         let mut pending: [Option<_>; RING_SLOTS] = std::array::from_fn(|_| None);
         for (pending, slot) in pending.iter_mut().zip(slots) {
-            if let Some((_, s)) = ahead.next() {
-                *pending = Some(p.recv_front(left, slot, s.len())?);
+            if let Some(len) = ahead.next() {
+                *pending = Some(p.recv_front(left, slot, len)?);
             }
         }
         for (i, (k, range, dst)) in dsts.enumerate() {
@@ -193,8 +217,8 @@ pub(crate) fn ring_reduce_scatter<T: Element>(
                 dst.copy_from_slice(&input[range.clone()]);
             }
             op.apply(dst, &slot[..range.len()]);
-            if let Some((_, s)) = ahead.next() {
-                pending[i % RING_SLOTS] = Some(p.recv_front(left, slot, s.len())?);
+            if let Some(len) = ahead.next() {
+                pending[i % RING_SLOTS] = Some(p.recv_front(left, slot, len)?);
             }
             // A forwarded segment is final: nothing writes it again.
             if k + 1 < n - 1 {
@@ -239,22 +263,36 @@ pub(crate) fn ring_allgather<T: Element>(
     seg: usize,
 ) -> Result<()> {
     let Some(ring) = Ring::of(c, shift) else { return Ok(()) };
-    let (n, right, left) = (ring.n, ring.right, ring.left);
     let b0 = ring.send_block(0);
+    // The blocks received are pairwise distinct and distinct from the block sent first.
+    let (mut around, first) = Around::new(buf, b0, blocks[b0].clone());
+    let firsts = segment_runs(first, blocks[b0].clone(), seg).map(|(_, s)| &*s);
+    let targets = (0..ring.n - 1).flat_map(|k| {
+        let b = ring.recv_block(k);
+        segment_runs(around.take(b, blocks[b].clone()), blocks[b].clone(), seg).map(move |(_, s)| (k, s))
+    });
+    gather_loop(c, &ring, firsts, targets)
+}
+
+/// The loop of a ring allgather: sends `firsts` (the step-0 segments) right, receives each
+/// segment from the left straight into its `targets` entry (with its step), and forwards
+/// those of the steps before the last. Every send is waited for before return.
+fn gather_loop<'s, T: Element>(
+    c: &Coll<'_>,
+    ring: &Ring,
+    firsts: impl Iterator<Item = &'s [T]>,
+    targets: impl Iterator<Item = (usize, &'s mut [T])>,
+) -> Result<()> {
+    let (n, right, left) = (ring.n, ring.right, ring.left);
     c.phase(|p| {
-        // The blocks received are pairwise distinct and distinct from the block sent first.
-        let (mut around, first) = Around::new(buf, b0, blocks[b0].clone());
         let mut sends = Sends::new();
-        for (_, s) in segment_runs(first, blocks[b0].clone(), seg) {
-            sends.push(p.send(right, &*s)?);
+        for s in firsts {
+            sends.push(p.send(right, s)?);
         }
-        // Post every receive up front: each lands in its own place in `buf`.
+        // Post every receive up front: each lands in its own place.
         let mut recvs: SmallVec<[_; 8]> = SmallVec::new();
-        for k in 0..n - 1 {
-            let b = ring.recv_block(k);
-            for (_, s) in segment_runs(around.take(b, blocks[b].clone()), blocks[b].clone(), seg) {
-                recvs.push((k, p.recv(left, s)?));
-            }
+        for (k, s) in targets {
+            recvs.push((k, p.recv(left, s)?));
         }
         for (k, got) in recvs {
             let s = p.filled(got)?;
@@ -273,6 +311,119 @@ pub(crate) fn ring<T: Element>(c: &Coll<'_>, buf: &mut [T], op: &Fold<'_, T>, se
     let blocks: SmallVec<[Range<usize>; 8]> = (0..n).map(|i| block_of(buf.len(), n, i)).collect();
     ring_reduce_scatter(c, RingBufs::InPlace(&mut *buf), &blocks, op, 0, seg)?;
     ring_allgather(c, buf, &blocks, 1, seg)
+}
+
+/// Ring allreduce of buffers taken as one (a fused batch's tensors), in place in each, with
+/// no buffer for their concatenation: [`ring`]'s blocks and segments, every segment also cut
+/// where a part ends, so that each message is a run of one part (sent from it, received or
+/// reduced into it). Every rank must cut the whole at the same places (parts of the same
+/// lengths, in the same order): a neighbour's messages are cut where this rank's parts end.
+pub(crate) fn ring_parts<T: Element>(c: &Coll<'_>, parts: &mut [&mut [T]], op: &Fold<'_, T>, seg: usize) -> Result<()> {
+    let n = c.size();
+    let (Some(scatter), Some(gather)) = (Ring::of(c, 0), Ring::of(c, 1)) else { return Ok(()) };
+    let ends: Vec<usize> = parts
+        .iter()
+        .scan(0, |at, p| {
+            *at += p.len();
+            Some(*at)
+        })
+        .collect();
+    let total = ends.last().copied().unwrap_or(0);
+    // Every block's segments, each lent from its part.
+    let mut lend = Lend::new(parts);
+    let mut blocks: SmallVec<[Segs<'_, T>; 8]> = (0..n)
+        .map(|b| cut_at_ends(block_of(total, n, b), seg, &ends).map(|r| (r.clone(), lend.take(r.len()))).collect())
+        .collect();
+    // Reduce-scatter, then allgather, each lending the block it sends first apart from the
+    // blocks it receives (pairwise distinct, and distinct from that one).
+    let lens: Vec<usize> =
+        (0..n - 1).flat_map(|k| blocks[scatter.recv_block(k)].iter().map(|(r, _)| r.len())).collect();
+    {
+        let (first, mut others) = lend_blocks(&mut blocks, scatter.send_block(0));
+        let dsts = (0..n - 1).flat_map(|k| {
+            let segs = others[scatter.recv_block(k)].take().into_iter().flatten();
+            segs.map(move |(r, d)| (k, r.clone(), &mut **d))
+        });
+        reduce_loop(c, &scatter, first.iter().map(|(_, s)| &**s), dsts, lens.into_iter(), None, op)?;
+    }
+    let (first, mut others) = lend_blocks(&mut blocks, gather.send_block(0));
+    let targets = (0..n - 1)
+        .flat_map(|k| others[gather.recv_block(k)].take().into_iter().flatten().map(move |(_, d)| (k, &mut **d)));
+    gather_loop(c, &gather, first.iter().map(|(_, s)| &**s), targets)
+}
+
+/// The segments of `block` ([`segments`]), each also cut where a part ends (`ends`, the ends of
+/// the parts in the whole, ascending): at least one, possibly empty.
+fn cut_at_ends(block: Range<usize>, seg: usize, ends: &[usize]) -> impl Iterator<Item = Range<usize>> + '_ {
+    segments(block, seg).flat_map(move |s| {
+        let mut from = s.start;
+        let empty = s.is_empty();
+        std::iter::from_fn(move || {
+            if empty {
+                return None;
+            }
+            (from < s.end).then(|| {
+                let end = ends.get(ends.partition_point(|&e| e <= from)).map_or(s.end, |&e| e.min(s.end));
+                let r = from..end;
+                from = end;
+                r
+            })
+        })
+        .chain(empty.then_some(s.clone()))
+    })
+}
+
+/// Lends consecutive runs of a list of parts, in order (each run within one part).
+struct Lend<'p, 'b, T> {
+    parts: std::slice::IterMut<'p, &'b mut [T]>,
+    cur: &'p mut [T],
+}
+
+impl<'p, 'b: 'p, T> Lend<'p, 'b, T> {
+    fn new(parts: &'p mut [&'b mut [T]]) -> Self {
+        Lend { parts: parts.iter_mut(), cur: &mut [] }
+    }
+
+    /// The next `len` elements (within one part: the caller cuts at the parts' ends).
+    fn take(&mut self, len: usize) -> &'p mut [T] {
+        if len == 0 {
+            return &mut [];
+        }
+        while self.cur.is_empty() {
+            match self.parts.next() {
+                Some(p) => self.cur = &mut **p,
+                None => break,
+            }
+        }
+        let k = len.min(self.cur.len());
+        let (run, rest) = std::mem::take(&mut self.cur).split_at_mut(k);
+        self.cur = rest;
+        run
+    }
+}
+
+/// A segment: its range in the whole, lent from its part.
+type Seg<'p, T> = (Range<usize>, &'p mut [T]);
+
+/// A block's segments.
+type Segs<'p, T> = Vec<Seg<'p, T>>;
+
+/// Every block's segments but one, each to take once.
+type Taken<'v, 'p, T> = SmallVec<[Option<&'v mut Segs<'p, T>>; 8]>;
+
+/// The segments of block `b` to read, and every other block's to take (once).
+fn lend_blocks<'v, 'p, T>(blocks: &'v mut [Segs<'p, T>], b: usize) -> (&'v [Seg<'p, T>], Taken<'v, 'p, T>) {
+    let mut first: &[Seg<'p, T>] = &[];
+    let mut others = SmallVec::new();
+    for (i, segs) in blocks.iter_mut().enumerate() {
+        if i == b {
+            first = segs;
+            others.push(None);
+        } else {
+            others.push(Some(segs));
+        }
+    }
+    (first, others)
 }
 
 /// The power-of-two group the doubling algorithms work in: p, the largest power of two ≤ n,

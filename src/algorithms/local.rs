@@ -13,6 +13,8 @@ use crate::comm::Comm;
 use crate::error::Result;
 use crate::transport::LocalArea;
 use crate::types::{Element, Fold, OpDesc};
+use nix::sys::uio::RemoteIoVec;
+use std::io::IoSliceMut;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -331,47 +333,134 @@ pub(crate) fn allgather_single<T: Element>(l: &mut Local<'_>, input: &[T], outpu
     Ok(())
 }
 
-/// Single-copy allreduce of `buf`, in place. Every member publishes its buffer's address; each
-/// reduces its block (as [`block_of`] cuts it), reading every member's piece of it straight,
-/// in member order (so the results agree bit for bit), and writes the result into its own
-/// buffer; then each reads the others' results straight. Three steps: the addresses, the
-/// blocks reduced (no member reads a block that is still being written: in the first phase a
-/// member reads only the others' blocks of each buffer, never the one its owner writes), and
-/// every read done.
+/// Single-copy allreduce of `buf`, in place: [`allreduce_single_parts`] of one part.
 pub(crate) fn allreduce_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], op: &Fold<'_, T>) -> Result<()> {
+    allreduce_single_parts(l, &mut Parts::new(&mut [buf]), op)
+}
+
+/// Where another member's parts lie in its memory, in order: each run's address, and where it
+/// starts and ends in the whole (as it published them in its slot: a count, then an address
+/// and a length in elements per run).
+struct Remote {
+    runs: smallvec::SmallVec<[(u64, Range<usize>); 4]>,
+}
+
+impl Remote {
+    /// Reads member `m`'s runs from the slot `words`; its lengths must add up to `len`.
+    fn of(words: &[u64], m: usize, len: usize) -> Result<Self> {
+        let bad = || crate::error::Error::Protocol {
+            peer: None,
+            detail: format!(
+                "allreduce: member {m} of the host's area published runs of its buffers that do not add up to the call's {len} elements"
+            ),
+        };
+        let count = usize::try_from(words[0]).map_err(|_| bad())?;
+        let list =
+            words.get(1..count.checked_mul(2).and_then(|c| c.checked_add(1)).ok_or_else(bad)?).ok_or_else(bad)?;
+        let mut at = 0usize;
+        let mut runs = smallvec::SmallVec::new();
+        for w in list.chunks_exact(2) {
+            let k = usize::try_from(w[1]).map_err(|_| bad())?;
+            let end = at.checked_add(k).filter(|&e| e <= len).ok_or_else(bad)?;
+            runs.push((w[0], at..end));
+            at = end;
+        }
+        if at != len {
+            return Err(bad());
+        }
+        Ok(Remote { runs })
+    }
+
+    /// The runs of the member's memory that hold elements `range` of the whole, in order.
+    fn at(&self, range: Range<usize>, size: usize) -> smallvec::SmallVec<[RemoteIoVec; 4]> {
+        self.runs
+            .iter()
+            .filter_map(|(addr, r)| {
+                let (from, to) = (range.start.max(r.start), range.end.min(r.end));
+                let base = usize::try_from(addr + ((from - r.start) * size) as u64).ok()?;
+                (from < to).then_some(RemoteIoVec { base, len: (to - from) * size })
+            })
+            .collect()
+    }
+}
+
+/// Single-copy allreduce of the whole of `parts`, in place. Every member publishes where its
+/// parts lie; each reduces its block of the whole (as [`block_of`] cuts it), reading every
+/// member's piece of it straight from that member's parts, in member order (so the results
+/// agree bit for bit), and writes the result into its own parts; then each reads the others'
+/// results straight into its parts. The members may cut the whole into parts differently. A
+/// member with more parts than its slot can list gathers them into one buffer of its own
+/// first and copies the result back after (what it does is its own: the others read one
+/// part). Three steps: the addresses, the blocks reduced (no member reads a block that is
+/// still being written: in the first phase a member reads only the others' blocks of each
+/// buffer, never the one its owner writes), and every read done.
+pub(crate) fn allreduce_single_parts<T: Element>(
+    l: &mut Local<'_>,
+    parts: &mut Parts<'_, '_, T>,
+    op: &Fold<'_, T>,
+) -> Result<()> {
+    // A count, then an address and a length per part.
+    if 2 * parts.parts.len() < l.slot_bytes() / 8 {
+        return allreduce_single_listed(l, parts, op);
+    }
+    let mut packed = parts.to_vec();
+    allreduce_single_listed(l, &mut Parts::new(&mut [&mut packed[..]]), op)?;
+    parts.scatter(0..packed.len(), &packed);
+    Ok(())
+}
+
+/// [`allreduce_single_parts`] of parts that this rank's slot can list.
+fn allreduce_single_listed<T: Element>(
+    l: &mut Local<'_>,
+    mine_parts: &mut Parts<'_, '_, T>,
+    op: &Fold<'_, T>,
+) -> Result<()> {
     let (n, me) = (l.n(), l.me());
-    let len = buf.len();
-    let size = std::mem::size_of::<T>() as u64;
-    let addr = address_of(buf);
-    let t = l.step(|own: &mut [u64]| own[0] = addr)?;
-    let addrs: Vec<u64> = (0..n).map(|m| t.read::<u64>(m, 0..1)[0]).collect();
+    let len = mine_parts.len();
+    let size = std::mem::size_of::<T>();
+    let words = l.slot_bytes() / 8;
+    let t = l.step(|own: &mut [u64]| {
+        own[0] = mine_parts.parts.len() as u64;
+        for (i, p) in mine_parts.parts.iter().enumerate() {
+            own[1 + 2 * i] = address_of(p);
+            own[2 + 2 * i] = p.len() as u64;
+        }
+    })?;
+    let remotes = (0..n)
+        .map(|m| match m == me {
+            true => Ok(Remote { runs: smallvec::SmallVec::new() }),
+            false => Remote::of(t.read::<u64>(m, 0..words), m, len),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mine = block_of(len, n, me);
-    let piece = (PIECE_BYTES / size as usize).max(1).min(mine.len());
+    let piece = (PIECE_BYTES / size).max(1).min(mine.len());
     let (mut acc, mut got) = (vec![T::zeroed(); piece], vec![T::zeroed(); piece]);
     let mut at = mine.start;
     while at < mine.end {
         let k = piece.min(mine.end - at);
         let (acc, got) = (&mut acc[..k], &mut got[..k]);
-        for (m, &base) in addrs.iter().enumerate() {
+        for (m, remote) in remotes.iter().enumerate() {
             let into = if m == 0 { &mut *acc } else { &mut *got };
             if m == me {
-                into.copy_from_slice(&buf[at..at + k]);
+                mine_parts.gather(at..at + k, into);
             } else {
-                t.read_member(m, base + at as u64 * size, bytemuck::cast_slice_mut(into))?;
+                let into = bytemuck::cast_slice_mut(into);
+                t.read_member_runs(m, &remote.at(at..at + k, size), &mut [IoSliceMut::new(into)])?;
             }
             if m > 0 {
                 op.apply(acc, got);
             }
         }
-        buf[at..at + k].copy_from_slice(acc);
+        mine_parts.scatter(at..at + k, acc);
         at += k;
     }
-    // Every block is reduced, in its owner's buffer.
+    // Every block is reduced, in its owner's parts.
     let u = t.next::<u8>(|_, _| {})?;
-    for m in (0..n).filter(|&m| m != me) {
+    for (m, remote) in remotes.iter().enumerate().filter(|&(m, _)| m != me) {
         let p = block_of(len, n, m);
-        let from = addrs[m] + p.start as u64 * size;
-        u.read_member(m, from, bytemuck::cast_slice_mut(&mut buf[p]))?;
+        let mut into: smallvec::SmallVec<[IoSliceMut<'_>; 4]> =
+            mine_parts.runs(p.clone()).map(|(_, run)| IoSliceMut::new(bytemuck::cast_slice_mut(run))).collect();
+        u.read_member_runs(m, &remote.at(p, size), &mut into)?;
     }
     u.next::<u8>(|_, _| {})?;
     Ok(())

@@ -31,6 +31,8 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::transport::{AreaWait, BusyWait, LocalArea};
 use crate::types::{Element, OpDesc};
+use nix::sys::uio::RemoteIoVec;
+use std::io::IoSliceMut;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -259,7 +261,15 @@ impl<'s, 'a> Step<'s, 'a> {
     /// at a later step: until this rank is done reading) into `dst`, straight from its memory.
     /// This rank's own bytes are the caller's.
     pub(crate) fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> Result<()> {
-        self.l.area.read_member(m, addr, dst).map_err(|e| self.l.failed(e))
+        let from = [RemoteIoVec { base: addr as usize, len: dst.len() }];
+        self.read_member_runs(m, &from, &mut [IoSliceMut::new(dst)])
+    }
+
+    /// [`read_member`](Self::read_member) of several runs of member `m`'s memory, in order,
+    /// into several of this rank's (as many bytes in all), in as few system calls as the
+    /// kernel allows.
+    pub(crate) fn read_member_runs(&self, m: usize, from: &[RemoteIoVec], into: &mut [IoSliceMut<'_>]) -> Result<()> {
+        self.l.area.read_member(m, from, into).map_err(|e| self.l.failed(e))
     }
 
     /// Copies `src` to member `m`'s address `addr` (an address it published in this step or

@@ -38,17 +38,30 @@ impl Context {
         op: Reduction,
         opts: &CollectiveOptions,
     ) -> Result<()> {
+        self.allreduce_parts_bytes(bufs, dtype, op, opts, false)
+    }
+
+    /// [`allreduce_many_bytes`](Self::allreduce_many_bytes), with `alike` as for
+    /// [`allreduce_parts`](Self::allreduce_parts).
+    pub(crate) fn allreduce_parts_bytes(
+        &self,
+        bufs: &mut [&mut [u8]],
+        dtype: DType,
+        op: Reduction,
+        opts: &CollectiveOptions,
+        alike: bool,
+    ) -> Result<()> {
         crate::dispatch_dtype!(dtype, T => {
             for b in bufs.iter() {
                 whole::<T>(b.len(), "allreduce_many")?;
             }
             if bufs.iter().all(|b| bytemuck::try_cast_slice::<u8, T>(b).is_ok()) {
                 let mut typed: Vec<&mut [T]> = bufs.iter_mut().map(|b| bytemuck::cast_slice_mut::<u8, T>(b)).collect();
-                self.allreduce_many(&mut typed, op, opts)
+                self.allreduce_parts(&mut typed, op, opts, alike)
             } else {
                 let mut copies: Vec<Vec<T>> = bufs.iter().map(|b| bytemuck::pod_collect_to_vec(b)).collect();
                 let mut typed: Vec<&mut [T]> = copies.iter_mut().map(Vec::as_mut_slice).collect();
-                self.allreduce_many(&mut typed, op, opts)?;
+                self.allreduce_parts(&mut typed, op, opts, alike)?;
                 for (b, c) in bufs.iter_mut().zip(&copies) {
                     b.copy_from_slice(bytemuck::cast_slice(c));
                 }

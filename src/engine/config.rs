@@ -19,9 +19,9 @@ pub struct EngineConfig {
     pub fusion_threshold: usize,
     /// Allreduces larger than this many bytes are not fused: they run alone, in place
     /// (copying them through the fusion buffer costs more than the collective it saves).
-    /// Not where every rank shares one host's area: uncompressed fused tensors are copied
-    /// straight into it there, with no fusion buffer, so any size joins a batch (and takes two
-    /// copies, whatever the copy plan says for one buffer).
+    /// Not where an uncompressed batch runs on its tensors themselves, with no fusion buffer
+    /// (every rank on one host's area, or the ring over the pairs: see the engine's
+    /// "Fusion"): any size joins a batch there.
     /// Default 1 MiB; `FERROGLOO_FUSION_MAX_TENSOR`.
     pub fusion_max_tensor: usize,
     /// The longest a rank waits for a burst of submissions to end before it negotiates them.

@@ -182,9 +182,11 @@ pub(crate) fn run(
     let runnable: Vec<usize> =
         (0..items.len()).filter(|&i| items[i].error.is_none() && items[i].out.is_none()).collect();
     let metas: Vec<&Meta> = runnable.iter().map(|&i| &items[i].meta).collect();
-    // Through the host's area a batch costs no copies, so no tensor is too large to join one
-    // (a compressed tensor is converted whether it runs alone or not).
-    let max_tensor = if through_area(ctx) { usize::MAX } else { max_tensor };
+    // Where a batch of a tensor too large to copy runs on its tensors themselves (through the
+    // host's area, or the ring over the pairs, chosen for larger sizes too) it costs no
+    // copies, so no tensor is too large to join one (a compressed tensor is converted whether
+    // it runs alone or not).
+    let max_tensor = if in_place(ctx, max_tensor.saturating_add(1)) { usize::MAX } else { max_tensor };
     let batches: Vec<Vec<usize>> =
         plan(&metas, threshold, max_tensor).into_iter().map(|b| b.into_iter().map(|k| runnable[k]).collect()).collect();
     let mut leader = vec![None; items.len()];
@@ -245,10 +247,11 @@ fn allreduce(
         if post != 1.0 {
             scale(m.dtype, p, post)?;
         }
-    } else if wire == m.dtype && through_area(ctx) {
-        // Through the host's area the tensors are copied straight in and out: no fusion
-        // buffer, no copies of its own (on one host the collective is bound by memory, so the
-        // fusion buffer's two copies would double its traffic).
+    } else if wire == m.dtype && in_place(ctx, batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum()) {
+        // Through the host's area the tensors are copied straight in and out, and the ring
+        // over the pairs runs on them: no fusion buffer, no copies of its own (on one host the
+        // collective is bound by memory, so the fusion buffer's two copies would double its
+        // traffic; over the pairs they cost as much as the ring's own reductions).
         let mut taken: Vec<Option<&mut Item>> = items.iter_mut().map(Some).collect();
         let mut parts = Vec::with_capacity(batch.len());
         for &i in batch {
@@ -262,7 +265,8 @@ fn allreduce(
             }
             parts.push(p);
         }
-        timed(spans, batch, "ALLREDUCE", || ctx.allreduce_many_bytes(&mut parts, m.dtype, red, &opts))?;
+        // Every rank's batch holds the same tensors in the same order: cut alike.
+        timed(spans, batch, "ALLREDUCE", || ctx.allreduce_parts_bytes(&mut parts, m.dtype, red, &opts, true))?;
         if post != 1.0 {
             for p in parts {
                 scale(m.dtype, p, post)?;
@@ -424,11 +428,15 @@ impl Item {
     }
 }
 
-/// Whether the engine's allreduces run through the host's shared area (every rank on this
-/// host, tag 0, `Auto`), where [`Context::allreduce_many_bytes`] copies the tensors straight
-/// in and out.
-fn through_area(ctx: &Context) -> bool {
-    ctx.size() > 1 && ctx.whole_area(0).is_some()
+/// Whether the engine's allreduces of `bytes` run on the tensors themselves, with no fusion
+/// buffer ([`Context::allreduce_parts_bytes`]): through the host's shared area (every rank on
+/// this host, tag 0, `Auto`), which copies the tensors straight in and out (or reads them
+/// straight), or over the pairs where `Auto` runs the ring for that size, which is cut at the
+/// tensors' ends.
+fn in_place(ctx: &Context, bytes: usize) -> bool {
+    ctx.size() > 1
+        && (ctx.whole_area(0).is_some()
+            || matches!(ctx.allreduce_algorithm(bytes, crate::Algorithm::Auto), Ok(crate::Algorithm::Ring)))
 }
 
 /// A collective other than a fused allreduce.

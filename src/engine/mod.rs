@@ -61,11 +61,14 @@
 //!   compression are packed into one buffer (allocated once, grown to at most
 //!   [`EngineConfig::fusion_threshold`], reused), looking ahead past tensors that do not match,
 //!   and run as one allreduce. Tensors above [`EngineConfig::fusion_max_tensor`] run alone, in
-//!   place: their copies would cost more than the collective saved. Where every rank shares
-//!   one host's area, an uncompressed batch needs no fusion buffer: its tensors are copied
-//!   straight into the area and the results straight out
-//!   ([`Context::allreduce_many`](crate::Context::allreduce_many), two copies whatever the copy
-//!   plan says), and any size joins a batch.
+//!   place: their copies would cost more than the collective saved. An uncompressed batch
+//!   needs no fusion buffer, and any size joins a batch, where it runs on the tensors
+//!   themselves: where every rank shares one host's area (its tensors are copied straight
+//!   into the area and the results straight out, or read straight from the other ranks'
+//!   tensors where the copy plan takes single copies), and over the pairs where `Auto` runs
+//!   the ring (its segments cut where the tensors end, each message sent from a tensor and
+//!   received or reduced into one: every rank's batch holds the same tensors in the same
+//!   order).
 //! - **Stalls.** Rank 0 reports names that some ranks submitted and others have not, after
 //!   [`EngineConfig::stall_check`] ([`Engine::stall_reports`], and a line on standard error);
 //!   after [`EngineConfig::stall_shutdown`] it fails the engine on every rank.

@@ -612,13 +612,19 @@ pub(crate) trait LocalArea: Send + Sync {
     /// written, and it is done reading the previous step's), waking members that sleep on it.
     fn arrive(&self, step: u64, desc: &OpDesc);
 
-    /// Copies `dst.len()` bytes at address `addr` of member `m`'s process into `dst`
-    /// (`process_vm_readv`: one copy, no slot), for collectives that read a peer's buffer
+    /// Copies the bytes at `from` (runs of member `m`'s memory: address and length, in order)
+    /// into `into` (in order, as many bytes in all), straight from the member's process
+    /// (`process_vm_readv`: one copy, no slot), for collectives that read a peer's buffers
     /// straight. The member must keep those bytes unchanged until this rank arrives at a
     /// later step. An error where the kernel refuses (the area's calibration tries it first)
     /// or the member's process is gone.
-    fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> Result<()> {
-        let _ = (addr, dst);
+    fn read_member(
+        &self,
+        m: usize,
+        from: &[nix::sys::uio::RemoteIoVec],
+        into: &mut [std::io::IoSliceMut<'_>],
+    ) -> Result<()> {
+        let _ = (from, into);
         Err(Error::invalid(format!("this area cannot read member {m}'s memory")))
     }
 

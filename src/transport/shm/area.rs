@@ -275,12 +275,20 @@ impl LocalArea for ShmArea {
         self.segs[m].at(at, self.slot_bytes)
     }
 
-    fn read_member(&self, m: usize, addr: u64, dst: &mut [u8]) -> crate::error::Result<()> {
+    fn read_member(
+        &self,
+        m: usize,
+        from: &[nix::sys::uio::RemoteIoVec],
+        into: &mut [std::io::IoSliceMut<'_>],
+    ) -> crate::error::Result<()> {
         let rank = self.members[m];
-        super::read_process(self.pids[m], addr, dst).map_err(|e| match e {
+        let (len, runs) = (from.iter().map(|r| r.len).sum::<usize>(), from.len());
+        super::read_process(self.pids[m], from, into).map_err(|e| match e {
             nix::errno::Errno::ESRCH => gone(rank),
             e => Error::io(
-                format!("reading {} bytes of rank {rank}'s buffer from its memory (process_vm_readv)", dst.len()),
+                format!(
+                    "reading {len} bytes in {runs} run(s) of rank {rank}'s buffers from its memory (process_vm_readv)"
+                ),
                 e.into(),
             ),
         })?;

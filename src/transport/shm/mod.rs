@@ -29,6 +29,7 @@ use crate::transport::handshake::BackendKind;
 use crate::transport::wake::EventFd;
 use crate::transport::{Backend, ConnectError, Endpoint, EndpointSpec, Mesh, Pair, random16};
 use handshake::ShmConn;
+use nix::sys::uio::RemoteIoVec;
 use pair::ShmPair;
 use progress::ShmProgress;
 use segment::{Layout, Segment};
@@ -206,17 +207,52 @@ impl Endpoint for ShmEndpoint {
     }
 }
 
-/// Copies `dst.len()` bytes at `addr` of process `pid` into `dst` (`process_vm_readv`, until
-/// all are read). `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
-pub(crate) fn read_process(pid: i32, addr: u64, dst: &mut [u8]) -> std::result::Result<(), nix::errno::Errno> {
-    whole(addr, dst.len(), |remote, done| {
-        nix::sys::uio::process_vm_readv(
-            nix::unistd::Pid::from_raw(pid),
-            &mut [IoSliceMut::new(&mut dst[done..])],
-            remote,
-        )
-    })
+/// Copies the bytes of process `pid` at `from` (runs of its memory, in order) into `into` (in
+/// order, as many bytes in all: else `EINVAL`), with `process_vm_readv`, until all are read,
+/// at most [`IOV_MAX`] runs a call. `ESRCH` when the process is gone; `EFAULT` when it has no
+/// such memory.
+pub(crate) fn read_process(
+    pid: i32,
+    from: &[RemoteIoVec],
+    mut into: &mut [IoSliceMut<'_>],
+) -> std::result::Result<(), nix::errno::Errno> {
+    let len: usize = from.iter().map(|r| r.len).sum();
+    if into.iter().map(|b| b.len()).sum::<usize>() != len {
+        return Err(nix::errno::Errno::EINVAL);
+    }
+    let (mut remote, mut done) = (from.to_vec(), 0);
+    let mut next = 0;
+    while done < len {
+        while remote[next].len == 0 {
+            next += 1;
+        }
+        let window = &remote[next..remote.len().min(next + IOV_MAX)];
+        let local = into.len().min(IOV_MAX);
+        match nix::sys::uio::process_vm_readv(nix::unistd::Pid::from_raw(pid), &mut into[..local], window) {
+            Ok(0) => return Err(nix::errno::Errno::EFAULT),
+            Ok(n) => {
+                done += n;
+                IoSliceMut::advance_slices(&mut into, n);
+                let mut n = n;
+                while n > 0 {
+                    let r = &mut remote[next];
+                    let k = n.min(r.len);
+                    (r.base, r.len, n) = (r.base + k, r.len - k, n - k);
+                    if r.len == 0 && n > 0 {
+                        next += 1;
+                    }
+                }
+            }
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
+
+/// Runs a call of `process_vm_readv` or `process_vm_writev` takes on either side (Linux's
+/// `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
 
 /// Copies `src` to `addr` of process `pid` (`process_vm_writev`, until all are written).
 /// `ESRCH` when the process is gone; `EFAULT` when it has no such memory.

@@ -206,7 +206,8 @@ impl ShmPair {
     /// Copies `dst.len()` bytes from the peer's memory at `addr`, then makes sure the peer had
     /// not broken its side meanwhile (a send it cancelled while it was being read).
     pub(super) fn cma_read(&self, g: &Inner, dst: &mut [u8], addr: u64) -> Result<()> {
-        match crate::transport::shm::read_process(self.peer_pid, addr, dst) {
+        let from = [nix::sys::uio::RemoteIoVec { base: addr as usize, len: dst.len() }];
+        match crate::transport::shm::read_process(self.peer_pid, &from, &mut [std::io::IoSliceMut::new(dst)]) {
             Ok(()) => {}
             Err(nix::errno::Errno::EFAULT) => return Err(self.protocol("its memory could not be read".into())),
             Err(nix::errno::Errno::ESRCH) => {
