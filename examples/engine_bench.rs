@@ -296,6 +296,7 @@ fn per_step(after: &EngineStats, before: &EngineStats, steps: usize) -> Fields {
         ("collectives_per_step", per(after.collectives, before.collectives)),
         ("fused_batches_per_step", per(after.fused_batches, before.fused_batches)),
         ("fused_tensors_per_step", per(after.fused_tensors, before.fused_tensors)),
+        ("fusion_buffer_batches_per_step", per(after.fusion_buffer_batches, before.fusion_buffer_batches)),
     ]
 }
 

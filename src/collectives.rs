@@ -334,7 +334,8 @@ impl Context {
         let total = bufs.iter().map(|b| b.len()).sum::<usize>();
         let ring = match (alike, shm, hier) {
             (true, None, None) => {
-                allreduce_algorithm(self.comm(), bytes_of::<T>(total), opts.algorithm)? == Algorithm::Ring
+                let parts = bufs.iter().filter(|b| !b.is_empty()).count();
+                self.ring_on_parts(bytes_of::<T>(total), parts, opts.algorithm)?
             }
             _ => false,
         };
@@ -380,6 +381,16 @@ impl Context {
             finish(op, b, self.size())?;
         }
         Ok(())
+    }
+
+    /// Whether [`allreduce_parts`](Self::allreduce_parts) of `bytes` in `parts` non-empty
+    /// buffers cut alike, over the pairs, with `asked`, runs the ring on the parts themselves:
+    /// where the ring is the algorithm, and the cost model predicts its extra messages (one
+    /// per part) cost less than packing the parts into one buffer and out (many small parts
+    /// are packed).
+    pub(crate) fn ring_on_parts(&self, bytes: usize, parts: usize, asked: Algorithm) -> Result<bool> {
+        Ok(allreduce_algorithm(self.comm(), bytes, asked)? == Algorithm::Ring
+            && self.comm().cost_model().is_some_and(|m| m.ring_on_parts_pays(bytes, parts)))
     }
 
     /// The allreduce of every typed call; `extra` goes in the call's descriptor for the ranks to

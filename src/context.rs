@@ -636,13 +636,24 @@ pub(crate) mod testing {
     /// one store; returns their results in rank order (a rank that panics or fails fails the
     /// test).
     pub(crate) fn ranks<T: Send>(n: usize, device: &Device, f: impl Fn(Context) -> Result<T> + Sync) -> Vec<T> {
+        ranks_with(n, device, |b| b, f)
+    }
+
+    /// [`ranks`], each rank's builder first given to `build`.
+    pub(crate) fn ranks_with<T: Send>(
+        n: usize,
+        device: &Device,
+        build: impl Fn(super::ContextBuilder) -> super::ContextBuilder + Sync,
+        f: impl Fn(Context) -> Result<T> + Sync,
+    ) -> Vec<T> {
         let store = HashStore::new();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..n)
                 .map(|r| {
-                    let (store, f) = (&store, &f);
+                    let (store, f, build) = (&store, &f, &build);
                     s.spawn(move || {
-                        let ctx = Context::builder(r, n).timeout(Duration::from_secs(20)).connect(store, device)?;
+                        let ctx =
+                            build(Context::builder(r, n).timeout(Duration::from_secs(20))).connect(store, device)?;
                         f(ctx)
                     })
                 })

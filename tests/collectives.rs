@@ -444,8 +444,9 @@ fn split_broadcasts_and_pushed_allgathers_are_right_on_both_sides_of_their_cuts(
 
 /// The single-copy allreduce of parts reads straight from the others' parts however each rank
 /// cuts the whole: rank 0 into more parts than its slot can list (140,000: it gathers them
-/// into a buffer of its own and the others read that), rank 1 into 3,000 parts with empty
-/// ones among them (more runs than one system call takes, on both sides of a read), rank 2
+/// into a buffer of its own and the others read that), rank 1 into 23,000 parts with empty
+/// ones among them (more runs than one system call takes, on both sides of a read: 20,000
+/// of one element in a row), rank 2
 /// passes one buffer to `allreduce_with` (the same path: no `Mismatch`). Every rank gets the
 /// sequential sum.
 #[test]
@@ -476,8 +477,9 @@ fn single_copy_allreduce_of_parts_reads_straight_from_parts_cut_any_way() {
                     1 => {
                         let mut parts: Vec<&mut [i64]> = Vec::new();
                         let mut rest: &mut [i64] = &mut v;
-                        for j in 0..2999 {
-                            let (part, tail) = std::mem::take(&mut rest).split_at_mut(j % 7 * 5);
+                        for j in 0..22_999 {
+                            let k = if j < 20_000 { 1 } else { j % 7 * 5 };
+                            let (part, tail) = std::mem::take(&mut rest).split_at_mut(k);
                             parts.push(part);
                             rest = tail;
                         }

@@ -1273,8 +1273,10 @@ fn fused_batches_over_tcp_run_the_ring_on_the_tensors_themselves() {
         },
     );
     for s in all_ok(r) {
-        // Fused, though each is above `fusion_max_tensor` (without a fusion buffer none would be).
+        // Fused, though each is above `fusion_max_tensor` (with a fusion buffer none would be),
+        // and with no fusion buffer.
         assert!(s.fused_batches >= 1 && s.fused_tensors > s.fused_batches, "{s:?}");
+        assert_eq!(s.fusion_buffer_batches, 0, "{s:?}");
         assert!(s.collectives < (steps * lens.len()) as u64, "{s:?}");
     }
 }

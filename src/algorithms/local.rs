@@ -83,10 +83,14 @@ impl<'p, 'b, T: Element> Parts<'p, 'b, T> {
 
     /// The pieces of elements `range` of the whole, in order: each with its range in the whole.
     fn runs(&mut self, range: Range<usize>) -> impl Iterator<Item = (Range<usize>, &mut [T])> {
-        self.parts.iter_mut().zip(&self.starts).filter_map(move |(part, &at)| {
-            let (from, to) = (range.start.max(at), range.end.min(at + part.len()));
-            (from < to).then(|| (from..to, &mut part[from - at..to - at]))
-        })
+        // Part i ends where part i + 1 starts: skip those that end before the range.
+        let first = self.starts.get(1..).unwrap_or_default().partition_point(|&end| end <= range.start);
+        self.parts.iter_mut().zip(&self.starts).skip(first).take_while(move |(_, at)| **at < range.end).filter_map(
+            move |(part, &at)| {
+                let (from, to) = (range.start.max(at), range.end.min(at + part.len()));
+                (from < to).then(|| (from..to, &mut part[from - at..to - at]))
+            },
+        )
     }
 
     /// The whole, in a buffer of its own.
@@ -338,16 +342,17 @@ pub(crate) fn allreduce_single<T: Element>(l: &mut Local<'_>, buf: &mut [T], op:
     allreduce_single_parts(l, &mut Parts::new(&mut [buf]), op)
 }
 
-/// Where another member's parts lie in its memory, in order: each run's address, and where it
-/// starts and ends in the whole (as it published them in its slot: a count, then an address
-/// and a length in elements per run).
+/// Where another member's parts lie in its memory, in order: each non-empty run's address,
+/// and where it starts and ends in the whole (as it published them in its slot: a count, then
+/// an address and a length in elements per run).
 struct Remote {
-    runs: smallvec::SmallVec<[(u64, Range<usize>); 4]>,
+    runs: smallvec::SmallVec<[(usize, Range<usize>); 4]>,
 }
 
 impl Remote {
-    /// Reads member `m`'s runs from the slot `words`; its lengths must add up to `len`.
-    fn of(words: &[u64], m: usize, len: usize) -> Result<Self> {
+    /// Reads member `m`'s runs from the slot `words`: their lengths must add up to `len`
+    /// elements of `size` bytes, and each must lie in the address space.
+    fn of(words: &[u64], m: usize, len: usize, size: usize) -> Result<Self> {
         let bad = || crate::error::Error::Protocol {
             peer: None,
             detail: format!(
@@ -362,7 +367,11 @@ impl Remote {
         for w in list.chunks_exact(2) {
             let k = usize::try_from(w[1]).map_err(|_| bad())?;
             let end = at.checked_add(k).filter(|&e| e <= len).ok_or_else(bad)?;
-            runs.push((w[0], at..end));
+            let base = usize::try_from(w[0]).map_err(|_| bad())?;
+            k.checked_mul(size).and_then(|bytes| base.checked_add(bytes)).ok_or_else(bad)?;
+            if k > 0 {
+                runs.push((base, at..end));
+            }
             at = end;
         }
         if at != len {
@@ -373,12 +382,14 @@ impl Remote {
 
     /// The runs of the member's memory that hold elements `range` of the whole, in order.
     fn at(&self, range: Range<usize>, size: usize) -> smallvec::SmallVec<[RemoteIoVec; 4]> {
-        self.runs
+        let first = self.runs.partition_point(|(_, r)| r.end <= range.start);
+        self.runs[first..]
             .iter()
-            .filter_map(|(addr, r)| {
+            .take_while(|(_, r)| r.start < range.end)
+            .filter_map(|(base, r)| {
                 let (from, to) = (range.start.max(r.start), range.end.min(r.end));
-                let base = usize::try_from(addr + ((from - r.start) * size) as u64).ok()?;
-                (from < to).then_some(RemoteIoVec { base, len: (to - from) * size })
+                // Within the run, which `of` checked lies in the address space.
+                (from < to).then(|| RemoteIoVec { base: base + (from - r.start) * size, len: (to - from) * size })
             })
             .collect()
     }
@@ -429,7 +440,7 @@ fn allreduce_single_listed<T: Element>(
     let remotes = (0..n)
         .map(|m| match m == me {
             true => Ok(Remote { runs: smallvec::SmallVec::new() }),
-            false => Remote::of(t.read::<u64>(m, 0..words), m, len),
+            false => Remote::of(t.read::<u64>(m, 0..words), m, len, size),
         })
         .collect::<Result<Vec<_>>>()?;
     let mine = block_of(len, n, me);

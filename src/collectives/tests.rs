@@ -2,7 +2,8 @@
 //! reference, and a rank that cuts differently.
 
 use crate::algorithms::{Algorithm, CollectiveOptions};
-use crate::context::testing::ranks;
+use crate::context::testing::ranks_with;
+use crate::cost::CostModel;
 use crate::device::{Device, ShmAttr};
 use crate::error::Error;
 use crate::types::{Element, Reduction};
@@ -11,6 +12,11 @@ use proptest::prelude::*;
 /// Rank `r`'s element `i`: small whole numbers, so that sums are exact in every type.
 fn value<T: Element + From<u8>>(r: usize, i: usize) -> T {
     T::from(((i * 7 + r * 13) % 5) as u8)
+}
+
+/// Contexts whose cost model has the ring run on parts of any size (a link of no latency).
+fn with_model(b: crate::ContextBuilder) -> crate::ContextBuilder {
+    b.cost_model("latency_us=0,link_gbs=1,reduce_gbs=4".parse::<CostModel>().expect("a model"))
 }
 
 /// Every rank cuts `lens.iter().sum()` elements into parts of `lens`, runs the allreduce of
@@ -24,7 +30,7 @@ fn check<T: Element + From<u8> + std::ops::Add<Output = T> + PartialEq + std::fm
 ) {
     let total: usize = lens.iter().sum();
     let want: Vec<T> = (0..total).map(|i| (1..n).fold(value::<T>(0, i), |acc, r| acc + value::<T>(r, i))).collect();
-    ranks(n, device, |ctx| {
+    ranks_with(n, device, with_model, |ctx| {
         let r = ctx.rank();
         let mut whole: Vec<T> = (0..total).map(|i| value(r, i)).collect();
         let mut parts: Vec<&mut [T]> = Vec::new();
@@ -74,7 +80,7 @@ proptest! {
 #[test]
 fn a_rank_that_cuts_parts_differently_is_a_mismatch_on_every_rank() {
     let device = Device::in_process();
-    let results = ranks(3, &device, |ctx| {
+    let results = ranks_with(3, &device, with_model, |ctx| {
         let r = ctx.rank();
         let mut whole = vec![1.0f32; 3000];
         let cut = if r == 1 { 1001 } else { 1000 };

@@ -186,7 +186,7 @@ pub(crate) fn run(
     // host's area, or the ring over the pairs, chosen for larger sizes too) it costs no
     // copies, so no tensor is too large to join one (a compressed tensor is converted whether
     // it runs alone or not).
-    let max_tensor = if in_place(ctx, max_tensor.saturating_add(1)) { usize::MAX } else { max_tensor };
+    let max_tensor = if in_place(ctx, max_tensor.saturating_add(1), 1) { usize::MAX } else { max_tensor };
     let batches: Vec<Vec<usize>> =
         plan(&metas, threshold, max_tensor).into_iter().map(|b| b.into_iter().map(|k| runnable[k]).collect()).collect();
     let mut leader = vec![None; items.len()];
@@ -237,6 +237,7 @@ fn allreduce(
     let red = m.op.pairwise();
     let post = m.postscale * if m.op == Reduction::Average { 1.0 / contributors as f64 } else { 1.0 };
     let opts = CollectiveOptions::default();
+    let mut buffered = false;
     if batch.len() == 1 && wire == m.dtype {
         let i = batch[0];
         let p = items[i].input()?.bytes_mut();
@@ -247,7 +248,13 @@ fn allreduce(
         if post != 1.0 {
             scale(m.dtype, p, post)?;
         }
-    } else if wire == m.dtype && in_place(ctx, batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum()) {
+    } else if wire == m.dtype
+        && in_place(
+            ctx,
+            batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum(),
+            batch.iter().filter(|&&i| wire_bytes(&items[i].meta) > 0).count(),
+        )
+    {
         // Through the host's area the tensors are copied straight in and out, and the ring
         // over the pairs runs on them: no fusion buffer, no copies of its own (on one host the
         // collective is bound by memory, so the fusion buffer's two copies would double its
@@ -273,6 +280,7 @@ fn allreduce(
             }
         }
     } else {
+        buffered = true;
         let total: usize = batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum();
         // The fusion buffer grows to the threshold at most; a lone compressed tensor larger
         // than that gets a buffer of its own.
@@ -311,6 +319,7 @@ fn allreduce(
         if batch.len() > 1 {
             st.fused_batches += 1;
             st.fused_tensors += batch.len() as u64;
+            st.fusion_buffer_batches += u64::from(buffered);
         }
     }
     for &i in batch {
@@ -428,15 +437,15 @@ impl Item {
     }
 }
 
-/// Whether the engine's allreduces of `bytes` run on the tensors themselves, with no fusion
-/// buffer ([`Context::allreduce_parts_bytes`]): through the host's shared area (every rank on
-/// this host, tag 0, `Auto`), which copies the tensors straight in and out (or reads them
-/// straight), or over the pairs where `Auto` runs the ring for that size, which is cut at the
-/// tensors' ends.
-fn in_place(ctx: &Context, bytes: usize) -> bool {
+/// Whether the engine's allreduce of `bytes` in `tensors` non-empty tensors runs on the
+/// tensors themselves, with no fusion buffer ([`Context::allreduce_parts_bytes`]): through
+/// the host's shared area (every rank on this host, tag 0, `Auto`), which copies the tensors
+/// straight in and out (or reads them straight), or over the pairs where `Auto` runs the ring
+/// cut at the tensors' ends ([`Context::ring_on_parts`]).
+fn in_place(ctx: &Context, bytes: usize, tensors: usize) -> bool {
     ctx.size() > 1
         && (ctx.whole_area(0).is_some()
-            || matches!(ctx.allreduce_algorithm(bytes, crate::Algorithm::Auto), Ok(crate::Algorithm::Ring)))
+            || matches!(ctx.ring_on_parts(bytes, tensors, crate::Algorithm::Auto), Ok(true)))
 }
 
 /// A collective other than a fused allreduce.

@@ -28,6 +28,9 @@ pub struct EngineStats {
     pub fused_batches: u64,
     /// Tensors that went through those batches.
     pub fused_tensors: u64,
+    /// Of those batches, the ones copied into the fusion buffer and out again (compressed, or
+    /// where the collective cannot run on the tensors themselves: see the engine's "Fusion").
+    pub fusion_buffer_batches: u64,
     /// Allreduces whose tensors travelled with the negotiation's state messages and were
     /// reduced on every rank with no collective of their own: small tensors found ready in the
     /// response cache once every rank had sent its tensor (each rank sends it once, in any

@@ -118,6 +118,14 @@ impl CostModel {
         self.latency.as_secs_f64()
     }
 
+    /// Whether a ring allreduce of `bytes` in `parts` buffers taken as one, its segments cut
+    /// where the parts end, is predicted faster than packing them into one buffer and out
+    /// again: the cut sends up to one message more per part (`parts` · α), the packing copies
+    /// the bytes twice (at the reduction rate, which this model takes as memory's).
+    pub(crate) fn ring_on_parts_pays(&self, bytes: usize, parts: usize) -> bool {
+        parts as f64 * self.alpha() <= 2.0 * bytes as f64 * self.gamma()
+    }
+
     fn beta(&self) -> f64 {
         1.0 / self.link_bytes_per_s
     }
@@ -208,6 +216,19 @@ mod tests {
 
     fn model(latency_us: f64, link_gbs: f64, reduce_gbs: f64) -> CostModel {
         CostModel::new(Duration::from_secs_f64(latency_us / 1e6), link_gbs * 1e9, reduce_gbs * 1e9).unwrap()
+    }
+
+    /// The ring runs on parts cut where they end while their extra messages cost less than
+    /// packing them: ResNet-50's 161 gradients of 102 MB on a 30 µs link do, 16,384 tensors
+    /// of 4 KiB (64 MiB) do not, and neither do 161 on a link of 10 ms.
+    #[test]
+    fn the_ring_runs_on_parts_while_their_messages_cost_less_than_packing() {
+        let m = model(30.0, 1.0, 4.0);
+        assert!(m.ring_on_parts_pays(102_228_128, 161));
+        assert!(!m.ring_on_parts_pays(64 << 20, 16_384));
+        assert!(!model(10_000.0, 1.0, 4.0).ring_on_parts_pays(102_228_128, 161));
+        // The edge: one message's latency against copying the bytes twice.
+        assert!(m.ring_on_parts_pays(61_000, 1) && !m.ring_on_parts_pays(59_000, 1));
     }
 
     #[test]

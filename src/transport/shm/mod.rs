@@ -226,6 +226,10 @@ pub(crate) fn read_process(
         while remote[next].len == 0 {
             next += 1;
         }
+        // (An empty slice in front would make a window that copies nothing.)
+        while into.first().is_some_and(|b| b.is_empty()) {
+            into = &mut std::mem::take(&mut into)[1..];
+        }
         let window = &remote[next..remote.len().min(next + IOV_MAX)];
         let local = into.len().min(IOV_MAX);
         match nix::sys::uio::process_vm_readv(nix::unistd::Pid::from_raw(pid), &mut into[..local], window) {
