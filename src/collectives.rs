@@ -295,8 +295,9 @@ impl Context {
     /// calling this and another calling [`allreduce_with`](Self::allreduce_with) on a buffer
     /// of the same total agree. Over the pairs (the ring, halving-doubling, recursive
     /// doubling, the two-level allreduce) they are packed into one buffer first and unpacked
-    /// after: a copy in and one out. (The engine, whose ranks cut a fused batch alike, runs
-    /// the ring on the tensors themselves.)
+    /// after: a copy in and one out (where every rank cuts the whole alike,
+    /// [`allreduce_many_alike`](Self::allreduce_many_alike) runs the ring on the buffers
+    /// themselves).
     pub fn allreduce_many<T: Element>(
         &self,
         bufs: &mut [&mut [T]],
@@ -306,10 +307,36 @@ impl Context {
         self.allreduce_parts(bufs, op, opts, false)
     }
 
-    /// [`allreduce_many`](Self::allreduce_many); with `alike` every rank cuts the whole at the
-    /// same places (parts of the same lengths, as a fused batch's tensors), which lets the
-    /// ring over the pairs run on the parts themselves, with no copy in or out (a rank that
-    /// cuts differently is a [`Mismatch`](Error::Mismatch)).
+    /// [`allreduce_many`](Self::allreduce_many) of buffers that every rank cuts alike: the
+    /// same number of buffers, of the same lengths, in the same order (a model's gradients).
+    /// Over the pairs, where the ring is the algorithm and the [cost
+    /// model](Self::cost_model) predicts its extra messages (up to one per buffer) cost less
+    /// than packing, the ring runs on the buffers themselves: its segments are also cut where
+    /// a buffer ends, and each is sent from a buffer and received or reduced straight into
+    /// one, with no copy in or out. Otherwise as `allreduce_many`. A rank that cuts
+    /// differently is an [`Error::Mismatch`] on every rank (a hash of the lengths is compared
+    /// with the call), not a wrong result; a rank that calls `allreduce_many` instead may be
+    /// one too.
+    ///
+    /// ```
+    /// # use ferrogloo::{Context, CollectiveOptions, Reduction, device::Device, rendezvous::HashStore};
+    /// # let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process())?;
+    /// let (mut conv, mut bias) = (vec![0.5f32; 4096], vec![1.0f32; 64]);
+    /// ctx.allreduce_many_alike(&mut [&mut conv[..], &mut bias[..]], Reduction::Sum, &CollectiveOptions::default())?;
+    /// assert_eq!(conv[0], 0.5 * ctx.size() as f32);
+    /// # Ok::<(), ferrogloo::Error>(())
+    /// ```
+    pub fn allreduce_many_alike<T: Element>(
+        &self,
+        bufs: &mut [&mut [T]],
+        op: Reduction,
+        opts: &CollectiveOptions,
+    ) -> Result<()> {
+        self.allreduce_parts(bufs, op, opts, true)
+    }
+
+    /// [`allreduce_many`](Self::allreduce_many), or with `alike`
+    /// [`allreduce_many_alike`](Self::allreduce_many_alike).
     pub(crate) fn allreduce_parts<T: Element>(
         &self,
         bufs: &mut [&mut [T]],

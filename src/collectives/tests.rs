@@ -41,7 +41,7 @@ fn check<T: Element + From<u8> + std::ops::Add<Output = T> + PartialEq + std::fm
             rest = tail;
         }
         let opts = CollectiveOptions::new().algorithm(Algorithm::Ring).segment_bytes(seg);
-        ctx.allreduce_parts(&mut parts, Reduction::Sum, &opts, true)?;
+        ctx.allreduce_many_alike(&mut parts, Reduction::Sum, &opts)?;
         let bad = (0..total).find(|&i| whole[i] != want[i]);
         assert_eq!(bad, None, "rank {r} of {n}, parts {lens:?}, segments of {seg} bytes: first element wrong");
         Ok(())
@@ -86,7 +86,7 @@ fn a_rank_that_cuts_parts_differently_is_a_mismatch_on_every_rank() {
         let cut = if r == 1 { 1001 } else { 1000 };
         let (a, b) = whole.split_at_mut(cut);
         let opts = CollectiveOptions::new().algorithm(Algorithm::Ring);
-        Ok(ctx.allreduce_parts(&mut [a, b], Reduction::Sum, &opts, true))
+        Ok(ctx.allreduce_many_alike(&mut [a, b], Reduction::Sum, &opts))
     });
     for (r, got) in results.iter().enumerate() {
         assert!(matches!(got, Err(Error::Mismatch { .. })), "rank {r}: {got:?}");
