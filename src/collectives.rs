@@ -309,11 +309,12 @@ impl Context {
 
     /// [`allreduce_many`](Self::allreduce_many) of buffers that every rank cuts alike: the
     /// same number of buffers, of the same lengths, in the same order (a model's gradients).
-    /// Over the pairs, where the ring is the algorithm and the [cost
-    /// model](Self::cost_model) predicts its extra messages (up to one per buffer) cost less
-    /// than packing, the ring runs on the buffers themselves: its segments are also cut where
-    /// a buffer ends, and each is sent from a buffer and received or reduced straight into
-    /// one, with no copy in or out. Otherwise as `allreduce_many`. A rank that cuts
+    /// Over the pairs, where the ring is the algorithm, the ring runs on the buffers
+    /// themselves: its segments are also cut where a buffer ends, and each is sent from a
+    /// buffer and received or reduced straight into one, with no copy in or out. Buffers so
+    /// small that, by the [cost model](Self::cost_model), the messages their ends add cost
+    /// more than copying them (a bias of a few KiB on a link of tens of µs) are copied into
+    /// one buffer together and out again. Otherwise as `allreduce_many`. A rank that cuts
     /// differently is an [`Error::Mismatch`] on every rank (a hash of the lengths is compared
     /// with the call), not a wrong result; a rank that calls `allreduce_many` instead may be
     /// one too.
@@ -361,8 +362,7 @@ impl Context {
         let total = bufs.iter().map(|b| b.len()).sum::<usize>();
         let ring = match (alike, shm, hier) {
             (true, None, None) => {
-                let parts = bufs.iter().filter(|b| !b.is_empty()).count();
-                self.ring_on_parts(bytes_of::<T>(total), parts, opts.algorithm)?
+                allreduce_algorithm(self.comm(), bytes_of::<T>(total), opts.algorithm)? == Algorithm::Ring
             }
             _ => false,
         };
@@ -375,7 +375,21 @@ impl Context {
                 .algo(Algorithm::Ring)
                 .extra(counts_hash(&lens));
             let seg = opts.segment_elems::<T>();
-            algorithms::run(self.comm(), "allreduce", desc, opts, |c| allreduce::ring_parts(c, bufs, &fold, seg))?;
+            // Buffers so small that the messages their ends would add cost more than copying
+            // them go together in one buffer of their own, after the others (every rank
+            // sorts them alike: the same lengths, the same model).
+            let model = self.comm().cost_model();
+            let small = |b: &[T]| !b.is_empty() && model.is_some_and(|m| m.packs_for_the_ring(bytes_of::<T>(b.len())));
+            let mut packed: Vec<T> = bufs.iter().filter(|b| small(b)).flat_map(|b| b.iter().copied()).collect();
+            let mut runs: Vec<&mut [T]> = bufs.iter_mut().filter(|b| !small(b)).map(|b| &mut **b).collect();
+            runs.push(&mut packed);
+            algorithms::run(self.comm(), "allreduce", desc, opts, |c| allreduce::ring_parts(c, &mut runs, &fold, seg))?;
+            drop(runs);
+            let mut at = 0;
+            for b in bufs.iter_mut().filter(|b| small(b)) {
+                b.copy_from_slice(&packed[at..at + b.len()]);
+                at += b.len();
+            }
             for b in bufs.iter_mut() {
                 finish(op, b, self.size())?;
             }
@@ -408,16 +422,6 @@ impl Context {
             finish(op, b, self.size())?;
         }
         Ok(())
-    }
-
-    /// Whether [`allreduce_parts`](Self::allreduce_parts) of `bytes` in `parts` non-empty
-    /// buffers cut alike, over the pairs, with `asked`, runs the ring on the parts themselves:
-    /// where the ring is the algorithm, and the cost model predicts its extra messages (one
-    /// per part) cost less than packing the parts into one buffer and out (many small parts
-    /// are packed).
-    pub(crate) fn ring_on_parts(&self, bytes: usize, parts: usize, asked: Algorithm) -> Result<bool> {
-        Ok(allreduce_algorithm(self.comm(), bytes, asked)? == Algorithm::Ring
-            && self.comm().cost_model().is_some_and(|m| m.ring_on_parts_pays(bytes, parts)))
     }
 
     /// The allreduce of every typed call; `extra` goes in the call's descriptor for the ranks to

@@ -186,7 +186,7 @@ pub(crate) fn run(
     // host's area, or the ring over the pairs, chosen for larger sizes too) it costs no
     // copies, so no tensor is too large to join one (a compressed tensor is converted whether
     // it runs alone or not).
-    let max_tensor = if in_place(ctx, max_tensor.saturating_add(1), 1) { usize::MAX } else { max_tensor };
+    let max_tensor = if in_place(ctx, max_tensor.saturating_add(1)) { usize::MAX } else { max_tensor };
     let batches: Vec<Vec<usize>> =
         plan(&metas, threshold, max_tensor).into_iter().map(|b| b.into_iter().map(|k| runnable[k]).collect()).collect();
     let mut leader = vec![None; items.len()];
@@ -248,13 +248,7 @@ fn allreduce(
         if post != 1.0 {
             scale(m.dtype, p, post)?;
         }
-    } else if wire == m.dtype
-        && in_place(
-            ctx,
-            batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum(),
-            batch.iter().filter(|&&i| wire_bytes(&items[i].meta) > 0).count(),
-        )
-    {
+    } else if wire == m.dtype && in_place(ctx, batch.iter().map(|&i| wire_bytes(&items[i].meta) as usize).sum()) {
         // Through the host's area the tensors are copied straight in and out, and the ring
         // over the pairs runs on them: no fusion buffer, no copies of its own (on one host the
         // collective is bound by memory, so the fusion buffer's two copies would double its
@@ -437,15 +431,15 @@ impl Item {
     }
 }
 
-/// Whether the engine's allreduce of `bytes` in `tensors` non-empty tensors runs on the
-/// tensors themselves, with no fusion buffer ([`Context::allreduce_parts_bytes`]): through
-/// the host's shared area (every rank on this host, tag 0, `Auto`), which copies the tensors
-/// straight in and out (or reads them straight), or over the pairs where `Auto` runs the ring
-/// cut at the tensors' ends ([`Context::ring_on_parts`]).
-fn in_place(ctx: &Context, bytes: usize, tensors: usize) -> bool {
+/// Whether the engine's allreduce of `bytes` runs on the tensors themselves, with no fusion
+/// buffer ([`Context::allreduce_parts_bytes`]): through the host's shared area (every rank on
+/// this host, tag 0, `Auto`), which copies the tensors straight in and out (or reads them
+/// straight), or over the pairs where `Auto` runs the ring, cut at the tensors' ends (the
+/// smallest tensors copied together: see [`Context::allreduce_many_alike`]).
+fn in_place(ctx: &Context, bytes: usize) -> bool {
     ctx.size() > 1
         && (ctx.whole_area(0).is_some()
-            || matches!(ctx.ring_on_parts(bytes, tensors, crate::Algorithm::Auto), Ok(true)))
+            || matches!(ctx.allreduce_algorithm(bytes, crate::Algorithm::Auto), Ok(crate::Algorithm::Ring)))
 }
 
 /// A collective other than a fused allreduce.

@@ -68,7 +68,9 @@
 //!   tensors where the copy plan takes single copies), and over the pairs where `Auto` runs
 //!   the ring (its segments cut where the tensors end, each message sent from a tensor and
 //!   received or reduced into one: every rank's batch holds the same tensors in the same
-//!   order).
+//!   order; tensors so small that the messages their ends add would cost more than copying
+//!   them, by the cost model, are copied together into one buffer and out:
+//!   [`Context::allreduce_many_alike`](crate::Context::allreduce_many_alike)).
 //! - **Stalls.** Rank 0 reports names that some ranks submitted and others have not, after
 //!   [`EngineConfig::stall_check`] ([`Engine::stall_reports`], and a line on standard error);
 //!   after [`EngineConfig::stall_shutdown`] it fails the engine on every rank.
