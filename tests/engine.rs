@@ -1113,7 +1113,7 @@ fn threads_of_one_rank_waiting_at_once_take_turns_running_the_engine() {
 
 #[test]
 fn a_callback_runs_with_nobody_waiting_and_a_waiter_leaves_at_its_deadline() {
-    let after_timeout = Barrier::new(2);
+    let (after_timeout, done) = (Barrier::new(2), Barrier::new(2));
     let results = engines(2, cfg(), |e| {
         let r = e.rank();
         // A caller ran the engine last; then a callback that nobody waits for.
@@ -1133,11 +1133,15 @@ fn a_callback_runs_with_nobody_waiting_and_a_waiter_leaves_at_its_deadline() {
             assert!(matches!(err, Some(Error::Timeout { .. })), "{err:?}");
             assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(2), "{waited:?}");
             after_timeout.wait();
-            // The submission stayed in flight: the name completes for rank 1.
+            // The submission stayed in flight: the name completes for rank 1 (whose result
+            // this rank's engine must live to negotiate: it is not dropped before).
+            done.wait();
             Ok(None)
         } else {
             after_timeout.wait();
-            Ok(Some(e.allreduce("late", vec![5i32; 2], Reduction::Sum)?.wait_timeout(TIMEOUT)?.data))
+            let late = e.allreduce("late", vec![5i32; 2], Reduction::Sum).and_then(|h| h.wait_timeout(TIMEOUT));
+            done.wait();
+            Ok(Some(late?.data))
         }
     });
     let results = all_ok(results);
