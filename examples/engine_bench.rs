@@ -282,6 +282,40 @@ fn check(what: &str, buf: &[f32], want: f32) -> Result<()> {
     }
 }
 
+/// Checks every tensor of a ResNet-50 step's results (see [`check`]) and refills it with ones
+/// for the next step.
+fn check_and_refill(mode: &str, grads: &mut [Vec<f32>], want: f32) -> Result<()> {
+    for (i, g) in grads.iter_mut().enumerate() {
+        check(&format!("{mode}, tensor {i}"), g, want)?;
+        g.fill(1.0);
+    }
+    Ok(())
+}
+
+/// Runs `warmup` untimed then `steps` timed steps of a plain mode, each after a barrier:
+/// `step` runs one on `state`, `after` checks its results and readies `state` for the next
+/// (untimed). The timed steps' milliseconds.
+fn plain_steps<S>(
+    ctx: &Context,
+    (warmup, steps): (usize, usize),
+    state: &mut S,
+    step: impl Fn(&mut S) -> Result<()>,
+    after: impl Fn(&mut S) -> Result<()>,
+) -> Result<Vec<f64>> {
+    let mut t = Vec::with_capacity(steps);
+    for s in 0..warmup + steps {
+        ctx.barrier()?;
+        let start = Instant::now();
+        step(state)?;
+        let took = start.elapsed();
+        after(state)?;
+        if s >= warmup {
+            t.push(took.as_secs_f64() * 1e3);
+        }
+    }
+    Ok(t)
+}
+
 /// The members of a JSON line after bench, mode and np, in order.
 type Fields = Vec<(&'static str, Value)>;
 
@@ -312,58 +346,39 @@ fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()>
     let mut times: Vec<(&str, Vec<f64>, Fields)> = Vec::new();
 
     // ordered: plain allreduces, one per tensor, in backprop order.
-    let mut t = Vec::with_capacity(steps);
-    for s in 0..warmup + steps {
-        ctx.barrier()?;
-        let start = Instant::now();
-        for g in grads.iter_mut().rev() {
-            ctx.allreduce(g, Reduction::Sum)?;
-        }
-        let took = start.elapsed();
-        for (i, g) in grads.iter_mut().enumerate() {
-            check(&format!("ordered, tensor {i}"), g, want)?;
-            g.fill(1.0);
-        }
-        if s >= warmup {
-            t.push(took.as_secs_f64() * 1e3);
-        }
-    }
+    let t = plain_steps(
+        ctx,
+        (warmup, steps),
+        &mut grads,
+        |grads| grads.iter_mut().rev().try_for_each(|g| ctx.allreduce(g, Reduction::Sum)),
+        |grads| check_and_refill("ordered", grads, want),
+    )?;
     times.push(("ordered", t, Vec::new()));
 
     // single: all parameters in one buffer, one allreduce.
-    let mut flat = vec![1f32; total];
-    let mut t = Vec::with_capacity(steps);
-    for s in 0..warmup + steps {
-        ctx.barrier()?;
-        let start = Instant::now();
-        ctx.allreduce(&mut flat, Reduction::Sum)?;
-        let took = start.elapsed();
-        check("single", &flat, want)?;
-        flat.fill(1.0);
-        if s >= warmup {
-            t.push(took.as_secs_f64() * 1e3);
-        }
-    }
+    let mut flat = vec![vec![1f32; total]];
+    let t = plain_steps(
+        ctx,
+        (warmup, steps),
+        &mut flat,
+        |flat| ctx.allreduce(&mut flat[0], Reduction::Sum),
+        |flat| check_and_refill("single", flat, want),
+    )?;
     drop(flat);
     times.push(("single", t, Vec::new()));
 
     // many: every tensor in one plain call, `allreduce_many_alike` (what a fused batch runs,
     // without the engine around it).
-    let mut t = Vec::with_capacity(steps);
-    for s in 0..warmup + steps {
-        ctx.barrier()?;
-        let start = Instant::now();
-        let mut parts: Vec<&mut [f32]> = grads.iter_mut().rev().map(|g| g.as_mut_slice()).collect();
-        ctx.allreduce_many_alike(&mut parts, Reduction::Sum, &CollectiveOptions::default())?;
-        let took = start.elapsed();
-        for (i, g) in grads.iter_mut().enumerate() {
-            check(&format!("many, tensor {i}"), g, want)?;
-            g.fill(1.0);
-        }
-        if s >= warmup {
-            t.push(took.as_secs_f64() * 1e3);
-        }
-    }
+    let t = plain_steps(
+        ctx,
+        (warmup, steps),
+        &mut grads,
+        |grads| {
+            let mut parts: Vec<&mut [f32]> = grads.iter_mut().rev().map(|g| g.as_mut_slice()).collect();
+            ctx.allreduce_many_alike(&mut parts, Reduction::Sum, &CollectiveOptions::default())
+        },
+        |grads| check_and_refill("many", grads, want),
+    )?;
     times.push(("many", t, Vec::new()));
 
     // fused and unfused: the engine, each on a context of its own.
@@ -390,10 +405,7 @@ fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()>
                 grads[i] = h.wait()?.data;
             }
             let took = start.elapsed();
-            for (i, g) in grads.iter_mut().enumerate() {
-                check(&format!("{mode}, tensor {i}"), g, want)?;
-                g.fill(1.0);
-            }
+            check_and_refill(mode, &mut grads, want)?;
             if s >= warmup {
                 t.push(took.as_secs_f64() * 1e3);
             }

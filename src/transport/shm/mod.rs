@@ -208,35 +208,65 @@ impl Endpoint for ShmEndpoint {
 }
 
 /// Copies the bytes of process `pid` at `from` (runs of its memory, in order) into `into` (in
-/// order, as many bytes in all: else `EINVAL`), with `process_vm_readv`, until all are read,
-/// at most [`IOV_MAX`] runs a call. `ESRCH` when the process is gone; `EFAULT` when it has no
-/// such memory.
+/// order, as many bytes in all: else `EINVAL`), with `process_vm_readv`, until all are read.
+/// `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
 pub(crate) fn read_process(
     pid: i32,
     from: &[RemoteIoVec],
     mut into: &mut [IoSliceMut<'_>],
 ) -> std::result::Result<(), nix::errno::Errno> {
-    let len: usize = from.iter().map(|r| r.len).sum();
-    if into.iter().map(|b| b.len()).sum::<usize>() != len {
+    if into.iter().map(|b| b.len()).sum::<usize>() != from.iter().map(|r| r.len).sum::<usize>() {
         return Err(nix::errno::Errno::EINVAL);
     }
-    let (mut remote, mut done) = (from.to_vec(), 0);
-    let mut next = 0;
-    while done < len {
-        while remote[next].len == 0 {
-            next += 1;
-        }
+    whole(from, |window| {
         // (An empty slice in front would make a window that copies nothing.)
         while into.first().is_some_and(|b| b.is_empty()) {
             into = &mut std::mem::take(&mut into)[1..];
         }
-        let window = &remote[next..remote.len().min(next + IOV_MAX)];
         let local = into.len().min(IOV_MAX);
-        match nix::sys::uio::process_vm_readv(nix::unistd::Pid::from_raw(pid), &mut into[..local], window) {
+        let n = nix::sys::uio::process_vm_readv(nix::unistd::Pid::from_raw(pid), &mut into[..local], window)?;
+        IoSliceMut::advance_slices(&mut into, n);
+        Ok(n)
+    })
+}
+
+/// Runs a call of `process_vm_readv` or `process_vm_writev` takes on either side (Linux's
+/// `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
+/// Copies `src` to `addr` of process `pid` (`process_vm_writev`, until all are written).
+/// `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
+pub(crate) fn write_process(pid: i32, addr: u64, src: &[u8]) -> std::result::Result<(), nix::errno::Errno> {
+    let mut done = 0;
+    whole(&[RemoteIoVec { base: addr as usize, len: src.len() }], |window| {
+        let n = nix::sys::uio::process_vm_writev(
+            nix::unistd::Pid::from_raw(pid),
+            &[std::io::IoSlice::new(&src[done..])],
+            window,
+        )?;
+        done += n;
+        Ok(n)
+    })
+}
+
+/// Runs a cross-process copy of the remote runs `from` until all are copied: `copy` gets the
+/// remote runs not yet copied (at most [`IOV_MAX`], the first not empty), moves its own side
+/// on by what it copied, and returns how much that was (a partial copy goes on; an
+/// interrupted one is tried again; none at all is `EFAULT`).
+fn whole(
+    from: &[RemoteIoVec],
+    mut copy: impl FnMut(&[RemoteIoVec]) -> nix::Result<usize>,
+) -> std::result::Result<(), nix::errno::Errno> {
+    let len: usize = from.iter().map(|r| r.len).sum();
+    let (mut remote, mut done, mut next) = (from.to_vec(), 0, 0);
+    while done < len {
+        while remote[next].len == 0 {
+            next += 1;
+        }
+        match copy(&remote[next..remote.len().min(next + IOV_MAX)]) {
             Ok(0) => return Err(nix::errno::Errno::EFAULT),
             Ok(n) => {
                 done += n;
-                IoSliceMut::advance_slices(&mut into, n);
                 let mut n = n;
                 while n > 0 {
                     let r = &mut remote[next];
@@ -247,43 +277,6 @@ pub(crate) fn read_process(
                     }
                 }
             }
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Runs a call of `process_vm_readv` or `process_vm_writev` takes on either side (Linux's
-/// `UIO_MAXIOV`).
-const IOV_MAX: usize = 1024;
-
-/// Copies `src` to `addr` of process `pid` (`process_vm_writev`, until all are written).
-/// `ESRCH` when the process is gone; `EFAULT` when it has no such memory.
-pub(crate) fn write_process(pid: i32, addr: u64, src: &[u8]) -> std::result::Result<(), nix::errno::Errno> {
-    whole(addr, src.len(), |remote, done| {
-        nix::sys::uio::process_vm_writev(
-            nix::unistd::Pid::from_raw(pid),
-            &[std::io::IoSlice::new(&src[done..])],
-            remote,
-        )
-    })
-}
-
-/// Runs a cross-process copy of `len` bytes at remote `addr` until all are copied: `copy`
-/// gets the remote rest and the bytes done, and returns how many more it copied (a partial
-/// copy goes on; an interrupted one is tried again; none at all is `EFAULT`).
-fn whole(
-    addr: u64,
-    len: usize,
-    mut copy: impl FnMut(&[nix::sys::uio::RemoteIoVec], usize) -> nix::Result<usize>,
-) -> std::result::Result<(), nix::errno::Errno> {
-    let mut done = 0;
-    while done < len {
-        let remote = [nix::sys::uio::RemoteIoVec { base: addr as usize + done, len: len - done }];
-        match copy(&remote, done) {
-            Ok(0) => return Err(nix::errno::Errno::EFAULT),
-            Ok(n) => done += n,
             Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(e),
         }
