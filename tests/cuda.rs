@@ -108,3 +108,126 @@ fn collectives_on_gpu_buffers_match_the_reference() {
         ));
     }
 }
+
+/// Rank `p`'s element `i` in the typed test: small integers, exact in every element type.
+fn val(p: usize, i: usize) -> usize {
+    1 + (p + i) % 3
+}
+
+/// Every reduction of one element type on the GPU against a sequential reference, on a whole
+/// buffer and on a view of part of one (the rest untouched), and a reduce to a root.
+fn typed<T>(
+    ctx: &ferrogloo::Context,
+    stream: &Arc<CudaStream>,
+    c: &mut Cuda<'_>,
+    from: fn(usize) -> T,
+) -> ferrogloo::Result<()>
+where
+    T: ferrogloo::gpu::CudaElement + ferrogloo::gpu::cudarc::driver::ValidAsZeroBits + PartialEq + std::fmt::Debug,
+{
+    let (r, n) = (ctx.rank(), ctx.size());
+    let count = 100_003;
+    let mine: Vec<T> = (0..count).map(|i| from(val(r, i))).collect();
+    type Fold = fn(&mut dyn Iterator<Item = usize>) -> usize;
+    let cases: [(Reduction, Fold); 4] = [
+        (Reduction::Sum, |v| v.sum()),
+        (Reduction::Product, |v| v.product()),
+        (Reduction::Min, |v| v.min().unwrap_or(0)),
+        (Reduction::Max, |v| v.max().unwrap_or(0)),
+    ];
+    for (op, fold) in cases {
+        let want = |i: usize| from(fold(&mut (0..n).map(|p| val(p, i))));
+        let mut d = stream.clone_htod(&mine).map_err(cuda)?;
+        c.allreduce(&mut d, op)?;
+        let back = stream.clone_dtoh(&d).map_err(cuda)?;
+        for (i, x) in back.iter().enumerate() {
+            assert_eq!(*x, want(i), "{op:?} of {} on rank {r}, element {i}", std::any::type_name::<T>());
+        }
+        // A view: elements 17..70_017 reduced, the others as they were.
+        let mut d = stream.clone_htod(&mine).map_err(cuda)?;
+        c.allreduce(&mut d.slice_mut(17..70_017), op)?;
+        let back = stream.clone_dtoh(&d).map_err(cuda)?;
+        for (i, x) in back.iter().enumerate() {
+            let w = if (17..70_017).contains(&i) { want(i) } else { from(val(r, i)) };
+            assert_eq!(*x, w, "{op:?} of a view on rank {r}, element {i}");
+        }
+        // A reduce to the last rank: only its buffer changes.
+        let mut d = stream.clone_htod(&mine).map_err(cuda)?;
+        c.reduce(&mut d, n - 1, op)?;
+        let back = stream.clone_dtoh(&d).map_err(cuda)?;
+        for (i, x) in back.iter().enumerate() {
+            let w = if r == n - 1 { want(i) } else { from(val(r, i)) };
+            assert_eq!(*x, w, "reduce {op:?} on rank {r}, element {i}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_element_type_and_reduction_on_gpu_buffers_match_the_reference() {
+    let Some(_) = gpu() else { return };
+    for n in [2usize, 3] {
+        let store = HashStore::new();
+        all_ok(run_ranks_on(
+            n,
+            &store,
+            &|| Ok(Device::in_process()),
+            |b| b,
+            |ctx| {
+                let stream = default_stream(0)?;
+                let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 10)?;
+                typed::<f64>(&ctx, &stream, &mut c, |x| x as f64)?;
+                typed::<ferrogloo::f16>(&ctx, &stream, &mut c, |x| ferrogloo::f16::from_f32(x as f32))?;
+                typed::<ferrogloo::bf16>(&ctx, &stream, &mut c, |x| ferrogloo::bf16::from_f32(x as f32))?;
+                typed::<i64>(&ctx, &stream, &mut c, |x| x as i64)?;
+                typed::<u8>(&ctx, &stream, &mut c, |x| x as u8)
+            },
+        ));
+    }
+}
+
+/// A call is ordered on the user's stream by its own events, with cudarc's event tracking off:
+/// work queued before the call (a slow fill of the buffer) is finished before the call reads
+/// it, and work queued right after it (a copy of the result) sees the result.
+#[test]
+fn a_call_is_ordered_on_the_users_stream_without_event_tracking() {
+    let Some(_) = gpu() else { return };
+    let store = HashStore::new();
+    all_ok(run_ranks_on(
+        2,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx| {
+            let r = ctx.rank();
+            let gpu = ferrogloo::gpu::cudarc::driver::CudaContext::new(0).map_err(cuda)?;
+            // SAFETY: every buffer of this test is made after this call, so none expects tracking.
+            unsafe { gpu.disable_event_tracking() };
+            let stream = gpu.new_stream().map_err(cuda)?;
+            let mut c = Cuda::new(&ctx, stream.clone())?;
+            let count = 16usize << 20;
+            let host: Vec<f32> = (0..count).map(|i| (r + i % 7) as f32).collect();
+            let src = stream.clone_htod(&host).map_err(cuda)?;
+            let filler = stream.alloc_zeros::<u8>(1 << 30).map_err(cuda)?;
+            let mut sink = stream.alloc_zeros::<u8>(1 << 30).map_err(cuda)?;
+            let mut buf = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
+            let mut out = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
+            stream.synchronize().map_err(cuda)?;
+            for round in 0..3 {
+                stream.memset_zeros(&mut buf).map_err(cuda)?;
+                // Milliseconds of copies queued before the buffer gets its values.
+                for _ in 0..16 {
+                    stream.memcpy_dtod(&filler, &mut sink).map_err(cuda)?;
+                }
+                stream.memcpy_dtod(&src, &mut buf).map_err(cuda)?;
+                c.allreduce(&mut buf, Reduction::Sum)?;
+                stream.memcpy_dtod(&buf, &mut out).map_err(cuda)?;
+                let back = stream.clone_dtoh(&out).map_err(cuda)?;
+                if let Some(i) = (0..count).find(|&i| back[i] != (1 + 2 * (i % 7)) as f32) {
+                    panic!("round {round}, rank {r}: element {i} is {}, expected {}", back[i], 1 + 2 * (i % 7));
+                }
+            }
+            Ok(())
+        },
+    ));
+}

@@ -11,7 +11,7 @@
 //! Verified on host-simulated device memory only (the pipeline in `staging.rs`); the CUDA
 //! calls here have not run on a GPU in this project's CI.
 
-use super::staging::{self, Op, Staging};
+use super::staging::{self, Op, Rates, Staging};
 use crate::algorithms::CollectiveOptions;
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -20,6 +20,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, PinnedHostSlice, result, sys,
 };
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Bytes per pinned staging buffer (there are three).
 pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
@@ -95,6 +96,8 @@ pub struct Cuda<'c> {
     ptrs: Vec<*mut u8>,
     chunk: usize,
     opts: CollectiveOptions,
+    /// What pieces cost here, measured and agreed at the first call.
+    rates: Option<Rates>,
 }
 
 impl<'c> Cuda<'c> {
@@ -125,7 +128,7 @@ impl<'c> Cuda<'c> {
             ptrs.push(p.as_mut_ptr().map_err(|e| cuda_error("pinned memory", e))?);
             pool.push(p);
         }
-        Ok(Cuda { ctx, stream, copy, _pool: pool, ptrs, chunk, opts: CollectiveOptions::default() })
+        Ok(Cuda { ctx, stream, copy, _pool: pool, ptrs, chunk, opts: CollectiveOptions::default(), rates: None })
     }
 
     /// The options the host collectives run with (algorithm, tag, timeout).
@@ -148,12 +151,82 @@ impl<'c> Cuda<'c> {
         // The copies wait for the work already queued on the user's stream.
         let entry = self.stream.record_event(None).map_err(|e| cuda_error("recording an event", e))?;
         self.copy.wait(&entry).map_err(|e| cuda_error("ordering the staging stream", e))?;
+        let rates = self.rates();
         let mut s = CudaStaging { copy: &self.copy, src, dst, ptrs: &self.ptrs, chunk: self.chunk };
-        let outcome = staging::collective(self.ctx, &mut s, op, dtype, len, &self.opts);
+        let outcome = rates.and_then(|r| staging::collective(self.ctx, &mut s, op, dtype, len, &self.opts, Some(&r)));
         // Later work on the user's stream waits for the copies back.
         let exit = self.copy.record_event(None).map_err(|e| cuda_error("recording an event", e))?;
         self.stream.wait(&exit).map_err(|e| cuda_error("ordering the user's stream", e))?;
         outcome
+    }
+
+    /// What a piece of a staged call costs here: measured at the first call (a few copies
+    /// between the GPU and the pool, a few tiny host collectives; about a millisecond) and the
+    /// largest of every rank's figures taken, so that all ranks cut every call alike.
+    fn rates(&mut self) -> Result<Rates> {
+        if let Some(r) = self.rates {
+            return Ok(r);
+        }
+        let (down, up) = self.time_copies()?;
+        let mut host = f64::INFINITY;
+        for _ in 0..3 {
+            let mut probe = [0u8; 8];
+            let t = Instant::now();
+            self.ctx.allreduce_with(&mut probe, Reduction::Max, &self.opts)?;
+            host = host.min(t.elapsed().as_secs_f64());
+        }
+        let mut v = [down.0, down.1, up.0, up.1, host];
+        self.ctx.allreduce_with(&mut v, Reduction::Max, &self.opts)?;
+        let r = Rates { down: (v[0], v[1]), up: (v[2], v[3]), host: v[4] };
+        tracing::debug!(
+            rank = self.ctx.rank(),
+            "GPU staging: copies from the GPU {:.1} µs + {:.1} GB/s, to it {:.1} µs + {:.1} GB/s, a host collective \
+             {:.1} µs: 1 MiB allreduces in {} pieces, 64 MiB in {}",
+            r.down.0 * 1e6,
+            1e-9 / r.down.1,
+            r.up.0 * 1e6,
+            1e-9 / r.up.1,
+            r.host * 1e6,
+            r.pieces(1 << 20, 1 << 20),
+            r.pieces(64 << 20, 64 << 20)
+        );
+        self.rates = Some(r);
+        Ok(r)
+    }
+
+    /// The fixed time and time per byte of a copy from the GPU and of one to it, between a
+    /// scratch device buffer and the first pool buffer (the best of three of each).
+    fn time_copies(&self) -> Result<((f64, f64), (f64, f64))> {
+        let (small, big) = (4096usize, self.chunk);
+        let scratch = self.copy.alloc_zeros::<u8>(big).map_err(|e| cuda_error(format!("allocating {big} bytes"), e))?;
+        let (dev, _guard) = scratch.device_ptr(&self.copy);
+        let best = |down: bool, len: usize| -> Result<f64> {
+            let mut t = f64::INFINITY;
+            for _ in 0..3 {
+                let start = Instant::now();
+                // SAFETY: pool buffer 0 holds `chunk >= len` bytes and no staged call is running
+                // (this runs before one, on its thread); the scratch buffer holds `big >= len`
+                // bytes and lives until after the stream's synchronise below.
+                unsafe {
+                    if down {
+                        let host = std::slice::from_raw_parts_mut(self.ptrs[0], len);
+                        result::memcpy_dtoh_async(host, dev, self.copy.cu_stream())
+                    } else {
+                        let host = std::slice::from_raw_parts(self.ptrs[0], len);
+                        result::memcpy_htod_async(dev, host, self.copy.cu_stream())
+                    }
+                }
+                .map_err(|e| cuda_error(format!("timing a copy of {len} bytes"), e))?;
+                self.copy.synchronize().map_err(|e| cuda_error("timing a copy", e))?;
+                t = t.min(start.elapsed().as_secs_f64());
+            }
+            Ok(t)
+        };
+        let line = |down: bool| -> Result<(f64, f64)> {
+            let (ts, tb) = (best(down, small)?, best(down, big)?);
+            Ok((ts, ((tb - ts) / (big - small) as f64).max(0.0)))
+        };
+        Ok((line(true)?, line(false)?))
     }
 
     /// Allreduce of `buf` in place.

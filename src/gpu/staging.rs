@@ -135,10 +135,10 @@ fn whole(n: usize, esize: usize) -> usize {
     n / esize * esize
 }
 
-/// Chunks of an in-place collective over `len` bytes: each chunk downloads where `down`,
-/// uploads where `up`.
-pub(crate) fn in_place(len: usize, esize: usize, cap: usize, down: bool, up: bool) -> Vec<Chunk> {
-    let step = whole(cap, esize).max(esize);
+/// Chunks of an in-place collective over `len` bytes, each at most `piece` bytes (and a pool
+/// buffer): each chunk downloads where `down`, uploads where `up`.
+pub(crate) fn in_place(len: usize, esize: usize, cap: usize, piece: usize, down: bool, up: bool) -> Vec<Chunk> {
+    let step = whole(cap.min(piece), esize).max(esize);
     (0..len)
         .step_by(step)
         .map(|off| {
@@ -153,22 +153,23 @@ pub(crate) fn in_place(len: usize, esize: usize, cap: usize, down: bool, up: boo
         .collect()
 }
 
-/// The piece of each rank's block a chunk of a gathering or scattering collective moves: the
-/// pool holds the piece once and `n` times.
-fn piece(esize: usize, cap: usize, n: usize) -> Result<usize> {
-    let p = whole(cap / (n + 1), esize);
-    if p == 0 {
+/// The piece of each rank's block a chunk of a gathering or scattering collective moves (at
+/// most `want` bytes, at least one element): the pool holds the piece once and `n` times.
+fn piece(esize: usize, cap: usize, want: usize, n: usize) -> Result<usize> {
+    let fits = whole(cap / (n + 1), esize);
+    if fits == 0 {
         return Err(Error::invalid(format!(
             "a staging buffer of {cap} bytes cannot hold one element per rank for {n} ranks"
         )));
     }
-    Ok(p)
+    Ok(fits.min(whole(want, esize).max(esize)))
 }
 
 /// Chunks of an allgather of `block` bytes per rank among `n` ranks, this one `me`: the
-/// chunk's own piece lands at pool byte 0, the gathered pieces at `p + r * len`.
-pub(crate) fn allgather(block: usize, esize: usize, cap: usize, n: usize) -> Result<(Vec<Chunk>, usize)> {
-    let p = piece(esize, cap, n)?;
+/// chunk's own piece (at most `want` bytes) lands at pool byte 0, the gathered pieces at
+/// `p + r * len`.
+pub(crate) fn allgather(block: usize, esize: usize, cap: usize, want: usize, n: usize) -> Result<(Vec<Chunk>, usize)> {
+    let p = piece(esize, cap, want, n)?;
     let chunks = (0..block)
         .step_by(p)
         .map(|off| {
@@ -184,9 +185,15 @@ pub(crate) fn allgather(block: usize, esize: usize, cap: usize, n: usize) -> Res
 }
 
 /// Chunks of a reduce-scatter to `block` bytes per rank among `n` ranks: the pieces of every
-/// rank's block land at `r * len`, the reduced piece at `n * p`.
-pub(crate) fn reduce_scatter(block: usize, esize: usize, cap: usize, n: usize) -> Result<(Vec<Chunk>, usize)> {
-    let p = piece(esize, cap, n)?;
+/// rank's block (at most `want` bytes each) land at `r * len`, the reduced piece at `n * p`.
+pub(crate) fn reduce_scatter(
+    block: usize,
+    esize: usize,
+    cap: usize,
+    want: usize,
+    n: usize,
+) -> Result<(Vec<Chunk>, usize)> {
+    let p = piece(esize, cap, want, n)?;
     let chunks = (0..block)
         .step_by(p)
         .map(|off| {
@@ -201,6 +208,40 @@ pub(crate) fn reduce_scatter(block: usize, esize: usize, cap: usize, n: usize) -
     Ok((chunks, p))
 }
 
+/// What a staged collective's pieces cost on this machine, as measured (see `Cuda`'s first
+/// call) and agreed by every rank, so that every rank cuts a call into the same pieces: the
+/// fixed time and the time per byte of a copy from the device (`down`) and to it (`up`), in
+/// seconds, and the fixed time of a host collective (`host`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Rates {
+    pub(crate) down: (f64, f64),
+    pub(crate) up: (f64, f64),
+    pub(crate) host: f64,
+}
+
+impl Rates {
+    /// How many pieces a call that copies `down` bytes from the device and `up` bytes to it is
+    /// cut into. Only the first piece's download and the last one's upload are not hidden
+    /// behind other pieces' work, and each piece costs fixed times (a host collective, the
+    /// copies' starts and waits): with `k` pieces the call takes about
+    /// `(down·β_down + up·β_up) / k + k·α + (the host collective's own time)`, least at
+    /// `k = √((down·β_down + up·β_up) / α)`.
+    pub(crate) fn pieces(&self, down: usize, up: usize) -> usize {
+        let exposed = down as f64 * self.down.1 + up as f64 * self.up.1;
+        let fixed = self.host + (self.down.0 + self.up.0) / 2.0;
+        let k = (exposed / fixed).sqrt();
+        if k.is_finite() && k >= 1.0 { (k.round() as usize).min(1 << 20) } else { 1 }
+    }
+}
+
+/// Bytes per piece when `len` bytes are cut into `k` pieces: whole elements, and whole pages
+/// from 64 KiB (copies of whole pages run at the link's full speed).
+fn piece_bytes(len: usize, k: usize, esize: usize) -> usize {
+    let raw = len.div_ceil(k.max(1)).max(1);
+    let align = if raw >= 64 << 10 { 4096 } else { esize };
+    raw.div_ceil(align) * align
+}
+
 /// What a staged collective does on the host.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Op {
@@ -212,7 +253,9 @@ pub(crate) enum Op {
 }
 
 /// Runs collective `op` on `ctx` over staged memory: `len` bytes of `dtype` in the input (per
-/// rank for allgather, in all for reduce-scatter, whose output is `len / size`).
+/// rank for allgather, in all for reduce-scatter, whose output is `len / size`). With `rates`
+/// the call is cut into the pieces they give ([`Rates::pieces`]); without, into pieces as large
+/// as the pool's buffers.
 pub(crate) fn collective<S: Staging>(
     ctx: &Context,
     s: &mut S,
@@ -220,6 +263,7 @@ pub(crate) fn collective<S: Staging>(
     dtype: DType,
     len: usize,
     opts: &CollectiveOptions,
+    rates: Option<&Rates>,
 ) -> Result<()> {
     let esize = dtype.size();
     let (n, me) = (ctx.size(), ctx.rank());
@@ -230,21 +274,29 @@ pub(crate) fn collective<S: Staging>(
         red.check(dtype)?;
     }
     let cap = s.chunk_bytes();
+    // Every rank computes the same cut: the same rates, lengths and rank count. `block`: the
+    // bytes the pieces cut (a rank's block for reduce-scatter), `down`/`up`: the bytes copied.
+    let (block, down, up) = match op {
+        Op::Allgather => (len, len, len.saturating_mul(n)),
+        Op::ReduceScatter(_) => (len / n, len, len / n),
+        _ => (len, len, len),
+    };
+    let want = rates.map_or(usize::MAX, |r| piece_bytes(block, r.pieces(down, up), esize));
     match op {
         Op::Allreduce(red) => {
-            let chunks = in_place(len, esize, cap, true, true);
+            let chunks = in_place(len, esize, cap, want, true, true);
             run(s, &chunks, |_, b| ctx.allreduce_bytes(b, dtype, red, opts))
         }
         Op::Broadcast { root } => {
-            let chunks = in_place(len, esize, cap, me == root, me != root);
+            let chunks = in_place(len, esize, cap, want, me == root, me != root);
             run(s, &chunks, |_, b| ctx.broadcast_bytes(b, dtype, root, opts))
         }
         Op::Reduce { root, op: red } => {
-            let chunks = in_place(len, esize, cap, true, me == root);
+            let chunks = in_place(len, esize, cap, want, true, me == root);
             run(s, &chunks, |_, b| ctx.reduce_bytes(b, dtype, root, red, opts))
         }
         Op::Allgather => {
-            let (chunks, p) = allgather(len, esize, cap, n)?;
+            let (chunks, p) = allgather(len, esize, cap, want, n)?;
             run(s, &chunks, |i, b| {
                 let piece = chunks[i].downloads[0].len;
                 let (input, rest) = b.split_at_mut(p);
@@ -257,7 +309,7 @@ pub(crate) fn collective<S: Staging>(
                     "reduce-scatter of {len} bytes of {dtype:?} over {n} ranks: not a whole number of elements per rank"
                 )));
             }
-            let (chunks, p) = reduce_scatter(len / n, esize, cap, n)?;
+            let (chunks, p) = reduce_scatter(len / n, esize, cap, want, n)?;
             run(s, &chunks, |i, b| {
                 let piece = chunks[i].uploads[0].len;
                 let (input, out) = b.split_at_mut(n * p);
@@ -410,7 +462,7 @@ pub(crate) mod host {
 #[cfg(test)]
 mod tests {
     use super::host::HostStaging;
-    use super::{Op, collective};
+    use super::{Op, Rates, collective, piece_bytes};
     use crate::algorithms::CollectiveOptions;
     use crate::rendezvous::HashStore;
     use crate::types::{DType, Reduction};
@@ -444,6 +496,20 @@ mod tests {
     /// per rank's output for reduce-scatter), pool buffers of `chunk` bytes; returns every
     /// rank's result, and checks that no copy was left running.
     fn staged(n: usize, op: Op, dtype: DType, count: usize, chunk: usize, seed: u64) -> Vec<Vec<u8>> {
+        staged_in_pieces(n, op, dtype, count, chunk, None, seed)
+    }
+
+    /// [`staged`], cut by `rates` (seconds per byte of either copy, one second per piece).
+    fn staged_in_pieces(
+        n: usize,
+        op: Op,
+        dtype: DType,
+        count: usize,
+        chunk: usize,
+        rate: Option<f64>,
+        seed: u64,
+    ) -> Vec<Vec<u8>> {
+        let rates = rate.map(|b| Rates { down: (0.0, b), up: (0.0, b), host: 1.0 });
         let store = HashStore::new();
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..n)
@@ -463,7 +529,8 @@ mod tests {
                             _ => None,
                         };
                         let mut st = HostStaging::new(input, output, chunk, seed ^ r as u64);
-                        collective(&ctx, &mut st, op, dtype, len, &CollectiveOptions::default()).unwrap();
+                        collective(&ctx, &mut st, op, dtype, len, &CollectiveOptions::default(), rates.as_ref())
+                            .unwrap();
                         assert_eq!(st.in_flight.load(Ordering::SeqCst), 0, "a copy outlived the collective");
                         st.result().to_vec()
                     })
@@ -504,6 +571,7 @@ mod tests {
         fn staged_collectives_match_the_host_reference(
             n in 1usize..=5, which in 0usize..5, t in 0usize..7, count in 0usize..600,
             chunk in prop_oneof![Just(64usize), Just(96), Just(1000), Just(4096)], seed in any::<u64>(),
+            rate in prop_oneof![Just(None), Just(Some(1e-3)), Just(Some(0.1)), Just(Some(10.0))],
         ) {
             let dtype = TYPES[t];
             let root = (seed as usize) % n;
@@ -516,11 +584,37 @@ mod tests {
             ][which];
             // A pool buffer must hold one element per rank and one more.
             let chunk = chunk.max((n + 1) * dtype.size());
-            let got = staged(n, op, dtype, count, chunk, seed);
+            let got = staged_in_pieces(n, op, dtype, count, chunk, rate, seed);
             let want = reference(n, op, dtype, count, seed);
             for r in 0..n {
-                prop_assert!(got[r] == want[r], "rank {} of {}: {:?} {:?} count {} chunk {}", r, n, op, dtype, count, chunk);
+                prop_assert!(
+                    got[r] == want[r], "rank {} of {}: {:?} {:?} count {} chunk {} rate {:?}", r, n, op, dtype, count, chunk, rate
+                );
             }
+        }
+    }
+
+    #[test]
+    fn pieces_grow_with_the_root_of_the_exposed_copy_time_and_never_below_one() {
+        // 25 GB/s each way, 10 µs fixed per piece.
+        let r = Rates { down: (8e-6, 4e-11), up: (8e-6, 4e-11), host: 2e-6 };
+        assert_eq!(r.pieces(0, 0), 1);
+        assert_eq!(r.pieces(4096, 4096), 1, "a small call is one piece");
+        let (m, m4) = (r.pieces(1 << 20, 1 << 20), r.pieces(4 << 20, 4 << 20));
+        assert!((3..=4).contains(&m), "1 MiB: {m} pieces");
+        assert!(m4 == 2 * m || m4 == 2 * m - 1, "4× the bytes, about 2× the pieces: {m} then {m4}");
+        let slow_host = Rates { host: 1e-3, ..r };
+        assert_eq!(slow_host.pieces(1 << 20, 1 << 20), 1, "fixed costs above the copy time: one piece");
+        let free = Rates { down: (0.0, 0.0), up: (0.0, 0.0), host: 0.0 };
+        assert_eq!(free.pieces(1 << 30, 1 << 30), 1, "nothing measured: one piece, not a division by zero");
+        let odd = Rates { down: (f64::NAN, 1.0), up: (0.0, f64::INFINITY), host: 0.0 };
+        assert_eq!(odd.pieces(1 << 20, 1 << 20), 1);
+        // Pieces are whole elements, whole pages from 64 KiB, and cover the bytes.
+        for (len, k, esize) in [(1000, 3, 8), (1 << 20, 3, 4), (10, 20, 2), (5 << 20, 7, 2)] {
+            let p = piece_bytes(len, k, esize);
+            assert!(p.is_multiple_of(esize), "{len} {k}");
+            assert!(p * k >= len, "{len} bytes in {k} pieces of {p}");
+            assert!(p < (64 << 10) || p.is_multiple_of(4096), "{p}");
         }
     }
 
@@ -553,7 +647,7 @@ mod tests {
         }
         let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process()).unwrap();
         let mut st = HostStaging::new(vec![0u8; 16], None, 256, 0);
-        let e = collective(&ctx, &mut st, Op::Allreduce(Reduction::Average), DType::I32, 16, &Default::default())
+        let e = collective(&ctx, &mut st, Op::Allreduce(Reduction::Average), DType::I32, 16, &Default::default(), None)
             .expect_err("an average of integers");
         assert!(matches!(&e, crate::Error::InvalidArgument(m) if m.contains("average of i32")), "{e}");
         assert_eq!(st.in_flight.load(Ordering::SeqCst), 0, "no copy started");
@@ -572,6 +666,7 @@ mod tests {
                 DType::U8,
                 4000,
                 &CollectiveOptions::default(),
+                None,
             );
             let e = r.expect_err("the copy fails");
             assert!(e.to_string().contains(&format!("copy {fail_at} fails")), "{e}");
@@ -600,6 +695,7 @@ mod tests {
                         DType::U8,
                         len,
                         &CollectiveOptions::default(),
+                        None,
                     )
                     .expect_err("lengths differ");
                     assert!(
@@ -622,8 +718,16 @@ mod tests {
     fn lengths_that_are_not_whole_elements_are_refused() {
         let ctx = Context::builder(0, 1).connect(&HashStore::new(), &Device::in_process()).unwrap();
         let mut st = HostStaging::new(vec![0u8; 10], None, 256, 0);
-        let e = collective(&ctx, &mut st, Op::Allreduce(Reduction::Sum), DType::F32, 10, &CollectiveOptions::default())
-            .expect_err("10 bytes of f32");
+        let e = collective(
+            &ctx,
+            &mut st,
+            Op::Allreduce(Reduction::Sum),
+            DType::F32,
+            10,
+            &CollectiveOptions::default(),
+            None,
+        )
+        .expect_err("10 bytes of f32");
         assert!(e.to_string().contains("not whole"), "{e}");
     }
 }

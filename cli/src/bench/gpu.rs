@@ -53,6 +53,7 @@ pub(super) fn measure_gpu(
     let root = args.root % n;
     let own = element(dtype, r as u32 + 1);
     let stream = g.stream().clone();
+    g.set_options(s.opts(algo));
     let (count, moved, factor, times, wrong) = match op {
         "allreduce" | "broadcast" | "reduce" => {
             let count = bytes / ts;
@@ -126,7 +127,6 @@ pub(super) fn measure_gpu(
         }
         other => return Err(Error::invalid(format!("{other} is not measured on GPU buffers"))),
     };
-    let _ = algo;
     let mut bad = [u32::from(wrong && !args.no_check)];
     ctx.allreduce(&mut bad, ferrogloo::Reduction::Max)?;
     Ok(Cell::new(op, algo, None, (count, moved, factor), times, bad[0]))
