@@ -8,8 +8,12 @@
 //! device-wide synchronise. The host thread returns once the network part is done and the
 //! result is on its way back; the copy back is ordered before later work on the stream.
 //!
-//! Verified on host-simulated device memory only (the pipeline in `staging.rs`); the CUDA
-//! calls here have not run on a GPU in this project's CI.
+//! **Pieces.** A call is cut into the number of pieces `staging::Rates::pieces` gives for its
+//! size, from costs measured at a `Cuda`'s first call (copies each way, a tiny host collective)
+//! and agreed by the ranks (the largest of each figure), so every rank cuts every call alike.
+//!
+//! Ran on an NVIDIA H200 (`tests/cuda.rs`, the example, the benchmark: README, "What ran on a
+//! GPU"); CI has no GPU and runs the pipeline in `staging.rs` on host-simulated device memory.
 
 use super::staging::{self, Op, Rates, Staging};
 use crate::algorithms::CollectiveOptions;
@@ -74,7 +78,9 @@ impl CudaElement for u8 {}
 /// Collectives of one [`Context`] on the buffers of one GPU stream: `CudaSlice<T>` and its
 /// views (`slice_mut(a..b)` for part of a buffer), through cudarc's `DevicePtr` traits. Make it once and reuse it:
 /// it holds the pinned staging buffers (three of [`DEFAULT_CHUNK_BYTES`], page-locked with
-/// default flags, not write-combined: the CPU reads them).
+/// default flags, not write-combined: the CPU reads them). Its first call also measures what
+/// pieces of a call cost (about a millisecond: a few copies each way and three tiny host
+/// collectives) and agrees the figures with the other ranks inside that call.
 ///
 /// ```no_run
 /// # fn main() -> ferrogloo::Result<()> {
