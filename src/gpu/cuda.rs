@@ -154,12 +154,14 @@ impl<'c> Cuda<'c> {
     fn staged(&mut self, op: Op, dtype: DType, len: usize, src: (u64, usize), dst: (u64, usize)) -> Result<()> {
         // The raw copies below need the GPU's context current on this thread.
         self.stream.context().bind_to_thread().map_err(|e| cuda_error("binding the GPU's context", e))?;
+        // Measured (at the first call) before the staging stream waits for the user's work:
+        // the timed copies must not wait for whatever the user queued.
+        let rates = self.rates()?;
         // The copies wait for the work already queued on the user's stream.
         let entry = self.stream.record_event(None).map_err(|e| cuda_error("recording an event", e))?;
         self.copy.wait(&entry).map_err(|e| cuda_error("ordering the staging stream", e))?;
-        let rates = self.rates();
         let mut s = CudaStaging { copy: &self.copy, src, dst, ptrs: &self.ptrs, chunk: self.chunk };
-        let outcome = rates.and_then(|r| staging::collective(self.ctx, &mut s, op, dtype, len, &self.opts, Some(&r)));
+        let outcome = staging::collective(self.ctx, &mut s, op, dtype, len, &self.opts, Some(&rates));
         // Later work on the user's stream waits for the copies back.
         let exit = self.copy.record_event(None).map_err(|e| cuda_error("recording an event", e))?;
         self.stream.wait(&exit).map_err(|e| cuda_error("ordering the user's stream", e))?;
