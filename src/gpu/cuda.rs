@@ -176,16 +176,7 @@ impl<'c> Cuda<'c> {
             return Ok(r);
         }
         let (down, up) = self.time_copies()?;
-        let mut host = f64::INFINITY;
-        for _ in 0..3 {
-            let mut probe = [0u8; 8];
-            let t = Instant::now();
-            self.ctx.allreduce_with(&mut probe, Reduction::Max, &self.opts)?;
-            host = host.min(t.elapsed().as_secs_f64());
-        }
-        let mut v = [down.0, down.1, up.0, up.1, host];
-        self.ctx.allreduce_with(&mut v, Reduction::Max, &self.opts)?;
-        let r = Rates { down: (v[0], v[1]), up: (v[2], v[3]), host: v[4] };
+        let r = Rates::agree(self.ctx, down, up, &self.opts)?;
         tracing::debug!(
             rank = self.ctx.rank(),
             "GPU staging: copies from the GPU {:.1} µs + {:.1} GB/s, to it {:.1} µs + {:.1} GB/s, a host collective \

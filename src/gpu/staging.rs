@@ -220,6 +220,24 @@ pub(crate) struct Rates {
 }
 
 impl Rates {
+    /// Every rank's figures, agreed: this rank's copy figures (`down`, `up`: fixed time and
+    /// time per byte, measured by the caller) and a host collective's fixed time, timed here
+    /// (the best of three tiny allreduces); the largest of each over the ranks (one more tiny
+    /// allreduce), so that every rank holds the same rates and cuts every call alike, whatever
+    /// its own measurement said. A collective: every rank calls it at the same point.
+    pub(crate) fn agree(ctx: &Context, down: (f64, f64), up: (f64, f64), opts: &CollectiveOptions) -> Result<Rates> {
+        let mut host = f64::INFINITY;
+        for _ in 0..3 {
+            let mut probe = [0u8; 8];
+            let t = std::time::Instant::now();
+            ctx.allreduce_with(&mut probe, Reduction::Max, opts)?;
+            host = host.min(t.elapsed().as_secs_f64());
+        }
+        let mut v = [down.0, down.1, up.0, up.1, host];
+        ctx.allreduce_with(&mut v, Reduction::Max, opts)?;
+        Ok(Rates { down: (v[0], v[1]), up: (v[2], v[3]), host: v[4] })
+    }
+
     /// How many pieces a call that copies `down` bytes from the device and `up` bytes to it is
     /// cut into. Only the first piece's download and the last one's upload are not hidden
     /// behind other pieces' work, and each piece costs fixed times (a host collective, the
@@ -592,6 +610,37 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn ranks_that_measured_differently_agree_on_the_largest_figures() {
+        let n = 3;
+        let store = HashStore::new();
+        let got: Vec<Rates> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let store = &store;
+                    s.spawn(move || {
+                        let ctx = Context::builder(r, n)
+                            .timeout(Duration::from_secs(20))
+                            .connect(store, &Device::in_process())
+                            .unwrap();
+                        // Rank 1 measured the slowest copies from the device, rank 2 to it.
+                        let f = r as f64 + 1.0;
+                        let down = if r == 1 { (9e-6, 9e-11) } else { (f * 1e-6, f * 1e-11) };
+                        let up = if r == 2 { (8e-6, 8e-11) } else { (f * 1e-7, f * 1e-12) };
+                        Rates::agree(&ctx, down, up, &CollectiveOptions::default()).unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in &got {
+            assert_eq!(r, &got[0], "every rank holds the same rates");
+        }
+        assert_eq!(got[0].down, (9e-6, 9e-11));
+        assert_eq!(got[0].up, (8e-6, 8e-11));
+        assert!(got[0].host > 0.0 && got[0].host < 20.0, "a host collective's time: {}", got[0].host);
     }
 
     #[test]
