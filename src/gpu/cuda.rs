@@ -5,8 +5,9 @@
 //! copies (on a staging stream of their own) wait for that event, so work queued on the stream
 //! before the call is finished before the data is read; at the end the stream waits for an
 //! event recorded after the last copy back, so work queued after the call sees the result. No
-//! device-wide synchronise. The host thread returns once the network part is done and the
-//! result is on its way back; the copy back is ordered before later work on the stream.
+//! device-wide synchronise. The host thread returns once the last copy back has finished
+//! (the pipeline waits for every copy it started); the exit event keeps the order on the stream
+//! should that change.
 //!
 //! **Pieces.** A call is cut into the number of pieces `staging::Rates::pieces` gives for its
 //! size, from costs measured at a `Cuda`'s first call (copies each way, a tiny host collective)
@@ -80,7 +81,10 @@ impl CudaElement for u8 {}
 /// it holds the pinned staging buffers (three of [`DEFAULT_CHUNK_BYTES`], page-locked with
 /// default flags, not write-combined: the CPU reads them). Its first call also measures what
 /// pieces of a call cost (about a millisecond: a few copies each way and three tiny host
-/// collectives) and agrees the figures with the other ranks inside that call.
+/// collectives) and agrees the figures with the other ranks inside that call: every rank's
+/// first call of its `Cuda` must be the same call (as every call must), and the ranks' `Cuda`s
+/// must have staging buffers of one size ([`with_chunk_bytes`](Self::with_chunk_bytes)), since
+/// the buffers bound the pieces.
 ///
 /// ```no_run
 /// # fn main() -> ferrogloo::Result<()> {
@@ -154,8 +158,10 @@ impl<'c> Cuda<'c> {
     fn staged(&mut self, op: Op, dtype: DType, len: usize, src: (u64, usize), dst: (u64, usize)) -> Result<()> {
         // The raw copies below need the GPU's context current on this thread.
         self.stream.context().bind_to_thread().map_err(|e| cuda_error("binding the GPU's context", e))?;
-        // Measured (at the first call) before the staging stream waits for the user's work:
-        // the timed copies must not wait for whatever the user queued.
+        // Measured (at the first call) before the staging stream waits for the user's work,
+        // so that the timed copies wait for none of it (with cudarc's event tracking, taking
+        // the buffer's address may already have made the staging stream wait for its last
+        // writer: the first of the three timings then runs late, not the best).
         let rates = self.rates()?;
         // The copies wait for the work already queued on the user's stream.
         let entry = self.stream.record_event(None).map_err(|e| cuda_error("recording an event", e))?;
@@ -175,7 +181,15 @@ impl<'c> Cuda<'c> {
         if let Some(r) = self.rates {
             return Ok(r);
         }
-        let (down, up) = self.time_copies()?;
+        // Every rank enters the agreement, also one whose measurement failed (it would
+        // otherwise leave the others waiting in it): that one offers infinite fixed costs,
+        // which make every call one piece per pool buffer on every rank, as before pieces
+        // were measured.
+        let (down, up) = self.time_copies().unwrap_or_else(|e| {
+            tracing::warn!(rank = self.ctx.rank(), error = %e, "GPU staging: the copies could not be timed; \
+                pieces as large as the staging buffers");
+            ((f64::INFINITY, 0.0), (f64::INFINITY, 0.0))
+        });
         let r = Rates::agree(self.ctx, down, up, &self.opts)?;
         tracing::debug!(
             rank = self.ctx.rank(),

@@ -18,7 +18,7 @@
 use crate::algorithms::CollectiveOptions;
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::types::{DType, Reduction};
+use crate::types::{Algorithm, DType, Reduction};
 
 /// Buffers in the pool.
 pub(crate) const POOL: usize = 3;
@@ -226,6 +226,9 @@ impl Rates {
     /// allreduce), so that every rank holds the same rates and cuts every call alike, whatever
     /// its own measurement said. A collective: every rank calls it at the same point.
     pub(crate) fn agree(ctx: &Context, down: (f64, f64), up: (f64, f64), opts: &CollectiveOptions) -> Result<Rates> {
+        // The caller's tag and deadline, and an algorithm every allreduce takes (the caller's
+        // may be a broadcast's, such as a binomial tree).
+        let opts = &opts.clone().algorithm(Algorithm::Auto);
         let mut host = f64::INFINITY;
         for _ in 0..3 {
             let mut probe = [0u8; 8];
@@ -629,7 +632,9 @@ mod tests {
                         let f = r as f64 + 1.0;
                         let down = if r == 1 { (9e-6, 9e-11) } else { (f * 1e-6, f * 1e-11) };
                         let up = if r == 2 { (8e-6, 8e-11) } else { (f * 1e-7, f * 1e-12) };
-                        Rates::agree(&ctx, down, up, &CollectiveOptions::default()).unwrap()
+                        // Options a broadcast may carry: the agreement's allreduces ignore the algorithm.
+                        let opts = CollectiveOptions::default().algorithm(crate::Algorithm::BinomialTree);
+                        Rates::agree(&ctx, down, up, &opts).unwrap()
                     })
                 })
                 .collect();
@@ -641,6 +646,9 @@ mod tests {
         assert_eq!(got[0].down, (9e-6, 9e-11));
         assert_eq!(got[0].up, (8e-6, 8e-11));
         assert!(got[0].host > 0.0 && got[0].host < 20.0, "a host collective's time: {}", got[0].host);
+        // A rank whose copies could not be timed offers infinite fixed costs: one piece.
+        let failed = Rates { down: (f64::INFINITY, 0.0), up: (f64::INFINITY, 0.0), ..got[0] };
+        assert_eq!(failed.pieces(64 << 20, 64 << 20), 1);
     }
 
     #[test]
