@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::BusyWait;
 use rustc_hash::FxHashMap as HashMap;
+use smallvec::SmallVec;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -91,6 +92,10 @@ pub(crate) struct Core {
     /// The tensors each rank sent, by cache slot, kept from cycle to cycle on the same terms
     /// (every rank keeps the same ones: see [`Core::forget_travelled`]).
     kept: Vec<HashMap<u32, Kept>>,
+    /// Every rank of the context (the idle wait's peers), made once.
+    all: Vec<usize>,
+    /// The buffers of this rank's envelopes (to the coordinator, to the others), reused.
+    envelopes: [Vec<u8>; 2],
     /// Storage for the folds of [`reduce_eager`](Self::reduce_eager), reused.
     scratch: Vec<u64>,
     /// A caller drives: callbacks are kept here for the background thread, not run.
@@ -103,28 +108,28 @@ pub(crate) struct Core {
 /// cycle's messages take, not a speed setting: which tensors travel is the cost model's).
 const EAGER_MESSAGE_BYTES: usize = 1 << 20;
 
+/// The largest envelope buffer kept for the next cycle (a larger one is freed after use).
+const ENVELOPE_KEPT_BYTES: usize = 2 * EAGER_MESSAGE_BYTES;
+
 /// The most bytes of tensors a rank has sent and not yet seen used (what every other rank
 /// keeps of it, at most).
 const EAGER_KEPT_BYTES: usize = 4 << 20;
 
 /// A tensor a rank sent with its state message: the version of its slot when it came (see
-/// `Cache::version`), and a copy of its bytes (8-byte aligned, so it folds where it lies; a
-/// copy, so that what is kept is what was sent, not the message around it).
+/// `Cache::version`), and where its bytes lie in the message it came in. The message is
+/// shared by the tensors it carried, not copied: what is kept is what was sent (a message is
+/// received into memory of its own), and the fold copies a tensor first only where it is not
+/// aligned for its type (`Item::reduce_from`).
 struct Kept {
     version: u64,
-    words: Box<[u64]>,
+    msg: Arc<Vec<u8>>,
+    at: usize,
     len: usize,
 }
 
 impl Kept {
-    fn new(version: u64, bytes: &[u8]) -> Kept {
-        let mut words = vec![0u64; bytes.len().div_ceil(8)].into_boxed_slice();
-        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-        Kept { version, words, len: bytes.len() }
-    }
-
     fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+        &self.msg[self.at..self.at + self.len]
     }
 }
 
@@ -169,6 +174,8 @@ impl Core {
             sent: HashMap::default(),
             seen_changes: 0,
             kept: (0..size).map(|_| HashMap::default()).collect(),
+            all: (0..size).collect(),
+            envelopes: Default::default(),
             scratch: Vec::new(),
             deferring: false,
             deferred: Vec::new(),
@@ -326,7 +333,14 @@ impl Core {
     /// here), or a peer's state message (a cycle began). Returns the peer's message, or `None`
     /// for news of this rank; or says to let go ([`Mode`]).
     fn idle(&mut self, mode: &Mode<'_>) -> Result<Idle> {
-        let all: Vec<usize> = (0..self.size).collect();
+        let all = std::mem::take(&mut self.all);
+        let idle = self.idle_on(mode, &all);
+        self.all = all;
+        idle
+    }
+
+    /// [`idle`](Self::idle), waiting for messages from `all` (every rank).
+    fn idle_on(&mut self, mode: &Mode<'_>, all: &[usize]) -> Result<Idle> {
         loop {
             // Set before looking for news, so that a submission either is seen here or sees
             // the flag and sends the wake-up message (shared.rs).
@@ -346,13 +360,13 @@ impl Core {
             let got = match mode {
                 Mode::Background => {
                     let sh = &self.sh;
-                    self.inbox.wait_interruptibly(&all, until, || sh.waiting.load(Ordering::SeqCst) == 0)
+                    self.inbox.wait_interruptibly(all, until, || sh.waiting.load(Ordering::SeqCst) == 0)
                 }
                 Mode::Caller { .. } => {
                     // A caller waiting for its own result busy-waits as callers do, then
                     // sleeps as the only thread waiting on the mesh.
                     let spin = BusyWait { alone: true, ..self.ctx.comm().spin() };
-                    self.inbox.wait_as(&all, until, spin)
+                    self.inbox.wait_as(all, until, spin)
                 }
             };
             self.sh.on_inbox.store(false, Ordering::SeqCst);
@@ -437,7 +451,7 @@ impl Core {
     /// allreduce). `first` is a state already received (the one that began the cycle). Small
     /// cached allreduces travel with the state ([`eager_limit`]), each once.
     fn exchange(&mut self, first: Option<(usize, Vec<u8>)>) -> Result<()> {
-        let (me, n) = (self.rank, self.size);
+        let n = self.size;
         let out = self.ctl.begin();
         // This rank's tensors that travel: pending in the cache and not sent yet, small enough,
         // within the message's and the kept bytes' bounds.
@@ -469,29 +483,54 @@ impl Core {
                 }
             }
         }
-        let to_coordinator = wire::envelope(out.to(COORDINATOR), &eager);
-        let to_others = (out.to(COORDINATOR) != out.to((COORDINATOR + 1) % n.max(1)))
-            .then(|| wire::envelope(out.to((COORDINATOR + 1) % n.max(1)), &eager));
+        // The envelopes go into buffers kept from cycle to cycle.
+        let [mut to_coordinator, mut to_others] = std::mem::take(&mut self.envelopes);
+        wire::envelope_into(&mut to_coordinator, out.to(COORDINATOR), &eager);
+        let others_differ = out.to(COORDINATOR) != out.to((COORDINATOR + 1) % n.max(1));
+        if others_differ {
+            wire::envelope_into(&mut to_others, out.to((COORDINATOR + 1) % n.max(1)), &eager);
+        }
         drop(eager);
+        let exchanged = self.exchange_envelopes(first, newly, &to_coordinator, others_differ.then_some(&to_others));
+        for b in [&mut to_coordinator, &mut to_others] {
+            // A cycle's rare large message (many names at once) is not kept.
+            if b.capacity() > ENVELOPE_KEPT_BYTES {
+                *b = Vec::new();
+            }
+        }
+        self.envelopes = [to_coordinator, to_others];
+        exchanged
+    }
+
+    /// The rest of [`exchange`](Self::exchange): records what travels, takes the state that
+    /// began the cycle, and sends the envelopes and receives the others'.
+    fn exchange_envelopes(
+        &mut self,
+        first: Option<(usize, Vec<u8>)>,
+        newly: Vec<(u32, u64, usize)>,
+        to_coordinator: &[u8],
+        to_others: Option<&Vec<u8>>,
+    ) -> Result<()> {
+        let (me, n) = (self.rank, self.size);
         self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
         if let Some((p, msg)) = first {
             self.take_state(p, msg)?;
         }
         let need = self.ctl.awaiting();
         let got = self.ctx.scope(|s| {
-            let mut sends = Vec::with_capacity(n);
+            let mut sends: SmallVec<[_; 8]> = SmallVec::new();
             for p in (0..n).filter(|&p| p != me) {
-                let msg = match &to_others {
-                    Some(m) if p != COORDINATOR => m,
-                    _ => &to_coordinator,
+                let msg = match to_others {
+                    Some(m) if p != COORDINATOR => m.as_slice(),
+                    _ => to_coordinator,
                 };
-                sends.push(s.isend(p, CONTROL_TAG, msg.as_slice())?);
+                sends.push(s.isend(p, CONTROL_TAG, msg)?);
             }
             let recvs = need
                 .iter()
                 .map(|&p| s.irecv_bytes(&[p], CONTROL_TAG, wire::MAX_MESSAGE).map(|r| (p, r)))
-                .collect::<Result<Vec<_>>>()?;
-            let mut got = Vec::with_capacity(recvs.len());
+                .collect::<Result<SmallVec<[_; 8]>>>()?;
+            let mut got: SmallVec<[_; 8]> = SmallVec::with_capacity(recvs.len());
             for (p, r) in recvs {
                 got.push((p, r.wait()?.1));
             }
@@ -511,12 +550,31 @@ impl Core {
     fn take_state(&mut self, p: usize, msg: Vec<u8>) -> Result<()> {
         let (state, tensors) = wire::open_envelope(&msg, self.w(p))?;
         self.ctl.receive_state(p, state)?;
-        for (slot, bytes) in tensors {
-            if let (Some(version), Some(kept)) = (self.ctl.cache().version(slot), self.kept.get_mut(p)) {
-                kept.insert(slot, Kept::new(version, bytes));
-            }
+        if tensors.is_empty() {
+            return Ok(());
+        }
+        // One tensor (a warm cycle's case) is kept where it came, in the message, which is
+        // then little more than the tensor. Several are copied out each: a tensor kept long (its
+        // name stalls) must not hold on to a message of others' bytes.
+        if let [(slot, bytes)] = tensors[..] {
+            let (slot, at, len) = (slot, bytes.as_ptr() as usize - msg.as_ptr() as usize, bytes.len());
+            self.keep(p, slot, Arc::new(msg), at, len);
+            return Ok(());
+        }
+        let copies: SmallVec<[(u32, Vec<u8>); 4]> = tensors.iter().map(|(slot, b)| (*slot, b.to_vec())).collect();
+        for (slot, bytes) in copies {
+            let len = bytes.len();
+            self.keep(p, slot, Arc::new(bytes), 0, len);
         }
         Ok(())
+    }
+
+    /// Keeps rank `p`'s tensor for `slot`, `len` bytes at `at` in `msg`, under the slot's
+    /// version now.
+    fn keep(&mut self, p: usize, slot: u32, msg: Arc<Vec<u8>>, at: usize, len: usize) {
+        if let (Some(version), Some(kept)) = (self.ctl.cache().version(slot), self.kept.get_mut(p)) {
+            kept.insert(slot, Kept { version, msg, at, len });
+        }
     }
 
     /// Reduces the ready allreduces whose tensors every rank has sent for this submission

@@ -231,20 +231,29 @@ impl State {
 /// each tensor's cache slot and length (`u32`s) and bytes. Each part starts 8-byte aligned
 /// from the message's start (zeros in between), so a tensor in a received message can be
 /// folded where it lies. Small cached allreduces travel this way, so that the cycle that
-/// finds them ready on every rank brought every rank's tensor (`background.rs`).
-pub(crate) fn envelope(state: &[u8], eager: &[Travelling<'_>]) -> Vec<u8> {
+/// finds them ready on every rank brought every rank's tensor (`background.rs`). Written into
+/// `out`, cleared first: a buffer reused from cycle to cycle.
+pub(crate) fn envelope_into(out: &mut Vec<u8>, state: &[u8], eager: &[Travelling<'_>]) {
     let data: usize = eager.iter().map(|(_, b)| 8 + b.len().next_multiple_of(8)).sum();
-    let mut out = Vec::with_capacity(16 + state.len() + data);
+    out.clear();
+    out.reserve(16 + state.len() + data);
     let pad = |out: &mut Vec<u8>| out.resize(out.len().next_multiple_of(8), 0);
     out.write_u32_prefixed(state);
-    pad(&mut out);
+    pad(out);
     out.write_count(eager.len());
     out.write(0u32);
     for (slot, bytes) in eager {
         out.write(*slot);
         out.write_u32_prefixed(bytes);
-        pad(&mut out);
+        pad(out);
     }
+}
+
+/// [`envelope_into`] a buffer that held something else before.
+#[cfg(test)]
+pub(crate) fn envelope(state: &[u8], eager: &[Travelling<'_>]) -> Vec<u8> {
+    let mut out = vec![0xEE; 3];
+    envelope_into(&mut out, state, eager);
     out
 }
 
