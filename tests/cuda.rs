@@ -233,3 +233,39 @@ fn a_call_is_ordered_on_the_users_stream_without_event_tracking() {
         },
     ));
 }
+
+/// Staging buffers larger than a call's pieces, so that the pieces measured at the first call
+/// (not the buffer size) decide how a 64 MiB call is cut, on every rank alike.
+#[test]
+fn measured_pieces_cut_large_calls_alike_on_every_rank() {
+    let Some(_) = gpu() else { return };
+    let store = HashStore::new();
+    all_ok(run_ranks_on(
+        2,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx| {
+            let (r, n) = (ctx.rank(), ctx.size());
+            let stream = default_stream(0)?;
+            let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 20)?;
+            let count = (64 << 20) / 4 + 3;
+            let host: Vec<f32> = (0..count).map(|i| (r + i % 11) as f32).collect();
+            for round in 0..2 {
+                let mut d = stream.clone_htod(&host).map_err(cuda)?;
+                c.allreduce(&mut d, Reduction::Sum)?;
+                let back = stream.clone_dtoh(&d).map_err(cuda)?;
+                if let Some(i) = (0..count).find(|&i| back[i] != (n * (n - 1) / 2 + n * (i % 11)) as f32) {
+                    panic!("round {round}, rank {r}: element {i} is {}", back[i]);
+                }
+                let mut b = stream.clone_htod(&host).map_err(cuda)?;
+                c.broadcast(&mut b, 1)?;
+                let back = stream.clone_dtoh(&b).map_err(cuda)?;
+                if let Some(i) = (0..count).find(|&i| back[i] != (1 + i % 11) as f32) {
+                    panic!("broadcast round {round}, rank {r}: element {i} is {}", back[i]);
+                }
+            }
+            Ok(())
+        },
+    ));
+}
