@@ -10,7 +10,7 @@ use common::{all_ok, run_ranks_on};
 use ferrogloo::gpu::cudarc::driver::{CudaStream, DriverError};
 use ferrogloo::gpu::{Cuda, cuda_available, default_stream};
 use ferrogloo::rendezvous::HashStore;
-use ferrogloo::{Error, Reduction, device::Device};
+use ferrogloo::{Context, Error, Reduction, device::Device};
 use std::sync::Arc;
 
 /// GPU 0's stream, or `None` (with the reason printed) where there is none.
@@ -21,6 +21,16 @@ fn gpu() -> Option<Arc<CudaStream>> {
             eprintln!("skipped: no usable GPU: {e}");
             None
         }
+    }
+}
+
+/// Runs `f` on `n` ranks as threads (in-process pairs), for each `n` of `sizes`, where there
+/// is a usable GPU; where there is none, says so ([`gpu`]) and runs nothing.
+fn on_gpu_ranks(sizes: &[usize], f: impl Fn(Context) -> ferrogloo::Result<()> + Sync) {
+    let Some(_) = gpu() else { return };
+    for &n in sizes {
+        let store = HashStore::new();
+        all_ok(run_ranks_on(n, &store, &|| Ok(Device::in_process()), |b| b, &f));
     }
 }
 
@@ -44,69 +54,55 @@ fn without_a_gpu_the_error_says_what_is_missing() {
 
 #[test]
 fn collectives_on_gpu_buffers_match_the_reference() {
-    let Some(_) = gpu() else { return };
-    for n in [1usize, 2, 4] {
-        let store = HashStore::new();
-        all_ok(run_ranks_on(
-            n,
-            &store,
-            &|| Ok(Device::in_process()),
-            |b| b,
-            |ctx| {
-                let (r, n) = (ctx.rank(), ctx.size());
-                let stream = default_stream(0)?;
-                // Small staging buffers, so that the pipeline runs many chunks.
-                let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 10)?;
-                for count in [0usize, 1, 1000, 300_001] {
-                    let host: Vec<f32> = (0..count).map(|i| (r + i % 7) as f32).collect();
-                    let mut d = stream.clone_htod(&host).map_err(cuda)?;
-                    c.allreduce(&mut d, Reduction::Sum)?;
-                    let back = stream.clone_dtoh(&d).map_err(cuda)?;
-                    for (i, x) in back.iter().enumerate() {
-                        assert_eq!(*x, (n * (n - 1) / 2 + n * (i % 7)) as f32, "allreduce rank {r} element {i}");
-                    }
-                    // The average: the sum scaled once by 1/n (exact here: n is 1, 2 or 4).
-                    let mut a = stream.clone_htod(&host).map_err(cuda)?;
-                    c.allreduce(&mut a, Reduction::Average)?;
-                    let back = stream.clone_dtoh(&a).map_err(cuda)?;
-                    for (i, x) in back.iter().enumerate() {
-                        assert_eq!(*x, (n - 1) as f32 / 2.0 + (i % 7) as f32, "average rank {r} element {i}");
-                    }
-                    let mut out = stream.alloc_zeros::<f32>(count * n).map_err(cuda)?;
-                    c.allgather(&d, &mut out)?;
-                    let back = stream.clone_dtoh(&out).map_err(cuda)?;
-                    assert_eq!(back.len(), count * n);
-                    let mut b = stream.clone_htod(&host).map_err(cuda)?;
-                    c.broadcast(&mut b, n - 1)?;
-                    let back = stream.clone_dtoh(&b).map_err(cuda)?;
-                    assert!(back.iter().enumerate().all(|(i, x)| *x == (n - 1 + i % 7) as f32), "broadcast rank {r}");
-                    let big: Vec<i32> = (0..count * n).map(|i| (r + i % 5) as i32).collect();
-                    let dbig = stream.clone_htod(&big).map_err(cuda)?;
-                    let mut mine = stream.alloc_zeros::<i32>(count).map_err(cuda)?;
-                    c.reduce_scatter(&dbig, &mut mine, Reduction::Sum)?;
-                    let back = stream.clone_dtoh(&mine).map_err(cuda)?;
-                    for (i, x) in back.iter().enumerate() {
-                        assert_eq!(
-                            *x as usize,
-                            n * (n - 1) / 2 + n * ((r * count + i) % 5),
-                            "reduce_scatter rank {r} {i}"
-                        );
-                    }
-                }
-                // An average of integers is refused in words, before anything moves.
-                let ints = stream.alloc_zeros::<i32>(4 * n).map_err(cuda)?;
-                let mut four = stream.alloc_zeros::<i32>(4).map_err(cuda)?;
-                let e = c.reduce_scatter(&ints, &mut four, Reduction::Average).expect_err("an average of i32");
-                assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("average of i32")), "{e}");
-                // Lengths that do not fit are refused in words, before anything moves.
-                let d = stream.alloc_zeros::<f32>(10).map_err(cuda)?;
-                let mut wrong = stream.alloc_zeros::<f32>(10 * n + 1).map_err(cuda)?;
-                let e = c.allgather(&d, &mut wrong).expect_err("the output does not fit");
-                assert!(e.to_string().contains("allgather"), "{e}");
-                Ok(())
-            },
-        ));
-    }
+    on_gpu_ranks(&[1, 2, 4], |ctx| {
+        let (r, n) = (ctx.rank(), ctx.size());
+        let stream = default_stream(0)?;
+        // Small staging buffers, so that the pipeline runs many chunks.
+        let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 10)?;
+        for count in [0usize, 1, 1000, 300_001] {
+            let host: Vec<f32> = (0..count).map(|i| (r + i % 7) as f32).collect();
+            let mut d = stream.clone_htod(&host).map_err(cuda)?;
+            c.allreduce(&mut d, Reduction::Sum)?;
+            let back = stream.clone_dtoh(&d).map_err(cuda)?;
+            for (i, x) in back.iter().enumerate() {
+                assert_eq!(*x, (n * (n - 1) / 2 + n * (i % 7)) as f32, "allreduce rank {r} element {i}");
+            }
+            // The average: the sum scaled once by 1/n (exact here: n is 1, 2 or 4).
+            let mut a = stream.clone_htod(&host).map_err(cuda)?;
+            c.allreduce(&mut a, Reduction::Average)?;
+            let back = stream.clone_dtoh(&a).map_err(cuda)?;
+            for (i, x) in back.iter().enumerate() {
+                assert_eq!(*x, (n - 1) as f32 / 2.0 + (i % 7) as f32, "average rank {r} element {i}");
+            }
+            let mut out = stream.alloc_zeros::<f32>(count * n).map_err(cuda)?;
+            c.allgather(&d, &mut out)?;
+            let back = stream.clone_dtoh(&out).map_err(cuda)?;
+            assert_eq!(back.len(), count * n);
+            let mut b = stream.clone_htod(&host).map_err(cuda)?;
+            c.broadcast(&mut b, n - 1)?;
+            let back = stream.clone_dtoh(&b).map_err(cuda)?;
+            assert!(back.iter().enumerate().all(|(i, x)| *x == (n - 1 + i % 7) as f32), "broadcast rank {r}");
+            let big: Vec<i32> = (0..count * n).map(|i| (r + i % 5) as i32).collect();
+            let dbig = stream.clone_htod(&big).map_err(cuda)?;
+            let mut mine = stream.alloc_zeros::<i32>(count).map_err(cuda)?;
+            c.reduce_scatter(&dbig, &mut mine, Reduction::Sum)?;
+            let back = stream.clone_dtoh(&mine).map_err(cuda)?;
+            for (i, x) in back.iter().enumerate() {
+                assert_eq!(*x as usize, n * (n - 1) / 2 + n * ((r * count + i) % 5), "reduce_scatter rank {r} {i}");
+            }
+        }
+        // An average of integers is refused in words, before anything moves.
+        let ints = stream.alloc_zeros::<i32>(4 * n).map_err(cuda)?;
+        let mut four = stream.alloc_zeros::<i32>(4).map_err(cuda)?;
+        let e = c.reduce_scatter(&ints, &mut four, Reduction::Average).expect_err("an average of i32");
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("average of i32")), "{e}");
+        // Lengths that do not fit are refused in words, before anything moves.
+        let d = stream.alloc_zeros::<f32>(10).map_err(cuda)?;
+        let mut wrong = stream.alloc_zeros::<f32>(10 * n + 1).map_err(cuda)?;
+        let e = c.allgather(&d, &mut wrong).expect_err("the output does not fit");
+        assert!(e.to_string().contains("allgather"), "{e}");
+        Ok(())
+    });
 }
 
 /// Rank `p`'s element `i` in the typed test: small integers, exact in every element type.
@@ -165,25 +161,15 @@ where
 
 #[test]
 fn every_element_type_and_reduction_on_gpu_buffers_match_the_reference() {
-    let Some(_) = gpu() else { return };
-    for n in [2usize, 3] {
-        let store = HashStore::new();
-        all_ok(run_ranks_on(
-            n,
-            &store,
-            &|| Ok(Device::in_process()),
-            |b| b,
-            |ctx| {
-                let stream = default_stream(0)?;
-                let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 10)?;
-                typed::<f64>(&ctx, &stream, &mut c, |x| x as f64)?;
-                typed::<ferrogloo::f16>(&ctx, &stream, &mut c, |x| ferrogloo::f16::from_f32(x as f32))?;
-                typed::<ferrogloo::bf16>(&ctx, &stream, &mut c, |x| ferrogloo::bf16::from_f32(x as f32))?;
-                typed::<i64>(&ctx, &stream, &mut c, |x| x as i64)?;
-                typed::<u8>(&ctx, &stream, &mut c, |x| x as u8)
-            },
-        ));
-    }
+    on_gpu_ranks(&[2, 3], |ctx| {
+        let stream = default_stream(0)?;
+        let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 10)?;
+        typed::<f64>(&ctx, &stream, &mut c, |x| x as f64)?;
+        typed::<ferrogloo::f16>(&ctx, &stream, &mut c, |x| ferrogloo::f16::from_f32(x as f32))?;
+        typed::<ferrogloo::bf16>(&ctx, &stream, &mut c, |x| ferrogloo::bf16::from_f32(x as f32))?;
+        typed::<i64>(&ctx, &stream, &mut c, |x| x as i64)?;
+        typed::<u8>(&ctx, &stream, &mut c, |x| x as u8)
+    });
 }
 
 /// A call is ordered on the user's stream by its own events, with cudarc's event tracking off:
@@ -193,79 +179,63 @@ fn every_element_type_and_reduction_on_gpu_buffers_match_the_reference() {
 /// guards the exit event should the call return earlier.)
 #[test]
 fn a_call_is_ordered_on_the_users_stream_without_event_tracking() {
-    let Some(_) = gpu() else { return };
-    let store = HashStore::new();
-    all_ok(run_ranks_on(
-        2,
-        &store,
-        &|| Ok(Device::in_process()),
-        |b| b,
-        |ctx| {
-            let r = ctx.rank();
-            let gpu = ferrogloo::gpu::cudarc::driver::CudaContext::new(0).map_err(cuda)?;
-            // SAFETY: every buffer of this test is made after this call, so none expects tracking.
-            unsafe { gpu.disable_event_tracking() };
-            let stream = gpu.new_stream().map_err(cuda)?;
-            let mut c = Cuda::new(&ctx, stream.clone())?;
-            let count = 16usize << 20;
-            let host: Vec<f32> = (0..count).map(|i| (r + i % 7) as f32).collect();
-            let src = stream.clone_htod(&host).map_err(cuda)?;
-            let filler = stream.alloc_zeros::<u8>(1 << 30).map_err(cuda)?;
-            let mut sink = stream.alloc_zeros::<u8>(1 << 30).map_err(cuda)?;
-            let mut buf = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
-            let mut out = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
-            stream.synchronize().map_err(cuda)?;
-            for round in 0..3 {
-                stream.memset_zeros(&mut buf).map_err(cuda)?;
-                // Milliseconds of copies queued before the buffer gets its values.
-                for _ in 0..16 {
-                    stream.memcpy_dtod(&filler, &mut sink).map_err(cuda)?;
-                }
-                stream.memcpy_dtod(&src, &mut buf).map_err(cuda)?;
-                c.allreduce(&mut buf, Reduction::Sum)?;
-                stream.memcpy_dtod(&buf, &mut out).map_err(cuda)?;
-                let back = stream.clone_dtoh(&out).map_err(cuda)?;
-                if let Some(i) = (0..count).find(|&i| back[i] != (1 + 2 * (i % 7)) as f32) {
-                    panic!("round {round}, rank {r}: element {i} is {}, expected {}", back[i], 1 + 2 * (i % 7));
-                }
+    on_gpu_ranks(&[2], |ctx| {
+        let r = ctx.rank();
+        let gpu = ferrogloo::gpu::cudarc::driver::CudaContext::new(0).map_err(cuda)?;
+        // SAFETY: every buffer of this test is made after this call, so none expects tracking.
+        unsafe { gpu.disable_event_tracking() };
+        let stream = gpu.new_stream().map_err(cuda)?;
+        let mut c = Cuda::new(&ctx, stream.clone())?;
+        let count = 16usize << 20;
+        let host: Vec<f32> = (0..count).map(|i| (r + i % 7) as f32).collect();
+        let src = stream.clone_htod(&host).map_err(cuda)?;
+        let filler = stream.alloc_zeros::<u8>(1 << 30).map_err(cuda)?;
+        let mut sink = stream.alloc_zeros::<u8>(1 << 30).map_err(cuda)?;
+        let mut buf = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
+        let mut out = stream.alloc_zeros::<f32>(count).map_err(cuda)?;
+        stream.synchronize().map_err(cuda)?;
+        for round in 0..3 {
+            stream.memset_zeros(&mut buf).map_err(cuda)?;
+            // Milliseconds of copies queued before the buffer gets its values.
+            for _ in 0..16 {
+                stream.memcpy_dtod(&filler, &mut sink).map_err(cuda)?;
             }
-            Ok(())
-        },
-    ));
+            stream.memcpy_dtod(&src, &mut buf).map_err(cuda)?;
+            c.allreduce(&mut buf, Reduction::Sum)?;
+            stream.memcpy_dtod(&buf, &mut out).map_err(cuda)?;
+            let back = stream.clone_dtoh(&out).map_err(cuda)?;
+            if let Some(i) = (0..count).find(|&i| back[i] != (1 + 2 * (i % 7)) as f32) {
+                panic!("round {round}, rank {r}: element {i} is {}, expected {}", back[i], 1 + 2 * (i % 7));
+            }
+        }
+        Ok(())
+    });
 }
 
 /// Staging buffers larger than a call's pieces, so that the pieces measured at the first call
 /// (not the buffer size) decide how a 64 MiB call is cut, on every rank alike.
 #[test]
 fn measured_pieces_cut_large_calls_alike_on_every_rank() {
-    let Some(_) = gpu() else { return };
-    let store = HashStore::new();
-    all_ok(run_ranks_on(
-        2,
-        &store,
-        &|| Ok(Device::in_process()),
-        |b| b,
-        |ctx| {
-            let (r, n) = (ctx.rank(), ctx.size());
-            let stream = default_stream(0)?;
-            let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 20)?;
-            let count = (64 << 20) / 4 + 3;
-            let host: Vec<f32> = (0..count).map(|i| (r + i % 11) as f32).collect();
-            for round in 0..2 {
-                let mut d = stream.clone_htod(&host).map_err(cuda)?;
-                c.allreduce(&mut d, Reduction::Sum)?;
-                let back = stream.clone_dtoh(&d).map_err(cuda)?;
-                if let Some(i) = (0..count).find(|&i| back[i] != (n * (n - 1) / 2 + n * (i % 11)) as f32) {
-                    panic!("round {round}, rank {r}: element {i} is {}", back[i]);
-                }
-                let mut b = stream.clone_htod(&host).map_err(cuda)?;
-                c.broadcast(&mut b, 1)?;
-                let back = stream.clone_dtoh(&b).map_err(cuda)?;
-                if let Some(i) = (0..count).find(|&i| back[i] != (1 + i % 11) as f32) {
-                    panic!("broadcast round {round}, rank {r}: element {i} is {}", back[i]);
-                }
+    on_gpu_ranks(&[2], |ctx| {
+        let (r, n) = (ctx.rank(), ctx.size());
+        let stream = default_stream(0)?;
+        let mut c = Cuda::with_chunk_bytes(&ctx, stream.clone(), 64 << 20)?;
+        let count = (64 << 20) / 4 + 3;
+        let host: Vec<f32> = (0..count).map(|i| (r + i % 11) as f32).collect();
+        for round in 0..2 {
+            let mut d = stream.clone_htod(&host).map_err(cuda)?;
+            c.allreduce(&mut d, Reduction::Sum)?;
+            let back = stream.clone_dtoh(&d).map_err(cuda)?;
+            if let Some(i) = (0..count).find(|&i| back[i] != (n * (n - 1) / 2 + n * (i % 11)) as f32) {
+                panic!("round {round}, rank {r}: element {i} is {}", back[i]);
             }
-            Ok(())
-        },
-    ));
+            let mut b = stream.clone_htod(&host).map_err(cuda)?;
+            c.broadcast(&mut b, 1)?;
+            let back = stream.clone_dtoh(&b).map_err(cuda)?;
+            if let Some(i) = (0..count).find(|&i| back[i] != (1 + i % 11) as f32) {
+                panic!("broadcast round {round}, rank {r}: element {i} is {}", back[i]);
+            }
+        }
+        Ok(())
+    });
 }

@@ -93,7 +93,7 @@ pub(crate) struct Core {
     /// (every rank keeps the same ones: see [`Core::forget_travelled`]).
     kept: Vec<HashMap<u32, Kept>>,
     /// Every rank of the context (the idle wait's peers), made once.
-    all: Vec<usize>,
+    all: Arc<[usize]>,
     /// The buffers of this rank's envelopes (to the coordinator, to the others), reused.
     envelopes: [Vec<u8>; 2],
     /// Storage for the folds of [`reduce_eager`](Self::reduce_eager), reused.
@@ -333,14 +333,7 @@ impl Core {
     /// here), or a peer's state message (a cycle began). Returns the peer's message, or `None`
     /// for news of this rank; or says to let go ([`Mode`]).
     fn idle(&mut self, mode: &Mode<'_>) -> Result<Idle> {
-        let all = std::mem::take(&mut self.all);
-        let idle = self.idle_on(mode, &all);
-        self.all = all;
-        idle
-    }
-
-    /// [`idle`](Self::idle), waiting for messages from `all` (every rank).
-    fn idle_on(&mut self, mode: &Mode<'_>, all: &[usize]) -> Result<Idle> {
+        let all = self.all.clone();
         loop {
             // Set before looking for news, so that a submission either is seen here or sees
             // the flag and sends the wake-up message (shared.rs).
@@ -360,13 +353,13 @@ impl Core {
             let got = match mode {
                 Mode::Background => {
                     let sh = &self.sh;
-                    self.inbox.wait_interruptibly(all, until, || sh.waiting.load(Ordering::SeqCst) == 0)
+                    self.inbox.wait_interruptibly(&all, until, || sh.waiting.load(Ordering::SeqCst) == 0)
                 }
                 Mode::Caller { .. } => {
                     // A caller waiting for its own result busy-waits as callers do, then
                     // sleeps as the only thread waiting on the mesh.
                     let spin = BusyWait { alone: true, ..self.ctx.comm().spin() };
-                    self.inbox.wait_as(all, until, spin)
+                    self.inbox.wait_as(&all, until, spin)
                 }
             };
             self.sh.on_inbox.store(false, Ordering::SeqCst);
@@ -491,7 +484,8 @@ impl Core {
             wire::envelope_into(&mut to_others, out.to((COORDINATOR + 1) % n.max(1)), &eager);
         }
         drop(eager);
-        let exchanged = self.exchange_envelopes(first, newly, &to_coordinator, others_differ.then_some(&to_others));
+        let exchanged =
+            self.exchange_envelopes(first, newly, &to_coordinator, others_differ.then_some(to_others.as_slice()));
         for b in [&mut to_coordinator, &mut to_others] {
             // A cycle's rare large message (many names at once) is not kept.
             if b.capacity() > ENVELOPE_KEPT_BYTES {
@@ -509,7 +503,7 @@ impl Core {
         first: Option<(usize, Vec<u8>)>,
         newly: Vec<(u32, u64, usize)>,
         to_coordinator: &[u8],
-        to_others: Option<&Vec<u8>>,
+        to_others: Option<&[u8]>,
     ) -> Result<()> {
         let (me, n) = (self.rank, self.size);
         self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
@@ -521,7 +515,7 @@ impl Core {
             let mut sends: SmallVec<[_; 8]> = SmallVec::new();
             for p in (0..n).filter(|&p| p != me) {
                 let msg = match to_others {
-                    Some(m) if p != COORDINATOR => m.as_slice(),
+                    Some(m) if p != COORDINATOR => m,
                     _ => to_coordinator,
                 };
                 sends.push(s.isend(p, CONTROL_TAG, msg)?);
@@ -561,10 +555,8 @@ impl Core {
             self.keep(p, slot, Arc::new(msg), at, len);
             return Ok(());
         }
-        let copies: SmallVec<[(u32, Vec<u8>); 4]> = tensors.iter().map(|(slot, b)| (*slot, b.to_vec())).collect();
-        for (slot, bytes) in copies {
-            let len = bytes.len();
-            self.keep(p, slot, Arc::new(bytes), 0, len);
+        for (slot, bytes) in tensors {
+            self.keep(p, slot, Arc::new(bytes.to_vec()), 0, bytes.len());
         }
         Ok(())
     }

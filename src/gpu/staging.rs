@@ -485,6 +485,7 @@ mod tests {
     use super::host::HostStaging;
     use super::{Op, Rates, collective, piece_bytes};
     use crate::algorithms::CollectiveOptions;
+    use crate::context::testing::ranks;
     use crate::rendezvous::HashStore;
     use crate::types::{DType, Reduction};
     use crate::{Context, Device};
@@ -531,33 +532,20 @@ mod tests {
         seed: u64,
     ) -> Vec<Vec<u8>> {
         let rates = rate.map(|b| Rates { down: (0.0, b), up: (0.0, b), host: 1.0 });
-        let store = HashStore::new();
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..n)
-                .map(|r| {
-                    let store = &store;
-                    s.spawn(move || {
-                        let ctx = Context::builder(r, n)
-                            .timeout(Duration::from_secs(20))
-                            .connect(store, &Device::in_process())
-                            .unwrap();
-                        let elems = if matches!(op, Op::ReduceScatter(_)) { count * n } else { count };
-                        let input = encode(dtype, &(0..elems).map(|i| val(seed, r, i)).collect::<Vec<_>>());
-                        let len = input.len();
-                        let output = match op {
-                            Op::Allgather => Some(vec![0xAB; len * n]),
-                            Op::ReduceScatter(_) => Some(vec![0xAB; len / n]),
-                            _ => None,
-                        };
-                        let mut st = HostStaging::new(input, output, chunk, seed ^ r as u64);
-                        collective(&ctx, &mut st, op, dtype, len, &CollectiveOptions::default(), rates.as_ref())
-                            .unwrap();
-                        assert_eq!(st.in_flight.load(Ordering::SeqCst), 0, "a copy outlived the collective");
-                        st.result().to_vec()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        ranks(n, &Device::in_process(), |ctx| {
+            let r = ctx.rank();
+            let elems = if matches!(op, Op::ReduceScatter(_)) { count * n } else { count };
+            let input = encode(dtype, &(0..elems).map(|i| val(seed, r, i)).collect::<Vec<_>>());
+            let len = input.len();
+            let output = match op {
+                Op::Allgather => Some(vec![0xAB; len * n]),
+                Op::ReduceScatter(_) => Some(vec![0xAB; len / n]),
+                _ => None,
+            };
+            let mut st = HostStaging::new(input, output, chunk, seed ^ r as u64);
+            collective(&ctx, &mut st, op, dtype, len, &CollectiveOptions::default(), rates.as_ref())?;
+            assert_eq!(st.in_flight.load(Ordering::SeqCst), 0, "a copy outlived the collective");
+            Ok(st.result().to_vec())
         })
     }
 
@@ -617,28 +605,15 @@ mod tests {
 
     #[test]
     fn ranks_that_measured_differently_agree_on_the_largest_figures() {
-        let n = 3;
-        let store = HashStore::new();
-        let got: Vec<Rates> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..n)
-                .map(|r| {
-                    let store = &store;
-                    s.spawn(move || {
-                        let ctx = Context::builder(r, n)
-                            .timeout(Duration::from_secs(20))
-                            .connect(store, &Device::in_process())
-                            .unwrap();
-                        // Rank 1 measured the slowest copies from the device, rank 2 to it.
-                        let f = r as f64 + 1.0;
-                        let down = if r == 1 { (9e-6, 9e-11) } else { (f * 1e-6, f * 1e-11) };
-                        let up = if r == 2 { (8e-6, 8e-11) } else { (f * 1e-7, f * 1e-12) };
-                        // Options a broadcast may carry: the agreement's allreduces ignore the algorithm.
-                        let opts = CollectiveOptions::default().algorithm(crate::Algorithm::BinomialTree);
-                        Rates::agree(&ctx, down, up, &opts).unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let got: Vec<Rates> = ranks(3, &Device::in_process(), |ctx| {
+            // Rank 1 measured the slowest copies from the device, rank 2 to it.
+            let r = ctx.rank();
+            let f = r as f64 + 1.0;
+            let down = if r == 1 { (9e-6, 9e-11) } else { (f * 1e-6, f * 1e-11) };
+            let up = if r == 2 { (8e-6, 8e-11) } else { (f * 1e-7, f * 1e-12) };
+            // Options a broadcast may carry: the agreement's allreduces ignore the algorithm.
+            let opts = CollectiveOptions::default().algorithm(crate::Algorithm::BinomialTree);
+            Rates::agree(&ctx, down, up, &opts)
         });
         for r in &got {
             assert_eq!(r, &got[0], "every rank holds the same rates");
