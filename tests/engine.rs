@@ -11,10 +11,78 @@ use ferrogloo::{Context, Error, Result, f16};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-/// Runs `f` on `n` ranks that are threads, each with its own engine (on in-process pairs).
+/// Set (to `shm`) in the process that [`every_test_again_through_the_shared_area`] starts: this
+/// file's tests then run on shared memory, where the engine negotiates through the host's area.
+const DEVICE_ENV: &str = "FERROGLOO_TEST_ENGINE_DEVICE";
+
+/// The ranks' device: in-process pairs (the engine negotiates over the pairs, as over TCP), or
+/// shared memory where [`DEVICE_ENV`] says so.
+fn device() -> Result<Device> {
+    match std::env::var(DEVICE_ENV).as_deref() {
+        Ok("shm") => Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
+        _ => Ok(Device::in_process()),
+    }
+}
+
+/// Runs `f` on `n` ranks that are threads, each with its own engine (on [`device`]).
 fn engines<T: Send>(n: usize, cfg: EngineConfig, f: impl Fn(Engine) -> Result<T> + Sync) -> Vec<Result<T>> {
     let store = HashStore::new();
-    common::run_ranks_on(n, &store, &|| Ok(Device::in_process()), |b| b, |ctx| f(Engine::new(ctx, cfg.clone())?))
+    common::run_ranks_on(n, &store, &device, |b| b, |ctx| f(Engine::new(ctx, cfg.clone())?))
+}
+
+/// Every other test of this file once more, in a process of their own, on shared memory: where
+/// every rank shares one host's area the engine's cycles go through it (one step each, with
+/// nudges to ranks that wait idle), not over the pairs.
+#[test]
+fn every_test_again_through_the_shared_area() {
+    if std::env::var_os(DEVICE_ENV).is_some() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("a directory for the child's output");
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--skip", "every_test_again_through_the_shared_area"])
+        .env(DEVICE_ENV, "shm")
+        .stdout(std::fs::File::create(&out).expect("the child's stdout"))
+        .stderr(std::fs::File::create(&err).expect("the child's stderr"))
+        .spawn()
+        .expect("spawn this file's tests again");
+    let status = common::wait_or_kill(&mut child, Instant::now() + Duration::from_secs(600));
+    let said = |p: &std::path::Path| std::fs::read_to_string(p).unwrap_or_default();
+    let (out, err) = (said(&out), said(&err));
+    assert!(
+        status.is_some_and(|s| s.success()) && out.contains("test result: ok"),
+        "this file's tests on shared memory ended with {status:?} (None: killed after 600 s)\n{out}\n{err}"
+    );
+}
+
+/// A cycle whose state does not fit a slot of the host's area (1,500 names of 4,000 bytes
+/// submitted at once: about 6 MB to the coordinator, against 2 MiB slots) goes over the pairs
+/// for that cycle; the next ones, cached and small, through the area again. On in-process pairs
+/// (no area) every cycle goes over the pairs.
+#[test]
+fn a_state_larger_than_a_slot_of_the_area_goes_over_the_pairs() {
+    const NAMES: usize = 1500;
+    let r = engines(3, EngineConfig { cache_capacity: 4096, ..cfg() }, |e| {
+        let r = e.rank() as i32;
+        let name = |t: usize| format!("{t:05}-{}", "x".repeat(4000));
+        for round in 0..3 {
+            let hs: Vec<_> = (0..NAMES)
+                .map(|t| e.allreduce(&name(t), vec![r + t as i32 + round; 2], Reduction::Sum))
+                .collect::<Result<_>>()?;
+            for (t, h) in hs.into_iter().enumerate() {
+                let got = h.wait()?;
+                let want = 3 * (t as i32 + round) + 3;
+                if got.data != [want; 2] {
+                    return Err(Error::invalid(format!("round {round}, tensor {t}: {:?}, want {want}", got.data)));
+                }
+            }
+        }
+        Ok(e.stats())
+    });
+    for st in all_ok(r) {
+        assert_eq!(st.cache_hits as usize, 2 * NAMES, "the second and third rounds hit the cache: {st:?}");
+    }
 }
 
 /// A small deterministic generator (each rank its own stream).
@@ -489,10 +557,11 @@ fn a_panicking_callback_fails_every_rank_with_its_cause() {
             registered.wait();
             e.allreduce("cb", vec![1u16; 3], Reduction::Sum)?.wait()?;
         }
-        // Once it ran (the background thread runs callbacks, so that may be after a few more
-        // collectives), every collective fails everywhere with the panic as its cause.
+        // Once it ran (the background thread runs callbacks, so that may be after many more
+        // collectives: on a busy machine, thousands), every collective fails everywhere with
+        // the panic as its cause.
         let start = Instant::now();
-        for i in 0..10_000 {
+        for i in 0.. {
             let out = e.allreduce(&format!("next{}", i % 4), vec![1u16; 3], Reduction::Sum).and_then(|h| h.wait());
             if let Err(err) = out {
                 return Ok(Some(err.to_string()));
@@ -546,7 +615,7 @@ fn process_sets_negotiate_on_their_own() {
     let r = common::run_ranks_on(
         4,
         &store,
-        &|| Ok(Device::in_process()),
+        &device,
         |b| b,
         |ctx: Context| {
             let evens = ctx.split(Some((ctx.rank() % 2) as u32), 0)?.ok_or_else(|| Error::invalid("no group"))?;
@@ -755,7 +824,7 @@ fn ranks_with_different_fusion_thresholds_are_refused_at_start() {
     let r = common::run_ranks_on(
         2,
         &store,
-        &|| Ok(Device::in_process()),
+        &device,
         |b| b,
         |ctx: Context| {
             let t = if ctx.rank() == 0 { 1 << 20 } else { 2 << 20 };
@@ -765,6 +834,25 @@ fn ranks_with_different_fusion_thresholds_are_refused_at_start() {
     for (rank, r) in r.into_iter().enumerate() {
         let e = r.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("fusion threshold") && e.contains("HOROVOD_FUSION_THRESHOLD"), "rank {rank}: {e}");
+    }
+}
+
+#[test]
+fn ranks_that_negotiate_differently_are_refused_at_start() {
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        2,
+        &store,
+        &device,
+        |b| b,
+        |ctx: Context| {
+            let through_area = ctx.rank() == 0;
+            Engine::new(ctx, EngineConfig { negotiate_through_area: through_area, ..cfg() }).map(drop)
+        },
+    );
+    for (rank, r) in r.into_iter().enumerate() {
+        let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("negotiates") && e.contains("FERROGLOO_ENGINE_AREA"), "rank {rank}: {e}");
     }
 }
 
@@ -928,7 +1016,7 @@ fn an_engine_on_a_sub_group_whose_ranks_differ_from_the_jobs_negotiates_and_redu
     let r = common::run_ranks_on(
         4,
         &store,
-        &|| Ok(Device::in_process()),
+        &device,
         |b| b,
         |ctx: Context| {
             if ctx.rank() == 0 {
@@ -968,13 +1056,7 @@ fn engines_with_model<T: Send>(
     f: impl Fn(Engine) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
     let store = HashStore::new();
-    common::run_ranks_on(
-        n,
-        &store,
-        &|| Ok(Device::in_process()),
-        |b| b.cost_model(model),
-        |ctx| f(Engine::new(ctx, cfg.clone())?),
-    )
+    common::run_ranks_on(n, &store, &device, |b| b.cost_model(model), |ctx| f(Engine::new(ctx, cfg.clone())?))
 }
 
 /// A model under which tensors of tens of KiB travel with the negotiation (α large against

@@ -176,6 +176,24 @@ impl<'a> Local<'a> {
         Ok(Step { l: self, t })
     }
 
+    /// [`step`](Self::step), with `arrived` run between this rank's arrival and its wait
+    /// (to wake members that are not waiting in the area).
+    pub(crate) fn step_then<T: Element>(
+        &mut self,
+        write: impl FnOnce(&mut [T]),
+        arrived: impl FnOnce(),
+    ) -> Result<Step<'_, 'a>> {
+        let t = self.area.next_step();
+        write_own(self.area, t, write);
+        self.area.arrive(t, &self.desc);
+        arrived();
+        self.area.wait_all(t, &self.desc, self.deadline, self.busy).map_err(|w| {
+            self.leave();
+            self.error(w)
+        })?;
+        Ok(Step { l: self, t })
+    }
+
     #[inline]
     fn arrive_and_wait(&self, t: u64) -> Result<()> {
         self.area.arrive(t, &self.desc);

@@ -304,8 +304,10 @@ fn the_engine_s_settings_read_from_a_lookup() {
         (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, "9"),
         (HOROVOD_TIMELINE, "/tmp/t.json"),
         (FERROGLOO_TIMELINE_ALL_RANKS, "yes"),
+        (FERROGLOO_ENGINE_AREA, "0"),
     ]))
     .unwrap();
+    assert!(!c.negotiate_through_area && EngineConfig::default().negotiate_through_area);
     assert_eq!((c.fusion_threshold, c.fusion_max_tensor, c.cache_capacity), (1000, 10, 0));
     assert_eq!((c.batch_window, c.batch_gap), (Duration::from_micros(2500), Duration::from_micros(7)));
     assert_eq!((c.stall_check, c.stall_shutdown), (Some(Duration::from_secs(5)), Some(Duration::from_secs(9))));
@@ -387,6 +389,7 @@ fn setting_a_variable_to_its_documented_default_changes_nothing() {
         HOROVOD_STALL_CHECK_DISABLE,
         HOROVOD_STALL_SHUTDOWN_TIME_SECONDS,
         FERROGLOO_TIMELINE_ALL_RANKS,
+        FERROGLOO_ENGINE_AREA,
     ] {
         assert_eq!(EngineConfig::from_vars(&with(name)).unwrap(), EngineConfig::default(), "{name}");
     }

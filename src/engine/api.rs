@@ -63,11 +63,13 @@ impl Engine {
             joined: AtomicBool::new(false),
             epoch: Instant::now(),
         });
-        // Fusion decides the sequence of collectives: every rank must use the same limits.
-        let mine = [config.fusion_threshold as u64, config.fusion_max_tensor as u64];
-        let mut all = vec![0u64; 2 * ctx.size()];
+        // Fusion decides the sequence of collectives, and the area setting how the cycles'
+        // states travel: every rank must use the same.
+        let mine =
+            [config.fusion_threshold as u64, config.fusion_max_tensor as u64, u64::from(config.negotiate_through_area)];
+        let mut all = vec![0u64; 3 * ctx.size()];
         ctx.allgather(&mine, &mut all, &crate::CollectiveOptions::default())?;
-        if let Some(r) = (0..ctx.size()).find(|&r| all[2 * r..2 * r + 2] != mine) {
+        if let Some(r) = (0..ctx.size()).find(|&r| all[3 * r..3 * r + 2] != mine[..2]) {
             let w = |r: usize| ctx.world_rank(r).unwrap_or(r);
             return Err(Error::Mismatch {
                 rank: w(r),
@@ -75,11 +77,25 @@ impl Engine {
                     "engine: rank {} has a fusion threshold of {} bytes and fuses tensors up to {} bytes, rank {} {} and {} \
                      (set HOROVOD_FUSION_THRESHOLD and FERROGLOO_FUSION_MAX_TENSOR alike everywhere)",
                     w(r),
-                    all[2 * r],
-                    all[2 * r + 1],
+                    all[3 * r],
+                    all[3 * r + 1],
                     w(ctx.rank()),
                     mine[0],
                     mine[1]
+                ),
+            });
+        }
+        if let Some(r) = (0..ctx.size()).find(|&r| all[3 * r + 2] != mine[2]) {
+            let w = |r: usize| ctx.world_rank(r).unwrap_or(r);
+            let say = |on: u64| if on == 1 { "through the shared-memory area" } else { "over the pairs" };
+            return Err(Error::Mismatch {
+                rank: w(r),
+                detail: format!(
+                    "engine: rank {} negotiates {}, rank {} {} (set FERROGLOO_ENGINE_AREA alike everywhere)",
+                    w(r),
+                    say(all[3 * r + 2]),
+                    w(ctx.rank()),
+                    say(mine[2])
                 ),
             });
         }

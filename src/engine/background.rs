@@ -15,10 +15,12 @@ use super::shared::{EngineState, Submission, TimelineCommand};
 use super::timeline::Timeline;
 use super::wire;
 use crate::Context;
+use crate::algorithms::{CollectiveOptions, local};
 use crate::comm::{Interrupter, PersistentRecv, SLEEPING};
 use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::transport::BusyWait;
+use crate::transport::{BusyWait, LocalArea};
+use crate::types::{Call, OpDesc};
 use rustc_hash::FxHashMap as HashMap;
 use smallvec::SmallVec;
 use std::io::Write as _;
@@ -94,6 +96,9 @@ pub(crate) struct Core {
     kept: Vec<HashMap<u32, Kept>>,
     /// Every rank of the context (the idle wait's peers), made once.
     all: Arc<[usize]>,
+    /// The host's area, where every rank of the context shares it: the cycles' state
+    /// messages go through it ([`exchange_area`](Self::exchange_area)), not over the pairs.
+    area: Option<Arc<dyn LocalArea>>,
     /// The buffers of this rank's envelopes (to the coordinator, to the others), reused.
     envelopes: [Vec<u8>; 2],
     /// Storage for the folds of [`reduce_eager`](Self::reduce_eager), reused.
@@ -157,6 +162,75 @@ fn eager_limit(ctx: &Context) -> usize {
     limit
 }
 
+/// Marks the engine's exchanges through the area (their descriptors' `extra`).
+const EXCHANGE: u64 = 0x656e_6769_6e65_7863;
+/// The first word of a rank's slot in an exchange: one envelope (for every rank), two (to
+/// the coordinator, then to the others), or none (too large for the slot: it comes over the
+/// pair, as without an area).
+const ONE_ENVELOPE: u64 = 1;
+const TWO_ENVELOPES: u64 = 2;
+const BY_MESSAGE: u64 = 3;
+
+/// The area the engine's exchanges go through: the host's, where it holds every rank of the
+/// context as its members in rank order and says when steps begin (and the configuration
+/// lets it: [`EngineConfig::negotiate_through_area`]).
+fn exchange_area_of(ctx: &Context, cfg: &EngineConfig) -> Option<Arc<dyn LocalArea>> {
+    if !cfg.negotiate_through_area {
+        return None;
+    }
+    let area = ctx.comm().local_area()?;
+    let in_order = area.members().iter().enumerate().all(|(i, &m)| i == m);
+    (area.signals() && in_order && area.members().len() == ctx.size() && ctx.size() > 1).then(|| area.clone())
+}
+
+/// Writes `envelopes` into `slot` (see [`ONE_ENVELOPE`]); false where they do not fit.
+fn put_envelopes(slot: &mut [u8], envelopes: &[&[u8]]) -> bool {
+    let need = 8 + envelopes.iter().map(|e| 8 + e.len()).sum::<usize>();
+    if need > slot.len() {
+        slot[..8].copy_from_slice(&BY_MESSAGE.to_le_bytes());
+        return false;
+    }
+    slot[..8].copy_from_slice(&(envelopes.len() as u64).to_le_bytes());
+    let mut at = 8;
+    for e in envelopes {
+        slot[at..at + 8].copy_from_slice(&(e.len() as u64).to_le_bytes());
+        slot[at + 8..at + 8 + e.len()].copy_from_slice(e);
+        at += 8 + e.len();
+    }
+    true
+}
+
+/// The envelope for rank `me` in a slot [`put_envelopes`] wrote (`None`: it comes by
+/// message), or what is wrong with the slot.
+fn take_envelope(slot: &[u8], me: usize) -> std::result::Result<Option<&[u8]>, String> {
+    let word = |at: usize| -> std::result::Result<u64, String> {
+        let b = slot.get(at..at + 8).ok_or_else(|| format!("a slot of {} bytes ends at byte {at}", slot.len()))?;
+        Ok(u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    };
+    let count = word(0)?;
+    let pick = match count {
+        BY_MESSAGE => return Ok(None),
+        ONE_ENVELOPE => 0,
+        TWO_ENVELOPES if me == COORDINATOR => 0,
+        TWO_ENVELOPES => 1,
+        c => return Err(format!("its slot says {c} envelopes")),
+    };
+    let mut at = 8;
+    for i in 0..=pick {
+        let len = usize::try_from(word(at)?).map_err(|_| "an envelope longer than memory".to_string())?;
+        let body = at
+            .checked_add(8)
+            .and_then(|b| Some(b..b.checked_add(len)?))
+            .and_then(|r| slot.get(r))
+            .ok_or_else(|| format!("an envelope of {len} bytes at byte {at} runs past its slot"))?;
+        if i == pick {
+            return Ok(Some(body));
+        }
+        at += 8 + len;
+    }
+    Err("no envelope".into())
+}
+
 impl Core {
     pub(crate) fn new(
         ctx: Arc<Context>,
@@ -175,6 +249,7 @@ impl Core {
             seen_changes: 0,
             kept: (0..size).map(|_| HashMap::default()).collect(),
             all: (0..size).collect(),
+            area: exchange_area_of(&ctx, &cfg),
             envelopes: Default::default(),
             scratch: Vec::new(),
             deferring: false,
@@ -338,8 +413,17 @@ impl Core {
             // Set before looking for news, so that a submission either is seen here or sees
             // the flag and sends the wake-up message (shared.rs).
             self.sh.on_inbox.store(true, Ordering::SeqCst);
-            if self.has_news() {
+            // A peer that begins a cycle through the area nudges this rank only while it says
+            // it waits idle: said before looking (area.rs: either the peer's arrival is seen
+            // here or the peer sees the flag).
+            if let Some(area) = &self.area {
+                area.set_idle(true);
+            }
+            if self.has_news() || self.area.as_ref().is_some_and(|a| a.started()) {
                 self.sh.on_inbox.store(false, Ordering::SeqCst);
+                if let Some(area) = &self.area {
+                    area.set_idle(false);
+                }
                 // The cycle's own receives must not race the idle one: withdraw it, unless a
                 // message is arriving into it already, which then comes first.
                 self.inbox.withdraw();
@@ -363,7 +447,13 @@ impl Core {
                 }
             };
             self.sh.on_inbox.store(false, Ordering::SeqCst);
+            if let Some(area) = &self.area {
+                area.set_idle(false);
+            }
             match got {
+                // A peer's nudge: a cycle began in the area (the next look finds it), or one
+                // this rank joined already (a nudge sent just before it stopped waiting).
+                Some(Ok((peer, msg))) if peer != self.rank && self.area.is_some() && msg == [wire::WAKE] => {}
                 Some(Ok((peer, msg))) if peer == self.rank => {
                     self.sh.wake_pending.store(false, Ordering::SeqCst);
                     if msg != [wire::WAKE] {
@@ -484,8 +574,11 @@ impl Core {
             wire::envelope_into(&mut to_others, out.to((COORDINATOR + 1) % n.max(1)), &eager);
         }
         drop(eager);
-        let exchanged =
-            self.exchange_envelopes(first, newly, &to_coordinator, others_differ.then_some(to_others.as_slice()));
+        let others = others_differ.then_some(to_others.as_slice());
+        let exchanged = match self.area.clone() {
+            Some(area) => self.exchange_area(&*area, first, newly, &to_coordinator, others),
+            None => self.exchange_envelopes(first, newly, &to_coordinator, others),
+        };
         for b in [&mut to_coordinator, &mut to_others] {
             // A cycle's rare large message (many names at once) is not kept.
             if b.capacity() > ENVELOPE_KEPT_BYTES {
@@ -535,6 +628,114 @@ impl Core {
         })?;
         for (p, msg) in got {
             self.take_state(p, msg)?;
+        }
+        Ok(())
+    }
+
+    /// [`exchange_envelopes`](Self::exchange_envelopes) through the host's area: one step, in
+    /// which each rank writes its envelopes into its slot and reads the others' (the pairs
+    /// carry no message, but for an envelope too large for a slot, and a nudge to a rank that
+    /// waits idle away from the area). `first` is a peer's envelope that came by message.
+    fn exchange_area(
+        &mut self,
+        area: &dyn LocalArea,
+        first: Option<(usize, Vec<u8>)>,
+        newly: Vec<(u32, u64, usize)>,
+        to_coordinator: &[u8],
+        to_others: Option<&[u8]>,
+    ) -> Result<()> {
+        let (me, n) = (self.rank, self.size);
+        self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
+        let ctx = self.ctx.clone();
+        let comm = ctx.comm();
+        let desc = OpDesc::new(Call::Barrier).extra(EXCHANGE);
+        let what = "engine: exchanging the cycle's state through shared memory";
+        let mut fits = true;
+        // Each peer's envelope, or None for one that comes by message.
+        let mut got: SmallVec<[(usize, Option<Vec<u8>>); 8]> = SmallVec::new();
+        local::run(comm, area, what, desc, &CollectiveOptions::default(), |l| {
+            let t = l.step_then(
+                |own: &mut [u8]| {
+                    let envelopes: SmallVec<[&[u8]; 2]> = std::iter::once(to_coordinator).chain(to_others).collect();
+                    fits = put_envelopes(own, &envelopes);
+                },
+                || {
+                    for p in (0..n).filter(|&p| p != me && area.is_idle(p)) {
+                        // A failed peer fails the wait that follows.
+                        let _ = ctx.send(p, CONTROL_TAG, &[wire::WAKE]);
+                    }
+                },
+            )?;
+            for p in (0..n).filter(|&p| p != me) {
+                let envelope = take_envelope(t.read::<u8>(p, 0..area.slot_bytes()), me)
+                    .map_err(|detail| Error::Protocol { peer: Some(self.w(p)), detail: format!("{what}: {detail}") })?;
+                got.push((p, envelope.map(<[u8]>::to_vec)));
+            }
+            Ok(())
+        })?;
+        if !fits {
+            tracing::debug!(
+                rank = self.rank,
+                bytes = to_coordinator.len() + to_others.map_or(0, <[u8]>::len),
+                slot = area.slot_bytes(),
+                "engine: this cycle's state does not fit a slot of the area: it goes over the pairs"
+            );
+        }
+        let mut first = first;
+        let by_message: SmallVec<[usize; 8]> = got
+            .iter()
+            .filter(|(p, e)| e.is_none() && first.as_ref().is_none_or(|(f, _)| f != p))
+            .map(|&(p, _)| p)
+            .collect();
+        let mut received: SmallVec<[(usize, Vec<u8>); 8]> = SmallVec::new();
+        if !fits || !by_message.is_empty() {
+            let own = to_others.unwrap_or(to_coordinator);
+            self.ctx.scope(|s| {
+                let mut sends: SmallVec<[_; 8]> = SmallVec::new();
+                if !fits {
+                    for p in (0..n).filter(|&p| p != me) {
+                        sends.push(s.isend(p, CONTROL_TAG, if p == COORDINATOR { to_coordinator } else { own })?);
+                    }
+                }
+                for &p in &by_message {
+                    // Nudges sent before this cycle may come first.
+                    loop {
+                        let msg = s.irecv_bytes(&[p], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
+                        if msg != [wire::WAKE] {
+                            received.push((p, msg));
+                            break;
+                        }
+                    }
+                }
+                sends.into_iter().try_for_each(|s| s.wait())
+            })?;
+        }
+        for (p, envelope) in got {
+            let msg = match envelope {
+                Some(msg) => msg,
+                None => match first.take_if(|(f, _)| *f == p) {
+                    Some((_, msg)) => msg,
+                    None => match received.iter().position(|(r, _)| *r == p) {
+                        Some(i) => received.swap_remove(i).1,
+                        None => {
+                            return Err(Error::Protocol {
+                                peer: Some(self.w(p)),
+                                detail: format!("{what}: no envelope came"),
+                            });
+                        }
+                    },
+                },
+            };
+            self.take_state(p, msg)?;
+        }
+        if let Some((p, _)) = first {
+            return Err(Error::Protocol {
+                peer: Some(self.w(p)),
+                detail: format!(
+                    "{what}: a state message came from rank {} while its envelope was in its slot",
+                    self.w(p)
+                ),
+            });
         }
         Ok(())
     }
@@ -645,9 +846,15 @@ impl Core {
                 })?;
                 None
             }
-            Responses::Receive => {
-                Some(self.ctx.scope(|s| s.irecv_bytes(&[COORDINATOR], CONTROL_TAG, wire::MAX_MESSAGE)?.wait())?.1)
-            }
+            Responses::Receive => Some(self.ctx.scope(|s| {
+                loop {
+                    let msg = s.irecv_bytes(&[COORDINATOR], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
+                    // A nudge the coordinator sent before this cycle (exchange_area) may come first.
+                    if self.area.is_none() || msg != [wire::WAKE] {
+                        return Ok(msg);
+                    }
+                }
+            })?),
         };
         let Decision { ready, from_coordinator, coordinated, contributors, join_done, shut_by } =
             self.ctl.conclude(responses.as_deref())?;

@@ -2,9 +2,9 @@
 //! variables.
 
 use crate::config::{
-    FERROGLOO_ENGINE_BATCH_GAP_US, FERROGLOO_FUSION_MAX_TENSOR, FERROGLOO_TIMELINE_ALL_RANKS, HOROVOD_CACHE_CAPACITY,
-    HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_DISABLE, HOROVOD_STALL_CHECK_TIME_SECONDS,
-    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, HOROVOD_TIMELINE, Vars,
+    FERROGLOO_ENGINE_AREA, FERROGLOO_ENGINE_BATCH_GAP_US, FERROGLOO_FUSION_MAX_TENSOR, FERROGLOO_TIMELINE_ALL_RANKS,
+    HOROVOD_CACHE_CAPACITY, HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_DISABLE,
+    HOROVOD_STALL_CHECK_TIME_SECONDS, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, HOROVOD_TIMELINE, Vars,
 };
 use crate::error::Result;
 use std::path::PathBuf;
@@ -46,6 +46,10 @@ pub struct EngineConfig {
     /// Every rank writes a timeline, to the file name with `.<rank>` appended. Default off;
     /// `FERROGLOO_TIMELINE_ALL_RANKS` (`1`).
     pub timeline_all_ranks: bool,
+    /// Where every rank of the context shares one host's shared-memory area, each cycle's
+    /// state goes through it (one step of the area, no message but to wake a rank that waits
+    /// idle) instead of over the pairs. Default on; `FERROGLOO_ENGINE_AREA` (`0` for off).
+    pub negotiate_through_area: bool,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +64,7 @@ impl Default for EngineConfig {
             stall_shutdown: None,
             timeline: None,
             timeline_all_ranks: false,
+            negotiate_through_area: true,
         }
     }
 }
@@ -111,6 +116,9 @@ impl EngineConfig {
             c.timeline = Some(p);
         }
         c.timeline_all_ranks = vars.truthy(FERROGLOO_TIMELINE_ALL_RANKS);
+        if let Some(on) = vars.on_off(FERROGLOO_ENGINE_AREA) {
+            c.negotiate_through_area = on;
+        }
         Ok(c)
     }
 }

@@ -43,6 +43,11 @@
 //!   joined, shut down, requests pending, slots to invalidate ORed): a slot every rank has set
 //!   is ready, with no coordinator round trip. The exchange *is* the allreduce: a direct
 //!   all-to-all of the small vectors, which is also how an idle rank learns a cycle began.
+//!   Where every rank of the context shares one host's shared-memory area, the exchange is one
+//!   step of the area instead (each rank writes its state into its slot and reads the others'):
+//!   a rank idle in its loop notices a peer's arrival, and one that sleeps says so in the area
+//!   and gets a one-byte nudge over its pair; a state too large for a slot goes over the pairs
+//!   for that cycle ([`EngineConfig::negotiate_through_area`]).
 //! - **Small tensors travel with the negotiation.** A cached allreduce small enough, by the
 //!   context's [cost model](crate::cost), that sending it to every rank costs less than the
 //!   allreduce it replaces rides in this rank's state message. When a cycle finds it ready and

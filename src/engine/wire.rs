@@ -11,7 +11,8 @@ use crate::error::{Error, Result};
 use crate::types::{DType, Reduction};
 use bytes::BufMut;
 
-/// A rank woke itself (a submission arrived).
+/// A rank woke itself (a submission arrived), or a peer woke it (a cycle began in the host's
+/// area while it slept).
 pub(crate) const WAKE: u8 = 0;
 /// A rank's state in a cycle.
 const STATE: u8 = 1;

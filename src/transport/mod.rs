@@ -655,6 +655,32 @@ pub(crate) trait LocalArea: Send + Sync {
         CopyChoice::Two
     }
 
+    /// Whether the area says when steps begin ([`started`](LocalArea::started)) and which
+    /// members wait idle ([`set_idle`](LocalArea::set_idle)), for a loop that takes steps
+    /// whenever any member begins one (the engine's cycles).
+    fn signals(&self) -> bool {
+        false
+    }
+
+    /// Whether another member has arrived at a step this rank has not taken yet (it began one
+    /// this rank is to join).
+    fn started(&self) -> bool {
+        false
+    }
+
+    /// Says whether this rank waits idle, away from the area (the flag is stored and fenced:
+    /// a member that arrives and then looks at the flag, or this rank that sets it and then
+    /// looks at [`started`](LocalArea::started), sees the other's store: Dekker's).
+    fn set_idle(&self, on: bool) {
+        let _ = on;
+    }
+
+    /// Whether member `m` says it waits idle.
+    fn is_idle(&self, m: usize) -> bool {
+        let _ = m;
+        false
+    }
+
     /// Waits until every member has arrived at `step`, and checks that their calls agree
     /// with `desc`. Busy-waits as `busy` says, then sleeps. Fails at `deadline`
     /// ([`AreaWait::Late`]), when members disagree ([`AreaWait::Disagree`]) or when the pair

@@ -9,6 +9,7 @@
 //! +128  the call of even steps, then of odd steps: 3 words each (an encoded OpDesc)
 //! +192  writing: 1 + the member this rank is writing into (process_vm_writev), or 0
 //! +256  withdrawn: nonzero once this rank left a call early (its wait or copy failed)
+//! +320  idle: nonzero while this rank's engine waits idle, to be nudged when a step begins
 //! ```
 //!
 //! Single-copy collectives write into members' buffers and read from them, straight. A member
@@ -50,6 +51,7 @@ const ASLEEP: usize = LINE;
 const CALLS: usize = 2 * LINE;
 const WRITING: usize = 3 * LINE;
 const WITHDRAWN: usize = 4 * LINE;
+const IDLE: usize = 5 * LINE;
 /// A write into a member goes in pieces of at most this many bytes, the member's withdrawal
 /// looked at before each: a member that withdraws waits for one piece at most (about 0.1 ms)
 /// from a writer that runs, and not at all for one whose process has exited.
@@ -348,6 +350,24 @@ impl LocalArea for ShmArea {
 
     fn copy_choice(&self) -> CopyChoice {
         self.choice
+    }
+
+    fn signals(&self) -> bool {
+        true
+    }
+
+    fn started(&self) -> bool {
+        let next = self.next.load(Ordering::Relaxed) + 1;
+        (0..self.members.len()).any(|m| m != self.me && self.word(m, ARRIVED).load(Ordering::SeqCst) >= next)
+    }
+
+    fn set_idle(&self, on: bool) {
+        self.word(self.me, IDLE).store(u64::from(on), Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    fn is_idle(&self, m: usize) -> bool {
+        self.word(m, IDLE).load(Ordering::SeqCst) != 0
     }
 
     fn arrive(&self, step: u64, desc: &OpDesc) {
