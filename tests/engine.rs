@@ -837,13 +837,15 @@ fn ranks_with_different_fusion_thresholds_are_refused_at_start() {
     }
 }
 
+/// (On shared memory, where the setting decides: without an area every rank goes over the
+/// pairs whatever it says.)
 #[test]
 fn ranks_that_negotiate_differently_are_refused_at_start() {
     let store = HashStore::new();
     let r = common::run_ranks_on(
         2,
         &store,
-        &device,
+        &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
         |b| b,
         |ctx: Context| {
             let through_area = ctx.rank() == 0;

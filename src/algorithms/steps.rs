@@ -5,7 +5,8 @@
 //! returned and before it arrives at `t`; it reads the others' slots of step `t` only after
 //! `wait_all(t)` returned and before it arrives at `t + 1`. Here:
 //!
-//! - this rank's slot is written only inside [`Local::step`] and [`Step::next`], through a
+//! - this rank's slot is written only inside [`Local::step`] (and [`Local::step_then`], the
+//!   same with a call between the arrival and the wait) and [`Step::next`], through a
 //!   `&mut [T]` that lives for the `write` closure they run just before arriving (every earlier
 //!   step of this area was waited for: a [`Step`] exists only once its `wait_all` returned, and
 //!   a call that failed a wait, or that a panic left (a custom fold that panicked), aborts the

@@ -315,6 +315,10 @@ fn the_engine_s_settings_read_from_a_lookup() {
     assert!(c.timeline_all_ranks);
     let off = EngineConfig::from_vars(&map(&[(HOROVOD_STALL_CHECK_DISABLE, "1")])).unwrap();
     assert_eq!(off.stall_check, None);
+    let area = |v: &str| EngineConfig::from_vars(&map(&[(FERROGLOO_ENGINE_AREA, v)]));
+    assert!(!area("off").unwrap().negotiate_through_area && area("yes").unwrap().negotiate_through_area);
+    let e = area("sometimes").unwrap_err();
+    assert!(e.to_string().contains("FERROGLOO_ENGINE_AREA=\"sometimes\""), "{e}");
     let e = EngineConfig::from_vars(&map(&[(HOROVOD_CYCLE_TIME, "-1")])).unwrap_err();
     assert!(e.to_string().contains("HOROVOD_CYCLE_TIME=\"-1\" is not a non-negative number"), "{e}");
 }

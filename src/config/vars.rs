@@ -90,6 +90,17 @@ impl<'a> Vars<'a> {
         matches!(self.text(name).as_deref(), Some("1" | "true" | "yes" | "on"))
     }
 
+    /// `name` as a switch: `1`, `true`, `yes` or `on` is on; `0`, `false`, `no` or `off` is
+    /// off; unset is `None`; anything else is an error naming the variable and its value.
+    pub(crate) fn switch(&self, name: &str) -> Result<Option<bool>> {
+        match self.text(name).as_deref() {
+            None => Ok(None),
+            Some("1" | "true" | "yes" | "on") => Ok(Some(true)),
+            Some("0" | "false" | "no" | "off") => Ok(Some(false)),
+            Some(v) => Err(not(name, v, "1 or 0 (true or false, yes or no, on or off)")),
+        }
+    }
+
     /// `Some(true)` when `name` is `1`, `Some(false)` when it is `0`, else (unset, or another
     /// value) `None`: the caller decides.
     pub(crate) fn on_off(&self, name: &str) -> Option<bool> {

@@ -65,8 +65,8 @@ impl Engine {
         });
         // Fusion decides the sequence of collectives, and the area setting how the cycles'
         // states travel: every rank must use the same.
-        let mine =
-            [config.fusion_threshold as u64, config.fusion_max_tensor as u64, u64::from(config.negotiate_through_area)];
+        let through_area = background::exchange_area_of(&ctx, &config).is_some();
+        let mine = [config.fusion_threshold as u64, config.fusion_max_tensor as u64, u64::from(through_area)];
         let mut all = vec![0u64; 3 * ctx.size()];
         ctx.allgather(&mine, &mut all, &crate::CollectiveOptions::default())?;
         if let Some(r) = (0..ctx.size()).find(|&r| all[3 * r..3 * r + 2] != mine[..2]) {
@@ -91,7 +91,8 @@ impl Engine {
             return Err(Error::Mismatch {
                 rank: w(r),
                 detail: format!(
-                    "engine: rank {} negotiates {}, rank {} {} (set FERROGLOO_ENGINE_AREA alike everywhere)",
+                    "engine: rank {} negotiates {}, rank {} {} (set FERROGLOO_ENGINE_AREA alike everywhere; \
+                     with it on, the ranks of a host that do not all share its shared-memory area go over the pairs)",
                     w(r),
                     say(all[3 * r + 2]),
                     w(ctx.rank()),

@@ -1,6 +1,7 @@
 //! The engine's driving loop: the thin I/O loop around the negotiation's state machine
 //! (`controller.rs`), run by one thread at a time (the background thread, or a caller waiting
-//! for its result: `drive.rs`). It waits idle for a submission or a peer's state message, moves
+//! for its result: `drive.rs`). It waits idle for a submission or a peer's state message (or,
+//! where the cycles go through the host's area, a peer's arrival there), moves
 //! the controller's messages through `comm` (one persistent receive while idle, the cycle's
 //! sends and receives), runs what a cycle decided through `exec.rs`, writes the timeline, and
 //! when anything fails, fails every pending submission with the first cause.
@@ -60,7 +61,8 @@ impl Mode<'_> {
 
 /// What an idle wait ended with.
 enum Idle {
-    /// A cycle begins: with a peer's state message, or (`None`) with this rank's news.
+    /// A cycle begins: with a peer's state message, or (`None`) with this rank's news or a
+    /// peer's arrival in the host's area.
     Cycle(Option<(usize, Vec<u8>)>),
     /// The driver lets go ([`Mode`]).
     LetGo,
@@ -99,6 +101,9 @@ pub(crate) struct Core {
     /// The host's area, where every rank of the context shares it: the cycles' state
     /// messages go through it ([`exchange_area`](Self::exchange_area)), not over the pairs.
     area: Option<Arc<dyn LocalArea>>,
+    /// Nudges from peers that claimed this rank's idle flag and have not been taken from its
+    /// receives yet (each claim sends one: [`LocalArea::claim_idle`]).
+    owed_nudges: usize,
     /// The buffers of this rank's envelopes (to the coordinator, to the others), reused.
     envelopes: [Vec<u8>; 2],
     /// Storage for the folds of [`reduce_eager`](Self::reduce_eager), reused.
@@ -174,7 +179,7 @@ const BY_MESSAGE: u64 = 3;
 /// The area the engine's exchanges go through: the host's, where it holds every rank of the
 /// context as its members in rank order and says when steps begin (and the configuration
 /// lets it: [`EngineConfig::negotiate_through_area`]).
-fn exchange_area_of(ctx: &Context, cfg: &EngineConfig) -> Option<Arc<dyn LocalArea>> {
+pub(crate) fn exchange_area_of(ctx: &Context, cfg: &EngineConfig) -> Option<Arc<dyn LocalArea>> {
     if !cfg.negotiate_through_area {
         return None;
     }
@@ -250,6 +255,7 @@ impl Core {
             kept: (0..size).map(|_| HashMap::default()).collect(),
             all: (0..size).collect(),
             area: exchange_area_of(&ctx, &cfg),
+            owed_nudges: 0,
             envelopes: Default::default(),
             scratch: Vec::new(),
             deferring: false,
@@ -405,8 +411,10 @@ impl Core {
     }
 
     /// Waits for news: a submission on this rank (a message to itself wakes a driver waiting
-    /// here), or a peer's state message (a cycle began). Returns the peer's message, or `None`
-    /// for news of this rank; or says to let go ([`Mode`]).
+    /// here), or a peer's state message (a cycle began), or, where the cycles go through the
+    /// host's area, a peer's arrival there (seen here, or, while this rank sleeps, told by a
+    /// nudge: [`exchange_area`](Self::exchange_area)). Returns the peer's message, or `None`
+    /// for news of this rank or of the area; or says to let go ([`Mode`]).
     fn idle(&mut self, mode: &Mode<'_>) -> Result<Idle> {
         let all = self.all.clone();
         loop {
@@ -417,13 +425,14 @@ impl Core {
             // it waits idle: said before looking (area.rs: either the peer's arrival is seen
             // here or the peer sees the flag).
             if let Some(area) = &self.area {
-                area.set_idle(true);
+                area.set_idle();
             }
             if self.has_news() || self.area.as_ref().is_some_and(|a| a.started()) {
                 self.sh.on_inbox.store(false, Ordering::SeqCst);
-                if let Some(area) = &self.area {
-                    area.set_idle(false);
-                }
+                self.leave_idle();
+                // Nudges owed to this rank are taken now, while nothing else can come (a
+                // peer's state comes by message only after every rank arrived at the step).
+                self.take_nudges()?;
                 // The cycle's own receives must not race the idle one: withdraw it, unless a
                 // message is arriving into it already, which then comes first.
                 self.inbox.withdraw();
@@ -447,13 +456,13 @@ impl Core {
                 }
             };
             self.sh.on_inbox.store(false, Ordering::SeqCst);
-            if let Some(area) = &self.area {
-                area.set_idle(false);
-            }
+            self.leave_idle();
             match got {
-                // A peer's nudge: a cycle began in the area (the next look finds it), or one
-                // this rank joined already (a nudge sent just before it stopped waiting).
-                Some(Ok((peer, msg))) if peer != self.rank && self.area.is_some() && msg == [wire::WAKE] => {}
+                // A peer's nudge: a cycle began in the area (the next look finds it).
+                Some(Ok((peer, msg))) if peer != self.rank && self.area.is_some() && msg == [wire::WAKE] => {
+                    self.owed_nudges = self.owed_nudges.saturating_sub(1);
+                    self.inspect_stalls()?;
+                }
                 Some(Ok((peer, msg))) if peer == self.rank => {
                     self.sh.wake_pending.store(false, Ordering::SeqCst);
                     if msg != [wire::WAKE] {
@@ -475,6 +484,40 @@ impl Core {
                 Some(Err(e)) => return Err(e),
             }
         }
+    }
+
+    /// Takes back this rank's idle flag; a peer that claimed it sends a nudge, now owed.
+    fn leave_idle(&mut self) {
+        if self.area.as_ref().is_some_and(|a| a.clear_idle()) {
+            self.owed_nudges += 1;
+        }
+    }
+
+    /// Takes the owed nudges that have come (without waiting for those still on their way), so
+    /// that none piles up in the transport.
+    fn take_nudges(&mut self) -> Result<()> {
+        while self.owed_nudges > 0 {
+            let quick = BusyWait { budget: Duration::ZERO, ..self.ctx.comm().spin() };
+            let all = self.all.clone();
+            match self.inbox.wait_as(&all, Instant::now(), quick) {
+                None => return Ok(()),
+                Some(Ok((peer, msg))) if msg == [wire::WAKE] => {
+                    if peer == self.rank {
+                        self.sh.wake_pending.store(false, Ordering::SeqCst);
+                    } else {
+                        self.owed_nudges -= 1;
+                    }
+                }
+                Some(Ok((peer, msg))) => {
+                    return Err(Error::Protocol {
+                        peer: Some(self.w(peer)),
+                        detail: format!("engine: a message of {} bytes while no cycle runs", msg.len()),
+                    });
+                }
+                Some(Err(e)) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// While submissions keep arriving close together, waits (at most the batch window) for
@@ -531,8 +574,10 @@ impl Core {
     }
 
     /// Sends this rank's state to every rank and receives theirs (the direct bitwise
-    /// allreduce). `first` is a state already received (the one that began the cycle). Small
-    /// cached allreduces travel with the state ([`eager_limit`]), each once.
+    /// allreduce), through the host's area where the engine has one
+    /// ([`exchange_area`](Self::exchange_area)), else over the pairs. `first` is a state
+    /// already received (the one that began the cycle). Small cached allreduces travel with
+    /// the state ([`eager_limit`]), each once.
     fn exchange(&mut self, first: Option<(usize, Vec<u8>)>) -> Result<()> {
         let n = self.size;
         let out = self.ctl.begin();
@@ -660,7 +705,7 @@ impl Core {
                     fits = put_envelopes(own, &envelopes);
                 },
                 || {
-                    for p in (0..n).filter(|&p| p != me && area.is_idle(p)) {
+                    for p in (0..n).filter(|&p| p != me && area.claim_idle(p)) {
                         // A failed peer fails the wait that follows.
                         let _ = ctx.send(p, CONTROL_TAG, &[wire::WAKE]);
                     }
@@ -688,6 +733,7 @@ impl Core {
             .map(|&(p, _)| p)
             .collect();
         let mut received: SmallVec<[(usize, Vec<u8>); 8]> = SmallVec::new();
+        let mut nudged = 0;
         if !fits || !by_message.is_empty() {
             let own = to_others.unwrap_or(to_coordinator);
             self.ctx.scope(|s| {
@@ -698,18 +744,20 @@ impl Core {
                     }
                 }
                 for &p in &by_message {
-                    // Nudges sent before this cycle may come first.
+                    // A nudge owed from before this cycle may come first.
                     loop {
                         let msg = s.irecv_bytes(&[p], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
                         if msg != [wire::WAKE] {
                             received.push((p, msg));
                             break;
                         }
+                        nudged += 1;
                     }
                 }
                 sends.into_iter().try_for_each(|s| s.wait())
             })?;
         }
+        self.owed_nudges = self.owed_nudges.saturating_sub(nudged);
         for (p, envelope) in got {
             let msg = match envelope {
                 Some(msg) => msg,
@@ -846,15 +894,21 @@ impl Core {
                 })?;
                 None
             }
-            Responses::Receive => Some(self.ctx.scope(|s| {
-                loop {
-                    let msg = s.irecv_bytes(&[COORDINATOR], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
-                    // A nudge the coordinator sent before this cycle (exchange_area) may come first.
-                    if self.area.is_none() || msg != [wire::WAKE] {
-                        return Ok(msg);
+            Responses::Receive => {
+                let mut nudged = 0;
+                let msg = self.ctx.scope(|s| {
+                    loop {
+                        let msg = s.irecv_bytes(&[COORDINATOR], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
+                        // A nudge the coordinator owed from before this cycle may come first.
+                        if self.area.is_none() || msg != [wire::WAKE] {
+                            return Ok(msg);
+                        }
+                        nudged += 1;
                     }
-                }
-            })?),
+                })?;
+                self.owed_nudges = self.owed_nudges.saturating_sub(nudged);
+                Some(msg)
+            }
         };
         let Decision { ready, from_coordinator, coordinated, contributors, join_done, shut_by } =
             self.ctl.conclude(responses.as_deref())?;

@@ -116,7 +116,7 @@ impl EngineConfig {
             c.timeline = Some(p);
         }
         c.timeline_all_ranks = vars.truthy(FERROGLOO_TIMELINE_ALL_RANKS);
-        if let Some(on) = vars.on_off(FERROGLOO_ENGINE_AREA) {
+        if let Some(on) = vars.switch(FERROGLOO_ENGINE_AREA)? {
             c.negotiate_through_area = on;
         }
         Ok(c)

@@ -668,15 +668,20 @@ pub(crate) trait LocalArea: Send + Sync {
         false
     }
 
-    /// Says whether this rank waits idle, away from the area (the flag is stored and fenced:
-    /// a member that arrives and then looks at the flag, or this rank that sets it and then
-    /// looks at [`started`](LocalArea::started), sees the other's store: Dekker's).
-    fn set_idle(&self, on: bool) {
-        let _ = on;
+    /// Says this rank waits idle, away from the area (the flag is stored and fenced: a member
+    /// that arrives and then claims the flag, or this rank that sets it and then looks at
+    /// [`started`](LocalArea::started), sees the other's store: Dekker's).
+    fn set_idle(&self) {}
+
+    /// Takes back this rank's idle flag; true when a member had claimed it
+    /// ([`claim_idle`](LocalArea::claim_idle)): one wake-up from that member is on its way.
+    fn clear_idle(&self) -> bool {
+        false
     }
 
-    /// Whether member `m` says it waits idle.
-    fn is_idle(&self, m: usize) -> bool {
+    /// Claims member `m`'s idle flag: true for the one member that finds it set and clears it
+    /// (that member, and only it, then wakes `m`).
+    fn claim_idle(&self, m: usize) -> bool {
         let _ = m;
         false
     }

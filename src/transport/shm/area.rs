@@ -12,6 +12,13 @@
 //! +320  idle: nonzero while this rank's engine waits idle, to be nudged when a step begins
 //! ```
 //!
+//! The idle flag is the engine's (`engine/background.rs`): a rank about to wait idle sets it,
+//! fences, and looks whether a member has begun a step it has not taken; a member that arrives
+//! at a step fences and claims the flag of each member that set it (a compare-exchange from 1
+//! to 0: of several arriving members one claims it), and the one that claims it sends a
+//! wake-up over the pair. The waiter clears its flag when it stops waiting; finding it claimed,
+//! it knows one wake-up is on its way (it takes it from its receive later: none piles up).
+//!
 //! Single-copy collectives write into members' buffers and read from them, straight. A member
 //! whose call fails returns its buffer to its caller while the others may still be in the
 //! call: so it first *withdraws* ([`LocalArea::withdraw`]). A writer announces its write
@@ -361,13 +368,17 @@ impl LocalArea for ShmArea {
         (0..self.members.len()).any(|m| m != self.me && self.word(m, ARRIVED).load(Ordering::SeqCst) >= next)
     }
 
-    fn set_idle(&self, on: bool) {
-        self.word(self.me, IDLE).store(u64::from(on), Ordering::SeqCst);
+    fn set_idle(&self) {
+        self.word(self.me, IDLE).store(1, Ordering::SeqCst);
         fence(Ordering::SeqCst);
     }
 
-    fn is_idle(&self, m: usize) -> bool {
-        self.word(m, IDLE).load(Ordering::SeqCst) != 0
+    fn clear_idle(&self) -> bool {
+        self.word(self.me, IDLE).swap(0, Ordering::SeqCst) == 0
+    }
+
+    fn claim_idle(&self, m: usize) -> bool {
+        self.word(m, IDLE).compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok()
     }
 
     fn arrive(&self, step: u64, desc: &OpDesc) {
