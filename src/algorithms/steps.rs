@@ -171,14 +171,12 @@ impl<'a> Local<'a> {
     /// through the returned [`Step`] until the next step.
     #[inline]
     pub(crate) fn step<T: Element>(&mut self, write: impl FnOnce(&mut [T])) -> Result<Step<'_, 'a>> {
-        let t = self.area.next_step();
-        write_own(self.area, t, write);
-        self.arrive_and_wait(t)?;
-        Ok(Step { l: self, t })
+        self.step_then(write, || {})
     }
 
     /// [`step`](Self::step), with `arrived` run between this rank's arrival and its wait
     /// (to wake members that are not waiting in the area).
+    #[inline]
     pub(crate) fn step_then<T: Element>(
         &mut self,
         write: impl FnOnce(&mut [T]),
@@ -188,16 +186,19 @@ impl<'a> Local<'a> {
         write_own(self.area, t, write);
         self.area.arrive(t, &self.desc);
         arrived();
-        self.area.wait_all(t, &self.desc, self.deadline, self.busy).map_err(|w| {
-            self.leave();
-            self.error(w)
-        })?;
+        self.wait(t)?;
         Ok(Step { l: self, t })
     }
 
     #[inline]
     fn arrive_and_wait(&self, t: u64) -> Result<()> {
         self.area.arrive(t, &self.desc);
+        self.wait(t)
+    }
+
+    /// The wait of step `t`, which this rank has arrived at.
+    #[inline]
+    fn wait(&self, t: u64) -> Result<()> {
         self.area.wait_all(t, &self.desc, self.deadline, self.busy).map_err(|w| {
             self.leave();
             self.error(w)
