@@ -38,22 +38,9 @@ fn every_test_again_through_the_shared_area() {
     if std::env::var_os(DEVICE_ENV).is_some() {
         return;
     }
-    let dir = tempfile::tempdir().expect("a directory for the child's output");
-    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
-    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--skip", "every_test_again_through_the_shared_area"])
-        .env(DEVICE_ENV, "shm")
-        .stdout(std::fs::File::create(&out).expect("the child's stdout"))
-        .stderr(std::fs::File::create(&err).expect("the child's stderr"))
-        .spawn()
-        .expect("spawn this file's tests again");
-    let status = common::wait_or_kill(&mut child, Instant::now() + Duration::from_secs(600));
-    let said = |p: &std::path::Path| std::fs::read_to_string(p).unwrap_or_default();
-    let (out, err) = (said(&out), said(&err));
-    assert!(
-        status.is_some_and(|s| s.success()) && out.contains("test result: ok"),
-        "this file's tests on shared memory ended with {status:?} (None: killed after 600 s)\n{out}\n{err}"
-    );
+    let args = ["--skip", "every_test_again_through_the_shared_area"];
+    let (passed, said) = common::run_again(&args, (DEVICE_ENV, "shm"), Duration::from_secs(600));
+    assert!(passed, "this file's tests on shared memory failed: {said}");
 }
 
 /// A cycle whose state does not fit a slot of the host's area (1,500 names of 4,000 bytes

@@ -1590,24 +1590,9 @@ fn ten_thousand_requests_over_shared_memory_do_not_grow_the_process() {
     // runs again in a process of its own, alone, and this one checks that it passed.
     if std::env::var_os(ALONE_ENV).is_none() {
         let name = "ten_thousand_requests_over_shared_memory_do_not_grow_the_process";
-        let dir = std::env::temp_dir().join(format!("ferrogloo-ps-alone-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("a directory for the child's output");
-        let (out, err) = (dir.join("stdout"), dir.join("stderr"));
-        let mut child = Command::new(std::env::current_exe().expect("test binary"))
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(ALONE_ENV, "1")
-            .stdout(std::fs::File::create(&out).expect("the child's stdout"))
-            .stderr(std::fs::File::create(&err).expect("the child's stderr"))
-            .spawn()
-            .expect("spawn the measuring process");
-        let status = common::wait_or_kill(&mut child, Instant::now() + Duration::from_secs(120));
-        let said = |p: &std::path::Path| std::fs::read_to_string(p).unwrap_or_default();
-        let (out, err) = (said(&out), said(&err));
-        let _ = std::fs::remove_dir_all(&dir);
-        assert!(
-            status.is_some_and(|s| s.success()) && out.contains("1 passed"),
-            "the measuring process ended with {status:?} (None: killed after 120 s)\n{out}\n{err}"
-        );
+        let args = ["--exact", name, "--nocapture", "--test-threads=1"];
+        let (passed, said) = common::run_again(&args, (ALONE_ENV, "1"), Duration::from_secs(120));
+        assert!(passed && said.contains("1 passed"), "the measuring process failed: {said}");
         return;
     }
     // Every request's and answer's buffer is given back and received into again: after a

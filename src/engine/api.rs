@@ -65,8 +65,8 @@ impl Engine {
         });
         // Fusion decides the sequence of collectives, and the area setting how the cycles'
         // states travel: every rank must use the same.
-        let through_area = background::exchange_area_of(&ctx, &config).is_some();
-        let mine = [config.fusion_threshold as u64, config.fusion_max_tensor as u64, u64::from(through_area)];
+        let area = background::exchange_area_of(&ctx, &config);
+        let mine = [config.fusion_threshold as u64, config.fusion_max_tensor as u64, u64::from(area.is_some())];
         let mut all = vec![0u64; 3 * ctx.size()];
         ctx.allgather(&mine, &mut all, &crate::CollectiveOptions::default())?;
         if let Some(r) = (0..ctx.size()).find(|&r| all[3 * r..3 * r + 2] != mine[..2]) {
@@ -106,7 +106,7 @@ impl Engine {
             Some(p) if ctx.rank() == 0 => Some(p.clone()),
             _ => None,
         };
-        let core = background::Core::new(ctx.clone(), shared.clone(), config.clone(), timeline)?;
+        let core = background::Core::new(ctx.clone(), shared.clone(), config.clone(), timeline, area)?;
         let driver = Driver::new(core, shared.clone());
         let d = driver.clone();
         let thread = std::thread::Builder::new()

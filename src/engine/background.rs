@@ -17,7 +17,7 @@ use super::timeline::Timeline;
 use super::wire;
 use crate::Context;
 use crate::algorithms::{CollectiveOptions, local};
-use crate::comm::{Interrupter, PersistentRecv, SLEEPING};
+use crate::comm::{Interrupter, PersistentRecv, SLEEPING, Scope};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::{BusyWait, LocalArea};
@@ -236,12 +236,36 @@ fn take_envelope(slot: &[u8], me: usize) -> std::result::Result<Option<&[u8]>, S
     Err("no envelope".into())
 }
 
+/// The envelope rank `p` gets: the one to the coordinator, or the one to the others where it
+/// differs.
+fn envelope_for<'e>(p: usize, to_coordinator: &'e [u8], to_others: Option<&'e [u8]>) -> &'e [u8] {
+    match to_others {
+        Some(m) if p != COORDINATOR => m,
+        _ => to_coordinator,
+    }
+}
+
+/// The next control message from rank `p`. Where the cycles go through the host's area
+/// (`nudges`), a nudge `p` owed from before this cycle may come first: it is passed over and
+/// counted in `nudged`.
+fn recv_past_nudges<'s, 'e>(s: &'s Scope<'s, 'e>, p: usize, nudges: bool, nudged: &mut usize) -> Result<Vec<u8>> {
+    loop {
+        let msg = s.irecv_bytes(&[p], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
+        if !nudges || msg != [wire::WAKE] {
+            return Ok(msg);
+        }
+        *nudged += 1;
+    }
+}
+
 impl Core {
+    /// `area`: the area the cycles go through ([`exchange_area_of`]), as every rank checked.
     pub(crate) fn new(
         ctx: Arc<Context>,
         sh: Arc<EngineState>,
         cfg: EngineConfig,
         timeline: Option<PathBuf>,
+        area: Option<Arc<dyn LocalArea>>,
     ) -> Result<Core> {
         let (rank, size) = (ctx.rank(), ctx.size());
         let world: Vec<usize> = (0..size).map(|r| ctx.world_rank(r).unwrap_or(r)).collect();
@@ -254,7 +278,7 @@ impl Core {
             seen_changes: 0,
             kept: (0..size).map(|_| HashMap::default()).collect(),
             all: (0..size).collect(),
-            area: exchange_area_of(&ctx, &cfg),
+            area,
             owed_nudges: 0,
             envelopes: Default::default(),
             scratch: Vec::new(),
@@ -620,9 +644,10 @@ impl Core {
         }
         drop(eager);
         let others = others_differ.then_some(to_others.as_slice());
+        self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
         let exchanged = match self.area.clone() {
-            Some(area) => self.exchange_area(&*area, first, newly, &to_coordinator, others),
-            None => self.exchange_envelopes(first, newly, &to_coordinator, others),
+            Some(area) => self.exchange_area(&*area, first, &to_coordinator, others),
+            None => self.exchange_envelopes(first, &to_coordinator, others),
         };
         for b in [&mut to_coordinator, &mut to_others] {
             // A cycle's rare large message (many names at once) is not kept.
@@ -634,17 +659,15 @@ impl Core {
         exchanged
     }
 
-    /// The rest of [`exchange`](Self::exchange): records what travels, takes the state that
-    /// began the cycle, and sends the envelopes and receives the others'.
+    /// The rest of [`exchange`](Self::exchange) over the pairs: takes the state that began
+    /// the cycle, and sends the envelopes and receives the others'.
     fn exchange_envelopes(
         &mut self,
         first: Option<(usize, Vec<u8>)>,
-        newly: Vec<(u32, u64, usize)>,
         to_coordinator: &[u8],
         to_others: Option<&[u8]>,
     ) -> Result<()> {
         let (me, n) = (self.rank, self.size);
-        self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
         if let Some((p, msg)) = first {
             self.take_state(p, msg)?;
         }
@@ -652,11 +675,7 @@ impl Core {
         let got = self.ctx.scope(|s| {
             let mut sends: SmallVec<[_; 8]> = SmallVec::new();
             for p in (0..n).filter(|&p| p != me) {
-                let msg = match to_others {
-                    Some(m) if p != COORDINATOR => m,
-                    _ => to_coordinator,
-                };
-                sends.push(s.isend(p, CONTROL_TAG, msg)?);
+                sends.push(s.isend(p, CONTROL_TAG, envelope_for(p, to_coordinator, to_others))?);
             }
             let recvs = need
                 .iter()
@@ -685,12 +704,10 @@ impl Core {
         &mut self,
         area: &dyn LocalArea,
         first: Option<(usize, Vec<u8>)>,
-        newly: Vec<(u32, u64, usize)>,
         to_coordinator: &[u8],
         to_others: Option<&[u8]>,
     ) -> Result<()> {
         let (me, n) = (self.rank, self.size);
-        self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
         let ctx = self.ctx.clone();
         let comm = ctx.comm();
         let desc = OpDesc::new(Call::Barrier).extra(EXCHANGE);
@@ -735,24 +752,15 @@ impl Core {
         let mut received: SmallVec<[(usize, Vec<u8>); 8]> = SmallVec::new();
         let mut nudged = 0;
         if !fits || !by_message.is_empty() {
-            let own = to_others.unwrap_or(to_coordinator);
             self.ctx.scope(|s| {
                 let mut sends: SmallVec<[_; 8]> = SmallVec::new();
                 if !fits {
                     for p in (0..n).filter(|&p| p != me) {
-                        sends.push(s.isend(p, CONTROL_TAG, if p == COORDINATOR { to_coordinator } else { own })?);
+                        sends.push(s.isend(p, CONTROL_TAG, envelope_for(p, to_coordinator, to_others))?);
                     }
                 }
                 for &p in &by_message {
-                    // A nudge owed from before this cycle may come first.
-                    loop {
-                        let msg = s.irecv_bytes(&[p], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
-                        if msg != [wire::WAKE] {
-                            received.push((p, msg));
-                            break;
-                        }
-                        nudged += 1;
-                    }
+                    received.push((p, recv_past_nudges(s, p, true, &mut nudged)?));
                 }
                 sends.into_iter().try_for_each(|s| s.wait())
             })?;
@@ -896,16 +904,8 @@ impl Core {
             }
             Responses::Receive => {
                 let mut nudged = 0;
-                let msg = self.ctx.scope(|s| {
-                    loop {
-                        let msg = s.irecv_bytes(&[COORDINATOR], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1;
-                        // A nudge the coordinator owed from before this cycle may come first.
-                        if self.area.is_none() || msg != [wire::WAKE] {
-                            return Ok(msg);
-                        }
-                        nudged += 1;
-                    }
-                })?;
+                let nudges = self.area.is_some();
+                let msg = self.ctx.scope(|s| recv_past_nudges(s, COORDINATOR, nudges, &mut nudged))?;
                 self.owed_nudges = self.owed_nudges.saturating_sub(nudged);
                 Some(msg)
             }

@@ -113,6 +113,27 @@ pub fn handshake_without_secret(sock: &mut std::net::TcpStream, hello: &[u8]) ->
     challenge[7]
 }
 
+/// Runs this test binary again in a process of its own, with `args` (a test filter and the
+/// harness's options) and `env` set, killed after `limit`; returns whether it passed, and
+/// its standard output and error (for the caller's message). Whether it passed: it exited
+/// with success and its harness said `test result: ok`.
+pub fn run_again(args: &[&str], env: (&str, &str), limit: Duration) -> (bool, String) {
+    let dir = tempfile::tempdir().expect("a directory for the child's output");
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(args)
+        .env(env.0, env.1)
+        .stdout(std::fs::File::create(&out).expect("the child's stdout"))
+        .stderr(std::fs::File::create(&err).expect("the child's stderr"))
+        .spawn()
+        .expect("spawn the test binary again");
+    let status = wait_or_kill(&mut child, Instant::now() + limit);
+    let said = |p: &std::path::Path| std::fs::read_to_string(p).unwrap_or_default();
+    let (out, err) = (said(&out), said(&err));
+    let passed = status.is_some_and(|s| s.success()) && out.contains("test result: ok");
+    (passed, format!("it ended with {status:?} (None: killed after {limit:?})\n{out}\n{err}"))
+}
+
 /// Waits for a child process until `deadline`, killing it if it overruns (`None`).
 pub fn wait_or_kill(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
     loop {
