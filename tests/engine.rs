@@ -1330,10 +1330,16 @@ fn fused_batches_over_tcp_run_the_ring_on_the_tensors_themselves() {
                 if r == 1 && step >= 2 {
                     order.reverse();
                 }
-                let hs = order
+                // The tensors are made first and submitted back to back: made one by one (a
+                // debug build on a loaded machine takes milliseconds for each), every submission
+                // came after the burst window and ran alone.
+                let data: Vec<(usize, Vec<f32>)> = order
                     .iter()
-                    .map(|&t| {
-                        let data: Vec<f32> = (0..lens[t]).map(|i| (val(r, t, i) + step as i64) as f32).collect();
+                    .map(|&t| (t, (0..lens[t]).map(|i| (val(r, t, i) + step as i64) as f32).collect()))
+                    .collect();
+                let hs = data
+                    .into_iter()
+                    .map(|(t, data)| {
                         Ok((t, e.allreduce(&format!("t{t}"), Tensor::new(data, vec![lens[t]])?, Reduction::Sum)?))
                     })
                     .collect::<Result<Vec<_>>>()?;
