@@ -478,9 +478,11 @@ impl Engine {
         }
         {
             let mut inflight = lock(&self.shared.inflight);
+            // A name twice among these (a set only where there are several).
             let mut names = HashSet::default();
+            let several = subs.len() > 1;
             if let Some((name, meta, _)) =
-                subs.iter().find(|(n, _, _)| inflight.contains(n) || !names.insert(n.as_str()))
+                subs.iter().find(|(n, _, _)| inflight.contains(n) || (several && !names.insert(n.as_str())))
             {
                 return Err(Error::invalid(format!(
                     "{} '{name}' is already in flight on rank {me}: wait for its handle before submitting the name again",

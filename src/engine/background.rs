@@ -108,6 +108,9 @@ pub(crate) struct Core {
     envelopes: [Vec<u8>; 2],
     /// Storage for the folds of [`reduce_eager`](Self::reduce_eager), reused.
     scratch: Vec<u64>,
+    /// Buffers of peers' envelopes read from the area, given back once used: a warm cycle
+    /// allocates none.
+    spare: Spare,
     /// A caller drives: callbacks are kept here for the background thread, not run.
     deferring: bool,
     /// Callbacks of finished submissions (with their names) for the background thread.
@@ -124,6 +127,41 @@ const ENVELOPE_KEPT_BYTES: usize = 2 * EAGER_MESSAGE_BYTES;
 /// The most bytes of tensors a rank has sent and not yet seen used (what every other rank
 /// keeps of it, at most).
 const EAGER_KEPT_BYTES: usize = 4 << 20;
+
+/// Buffers of received envelopes kept for the next cycles' (at most [`EAGER_KEPT_BYTES`] of
+/// them in all, each at most [`ENVELOPE_KEPT_BYTES`]).
+#[derive(Default)]
+struct Spare {
+    bufs: Vec<Vec<u8>>,
+    bytes: usize,
+}
+
+impl Spare {
+    /// `bytes` in a buffer of this pool, or a new one.
+    fn copy_of(&mut self, bytes: &[u8]) -> Vec<u8> {
+        let mut v = self.bufs.pop().unwrap_or_default();
+        self.bytes -= v.capacity();
+        v.clear();
+        v.extend_from_slice(bytes);
+        v
+    }
+
+    /// Keeps `v` for later, if it fits.
+    fn give(&mut self, v: Vec<u8>) {
+        let c = v.capacity();
+        if c > 0 && c <= ENVELOPE_KEPT_BYTES && self.bytes + c <= EAGER_KEPT_BYTES {
+            self.bytes += c;
+            self.bufs.push(v);
+        }
+    }
+
+    /// Keeps `msg`'s buffer for later, where nothing else holds it.
+    fn give_shared(&mut self, msg: Arc<Vec<u8>>) {
+        if let Ok(v) = Arc::try_unwrap(msg) {
+            self.give(v);
+        }
+    }
+}
 
 /// A tensor a rank sent with its state message: the version of its slot when it came (see
 /// `Cache::version`), and where its bytes lie in the message it came in. The message is
@@ -282,6 +320,7 @@ impl Core {
             owed_nudges: 0,
             envelopes: Default::default(),
             scratch: Vec::new(),
+            spare: Spare::default(),
             deferring: false,
             deferred: Vec::new(),
             ctx,
@@ -396,19 +435,18 @@ impl Core {
         self.inbox.interrupter()
     }
 
-    /// Whether this rank has something to negotiate.
+    /// Whether this rank has something to negotiate; starts and stops the timeline as asked
+    /// first (before the submissions that came after).
     fn has_news(&mut self) -> bool {
-        self.timeline_commands();
-        let q = lock(&self.sh.queue);
-        !q.items.is_empty() || (q.shutdown && !self.ctl.is_shutting_down()) || self.ctl.has_news()
-    }
-
-    /// Starts and stops the timeline as asked (before the submissions that came after).
-    fn timeline_commands(&mut self) {
-        let cmds = std::mem::take(&mut lock(&self.sh.queue).timeline);
+        let (news, cmds) = {
+            let mut q = lock(&self.sh.queue);
+            let news = !q.items.is_empty() || (q.shutdown && !self.ctl.is_shutting_down());
+            (news, std::mem::take(&mut q.timeline))
+        };
         for c in cmds {
             self.timeline_command(c);
         }
+        news || self.ctl.has_news()
     }
 
     fn timeline_command(&mut self, c: TimelineCommand) {
@@ -446,14 +484,22 @@ impl Core {
             // the flag and sends the wake-up message (shared.rs).
             self.sh.on_inbox.store(true, Ordering::SeqCst);
             // A peer that begins a cycle through the area nudges this rank only while it says
-            // it waits idle: said before looking (area.rs: either the peer's arrival is seen
-            // here or the peer sees the flag).
-            if let Some(area) = &self.area {
+            // it waits idle: said before the look that precedes a wait (area.rs: either the
+            // peer's arrival is seen here or the peer sees the flag). News found at a first
+            // look needs no flag (a warm loop then writes no word that its peers read).
+            let mut news = self.has_news() || self.area.as_ref().is_some_and(|a| a.started());
+            // Whether this rank's idle flag is set (taken back once, not twice: a second take
+            // would count a nudge that nobody sends).
+            let mut flagged = !news && self.area.is_some();
+            if flagged && let Some(area) = self.area.clone() {
                 area.set_idle();
+                news = self.has_news() || area.started();
             }
-            if self.has_news() || self.area.as_ref().is_some_and(|a| a.started()) {
+            if news {
                 self.sh.on_inbox.store(false, Ordering::SeqCst);
-                self.leave_idle();
+                if std::mem::take(&mut flagged) {
+                    self.leave_idle();
+                }
                 // Nudges owed to this rank are taken now, while nothing else can come (a
                 // peer's state comes by message only after every rank arrived at the step).
                 self.take_nudges()?;
@@ -480,7 +526,9 @@ impl Core {
                 }
             };
             self.sh.on_inbox.store(false, Ordering::SeqCst);
-            self.leave_idle();
+            if flagged {
+                self.leave_idle();
+            }
             match got {
                 // A peer's nudge: a cycle began in the area (the next look finds it).
                 Some(Ok((peer, msg))) if peer != self.rank && self.area.is_some() && msg == [wire::WAKE] => {
@@ -715,7 +763,8 @@ impl Core {
         let mut fits = true;
         // Each peer's envelope, or None for one that comes by message.
         let mut got: SmallVec<[(usize, Option<Vec<u8>>); 8]> = SmallVec::new();
-        local::run(comm, area, what, desc, &CollectiveOptions::default(), |l| {
+        let mut spare = std::mem::take(&mut self.spare);
+        let stepped = local::run(comm, area, what, desc, &CollectiveOptions::default(), |l| {
             let t = l.step_then(
                 |own: &mut [u8]| {
                     let envelopes: SmallVec<[&[u8]; 2]> = std::iter::once(to_coordinator).chain(to_others).collect();
@@ -731,10 +780,12 @@ impl Core {
             for p in (0..n).filter(|&p| p != me) {
                 let envelope = take_envelope(t.read::<u8>(p, 0..area.slot_bytes()), me)
                     .map_err(|detail| Error::Protocol { peer: Some(self.w(p)), detail: format!("{what}: {detail}") })?;
-                got.push((p, envelope.map(<[u8]>::to_vec)));
+                got.push((p, envelope.map(|e| spare.copy_of(e))));
             }
             Ok(())
-        })?;
+        });
+        self.spare = spare;
+        stepped?;
         if !fits {
             tracing::debug!(
                 rank = self.rank,
@@ -802,6 +853,7 @@ impl Core {
         let (state, tensors) = wire::open_envelope(&msg, self.w(p))?;
         self.ctl.receive_state(p, state)?;
         if tensors.is_empty() {
+            self.spare.give(msg);
             return Ok(());
         }
         // One tensor (a warm cycle's case) is kept where it came, in the message, which is
@@ -815,14 +867,17 @@ impl Core {
         for (slot, bytes) in tensors {
             self.keep(p, slot, Arc::new(bytes.to_vec()), 0, bytes.len());
         }
+        self.spare.give(msg);
         Ok(())
     }
 
     /// Keeps rank `p`'s tensor for `slot`, `len` bytes at `at` in `msg`, under the slot's
     /// version now.
     fn keep(&mut self, p: usize, slot: u32, msg: Arc<Vec<u8>>, at: usize, len: usize) {
-        if let (Some(version), Some(kept)) = (self.ctl.cache().version(slot), self.kept.get_mut(p)) {
-            kept.insert(slot, Kept { version, msg, at, len });
+        if let (Some(version), Some(kept)) = (self.ctl.cache().version(slot), self.kept.get_mut(p))
+            && let Some(old) = kept.insert(slot, Kept { version, msg, at, len })
+        {
+            self.spare.give_shared(old.msg);
         }
     }
 
@@ -844,7 +899,7 @@ impl Core {
             if self.sent.get(&slot).is_none_or(|(v, l)| Some(*v) != version || *l != len) {
                 continue;
             }
-            let peers: Option<Vec<Option<&[u8]>>> = (0..n)
+            let peers: Option<SmallVec<[Option<&[u8]>; 8]>> = (0..n)
                 .map(|p| {
                     if p == me {
                         return Some(None);
@@ -872,7 +927,9 @@ impl Core {
         for slot in ready.iter().flatten() {
             self.sent.remove(slot);
             for k in &mut self.kept {
-                k.remove(slot);
+                if let Some(gone) = k.remove(slot) {
+                    self.spare.give_shared(gone.msg);
+                }
             }
         }
         let cache = self.ctl.cache();
@@ -912,7 +969,7 @@ impl Core {
         };
         let Decision { ready, from_coordinator, coordinated, contributors, join_done, shut_by } =
             self.ctl.conclude(responses.as_deref())?;
-        let slots: Vec<Option<u32>> = ready.iter().map(|r| r.slot).collect();
+        let slots: SmallVec<[Option<u32>; 16]> = ready.iter().map(|r| r.slot).collect();
         let hits = ready.len() - from_coordinator;
         let mut items: Vec<Item> = ready.into_iter().map(|r| Item::new(r, now)).collect();
         let eager = self.reduce_eager(&mut items, &slots, contributors);

@@ -428,7 +428,10 @@ impl<T> Controller<T> {
             }
         }
         if me == COORDINATOR || record_seen {
-            self.note_seen(&states, now);
+            // The stall inspector looks only at names still pending after this cycle: those it
+            // found ready need no sighting, unless a timeline records when each rank had them.
+            let ready: &[u32] = if record_seen { &[] } else { &cur.hits };
+            self.note_seen(&states, now, ready);
         }
 
         // Names not in the cache: the coordinator decides.
@@ -453,10 +456,11 @@ impl<T> Controller<T> {
         Ok(out)
     }
 
-    /// Records when each rank was first seen with each pending name.
-    fn note_seen(&mut self, states: &[State], now: Instant) {
+    /// Records when each rank was first seen with each pending name, but for the cache slots
+    /// in `skip` (ascending).
+    fn note_seen(&mut self, states: &[State], now: Instant, skip: &[u32]) {
         for (r, s) in states.iter().enumerate() {
-            for slot in bits(&s.pending) {
+            for slot in bits(&s.pending).filter(|s| skip.binary_search(s).is_err()) {
                 if let Some((name, _)) = self.cache.at(slot) {
                     self.stalls.saw(name, r, now);
                 }
@@ -467,7 +471,10 @@ impl<T> Controller<T> {
                 }
             }
         }
-        for name in self.entries.keys() {
+        for (name, e) in &self.entries {
+            if matches!(e.via, Via::Cached(s) if skip.binary_search(&s).is_ok()) {
+                continue;
+            }
             self.stalls.saw(name, self.rank, now);
         }
     }

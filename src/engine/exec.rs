@@ -372,8 +372,10 @@ impl Item {
             )));
         }
         let words = len.div_ceil(8);
-        scratch.clear();
-        scratch.resize(2 * words, 0);
+        // What the scratch held is overwritten before it is read (copied into first).
+        if scratch.len() < 2 * words {
+            scratch.resize(2 * words, 0);
+        }
         let (acc, next) = scratch.split_at_mut(words);
         let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(acc)[..len];
         let next = &mut bytemuck::cast_slice_mut::<u64, u8>(next)[..len];

@@ -378,7 +378,10 @@ impl LocalArea for ShmArea {
     }
 
     fn claim_idle(&self, m: usize) -> bool {
-        self.word(m, IDLE).compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+        // Looked at before it is claimed: a member that is not idle keeps its word's line (a
+        // compare-exchange would take the line even where it fails).
+        let w = self.word(m, IDLE);
+        w.load(Ordering::SeqCst) == 1 && w.compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok()
     }
 
     fn arrive(&self, step: u64, desc: &OpDesc) {
@@ -404,7 +407,7 @@ impl LocalArea for ShmArea {
         let mut spins = 0u32;
         let mut slept = false;
         // Members already seen at this step (their calls checked).
-        let mut seen = vec![false; self.members.len()];
+        let mut seen: smallvec::SmallVec<[bool; 16]> = smallvec::smallvec![false; self.members.len()];
         seen[self.me] = true;
         loop {
             let mut all = true;
