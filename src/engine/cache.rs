@@ -141,10 +141,12 @@ pub(crate) fn has_bit(words: &[u64], slot: u32) -> bool {
 
 /// The slots whose bits are set, in order.
 pub(crate) fn bits(words: &[u64]) -> impl Iterator<Item = u32> + '_ {
-    words
-        .iter()
-        .enumerate()
-        .flat_map(|(i, &w)| (0..64u32).filter(move |b| w & (1 << b) != 0).map(move |b| i as u32 * 64 + b))
+    // Each word's set bits, lowest first, found by counting trailing zeros (a word costs as
+    // many steps as it has bits set, not 64).
+    words.iter().enumerate().flat_map(|(i, &w)| {
+        std::iter::successors(Some(w).filter(|&w| w != 0), |&w| Some(w & (w - 1)).filter(|&w| w != 0))
+            .map(move |w| i as u32 * 64 + w.trailing_zeros())
+    })
 }
 
 #[cfg(test)]
@@ -208,6 +210,17 @@ pub(crate) mod tests {
         set_bit(&mut w, 500); // out of range: ignored
         assert!(has_bit(&w, 3) && has_bit(&w, 64) && !has_bit(&w, 4) && !has_bit(&w, 500));
         assert_eq!(bits(&w).collect::<Vec<_>>(), vec![3, 64]);
+    }
+
+    proptest! {
+        // The set bits of any words, in order, as a plain look at every bit finds them.
+        #[test]
+        fn bits_are_every_set_bit_in_order(words in proptest::collection::vec(any::<u64>(), 0..5), ones in 0usize..3) {
+            let mut words = words;
+            words.extend(std::iter::repeat_n(u64::MAX, ones));
+            let want: Vec<u32> = (0..words.len() as u32 * 64).filter(|&b| words[b as usize / 64] >> (b % 64) & 1 == 1).collect();
+            prop_assert_eq!(bits(&words).collect::<Vec<_>>(), want);
+        }
     }
 
     proptest! {

@@ -517,22 +517,29 @@ impl<T> Controller<T> {
                 *count.entry(g).or_default() += 1;
             }
         }
-        // Name, what the ranks agreed on, first dimensions, a failure, the slot of a cache hit.
-        type Found = (String, Meta, Vec<u64>, Option<Error>, Option<u32>);
-        let mut ready: Vec<Found> = responses
-            .into_iter()
-            .map(|r| {
-                let error = r.error.map(|(rank, detail)| Error::Mismatch { rank: rank as usize, detail });
-                (r.name, r.meta, r.dims, error, None)
-            })
-            .collect();
+        // Name, what the ranks agreed on, first dimensions, a failure, the slot of a cache hit,
+        // this rank's ticket.
+        type Found<T> = (String, Meta, Vec<u64>, Option<Error>, Option<u32>, Option<T>);
+        let mut ready: Vec<Found<T>> = Vec::with_capacity(responses.len() + hits.len());
+        for r in responses {
+            let error = r.error.map(|(rank, detail)| Error::Mismatch { rank: rank as usize, detail });
+            let own = self.entries.remove(&r.name).map(|e| e.ticket);
+            ready.push((r.name, r.meta, r.dims, error, None, own));
+        }
         let from_coordinator = ready.len();
         for slot in &hits {
             let Some((name, meta)) = self.cache.at(*slot) else { continue };
             if group_of(meta).is_some_and(|g| count.get(&g).copied().unwrap_or(0) < meta.group_size) {
                 continue;
             }
-            ready.push((name.clone(), meta.clone(), Vec::new(), None, Some(*slot)));
+            // This rank's submission gives the name and what was agreed (the cache's own, where
+            // its bit was set), without copies.
+            let (name, meta, own) = match self.entries.remove_entry(name.as_str()) {
+                Some((name, e)) if e.via == Via::Cached(*slot) => (name, e.meta, Some(e.ticket)),
+                Some((name, e)) => (name, meta.clone(), Some(e.ticket)),
+                None => (name.clone(), meta.clone(), None),
+            };
+            ready.push((name, meta, Vec::new(), None, Some(*slot), own));
             self.cache.touch(*slot, self.cycle);
         }
 
@@ -540,7 +547,7 @@ impl<T> Controller<T> {
         if joined.iter().any(|&j| j) {
             // Zeros stand in for a joined rank: right for sums and averages only.
             let who: Vec<usize> = (0..n).filter(|&r| joined[r]).map(|r| self.w(r)).collect();
-            for (name, meta, _, error, _) in &mut ready {
+            for (name, meta, _, error, _, _) in &mut ready {
                 if error.is_none()
                     && meta.kind == Kind::Allreduce
                     && !matches!(meta.op, Reduction::Sum | Reduction::Average)
@@ -554,9 +561,9 @@ impl<T> Controller<T> {
         }
         let ready = ready
             .into_iter()
-            .map(|(name, meta, dims, error, slot)| Ready {
+            .map(|(name, meta, dims, error, slot, own)| Ready {
                 seen: self.stalls.take(&name),
-                own: self.entries.remove(&name).map(|e| e.ticket),
+                own,
                 name,
                 meta,
                 dims,
