@@ -18,7 +18,9 @@
 //!   or finishes something), drives until its result is there, and lets go.
 //! - After the last caller left, the background thread stays away for [`LINGER`]: a thread
 //!   that submits and waits in a loop finds the loop free at its next wait, with no hand-over.
-//!   Then it takes the loop back (peers' messages wait in the transport meanwhile).
+//!   Then it takes the loop back (peers' messages wait in the transport meanwhile). While
+//!   callers come and go it looks every [`LINGER`] (one to two of them after the last caller
+//!   left, it has the loop): a caller that leaves wakes nobody.
 //! - Submissions wake the loop's holder only while it waits for messages
 //!   ([`EngineState::on_inbox`]); a caller about to wait needs no wake-up.
 
@@ -59,8 +61,6 @@ struct Background {
     last_left: Option<Instant>,
     /// Take the loop now (the engine is being stopped).
     kick: bool,
-    /// The background thread sleeps while callers wait (a caller that leaves wakes it).
-    sleeping: bool,
     /// Callbacks of submissions that a caller's driving finished, for this thread to run.
     callbacks: Vec<(String, Deferred)>,
 }
@@ -121,9 +121,10 @@ impl Driver {
             let waiting = self.sh.waiting.load(Ordering::SeqCst) > 0;
             let since = bg.last_left.map(|t| t.elapsed());
             if waiting {
-                bg.sleeping = true;
-                bg = crate::sync::wait(&self.bg_wake, bg);
-                bg.sleeping = false;
+                // Looks again a linger later: a caller that leaves wakes nobody (a wake-up on
+                // every submit-and-wait would cost that caller a system call and, on a crowded
+                // core, its turn on it).
+                bg = wait_timeout(&self.bg_wake, bg, LINGER);
                 continue;
             }
             match since {
@@ -225,14 +226,11 @@ impl Drive for Driver {
                 None => self.sleep_for_turn(seen, Some(done), None),
             }
         }
+        // Set before the count drops, under the lock the background thread reads them with:
+        // it sees no caller only with this one's time of leaving.
         let mut bg = lock(&self.bg);
         bg.last_left = Some(Instant::now());
-        // The last caller to leave wakes the background thread (it takes the loop back after
-        // the linger).
-        if self.sh.waiting.fetch_sub(1, Ordering::SeqCst) == 1 && bg.sleeping {
-            drop(bg);
-            self.bg_wake.notify_all();
-        }
+        self.sh.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
