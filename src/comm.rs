@@ -80,8 +80,9 @@ impl Drop for World {
         let failure = self.failure.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(err) = failure {
             let cause = AbortCause::of(&err, self.world_rank);
+            let deadline = Instant::now() + CLOSING_FLUSH;
             for p in self.mesh.pairs.iter().flatten() {
-                p.abort(ALL_GROUPS, &err, &cause);
+                p.abort_closing(&err, &cause, deadline);
             }
         }
     }
@@ -100,6 +101,11 @@ const SCOPE_INLINE: usize = 8;
 /// How often a long wait asks whether its group was aborted on another pair (a revoke that
 /// reached this rank through a peer the waiting operation does not involve).
 const REVOKE_CHECK: Duration = Duration::from_millis(10);
+
+/// The longest a failed context that goes away takes to hand its peers what its pairs still
+/// have queued, all pairs together ([`Pair::abort_closing`]): a peer that reads takes it in
+/// well under a millisecond; one that does not read (dead, or stuck) costs this bound once.
+const CLOSING_FLUSH: Duration = Duration::from_millis(250);
 
 /// What a rank may send itself before it posts the receive (a larger send waits for it).
 const SELF_BUDGET: usize = 8 << 20;
@@ -555,6 +561,15 @@ impl Op {
             // Receive from any: withdraw the entries the winner left on the other pairs.
             self.cancel();
         }
+        // A peer that closed its connection may have done so because of a failure that
+        // reached this rank first another way (a peer's abort naming the rank that died): the
+        // first cause is the one to report, not the closure it led to.
+        let outcome = match outcome {
+            Err(closed @ Error::PeerClosed { .. }) => Err(revoked()
+                .filter(|cause| !matches!((cause, &closed), (Error::PeerClosed { rank: a, .. }, Error::PeerClosed { rank: b, .. }) if a == b))
+                .unwrap_or(closed)),
+            o => o,
+        };
         outcome.map_err(|e| e.during(self.what))
     }
 

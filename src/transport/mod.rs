@@ -411,6 +411,14 @@ pub(crate) trait Pair: Send + Sync {
     /// [`ALL_GROUPS`] closes the pair: every group fails, on both sides.
     fn abort(&self, group: u64, local: &Error, cause: &AbortCause);
 
+    /// [`abort`](Pair::abort) of [`ALL_GROUPS`] by a context going away after it failed: the
+    /// pair may take until `deadline` to hand the peer what it still has queued, the cause
+    /// last (a transport that queues nothing of its own aborts at once).
+    fn abort_closing(&self, local: &Error, cause: &AbortCause, deadline: Instant) {
+        let _ = deadline;
+        self.abort(ALL_GROUPS, local, cause);
+    }
+
     /// The error `group` was aborted with on this pair (by either side), if it was; `None`
     /// also when the pair closed. A wait of the group on other pairs asks it, so that an abort
     /// that reached this rank through another peer ends it too.

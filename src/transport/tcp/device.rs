@@ -220,7 +220,8 @@ impl DeviceState {
     pub(crate) fn remove_route(&self, ctx: &ContextId, rank: usize) {
         let Some(route) = lock(&self.routes).remove(&(*ctx, rank)) else { return };
         let tokens: Vec<Token> = route.pairs.iter().flatten().flat_map(|p| p.tokens()).collect();
-        let closing: Vec<TcpStream> = route.pairs.iter().flatten().flat_map(|p| p.close()).collect();
+        let flushed_by = Instant::now() + CLOSE_FLUSH;
+        let closing: Vec<TcpStream> = route.pairs.iter().flatten().flat_map(|p| p.close(flushed_by)).collect();
         {
             let mut pairs = lock(&self.pairs);
             for t in tokens {
@@ -531,6 +532,10 @@ mod tests {
 
 /// The longest a context's close waits for its peers to take what it sent ([`linger`]).
 const LINGER: Duration = Duration::from_secs(1);
+
+/// The longest a context's close writes what its pairs still have queued, all pairs together
+/// ([`TcpPair::close`]): a peer that reads takes it in well under a millisecond.
+const CLOSE_FLUSH: Duration = Duration::from_millis(250);
 
 /// Closes `streams` (each already shut down for writing) without losing what they sent: a
 /// socket closed while input waits unread in it resets the connection, and a reset throws away

@@ -31,7 +31,9 @@ use mio::net::TcpStream;
 use recv::{Reader, Rx};
 use send::Sender;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 use watch::{Watch, Watching};
 
 /// One of a pair's two connections, both opened by the higher rank.
@@ -73,6 +75,9 @@ impl Lane {
 /// against 23.9 µs (median p50 of three alternating runs); 256 KiB and up no size measured
 /// differed beyond the noise.
 const BULK_MIN: usize = 256 << 10;
+
+/// How long a closing pair sleeps between looks at sockets that take no more ([`TcpPair::close`]).
+const CLOSE_LOOK: Duration = Duration::from_millis(2);
 
 /// A connected socket and its event-loop token.
 struct Sock {
@@ -248,13 +253,45 @@ impl TcpPair {
         }
     }
 
-    /// Closes the connection quietly (the context is going away), gracefully: the sockets
-    /// are shut down for writing only (the peer reads everything sent, then the end) and
-    /// handed back, for the caller to [`linger`](super::super::device::linger) on before it
-    /// closes them. A socket a waiting thread may still poll is closed at once instead.
-    pub(crate) fn close(&self) -> Vec<TcpStream> {
-        let mut g = self.lock();
+    /// Closes the connection quietly (the context is going away), gracefully: what is still
+    /// queued is written first, until `deadline` (see below); then the sockets are shut down
+    /// for writing only (the peer reads everything sent, then the end) and handed back, for
+    /// the caller to [`linger`](super::super::device::linger) on before it closes them. A
+    /// socket a waiting thread may still poll is closed at once instead.
+    ///
+    /// The queue holds, on a context that failed, the end of a frame begun (the peer reads
+    /// the stream as frames) and behind it the abort frame with the failure's cause: dropped
+    /// at the close, the peer would read a connection that ended mid-frame and blame this
+    /// rank instead of the rank whose death caused it. Input is read meanwhile, so that a peer
+    /// that writes to this rank while this rank writes to it does not stall both.
+    pub(crate) fn close(&self, deadline: Instant) -> Vec<TcpStream> {
+        let mut g = self.flush_until(self.lock(), deadline);
         self.end_locked(&mut g, Error::Aborted { rank: self.me, reason: "this rank closed the context".into() }, true)
+    }
+
+    /// Writes what is queued until it is all written, the connection fails or `deadline`
+    /// passes, reading input meanwhile ([`close`](Self::close)); the lock is let go while the
+    /// sockets take nothing.
+    fn flush_until<'g>(&'g self, mut g: MutexGuard<'g, Inner>, deadline: Instant) -> MutexGuard<'g, Inner> {
+        while matches!(g.conn, Conn::Open(_)) && !g.tx.is_empty() {
+            if self.flush(&mut g).and_then(|()| self.read(&mut g)).is_err() || g.tx.is_empty() {
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let mut fds: Vec<libc::pollfd> = g
+                .conn
+                .socks()
+                .iter()
+                .map(|s| libc::pollfd { fd: s.stream.as_raw_fd(), events: libc::POLLOUT | libc::POLLIN, revents: 0 })
+                .collect();
+            drop(g);
+            let _ = crate::transport::wake::poll_fds(&mut fds, left.min(CLOSE_LOOK));
+            g = self.lock();
+        }
+        g
     }
 
     /// An error of the pair's socket: one that says the connection to the peer is lost (its
@@ -402,6 +439,23 @@ impl Pair for TcpPair {
                 self.wake.signal();
             }
         }
+    }
+
+    fn abort_closing(&self, local: &Error, cause: &AbortCause, deadline: Instant) {
+        let mut g = self.lock();
+        if g.conn.closed_error().is_some() {
+            return;
+        }
+        // Behind what is queued (on a failed group: the end of a frame begun, then that
+        // group's abort frame): written whole before the pair closes, so that the peer reads
+        // the cause before the end, not a connection that ended mid-frame.
+        let owned = cause.encode().into_boxed_slice();
+        let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len(), mem: crate::transport::MemKind::Host };
+        let hdr = FrameHeader::abort(ALL_GROUPS, owned.len()).encode();
+        let lane = g.tx.lane();
+        g.tx.push(lane, ALL_GROUPS, hdr, smallvec::smallvec![buf], Some(owned), Completion::new());
+        let mut g = self.flush_until(g, deadline);
+        self.fail_locked(&mut g, local.clone());
     }
 
     fn cancel(&self, done: &Arc<Completion>) {
