@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::types::{DType, Element, Reduction};
 use crate::{Context, sync::lock};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use smallvec::SmallVec;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -203,7 +204,7 @@ impl Engine {
         let mut words: Vec<u64> = group.bytes().map(u64::from).collect();
         words.push(k);
         let gid = crate::comm::fnv(&words) | 1;
-        let mut staged = Vec::with_capacity(tensors.len());
+        let mut staged = SmallVec::with_capacity(tensors.len());
         for (name, t) in tensors {
             let t = Tensor::new(t.data, t.shape)?;
             let mut meta = self.reduce_meta::<T>(Kind::Allreduce, &name, &t, opts)?;
@@ -211,7 +212,7 @@ impl Engine {
             meta.group_size = n;
             staged.push((name, meta, Some(Box::new(t.data) as Box<dyn Payload>)));
         }
-        self.submit_many(staged, tensor_of::<T>)
+        self.submit_many(staged, tensor_of::<T>).map(SmallVec::into_vec)
     }
 
     /// Concatenates the ranks' tensors along the first dimension, in rank order; the first
@@ -447,13 +448,13 @@ impl Engine {
         payload: Option<Box<dyn Payload>>,
         convert: fn(Output) -> Result<O>,
     ) -> Result<Handle<O>> {
-        let mut hs = self.submit_many(vec![(name.to_string(), meta, payload)], convert)?;
+        let mut hs = self.submit_many(smallvec::smallvec![(name.to_string(), meta, payload)], convert)?;
         hs.pop().ok_or_else(|| Error::invalid("engine: no handle (a bug)"))
     }
 
     /// Submits all of `subs` or none: names are checked and reserved together, and the
     /// submissions enter the queue together (unless the engine has stopped).
-    fn submit_many<O>(&self, subs: Vec<Staged>, convert: fn(Output) -> Result<O>) -> Result<Vec<Handle<O>>> {
+    fn submit_many<O>(&self, subs: Subs, convert: fn(Output) -> Result<O>) -> Result<SmallVec<[Handle<O>; 1]>> {
         self.check_alive()?;
         let me = self.rank();
         for (name, meta, _) in &subs {
@@ -492,7 +493,7 @@ impl Engine {
             inflight.extend(subs.iter().map(|(n, _, _)| n.clone()));
         }
         let now = Instant::now();
-        let mut handles = Vec::with_capacity(subs.len());
+        let mut handles = SmallVec::with_capacity(subs.len());
         let driver = Arc::downgrade(&self.driver) as Weak<dyn Drive>;
         let batching;
         {
@@ -536,6 +537,9 @@ impl Engine {
 
 /// A submission before it is queued: name, what must agree, tensor.
 type Staged = (String, Meta, Option<Box<dyn Payload>>);
+
+/// Submissions made together (one, as a rule: kept inline).
+type Subs = SmallVec<[Staged; 1]>;
 
 /// The prefix of the engine's own names (barriers, join).
 const RESERVED: &str = "ferrogloo.";

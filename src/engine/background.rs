@@ -599,16 +599,19 @@ impl Core {
         if window.is_zero() || gap.is_zero() {
             return;
         }
-        let start = Instant::now();
+        let mut start = None;
         let mut q = lock(&self.sh.queue);
         loop {
             // A burst: more than one submission is waiting, the last two close together, and
             // the last one just now. (One submission alone, as from a thread that submits and
-            // waits, is negotiated at once.)
+            // waits, is negotiated at once, without a look at the clock.)
             let burst =
                 q.items.len() > 1 && q.gap.is_some_and(|g| g < gap) && q.last.is_some_and(|l| l.elapsed() < gap);
-            let left = window.saturating_sub(start.elapsed());
-            if !burst || q.shutdown || left.is_zero() {
+            if !burst {
+                return;
+            }
+            let left = window.saturating_sub(start.get_or_insert_with(Instant::now).elapsed());
+            if q.shutdown || left.is_zero() {
                 return;
             }
             let n = q.items.len();
@@ -884,15 +887,21 @@ impl Core {
     /// Reduces the ready allreduces whose tensors every rank has sent for this submission
     /// (`slots[i]`: `items[i]`'s slot, for those the cache's bits found ready), with no
     /// collective. Every rank has the same messages, so every rank reduces the same ones; the
-    /// others run as usual. Returns the time spent on each, for the timeline.
-    fn reduce_eager(&mut self, items: &mut [Item], slots: &[Option<u32>], contributors: usize) -> Result<Vec<Span>> {
+    /// others run as usual. Returns how many it reduced, and (with a timeline) the time spent
+    /// on each.
+    fn reduce_eager(
+        &mut self,
+        items: &mut [Item],
+        slots: &[Option<u32>],
+        contributors: usize,
+    ) -> Result<(u64, Vec<Span>)> {
         // With joined ranks, allreduces run as collectives (an average divides by the ranks
         // that contributed: exec.rs).
         if self.sent.is_empty() || contributors != self.size {
-            return Ok(Vec::new());
+            return Ok((0, Vec::new()));
         }
         let (me, n) = (self.rank, self.size);
-        let mut spans = Vec::new();
+        let (mut reduced, mut spans) = (0, Vec::new());
         for (i, item) in items.iter_mut().enumerate() {
             let (Some(slot), Some(len)) = (slots.get(i).copied().flatten(), item.eager_bytes()) else { continue };
             let version = self.ctl.cache().version(slot);
@@ -911,10 +920,12 @@ impl Core {
                 })
                 .collect();
             if let Some(peers) = peers {
-                item.reduce_from(&peers, &mut self.scratch, &mut spans, i)?;
+                let timed = self.timeline.is_some().then_some(&mut spans);
+                item.reduce_from(&peers, &mut self.scratch, timed, i)?;
+                reduced += 1;
             }
         }
-        Ok(spans)
+        Ok((reduced, spans))
     }
 
     /// After a cycle: forgets the tensors sent for the slots found ready (used, or allreduced
@@ -980,10 +991,10 @@ impl Core {
             st.coordinated_cycles += u64::from(coordinated);
             st.coordinated += from_coordinator as u64;
             st.cache_hits += hits as u64;
-            st.eager += eager.as_ref().map_or(0, Vec::len) as u64;
+            st.eager += eager.as_ref().map_or(0, |(reduced, _)| *reduced);
         }
         let spans = match eager {
-            Ok(spans) => spans,
+            Ok((_, spans)) => spans,
             Err(e) => {
                 // The failure ends the engine: every item of the cycle reports it.
                 for mut item in items {

@@ -27,6 +27,7 @@ use super::wire::{self, JOINED, REQUESTS, Request, Response, SHUTDOWN, State};
 use crate::error::{Error, Result};
 use crate::types::Reduction;
 use rustc_hash::FxHashMap as HashMap;
+use smallvec::SmallVec;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -360,7 +361,7 @@ impl<T> Controller<T> {
         };
         let (me, n) = (self.rank, self.size());
         let words = self.cache.words();
-        let mut states = Vec::with_capacity(n);
+        let mut states: SmallVec<[State; 8]> = SmallVec::with_capacity(n);
         for (p, s) in cur.states.drain(..).enumerate() {
             let wp = self.w(p);
             let s = s.ok_or_else(|| Error::Protocol { peer: Some(wp), detail: "engine: no state message".into() })?;
@@ -398,7 +399,7 @@ impl<T> Controller<T> {
 
         // Slots some rank found out of date: dropped everywhere; names pending on them go to
         // the coordinator in full next cycle.
-        let mut stale = vec![0u64; words];
+        let mut stale: SmallVec<[u64; 16]> = smallvec::smallvec![0u64; words];
         for s in &states {
             for (a, b) in stale.iter_mut().zip(&s.invalidate) {
                 *a |= b;
@@ -411,7 +412,7 @@ impl<T> Controller<T> {
 
         // Names every (needed) rank has pending in the cache: the ANDed bits (of the slots
         // some rank has pending, in slot order).
-        let mut any = vec![0u64; words];
+        let mut any: SmallVec<[u64; 16]> = smallvec::smallvec![0u64; words];
         for s in &states {
             for (a, b) in any.iter_mut().zip(&s.pending) {
                 *a |= b;

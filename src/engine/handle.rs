@@ -176,7 +176,8 @@ impl<O: Send + 'static> Handle<O> {
     }
 
     fn wait_until(self, deadline: Option<Instant>) -> Result<O> {
-        let start = Instant::now();
+        // Only a wait with a deadline reports how long it waited.
+        let start = deadline.map(|_| Instant::now());
         // Runs the engine on this thread until the result is there (caller runs; drive.rs).
         // Not with a deadline: a cycle, once begun, may outlast it.
         if deadline.is_none()
@@ -203,7 +204,7 @@ impl<O: Send + 'static> Handle<O> {
                             op: format!("engine: waiting for '{}'", self.name),
                             ranks: Vec::new(),
                             keys: Vec::new(),
-                            waited: start.elapsed(),
+                            waited: start.map_or(Duration::ZERO, |s| s.elapsed()),
                         });
                     }
                     self.done.sleepers.fetch_add(1, Ordering::SeqCst);
