@@ -1361,3 +1361,41 @@ fn fused_batches_over_tcp_run_the_ring_on_the_tensors_themselves() {
         assert!(s.collectives < (steps * lens.len()) as u64, "{s:?}");
     }
 }
+
+/// A thread that submits several tensors one after the other while nobody waits (the
+/// background thread runs the loop) gets them negotiated together and run as one fused
+/// collective, not the first alone and the rest as they came; the results are right on every
+/// rank.
+#[test]
+fn a_burst_submitted_while_nobody_waits_is_negotiated_together() {
+    let tensors = 8;
+    // A generous gap: a loaded machine's ranks start their bursts milliseconds apart.
+    let cfg = EngineConfig { batch_gap: Duration::from_millis(200), batch_window: Duration::from_secs(5), ..cfg() };
+    let results = engines(3, cfg, |e| {
+        let r = e.rank();
+        // No caller has waited yet: the background thread holds the loop.
+        let data: Vec<Vec<i64>> = (0..tensors).map(|t| (0..64).map(|i| val(r, t, i)).collect()).collect();
+        let hs = data
+            .into_iter()
+            .enumerate()
+            .map(|(t, v)| {
+                // A few milliseconds apart (as a training step's gradients come), well within
+                // the gap: the background thread has woken for the first before the second.
+                std::thread::sleep(Duration::from_millis(2));
+                e.allreduce(&format!("burst{t}"), v, Reduction::Sum).map(|h| (t, h))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (t, h) in hs {
+            let want: Vec<i64> = (0..64).map(|i| (0..3).map(|p| val(p, t, i)).sum()).collect();
+            assert_eq!(h.wait()?.data, want, "rank {r}, tensor {t}");
+        }
+        Ok(e.stats())
+    });
+    for (rank, s) in all_ok(results).into_iter().enumerate() {
+        // All of them in one fused collective (came as they did, each ran alone: 8 cycles and
+        // 8 collectives). A cycle with nothing to decide may come first, from a rank that
+        // began before the others' bursts reached them.
+        assert_eq!((s.collectives, s.fused_tensors), (1, tensors as u64), "rank {rank}: {s:?}");
+        assert!(s.cycles <= 2, "rank {rank}: {s:?}");
+    }
+}
