@@ -220,7 +220,7 @@ impl<O: Send + 'static> Handle<O> {
     /// calling thread, if it already is. Keep it short: the engine's callbacks run one after
     /// another on that thread. A callback that panics fails the engine on every rank, with
     /// the panic as the cause (one run here panics here). With no thread waiting, the result
-    /// comes at most about a millisecond after a waiting thread last ran the engine (the
+    /// comes at most one to two milliseconds after a waiting thread last ran the engine (the
     /// background thread then takes it back).
     pub fn then(self, f: impl FnOnce(Result<O>) + Send + 'static) {
         let convert = self.convert;

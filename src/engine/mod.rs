@@ -31,7 +31,7 @@
 //! - **The caller runs.** A thread waiting on a [`Handle`] runs the engine's loop itself (its
 //!   cycles, collectives and completions), so a result does not cross threads; the background
 //!   thread runs it while nobody waits (peers' cycles, handles never waited on), lets go when a
-//!   caller comes, and takes it back about a millisecond after the last caller left. A
+//!   caller comes, and takes it back one to two milliseconds after the last caller left. A
 //!   submission wakes the loop (a message to itself on the context) only while it waits for
 //!   messages. Several threads of a rank waiting at once take turns. Callbacks always run on
 //!   the background thread, and a wait with a deadline
