@@ -564,10 +564,13 @@ impl Op {
         // A peer that closed its connection may have done so because of a failure that
         // reached this rank first another way (a peer's abort naming the rank that died): the
         // first cause is the one to report, not the closure it led to.
+        // Only a closure that another peer reported (a rank that died) replaces it: a later
+        // failure of another kind (a survivor's timeout, an abort) is not its cause.
         let outcome = match outcome {
-            Err(closed @ Error::PeerClosed { .. }) => Err(revoked()
-                .filter(|cause| !matches!((cause, &closed), (Error::PeerClosed { rank: a, .. }, Error::PeerClosed { rank: b, .. }) if a == b))
-                .unwrap_or(closed)),
+            Err(Error::PeerClosed { rank, op, detail }) => Err(match revoked() {
+                Some(cause @ Error::PeerClosed { rank: first, .. }) if first != rank => cause,
+                _ => Error::PeerClosed { rank, op, detail },
+            }),
             o => o,
         };
         outcome.map_err(|e| e.during(self.what))

@@ -429,10 +429,16 @@ impl<T> Controller<T> {
             }
         }
         if me == COORDINATOR || record_seen {
-            // The stall inspector looks only at names still pending after this cycle: those it
+            // The stall inspector looks only at names still pending after this cycle: those
             // found ready need no sighting, unless a timeline records when each rank had them.
-            let ready: &[u32] = if record_seen { &[] } else { &cur.hits };
-            self.note_seen(&states, now, ready);
+            // (A hit of a group runs only with the whole group: it may stay pending.)
+            let ready: SmallVec<[u32; 16]> = if record_seen {
+                SmallVec::new()
+            } else {
+                let alone = |s: &&u32| self.cache.at(**s).is_some_and(|(_, m)| m.group == 0);
+                cur.hits.iter().filter(alone).copied().collect()
+            };
+            self.note_seen(&states, now, &ready);
         }
 
         // Names not in the cache: the coordinator decides.

@@ -227,8 +227,12 @@ impl Driver {
 impl Drive for Driver {
     fn wait_for(&self, done: &Promise) {
         self.sh.waiting.fetch_add(1, Ordering::SeqCst);
-        // The background thread lets go of its idle wait (it sees `waiting`, or is interrupted).
+        // The background thread lets go of its idle wait (it sees `waiting`, or is interrupted),
+        // and of a wait for a burst that this caller's submission began (`Core::batch`).
         self.interrupter.interrupt();
+        if lock(&self.sh.queue).batching {
+            self.sh.arrived.notify_all();
+        }
         while !done.is_done() {
             let seen = self.generation();
             match try_lock(&self.core) {

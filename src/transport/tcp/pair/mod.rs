@@ -30,6 +30,7 @@ use mio::Token;
 use mio::net::TcpStream;
 use recv::{Reader, Rx};
 use send::Sender;
+use smallvec::SmallVec;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -281,11 +282,24 @@ impl TcpPair {
             if left.is_zero() {
                 break;
             }
-            let mut fds: Vec<libc::pollfd> = g
-                .conn
-                .socks()
-                .iter()
-                .map(|s| libc::pollfd { fd: s.stream.as_raw_fd(), events: libc::POLLOUT | libc::POLLIN, revents: 0 })
+            // As a driver waits (`drive_now`): the connection the next frame goes on for room,
+            // and the one being read for input unless reading is stalled (a socket's readiness
+            // that nothing here consumes would end every poll at once).
+            let (reading, stalled, front) = (g.rx.reading, g.rx.is_stalled(), g.tx.front_lane());
+            let Conn::Open(socks) = &g.conn else { break };
+            let mut fds: SmallVec<[libc::pollfd; 2]> = [Lane::Main, Lane::Bulk]
+                .into_iter()
+                .map(|lane| {
+                    let mut events = 0;
+                    if lane == reading && !stalled {
+                        events |= libc::POLLIN;
+                    }
+                    if Some(lane) == front {
+                        events |= libc::POLLOUT;
+                    }
+                    let fd = if events == 0 { -1 } else { socks[lane.index()].stream.as_raw_fd() };
+                    libc::pollfd { fd, events, revents: 0 }
+                })
                 .collect();
             drop(g);
             let _ = crate::transport::wake::poll_fds(&mut fds, left.min(CLOSE_LOOK));
@@ -455,7 +469,13 @@ impl Pair for TcpPair {
         let lane = g.tx.lane();
         g.tx.push(lane, ALL_GROUPS, hdr, smallvec::smallvec![buf], Some(owned), Completion::new());
         let mut g = self.flush_until(g, deadline);
-        self.fail_locked(&mut g, local.clone());
+        // Closed as a context's close does (shut down for writing, then input drained until
+        // the peer has it all, within the deadline): a socket closed with the peer's input
+        // unread resets the connection, and the reset throws away what this side's kernel had
+        // not sent yet, the cause last.
+        let streams = self.end_locked(&mut g, local.clone(), true);
+        drop(g);
+        super::device::linger(streams, deadline.saturating_duration_since(Instant::now()));
     }
 
     fn cancel(&self, done: &Arc<Completion>) {
