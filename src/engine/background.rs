@@ -1086,3 +1086,41 @@ impl Core {
         panicked.map_or(Ok(()), Err)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pool of envelope buffers: a buffer given back is the next one used (a warm cycle
+    /// allocates none), and what it keeps stays within its bounds, each and in all.
+    #[test]
+    fn spare_buffers_are_reused_within_their_bounds() {
+        let mut spare = Spare::default();
+        let first = spare.copy_of(&[7u8; 4096]);
+        assert_eq!(first, vec![7u8; 4096]);
+        let (at, capacity) = (first.as_ptr(), first.capacity());
+        spare.give(first);
+        assert_eq!(spare.bytes, capacity);
+        let again = spare.copy_of(&[9u8; 100]);
+        assert_eq!((again.as_ptr(), again.as_slice()), (at, &[9u8; 100][..]), "the same buffer, refilled");
+        assert_eq!(spare.bytes, 0);
+        spare.give(again);
+        // Too large to keep, and empty: dropped.
+        spare.give(Vec::with_capacity(ENVELOPE_KEPT_BYTES + 1));
+        spare.give(Vec::new());
+        assert_eq!(spare.bufs.len(), 1);
+        // At most EAGER_KEPT_BYTES in all.
+        for _ in 0..2 * EAGER_KEPT_BYTES / ENVELOPE_KEPT_BYTES {
+            spare.give(Vec::with_capacity(ENVELOPE_KEPT_BYTES));
+        }
+        assert!(spare.bytes <= EAGER_KEPT_BYTES, "{} bytes kept", spare.bytes);
+        assert_eq!(spare.bytes, spare.bufs.iter().map(Vec::capacity).sum::<usize>());
+        // A message still shared is not taken back.
+        let shared = Arc::new(vec![1u8; 8]);
+        let held = shared.clone();
+        let before = spare.bufs.len();
+        spare.give_shared(shared);
+        assert_eq!(spare.bufs.len(), before);
+        drop(held);
+    }
+}
