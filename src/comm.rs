@@ -11,8 +11,8 @@
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use crate::transport::{
-    ALL_GROUPS, AbortCause, BusyWait, Completion, Done, Key, LocalArea, MemKind, Mesh, Pair, RecvBuf, RecvTarget,
-    SEQUENCED, SendBuf, group_id,
+    ALL_GROUPS, AbortCause, BusyWait, CLOSE_FLUSH, Completion, Done, Key, LocalArea, MemKind, Mesh, Pair, RecvBuf,
+    RecvTarget, SEQUENCED, SendBuf, group_id,
 };
 use crate::types::OpDesc;
 use bytemuck::Pod;
@@ -80,7 +80,7 @@ impl Drop for World {
         let failure = self.failure.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(err) = failure {
             let cause = AbortCause::of(&err, self.world_rank);
-            let deadline = Instant::now() + CLOSING_FLUSH;
+            let deadline = Instant::now() + CLOSE_FLUSH;
             for p in self.mesh.pairs.iter().flatten() {
                 p.abort_closing(&err, &cause, deadline);
             }
@@ -101,11 +101,6 @@ const SCOPE_INLINE: usize = 8;
 /// How often a long wait asks whether its group was aborted on another pair (a revoke that
 /// reached this rank through a peer the waiting operation does not involve).
 const REVOKE_CHECK: Duration = Duration::from_millis(10);
-
-/// The longest a failed context that goes away takes to hand its peers what its pairs still
-/// have queued, all pairs together ([`Pair::abort_closing`]): a peer that reads takes it in
-/// well under a millisecond; one that does not read (dead, or stuck) costs this bound once.
-const CLOSING_FLUSH: Duration = Duration::from_millis(250);
 
 /// What a rank may send itself before it posts the receive (a larger send waits for it).
 const SELF_BUDGET: usize = 8 << 20;
@@ -562,10 +557,9 @@ impl Op {
             self.cancel();
         }
         // A peer that closed its connection may have done so because of a failure that
-        // reached this rank first another way (a peer's abort naming the rank that died): the
-        // first cause is the one to report, not the closure it led to.
-        // Only a closure that another peer reported (a rank that died) replaces it: a later
-        // failure of another kind (a survivor's timeout, an abort) is not its cause.
+        // reached this rank first another way: another peer's report that a rank died is the
+        // first cause to report, not the closure it led to. (A failure of another kind, such
+        // as a survivor's timeout, is not its cause and does not replace it.)
         let outcome = match outcome {
             Err(Error::PeerClosed { rank, op, detail }) => Err(match revoked() {
                 Some(cause @ Error::PeerClosed { rank: first, .. }) if first != rank => cause,

@@ -126,6 +126,11 @@ pub(crate) struct Key {
 /// [`group_id`]).
 pub(crate) const ALL_GROUPS: u64 = u64::MAX;
 
+/// The longest a context that goes away takes to write what its pairs still have queued, all
+/// pairs together (`TcpPair::close`, [`Pair::abort_closing`]): a peer that reads takes it in
+/// well under a millisecond; one that does not (dead, or stuck) costs this bound once.
+pub(crate) const CLOSE_FLUSH: Duration = Duration::from_millis(250);
+
 /// A group id made from the hash `h`: never 0 (the mesh's own context) nor [`ALL_GROUPS`].
 pub(crate) fn group_id(h: u64) -> u64 {
     if h == 0 || h == ALL_GROUPS { 1 } else { h }

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::sync::{lock, wait_timeout};
 use crate::transport::handshake::messages::{Hello, MAX_MESSAGE};
 use crate::transport::handshake::{BackendKind, Event, Handshake, Local};
-use crate::transport::{ContextId, Pair, random16};
+use crate::transport::{CLOSE_FLUSH, ContextId, Pair, random16};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use std::collections::HashMap;
@@ -532,10 +532,6 @@ mod tests {
 
 /// The longest a context's close waits for its peers to take what it sent ([`linger`]).
 const LINGER: Duration = Duration::from_secs(1);
-
-/// The longest a context's close writes what its pairs still have queued, all pairs together
-/// ([`TcpPair::close`]): a peer that reads takes it in well under a millisecond.
-const CLOSE_FLUSH: Duration = Duration::from_millis(250);
 
 /// Closes `streams` (each already shut down for writing) without losing what they sent: a
 /// socket closed while input waits unread in it resets the connection, and a reset throws away

@@ -134,6 +134,25 @@ struct Inner {
     watching: Watching,
 }
 
+impl Inner {
+    /// The `poll(2)` events a thread waiting on the pair waits for, on each connection (indexed
+    /// by lane): input only on the connection being read, and not while reading is stalled (a
+    /// stalled header cannot be consumed: readiness would fire forever); room only on the
+    /// connection the next frame goes on. None once the pair is not open.
+    fn wanted_events(&self) -> [i16; 2] {
+        let mut ev = [0, 0];
+        if matches!(self.conn, Conn::Open(_)) {
+            if !self.rx.is_stalled() {
+                ev[self.rx.reading.index()] |= libc::POLLIN;
+            }
+            if let Some(lane) = self.tx.front_lane() {
+                ev[lane.index()] |= libc::POLLOUT;
+            }
+        }
+        ev
+    }
+}
+
 /// The TCP pair.
 pub(crate) struct TcpPair {
     me: usize,
@@ -282,23 +301,17 @@ impl TcpPair {
             if left.is_zero() {
                 break;
             }
-            // As a driver waits (`drive_now`): the connection the next frame goes on for room,
-            // and the one being read for input unless reading is stalled (a socket's readiness
-            // that nothing here consumes would end every poll at once).
-            let (reading, stalled, front) = (g.rx.reading, g.rx.is_stalled(), g.tx.front_lane());
+            // What a driver waits for (a readiness that nothing here consumes would end every
+            // poll at once).
+            let wanted = g.wanted_events();
             let Conn::Open(socks) = &g.conn else { break };
-            let mut fds: SmallVec<[libc::pollfd; 2]> = [Lane::Main, Lane::Bulk]
-                .into_iter()
-                .map(|lane| {
-                    let mut events = 0;
-                    if lane == reading && !stalled {
-                        events |= libc::POLLIN;
-                    }
-                    if Some(lane) == front {
-                        events |= libc::POLLOUT;
-                    }
-                    let fd = if events == 0 { -1 } else { socks[lane.index()].stream.as_raw_fd() };
-                    libc::pollfd { fd, events, revents: 0 }
+            let mut fds: SmallVec<[libc::pollfd; 2]> = socks
+                .iter()
+                .zip(wanted)
+                .map(|(s, events)| libc::pollfd {
+                    fd: if events == 0 { -1 } else { s.stream.as_raw_fd() },
+                    events,
+                    revents: 0,
                 })
                 .collect();
             drop(g);
@@ -431,11 +444,7 @@ impl Pair for TcpPair {
         }
         // Best effort: queue the abort frame behind whatever is queued and write what the
         // socket takes now. A peer that misses a closing frame sees the connection close.
-        let owned = cause.encode().into_boxed_slice();
-        let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len(), mem: crate::transport::MemKind::Host };
-        let hdr = FrameHeader::abort(group, owned.len()).encode();
-        let lane = g.tx.lane();
-        g.tx.push(lane, group, hdr, smallvec::smallvec![buf], Some(owned), Completion::new());
+        queue_abort(&mut g, group, cause);
         if group == ALL_GROUPS {
             let _ = self.flush(&mut g);
             self.fail_locked(&mut g, local.clone());
@@ -463,11 +472,7 @@ impl Pair for TcpPair {
         // Behind what is queued (on a failed group: the end of a frame begun, then that
         // group's abort frame): written whole before the pair closes, so that the peer reads
         // the cause before the end, not a connection that ended mid-frame.
-        let owned = cause.encode().into_boxed_slice();
-        let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len(), mem: crate::transport::MemKind::Host };
-        let hdr = FrameHeader::abort(ALL_GROUPS, owned.len()).encode();
-        let lane = g.tx.lane();
-        g.tx.push(lane, ALL_GROUPS, hdr, smallvec::smallvec![buf], Some(owned), Completion::new());
+        queue_abort(&mut g, ALL_GROUPS, cause);
         let mut g = self.flush_until(g, deadline);
         // Closed as a context's close does (shut down for writing, then input drained until
         // the peer has it all, within the deadline): a socket closed with the peer's input
@@ -492,6 +497,16 @@ impl Pair for TcpPair {
     fn aborted(&self, group: u64) -> Option<Error> {
         self.lock().matcher.aborted(group)
     }
+}
+
+/// Queues the frame that aborts `group` ([`ALL_GROUPS`]: the pair) with `cause`, behind
+/// whatever is queued, on the connection of the last frame queued (it owns its bytes).
+fn queue_abort(g: &mut Inner, group: u64, cause: &AbortCause) {
+    let owned = cause.encode().into_boxed_slice();
+    let buf = SendBuf { ptr: owned.as_ptr(), len: owned.len(), mem: crate::transport::MemKind::Host };
+    let hdr = FrameHeader::abort(group, owned.len()).encode();
+    let lane = g.tx.lane();
+    g.tx.push(lane, group, hdr, smallvec::smallvec![buf], Some(owned), Completion::new());
 }
 
 impl Drop for TcpPair {

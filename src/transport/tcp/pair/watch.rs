@@ -181,18 +181,7 @@ impl TcpPair {
         let mut g = self.lock();
         self.drive(&mut g);
         let hold_ends = g.rx.held_since.map(|t| t + HOLD);
-        let mut ev = [0, 0];
-        if matches!(g.conn, Conn::Open(_)) {
-            // Only the connection being read; a stalled header cannot be consumed: readiness
-            // would fire forever.
-            if !g.rx.is_stalled() {
-                ev[g.rx.reading.index()] |= libc::POLLIN;
-            }
-            if let Some(lane) = g.tx.front_lane() {
-                ev[lane.index()] |= libc::POLLOUT;
-            }
-        }
-        (ev, hold_ends)
+        (g.wanted_events(), hold_ends)
     }
 
     /// The event loop's look at a pair while holds are counted: ends an overdue hold of a pair
