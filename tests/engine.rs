@@ -24,10 +24,21 @@ fn device() -> Result<Device> {
     }
 }
 
+/// Set (to `1`) in the process that [`every_test_again_agreeing_by_reduction`] starts: every
+/// engine of this file's tests then agrees by reduction from 2 ranks on.
+const TREE_ENV: &str = "FERROGLOO_TEST_ENGINE_TREE";
+
+/// An engine over `ctx` with `cfg`, agreeing by reduction where [`TREE_ENV`] says so.
+fn new_engine(ctx: Context, cfg: EngineConfig) -> Result<Engine> {
+    let tree = std::env::var_os(TREE_ENV).is_some();
+    let cfg = EngineConfig { tree_negotiation_from: if tree { Some(2) } else { cfg.tree_negotiation_from }, ..cfg };
+    Engine::new(ctx, cfg)
+}
+
 /// Runs `f` on `n` ranks that are threads, each with its own engine (on [`device`]).
 fn engines<T: Send>(n: usize, cfg: EngineConfig, f: impl Fn(Engine) -> Result<T> + Sync) -> Vec<Result<T>> {
     let store = HashStore::new();
-    common::run_ranks_on(n, &store, &device, |b| b, |ctx| f(Engine::new(ctx, cfg.clone())?))
+    common::run_ranks_on(n, &store, &device, |b| b, |ctx| f(new_engine(ctx, cfg.clone())?))
 }
 
 /// Every other test of this file once more, in a process of their own, on shared memory: where
@@ -35,12 +46,33 @@ fn engines<T: Send>(n: usize, cfg: EngineConfig, f: impl Fn(Engine) -> Result<T>
 /// nudges to ranks that wait idle), not over the pairs.
 #[test]
 fn every_test_again_through_the_shared_area() {
-    if std::env::var_os(DEVICE_ENV).is_some() {
+    if std::env::var_os(DEVICE_ENV).is_some() || std::env::var_os(TREE_ENV).is_some() {
         return;
     }
-    let args = ["--skip", "every_test_again_through_the_shared_area"];
+    let args = ["--skip", "every_test_again"];
     let (passed, said) = common::run_again(&args, (DEVICE_ENV, "shm"), Duration::from_secs(600));
     assert!(passed, "this file's tests on shared memory failed: {said}");
+}
+
+/// Every other test of this file once more, in a process of their own, with every engine
+/// agreeing by reduction over the pairs (log2(n) rounds of one message per rank, names in
+/// full to the coordinator, its responses down a tree), but those that count what travels
+/// with the states (nothing does then).
+#[test]
+fn every_test_again_agreeing_by_reduction() {
+    if std::env::var_os(DEVICE_ENV).is_some() || std::env::var_os(TREE_ENV).is_some() {
+        return;
+    }
+    let args = [
+        "--skip",
+        "every_test_again",
+        "--skip",
+        "travel",
+        "--skip",
+        "the_timeline_holds_negotiation_and_collective_spans",
+    ];
+    let (passed, said) = common::run_again(&args, (TREE_ENV, "1"), Duration::from_secs(600));
+    assert!(passed, "this file's tests agreeing by reduction failed: {said}");
 }
 
 /// A cycle whose state does not fit a slot of the host's area (1,500 names of 4,000 bytes
@@ -435,7 +467,7 @@ fn fused_batches_through_the_shared_area_copy_no_tensor_and_scale_each() {
             &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
             |b| b,
             |ctx| {
-                let e = Engine::new(ctx, config.clone())?;
+                let e = new_engine(ctx, config.clone())?;
                 let r = e.rank() as f32;
                 // Sizes around the one-step limit and a slot: 0 to 600,000 elements.
                 let lens = [0usize, 1, 100, 5000, 70_000, 600_000];
@@ -606,8 +638,8 @@ fn process_sets_negotiate_on_their_own() {
         |b| b,
         |ctx: Context| {
             let evens = ctx.split(Some((ctx.rank() % 2) as u32), 0)?.ok_or_else(|| Error::invalid("no group"))?;
-            let world = Engine::new(ctx, cfg())?;
-            let half = Engine::new(evens, cfg())?;
+            let world = new_engine(ctx, cfg())?;
+            let half = new_engine(evens, cfg())?;
             let r = world.rank() as i32;
             // Both engines in flight at once, names shared between them.
             let h1 = half.allreduce("x", vec![r; 2], Reduction::Sum)?;
@@ -815,7 +847,7 @@ fn ranks_with_different_fusion_thresholds_are_refused_at_start() {
         |b| b,
         |ctx: Context| {
             let t = if ctx.rank() == 0 { 1 << 20 } else { 2 << 20 };
-            Engine::new(ctx, EngineConfig { fusion_threshold: t, ..cfg() }).map(drop)
+            new_engine(ctx, EngineConfig { fusion_threshold: t, ..cfg() }).map(drop)
         },
     );
     for (rank, r) in r.into_iter().enumerate() {
@@ -836,7 +868,7 @@ fn ranks_that_negotiate_differently_are_refused_at_start() {
         |b| b,
         |ctx: Context| {
             let through_area = ctx.rank() == 0;
-            Engine::new(ctx, EngineConfig { negotiate_through_area: through_area, ..cfg() }).map(drop)
+            new_engine(ctx, EngineConfig { negotiate_through_area: through_area, ..cfg() }).map(drop)
         },
     );
     for (rank, r) in r.into_iter().enumerate() {
@@ -963,7 +995,7 @@ fn a_large_state_message_arriving_between_stall_looks_is_not_lost() {
         &Device::loopback,
         |b| b,
         |ctx: Context| {
-            let e = Engine::new(ctx, cfg.clone())?;
+            let e = new_engine(ctx, cfg.clone())?;
             let submit = || {
                 names
                     .iter()
@@ -1012,7 +1044,7 @@ fn an_engine_on_a_sub_group_whose_ranks_differ_from_the_jobs_negotiates_and_redu
                 return Ok(Vec::new());
             }
             let sub = ctx.subgroup(&[3, 2, 1])?;
-            let e = Engine::new(sub, cfg())?;
+            let e = new_engine(sub, cfg())?;
             let me = e.rank() as i32;
             let mut got = Vec::new();
             for step in 0..20 {
@@ -1045,7 +1077,9 @@ fn engines_with_model<T: Send>(
     f: impl Fn(Engine) -> Result<T> + Sync,
 ) -> Vec<Result<T>> {
     let store = HashStore::new();
-    common::run_ranks_on(n, &store, &device, |b| b.cost_model(model), |ctx| f(Engine::new(ctx, cfg.clone())?))
+    // Tensors travel only with the states of the direct exchange.
+    let cfg = EngineConfig { tree_negotiation_from: Some(0), ..cfg };
+    common::run_ranks_on(n, &store, &device, |b| b.cost_model(model), |ctx| f(new_engine(ctx, cfg.clone())?))
 }
 
 /// A model under which tensors of tens of KiB travel with the negotiation (α large against
@@ -1323,7 +1357,7 @@ fn fused_batches_over_tcp_run_the_ring_on_the_tensors_themselves() {
         |ctx: Context| {
             let big = ctx.allreduce_algorithm((1 << 20) + 1, ferrogloo::Algorithm::Auto)?;
             assert_eq!(big, ferrogloo::Algorithm::Ring, "the model must choose the ring above fusion_max_tensor");
-            let e = Engine::new(ctx, cfg())?;
+            let e = new_engine(ctx, cfg())?;
             let r = e.rank();
             for step in 0..steps {
                 let mut order: Vec<usize> = (0..lens.len()).collect();
@@ -1398,4 +1432,183 @@ fn a_burst_submitted_while_nobody_waits_is_negotiated_together() {
         assert_eq!((s.collectives, s.fused_tensors), (1, tensors as u64), "rank {rank}: {s:?}");
         assert!(s.cycles <= 2, "rank {rank}: {s:?}");
     }
+}
+
+/// Engines that agree by reduction (log2(n) rounds of one message each) at sizes that are not
+/// powers of two, where some ranks pair up before the doubling: every rank gets the sequential
+/// result for names submitted in its own order, cached from the second step on; a rank that
+/// joins early leaves the others' allreduces to them, and a broadcast needs it still.
+#[test]
+fn agreeing_by_reduction_gives_every_rank_the_result_at_any_size() {
+    for n in [2usize, 3, 6, 9, 12] {
+        let tree = EngineConfig { tree_negotiation_from: Some(2), ..cfg() };
+        let store = HashStore::new();
+        let results = common::run_ranks_on(
+            n,
+            &store,
+            &|| Ok(Device::in_process()),
+            |b| b,
+            |ctx| {
+                let e = Engine::new(ctx, tree.clone())?;
+                if !e.agrees_by_reduction() {
+                    return Err(Error::invalid("configured to agree by reduction, it does not"));
+                }
+                let r = e.rank();
+                let mut rng = Lcg(r as u64 * 31 + n as u64);
+                let tensors = 10;
+                for step in 0..3 {
+                    let mut order: Vec<usize> = (0..tensors).collect();
+                    rng.shuffle(&mut order);
+                    let hs: Vec<_> = order
+                        .iter()
+                        .map(|&t| {
+                            let v: Vec<i64> = (0..5 + t).map(|i| val(r, t, i) + step).collect();
+                            e.allreduce(&format!("t{t}"), v, Reduction::Sum).map(|h| (t, h))
+                        })
+                        .collect::<Result<_>>()?;
+                    for (t, h) in hs {
+                        let want: Vec<i64> = (0..5 + t).map(|i| (0..n).map(|q| val(q, t, i) + step).sum()).collect();
+                        let got = h.wait()?.data;
+                        if got != want {
+                            return Err(Error::invalid(format!("step {step} tensor {t}: {got:?}, want {want:?}")));
+                        }
+                    }
+                }
+                // The last rank joins; the others allreduce without it, and broadcast with it.
+                if r == n - 1 {
+                    let b = e.broadcast("bc", vec![0u8; 3], 0)?;
+                    let last = e.join()?.wait()?;
+                    let got = b.wait()?.data;
+                    Ok((e.stats(), got, Some(last)))
+                } else {
+                    let b = e.broadcast("bc", vec![r as u8 + 7; 3], 0)?;
+                    let s = e.allreduce("after", vec![1i32; 2], Reduction::Sum)?.wait()?.data;
+                    if n > 1 && s != [n as i32 - 1; 2] {
+                        return Err(Error::invalid(format!("without the joined rank: {s:?}")));
+                    }
+                    let got = b.wait()?.data;
+                    e.join()?.wait()?;
+                    Ok((e.stats(), got, None))
+                }
+            },
+        );
+        for (rank, (stats, bc, _)) in all_ok(results).into_iter().enumerate() {
+            assert_eq!(bc, vec![7u8; 3], "n={n} rank {rank}: the broadcast");
+            assert!(stats.cache_hits >= 20, "n={n} rank {rank}: the second and third steps hit the cache: {stats:?}");
+            assert_eq!(stats.eager, 0, "n={n} rank {rank}: nothing travels with a reduction");
+        }
+    }
+}
+
+/// Agreeing by reduction, rank 0 learns only that some rank has a cached name pending, not
+/// which: past half the stall threshold the name's cache slot is dropped on every rank, its
+/// submissions go to the coordinator in full, and the report names the rank that is missing.
+#[test]
+fn a_stalled_cached_name_is_reported_naming_the_missing_rank_when_agreeing_by_reduction() {
+    let check = Duration::from_millis(400);
+    let go = Barrier::new(3);
+    let cfg = EngineConfig { tree_negotiation_from: Some(2), stall_check: Some(check), ..EngineConfig::default() };
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        3,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx| {
+            let e = Engine::new(ctx, cfg.clone())?;
+            // Cached on every rank.
+            e.allreduce("late", vec![1f32; 2], Reduction::Sum)?.wait()?;
+            if e.rank() == 2 {
+                go.wait();
+                e.allreduce("late", vec![1f32; 2], Reduction::Sum)?.wait()?;
+                return Ok(None);
+            }
+            let h = e.allreduce("late", vec![1f32; 2], Reduction::Sum)?;
+            let start = Instant::now();
+            let report = loop {
+                if let Some(r) = e.stall_reports().into_iter().next() {
+                    break Some(r);
+                }
+                if e.rank() != 0 || start.elapsed() > check * 10 {
+                    break None;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            let after = start.elapsed();
+            go.wait();
+            let sum = h.wait()?.data;
+            Ok(Some((report, after, sum, e.stats())))
+        },
+    );
+    let r = all_ok(r);
+    let (report, after, sum, stats) = r[0].clone().expect("rank 0");
+    let report = report.expect("rank 0 reports the stall");
+    assert_eq!((report.name.as_str(), report.submitted, report.missing), ("late", vec![0, 1], vec![2]));
+    assert!(after < check * 4, "reported {after:?} after the submission, threshold {check:?}");
+    assert_eq!(sum, vec![3.0; 2]);
+    assert!(stats.coordinated >= 2, "the stalled name went to the coordinator again: {stats:?}");
+}
+
+#[test]
+fn ranks_that_agree_differently_over_the_pairs_are_refused_at_start() {
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        3,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx: Context| {
+            let from = if ctx.rank() == 1 { 0 } else { 3 };
+            Engine::new(ctx, EngineConfig { tree_negotiation_from: Some(from), ..cfg() }).map(drop)
+        },
+    );
+    for (rank, r) in r.into_iter().enumerate() {
+        let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            e.contains("by reduction")
+                && e.contains("each rank to every other")
+                && e.contains("FERROGLOO_ENGINE_TREE_FROM"),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// Left to measure (the default), the ranks time both ways of agreeing as the engine starts
+/// and all take the same one, whichever it is; with fewer than 8 ranks, or told, they measure
+/// nothing.
+#[test]
+fn ranks_that_measure_how_to_agree_all_take_the_same_way() {
+    for (n, from, want) in [(8usize, None, None), (9, None, None), (7, None, Some(false)), (9, Some(0), Some(false))] {
+        let store = HashStore::new();
+        let results = common::run_ranks_on(
+            n,
+            &store,
+            &|| Ok(Device::in_process()),
+            |b| b,
+            |ctx| {
+                let e = Engine::new(ctx, EngineConfig { tree_negotiation_from: from, ..cfg() })?;
+                let sum = e.allreduce("x", vec![e.rank() as u32; 3], Reduction::Sum)?.wait()?.data;
+                Ok((e.agrees_by_reduction(), sum))
+            },
+        );
+        let results = all_ok(results);
+        let way = results[0].0;
+        for (rank, (tree, sum)) in results.into_iter().enumerate() {
+            assert_eq!(tree, way, "n={n}: rank {rank} agrees differently from rank 0");
+            assert_eq!(sum, vec![(n * (n - 1) / 2) as u32; 3], "n={n} rank {rank}");
+        }
+        if let Some(want) = want {
+            assert_eq!(way, want, "n={n}, tree_negotiation_from {from:?}");
+        }
+    }
+    // Through a host's area there is nothing to choose.
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        4,
+        &store,
+        &|| Ok(Device::shared_memory(&ferrogloo::device::ShmAttr::default())),
+        |b| b,
+        |ctx| Ok(Engine::new(ctx, EngineConfig { tree_negotiation_from: Some(2), ..cfg() })?.agrees_by_reduction()),
+    );
+    assert_eq!(all_ok(r), vec![false; 4]);
 }

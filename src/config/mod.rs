@@ -144,6 +144,8 @@ variables! {
         "bytes of the fusion buffer, 64 MiB by default (`fusion_threshold`); 0 turns fusion off";
     pub(crate) FERROGLOO_ENGINE_AREA, default "`1`", read by "`engine::EngineConfig::from_env`":
         "`0`: the engine's negotiation goes over the pairs even where every rank shares one host's shared-memory area (`1`, the default: through the area, one step per cycle; `negotiate_through_area`)";
+    pub(crate) FERROGLOO_ENGINE_TREE_FROM, default "`auto`", read by "`engine::EngineConfig::from_env`":
+        "over the pairs, engines of at least this many ranks agree each cycle in log2(n) rounds of one message (a bitwise reduction) instead of every rank sending its state to every other (`tree_negotiation_from`); 0: never; `auto`: measured as the engine starts (8 ranks or more)";
     pub(crate) FERROGLOO_FUSION_MAX_TENSOR, default "`1048576`", read by "`engine::EngineConfig::from_env`":
         "allreduces larger than this many bytes (1 MiB by default) run alone, in place (`fusion_max_tensor`)";
     pub(crate) HOROVOD_CYCLE_TIME, default "`1`", read by "`engine::EngineConfig::from_env`":

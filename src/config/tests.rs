@@ -305,9 +305,25 @@ fn the_engine_s_settings_read_from_a_lookup() {
         (HOROVOD_TIMELINE, "/tmp/t.json"),
         (FERROGLOO_TIMELINE_ALL_RANKS, "yes"),
         (FERROGLOO_ENGINE_AREA, "0"),
+        (FERROGLOO_ENGINE_TREE_FROM, "3"),
     ]))
     .unwrap();
     assert!(!c.negotiate_through_area && EngineConfig::default().negotiate_through_area);
+    assert_eq!((c.tree_negotiation_from, EngineConfig::default().tree_negotiation_from), (Some(3), None));
+    assert_eq!([2, 3, 9].map(|n| c.tree_for(n)), [Some(false), Some(true), Some(true)]);
+    let never = EngineConfig { tree_negotiation_from: Some(0), ..c.clone() };
+    assert_eq!(never.tree_for(1000), Some(false));
+    let one = EngineConfig { tree_negotiation_from: Some(1), ..c.clone() };
+    assert_eq!(one.tree_for(1), Some(false), "one rank has nobody to agree with");
+    let auto = |v: &str| EngineConfig::from_vars(&map(&[(FERROGLOO_ENGINE_TREE_FROM, v)]));
+    assert_eq!(
+        (auto("AUTO").unwrap().tree_negotiation_from, auto("8").unwrap().tree_negotiation_from),
+        (None, Some(8))
+    );
+    let e = auto("many").unwrap_err();
+    assert!(e.to_string().contains("FERROGLOO_ENGINE_TREE_FROM=\"many\" is not a number of ranks or auto"), "{e}");
+    let measured = EngineConfig::default();
+    assert_eq!([1, 7, 8, 64].map(|n| measured.tree_for(n)), [Some(false), Some(false), None, None]);
     assert_eq!((c.fusion_threshold, c.fusion_max_tensor, c.cache_capacity), (1000, 10, 0));
     assert_eq!((c.batch_window, c.batch_gap), (Duration::from_micros(2500), Duration::from_micros(7)));
     assert_eq!((c.stall_check, c.stall_shutdown), (Some(Duration::from_secs(5)), Some(Duration::from_secs(9))));
@@ -394,6 +410,7 @@ fn setting_a_variable_to_its_documented_default_changes_nothing() {
         HOROVOD_STALL_SHUTDOWN_TIME_SECONDS,
         FERROGLOO_TIMELINE_ALL_RANKS,
         FERROGLOO_ENGINE_AREA,
+        FERROGLOO_ENGINE_TREE_FROM,
     ] {
         assert_eq!(EngineConfig::from_vars(&with(name)).unwrap(), EngineConfig::default(), "{name}");
     }

@@ -33,6 +33,8 @@ pub struct Engine {
     thread: Option<JoinHandle<()>>,
     /// Its configuration, for [`recover`](Engine::recover).
     config: EngineConfig,
+    /// Whether the ranks agree by reduction ([`agrees_by_reduction`](Engine::agrees_by_reduction)).
+    tree: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -67,7 +69,28 @@ impl Engine {
         // Fusion decides the sequence of collectives, and the area setting how the cycles'
         // states travel: every rank must use the same.
         let area = background::exchange_area_of(&ctx, &config);
-        let mine = [config.fusion_threshold as u64, config.fusion_max_tensor as u64, u64::from(area.is_some())];
+        let tree = area.is_none()
+            && match config.tree_for(ctx.size()) {
+                Some(tree) => tree,
+                None => {
+                    let words = config.cache_capacity.div_ceil(64).clamp(1, 1 << 14);
+                    let probe = super::agree::measure(&ctx, words)?;
+                    tracing::debug!(
+                        rank = ctx.rank(),
+                        size = ctx.size(),
+                        ?probe,
+                        "engine: an agreement each rank to every other against one by reduction"
+                    );
+                    // Clearly faster, or not at all: the direct exchange also carries small
+                    // tensors, which the measurement does not count.
+                    probe.reduced.as_secs_f64() < 0.8 * probe.direct.as_secs_f64()
+                }
+            };
+        let mine = [
+            config.fusion_threshold as u64,
+            config.fusion_max_tensor as u64,
+            u64::from(area.is_some()) + 2 * u64::from(tree),
+        ];
         let mut all = vec![0u64; 3 * ctx.size()];
         ctx.allgather(&mine, &mut all, &crate::CollectiveOptions::default())?;
         if let Some(r) = (0..ctx.size()).find(|&r| all[3 * r..3 * r + 2] != mine[..2]) {
@@ -88,12 +111,17 @@ impl Engine {
         }
         if let Some(r) = (0..ctx.size()).find(|&r| all[3 * r + 2] != mine[2]) {
             let w = |r: usize| ctx.world_rank(r).unwrap_or(r);
-            let say = |on: u64| if on == 1 { "through the shared-memory area" } else { "over the pairs" };
+            let say = |how: u64| match how {
+                1 => "through the shared-memory area",
+                2 => "over the pairs by reduction",
+                _ => "over the pairs, each rank to every other",
+            };
             return Err(Error::Mismatch {
                 rank: w(r),
                 detail: format!(
-                    "engine: rank {} negotiates {}, rank {} {} (set FERROGLOO_ENGINE_AREA alike everywhere; \
-                     with it on, the ranks of a host that do not all share its shared-memory area go over the pairs)",
+                    "engine: rank {} negotiates {}, rank {} {} (set FERROGLOO_ENGINE_AREA and FERROGLOO_ENGINE_TREE_FROM \
+                     alike everywhere; with the area on, the ranks of a host that do not all share its shared-memory \
+                     area go over the pairs)",
                     w(r),
                     say(all[3 * r + 2]),
                     w(ctx.rank()),
@@ -107,14 +135,14 @@ impl Engine {
             Some(p) if ctx.rank() == 0 => Some(p.clone()),
             _ => None,
         };
-        let core = background::Core::new(ctx.clone(), shared.clone(), config.clone(), timeline, area)?;
+        let core = background::Core::new(ctx.clone(), shared.clone(), config.clone(), timeline, area, tree)?;
         let driver = Driver::new(core, shared.clone());
         let d = driver.clone();
         let thread = std::thread::Builder::new()
             .name(format!("ferrogloo-engine-{}", ctx.rank()))
             .spawn(move || d.background())
             .map_err(|e| Error::io("starting the engine's thread", e))?;
-        Ok(Engine { shared, driver, ctx, thread: Some(thread), config })
+        Ok(Engine { shared, driver, ctx, thread: Some(thread), config, tree })
     }
 
     /// Goes on after a failure, without the ranks that failed: stops this engine (revoking its
@@ -322,6 +350,14 @@ impl Engine {
     /// What rank 0's stall inspector reported so far (empty on other ranks).
     pub fn stall_reports(&self) -> Vec<StallReport> {
         lock(&self.shared.stalls).clone()
+    }
+
+    /// Whether the ranks agree each cycle by reduction, in `log2(n)` rounds of one message
+    /// each, rather than each sending its state to every other
+    /// ([`EngineConfig::tree_negotiation_from`]: as configured, or as measured when the engine
+    /// started). Always `false` where the cycles go through a host's shared-memory area.
+    pub fn agrees_by_reduction(&self) -> bool {
+        self.tree
     }
 
     /// What this rank's engine did so far.

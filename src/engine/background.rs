@@ -6,7 +6,7 @@
 //! sends and receives), runs what a cycle decided through `exec.rs`, writes the timeline, and
 //! when anything fails, fails every pending submission with the first cause.
 
-use super::CONTROL_TAG;
+use super::agree::{self, Round, Summary};
 use super::config::EngineConfig;
 use super::controller::{COORDINATOR, Controller, Decision, Responses};
 use super::exec::{self, Item, Own, Span};
@@ -15,6 +15,7 @@ use super::meta::Kind;
 use super::shared::{EngineState, Submission, TimelineCommand};
 use super::timeline::Timeline;
 use super::wire;
+use super::{CONTROL_TAG, REQUEST_TAG};
 use crate::Context;
 use crate::algorithms::{CollectiveOptions, local};
 use crate::comm::{Interrupter, PersistentRecv, SLEEPING, Scope};
@@ -101,6 +102,9 @@ pub(crate) struct Core {
     /// The host's area, where every rank of the context shares it: the cycles' state
     /// messages go through it ([`exchange_area`](Self::exchange_area)), not over the pairs.
     area: Option<Arc<dyn LocalArea>>,
+    /// Over the pairs, the ranks agree by reduction ([`exchange_tree`](Self::exchange_tree);
+    /// [`EngineConfig::tree_negotiation_from`]), as every rank checked.
+    tree: bool,
     /// Nudges from peers that claimed this rank's idle flag and have not been taken from its
     /// receives yet (each claim sends one: [`LocalArea::claim_idle`]).
     owed_nudges: usize,
@@ -304,6 +308,7 @@ impl Core {
         cfg: EngineConfig,
         timeline: Option<PathBuf>,
         area: Option<Arc<dyn LocalArea>>,
+        tree: bool,
     ) -> Result<Core> {
         let (rank, size) = (ctx.rank(), ctx.size());
         let world: Vec<usize> = (0..size).map(|r| ctx.world_rank(r).unwrap_or(r)).collect();
@@ -311,12 +316,14 @@ impl Core {
         Ok(Core {
             ctl: Controller::new(rank, world, cfg.cache_capacity, cfg.stall_check, cfg.stall_shutdown),
             inbox: ctx.comm().persistent_recv(CONTROL_TAG, wire::MAX_MESSAGE, SLEEPING, "engine control receive"),
-            eager_max: eager_limit(&ctx),
+            // Nothing travels with a reduction (its messages carry bits, not states).
+            eager_max: if tree { 0 } else { eager_limit(&ctx) },
             sent: HashMap::default(),
             seen_changes: 0,
             kept: (0..size).map(|_| HashMap::default()).collect(),
             all: (0..size).collect(),
             area,
+            tree,
             owed_nudges: 0,
             envelopes: Default::default(),
             scratch: Vec::new(),
@@ -707,6 +714,7 @@ impl Core {
         self.sent.extend(newly.into_iter().map(|(slot, version, len)| (slot, (version, len))));
         let exchanged = match self.area.clone() {
             Some(area) => self.exchange_area(&*area, first, &to_coordinator, others),
+            None if self.tree => self.exchange_tree(first, &to_coordinator),
             None => self.exchange_envelopes(first, &to_coordinator, others),
         };
         for b in [&mut to_coordinator, &mut to_others] {
@@ -751,6 +759,88 @@ impl Core {
             Ok(got)
         })?;
         for (p, msg) in got {
+            self.take_state(p, msg)?;
+        }
+        Ok(())
+    }
+
+    /// [`exchange`](Self::exchange) by reduction: this rank's state as a summary, combined
+    /// with the others' in `log2(n)` rounds of one message each ([`agree::rounds`]), after
+    /// which every rank holds what all the states say together; then the ranks with names not
+    /// in the cache send their state in full to the coordinator. `first` is a peer's message
+    /// that came while this rank waited idle (a round's, which began the cycle).
+    fn exchange_tree(&mut self, first: Option<(usize, Vec<u8>)>, to_coordinator: &[u8]) -> Result<()> {
+        let (me, n) = (self.rank, self.size);
+        let (wme, ctx) = (self.w(me), self.ctx.clone());
+        let world: SmallVec<[usize; 16]> = (0..n).map(|r| self.w(r)).collect();
+        let mut first = first;
+        let mut acc = self.ctl.own_summary()?;
+        let rounds = agree::rounds(me, n);
+        // Names in full go to the coordinator beside the rounds, on a tag of their own, and
+        // are taken once the rounds said who sent some. They leave after this rank's last
+        // round message to the coordinator, if it has one: a large state stands on the
+        // connection in front of what follows it until the coordinator takes it.
+        let requests = me != COORDINATOR && agree::is_set(&acc.requests, me);
+        let peer_of = |r: &Round| match *r {
+            Round::Swap { peer, .. } | Round::Give(peer) | Round::Take(peer) => peer,
+        };
+        let after = rounds.iter().rposition(|r| peer_of(r) == COORDINATOR);
+        // A buffer per round that sends: each is sent while the next rounds run.
+        let mut outs: Vec<Vec<u8>> = rounds.iter().map(|_| Vec::new()).collect();
+        ctx.scope(|s| {
+            let mut request = None;
+            if requests && after.is_none() {
+                request = Some(s.isend(COORDINATOR, REQUEST_TAG, to_coordinator)?);
+            }
+            let mut outs = outs.iter_mut();
+            for (i, round) in rounds.into_iter().enumerate() {
+                let (peer, sends, takes) = match round {
+                    Round::Swap { peer, .. } => (peer, true, true),
+                    Round::Give(peer) => (peer, true, false),
+                    Round::Take(peer) => (peer, false, true),
+                };
+                let out: &Vec<u8> = match outs.next() {
+                    Some(out) => {
+                        if sends {
+                            *out = acc.encode();
+                        }
+                        out
+                    }
+                    None => return Err(Error::invalid("engine: a round without its buffer (a bug)")),
+                };
+                let sent = sends.then(|| s.isend(peer, CONTROL_TAG, out)).transpose()?;
+                // The peer's message: the one that began the cycle, else the next to come.
+                let got = match takes.then(|| first.take_if(|(p, _)| *p == peer)).flatten() {
+                    Some((_, msg)) => Some(msg),
+                    None if takes => Some(s.irecv_bytes(&[peer], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1),
+                    None => None,
+                };
+                sent.map_or(Ok(()), |s| s.wait())?;
+                let theirs = got.map(|msg| Summary::decode(&msg, world[peer], n)).transpose()?;
+                match (round, theirs) {
+                    (Round::Swap { merge: true, .. }, Some(theirs)) => acc.merge(&theirs, wme, world[peer])?,
+                    (Round::Take(_), Some(theirs)) => acc = theirs,
+                    _ => {}
+                }
+                if requests && after == Some(i) {
+                    request = Some(s.isend(COORDINATOR, REQUEST_TAG, to_coordinator)?);
+                }
+            }
+            request.map_or(Ok(()), |r| r.wait())
+        })?;
+        if let Some((p, msg)) = first {
+            return Err(Error::Protocol {
+                peer: Some(world[p]),
+                detail: format!(
+                    "engine: a message of {} bytes from rank {} that no round of rank {wme}'s cycle takes",
+                    msg.len(),
+                    world[p]
+                ),
+            });
+        }
+        self.ctl.agreed(acc)?;
+        for p in self.ctl.awaiting() {
+            let msg = ctx.scope(|s| Ok(s.irecv_bytes(&[p], REQUEST_TAG, wire::MAX_MESSAGE)?.wait()?.1))?;
             self.take_state(p, msg)?;
         }
         Ok(())
@@ -972,12 +1062,16 @@ impl Core {
         let responses = match self.ctl.exchanged(now, self.timeline.is_some())? {
             Responses::None => None,
             Responses::Send(msg) => {
-                let n = self.size;
-                self.ctx.scope(|s| {
-                    let sends = (1..n).map(|p| s.isend(p, CONTROL_TAG, msg.as_slice())).collect::<Result<Vec<_>>>()?;
-                    sends.into_iter().try_for_each(|s| s.wait())
-                })?;
+                self.send_responses(&msg)?;
                 None
+            }
+            Responses::Receive if self.tree => {
+                // Down the binomial tree: from this rank's parent, on to its children.
+                let parent = agree::tree_parent(self.rank).unwrap_or(COORDINATOR);
+                let msg =
+                    self.ctx.scope(|s| Ok(s.irecv_bytes(&[parent], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1))?;
+                self.send_responses(&msg)?;
+                Some(msg)
             }
             Responses::Receive => {
                 let mut nudged = 0;
@@ -1029,6 +1123,23 @@ impl Core {
             t.flush();
         }
         Ok(shut_by)
+    }
+
+    /// Sends the coordinator's responses on: from rank 0 to every other rank, or (agreeing by
+    /// reduction) to this rank's children in the binomial tree rooted at rank 0.
+    fn send_responses(&self, msg: &[u8]) -> Result<()> {
+        let (me, n) = (self.rank, self.size);
+        let to: SmallVec<[usize; 16]> = match self.tree {
+            true => agree::tree_children(me, n).collect(),
+            false => (0..n).filter(|&p| p != me).collect(),
+        };
+        if to.is_empty() {
+            return Ok(());
+        }
+        self.ctx.scope(|s| {
+            let sends = to.iter().map(|&p| s.isend(p, CONTROL_TAG, msg)).collect::<Result<SmallVec<[_; 16]>>>()?;
+            sends.into_iter().try_for_each(|s| s.wait())
+        })
     }
 
     /// Rank 0: reports names some ranks submitted and others have not, past the thresholds;

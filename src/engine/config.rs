@@ -2,9 +2,10 @@
 //! variables.
 
 use crate::config::{
-    FERROGLOO_ENGINE_AREA, FERROGLOO_ENGINE_BATCH_GAP_US, FERROGLOO_FUSION_MAX_TENSOR, FERROGLOO_TIMELINE_ALL_RANKS,
-    HOROVOD_CACHE_CAPACITY, HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_DISABLE,
-    HOROVOD_STALL_CHECK_TIME_SECONDS, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, HOROVOD_TIMELINE, Vars,
+    FERROGLOO_ENGINE_AREA, FERROGLOO_ENGINE_BATCH_GAP_US, FERROGLOO_ENGINE_TREE_FROM, FERROGLOO_FUSION_MAX_TENSOR,
+    FERROGLOO_TIMELINE_ALL_RANKS, HOROVOD_CACHE_CAPACITY, HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD,
+    HOROVOD_STALL_CHECK_DISABLE, HOROVOD_STALL_CHECK_TIME_SECONDS, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS,
+    HOROVOD_TIMELINE, Vars,
 };
 use crate::error::Result;
 use std::path::PathBuf;
@@ -50,6 +51,24 @@ pub struct EngineConfig {
     /// state goes through it (one step of the area, no message but to wake a rank that waits
     /// idle) instead of over the pairs. Default on; `FERROGLOO_ENGINE_AREA` (`0` for off).
     pub negotiate_through_area: bool,
+    /// Where the cycles go over the pairs (not through a host's area), whether the ranks agree
+    /// each cycle by reduction: in `ceil(log2 n)` rounds of one message per rank (a bitwise
+    /// AND/OR reduction of the cache's bits and the ranks' flags, recursive doubling; names not
+    /// in the cache go to the coordinator in full, whose responses go down a binomial tree),
+    /// instead of every rank sending its state to every other (`n - 1` messages per rank and
+    /// cycle, all at once). The second is one round trip but `n - 1` messages; the first
+    /// `log2 n` round trips of one: which is faster depends on what a message costs against a
+    /// round trip on the machines and network at hand.
+    ///
+    /// `None` (the default): measured as the engine starts, for 8 ranks or more (a few
+    /// exchanges each way; the reduction is taken where it is at least a fifth faster, [`Engine::agrees_by_reduction`](super::Engine::agrees_by_reduction)
+    /// says what was chosen; below 8 ranks the direct exchange); `Some(0)`: never; `Some(k)`:
+    /// for `k` ranks or more.
+    /// `FERROGLOO_ENGINE_TREE_FROM` (a number, or `auto` for `None`).
+    ///
+    /// Agreeing by reduction, small allreduces do not travel with the states, and a timeline
+    /// shows when each rank was first seen with a cached name only for its own rank.
+    pub tree_negotiation_from: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +84,7 @@ impl Default for EngineConfig {
             timeline: None,
             timeline_all_ranks: false,
             negotiate_through_area: true,
+            tree_negotiation_from: None,
         }
     }
 }
@@ -116,9 +136,27 @@ impl EngineConfig {
             c.timeline = Some(p);
         }
         c.timeline_all_ranks = vars.truthy(FERROGLOO_TIMELINE_ALL_RANKS);
+        if vars.text(FERROGLOO_ENGINE_TREE_FROM).is_some_and(|v| v.eq_ignore_ascii_case("auto")) {
+            c.tree_negotiation_from = None;
+        } else if let Some(x) = vars.number(FERROGLOO_ENGINE_TREE_FROM, |x| x >= 0.0, "a number of ranks or auto")? {
+            c.tree_negotiation_from = Some(x.min(1e9) as usize);
+        }
         if let Some(on) = vars.switch(FERROGLOO_ENGINE_AREA)? {
             c.negotiate_through_area = on;
         }
         Ok(c)
+    }
+
+    /// Whether an engine of `n` ranks whose cycles go over the pairs agrees by reduction as
+    /// configured: `None` where it is to be measured.
+    pub(crate) fn tree_for(&self, n: usize) -> Option<bool> {
+        match self.tree_negotiation_from {
+            Some(k) => Some(k != 0 && n >= k.max(2)),
+            // Fewer than 8 ranks: at most 3 rounds against at most 6 messages at once, about the
+            // same time anywhere (measured on loopback: within the noise at 4 and 8 ranks), and
+            // the direct exchange carries small tensors too.
+            None if n < 8 => Some(false),
+            None => None,
+        }
     }
 }

@@ -19,6 +19,7 @@
 //!
 //! [`inspect_stalls`](Controller::inspect_stalls) between and after cycles (rank 0).
 
+use super::agree::{Summary, is_set};
 use super::cache::{Cache, bits, has_bit, set_bit};
 use super::coordinator::Coordinator;
 use super::meta::{Kind, Meta};
@@ -129,6 +130,10 @@ struct Cycle {
     /// Rank 0's decisions, until [`Controller::conclude`].
     decided: Option<Vec<Response>>,
     exchanged: bool,
+    /// What every rank's state says together, where the ranks agreed by reduction
+    /// ([`agreed`](Controller::agreed)): then `states` holds only this rank's and (on rank 0)
+    /// those of the ranks that sent names in full.
+    summary: Option<Summary>,
 }
 
 /// One rank's negotiation state.
@@ -152,6 +157,11 @@ pub(crate) struct Controller<T> {
     /// Which ranks had joined in the last cycle (the stall inspector's view).
     last_joined: Vec<bool>,
     current: Option<Cycle>,
+    /// Rank 0, where the ranks agree by reduction: since when each cache slot has been pending
+    /// on some rank but not ready (the reduction does not say on which ranks: past half the
+    /// stall threshold the slot is dropped, so that its names come to the coordinator in full,
+    /// which names the ranks missing).
+    stalled_slots: HashMap<u32, Instant>,
 }
 
 impl<T> Controller<T> {
@@ -180,6 +190,7 @@ impl<T> Controller<T> {
             stalls: StallInspector::new(size, stall_check, stall_shutdown),
             last_joined: vec![false; size],
             current: None,
+            stalled_slots: HashMap::default(),
             world,
         }
     }
@@ -236,7 +247,11 @@ impl<T> Controller<T> {
         if self.rank != COORDINATOR {
             return None;
         }
-        self.stalls.next_look()
+        let slots = (!self.stalled_slots.is_empty())
+            .then(|| self.stalls.period())
+            .flatten()
+            .map(|p| (p / 8).clamp(Duration::from_millis(10), Duration::from_secs(1)));
+        [self.stalls.next_look(), slots].into_iter().flatten().min()
     }
 
     /// Every ticket still pending (the engine failed), in no particular order.
@@ -280,6 +295,7 @@ impl<T> Controller<T> {
             shut_by: None,
             decided: None,
             exchanged: false,
+            summary: None,
         });
         Outbox { full, short }
     }
@@ -324,12 +340,47 @@ impl<T> Controller<T> {
         Error::Protocol { peer: None, detail: format!("engine on rank {}: {what} (a bug)", self.w(self.rank)) }
     }
 
-    /// The ranks whose state message of this cycle has not come yet.
+    /// The ranks whose state message of this cycle has not come yet: every other rank's, or,
+    /// where the ranks agreed by reduction ([`agreed`](Self::agreed)), on rank 0 those that
+    /// send names in full.
     pub(crate) fn awaiting(&self) -> Vec<usize> {
         match &self.current {
-            Some(c) if !c.exchanged => (0..self.size()).filter(|&p| c.states[p].is_none()).collect(),
+            Some(c) if !c.exchanged => (0..self.size())
+                .filter(|&p| c.states[p].is_none())
+                .filter(|&p| match &c.summary {
+                    Some(s) => self.rank == COORDINATOR && is_set(&s.requests, p),
+                    None => true,
+                })
+                .collect(),
             _ => Vec::new(),
         }
+    }
+
+    /// This rank's state of this cycle as a summary of one, to combine with the others'
+    /// ([`agree`](super::agree)).
+    pub(crate) fn own_summary(&self) -> Result<Summary> {
+        match self.current.as_ref().filter(|c| !c.exchanged).and_then(|c| c.states[self.rank].as_ref()) {
+            Some(s) => Ok(Summary::of(s, self.rank, self.size())),
+            None => Err(self.bug("a summary outside a cycle's exchange")),
+        }
+    }
+
+    /// What every rank's state of this cycle says together (combined by reduction): only
+    /// the states of the ranks that send names in full are still to come (to rank 0, see
+    /// [`awaiting`](Self::awaiting)).
+    pub(crate) fn agreed(&mut self, summary: Summary) -> Result<()> {
+        let (me, cycle) = (self.w(self.rank), self.cycle);
+        let Some(c) = self.current.as_mut().filter(|c| !c.exchanged && c.summary.is_none()) else {
+            return Err(self.bug("an agreement outside a cycle's exchange"));
+        };
+        if summary.cycle != cycle {
+            return Err(Error::Protocol {
+                peer: None,
+                detail: format!("engine: the ranks agreed on cycle {}, rank {me} is in cycle {cycle}", summary.cycle),
+            });
+        }
+        c.summary = Some(summary);
+        Ok(())
     }
 
     /// Rank `peer`'s state message of this cycle.
@@ -361,10 +412,18 @@ impl<T> Controller<T> {
         };
         let (me, n) = (self.rank, self.size());
         let words = self.cache.words();
-        let mut states: SmallVec<[State; 8]> = SmallVec::with_capacity(n);
+        let reduced = cur.summary.is_some();
+        // The states at hand: every rank's, or (agreed by reduction) this rank's and those
+        // with names in full.
+        let mut states: SmallVec<[(usize, State); 8]> = SmallVec::with_capacity(n);
         for (p, s) in cur.states.drain(..).enumerate() {
             let wp = self.w(p);
-            let s = s.ok_or_else(|| Error::Protocol { peer: Some(wp), detail: "engine: no state message".into() })?;
+            let Some(s) = s else {
+                if reduced {
+                    continue;
+                }
+                return Err(Error::Protocol { peer: Some(wp), detail: "engine: no state message".into() });
+            };
             if s.cycle != self.cycle {
                 return Err(Error::Protocol {
                     peer: Some(wp),
@@ -386,45 +445,53 @@ impl<T> Controller<T> {
                     ),
                 });
             }
-            states.push(s);
+            states.push((p, s));
         }
-        let joined: Vec<bool> = states.iter().map(|s| s.flags & JOINED != 0).collect();
+        let all = match cur.summary.take() {
+            Some(sum) => sum,
+            None => Summary::of_all(states.iter().map(|(r, s)| (*r, s)), self.cycle, words, n),
+        };
+        if all.pending_all.len() != words {
+            return Err(Error::Protocol {
+                peer: None,
+                detail: format!(
+                    "engine: the ranks agreed on {} cache words, rank {} has {words} (the response caches diverged)",
+                    all.pending_all.len(),
+                    self.w(me)
+                ),
+            });
+        }
+        let joined: Vec<bool> = (0..n).map(|r| is_set(&all.joined, r)).collect();
         for (r, &j) in joined.iter().enumerate() {
             if j && self.joined_at[r].is_none() {
                 self.joined_at[r] = Some(self.cycle);
             }
         }
-        cur.shut_by = states.iter().position(|s| s.flags & SHUTDOWN != 0);
-        cur.coordinated = states.iter().any(|s| s.flags & REQUESTS != 0) || joined.iter().any(|&j| j);
+        cur.shut_by = (0..n).find(|&r| is_set(&all.shutdown, r));
+        cur.coordinated = (0..n).any(|r| is_set(&all.requests, r)) || joined.iter().any(|&j| j);
 
         // Slots some rank found out of date: dropped everywhere; names pending on them go to
         // the coordinator in full next cycle.
-        let mut stale: SmallVec<[u64; 16]> = smallvec::smallvec![0u64; words];
-        for s in &states {
-            for (a, b) in stale.iter_mut().zip(&s.invalidate) {
-                *a |= b;
-            }
-        }
-        for slot in bits(&stale) {
+        let stale = &all.invalidate;
+        for slot in bits(stale) {
             self.cache.drop_slot(slot);
             self.requeue_slot_except(slot, None);
         }
 
-        // Names every (needed) rank has pending in the cache: the ANDed bits (of the slots
-        // some rank has pending, in slot order).
-        let mut any: SmallVec<[u64; 16]> = smallvec::smallvec![0u64; words];
-        for s in &states {
-            for (a, b) in any.iter_mut().zip(&s.pending) {
-                *a |= b;
-            }
-        }
-        for slot in bits(&any) {
-            if has_bit(&stale, slot) {
+        // Names every (needed) rank has pending in the cache (of the slots some rank has
+        // pending, in slot order): an allreduce needs the ranks that have not joined, any
+        // other collective every rank.
+        let some_unjoined = joined.iter().any(|&j| !j);
+        for slot in bits(&all.pending_any) {
+            if has_bit(stale, slot) {
                 continue;
             }
             let Some((_, meta)) = self.cache.at(slot) else { continue };
-            let needed = |r: usize| meta.kind != Kind::Allreduce || !joined[r];
-            if (0..n).any(needed) && (0..n).filter(|&r| needed(r)).all(|r| has_bit(&states[r].pending, slot)) {
+            let ready = match meta.kind {
+                Kind::Allreduce => some_unjoined && has_bit(&all.pending_unjoined, slot),
+                _ => has_bit(&all.pending_all, slot),
+            };
+            if ready {
                 cur.hits.push(slot);
             }
         }
@@ -440,14 +507,17 @@ impl<T> Controller<T> {
             };
             self.note_seen(&states, now, &ready);
         }
+        if me == COORDINATOR && reduced {
+            self.note_stalled_slots(&all.pending_any, &cur.hits, stale, now);
+        }
 
         // Names not in the cache: the coordinator decides.
         let out = match (&mut self.coordinator, cur.coordinated) {
             (_, false) => Responses::None,
             (Some(co), true) => {
-                for (r, s) in states.iter().enumerate() {
+                for (r, s) in &states {
                     for req in &s.requests {
-                        co.hold(r, req, &self.world)?;
+                        co.hold(*r, req, &self.world)?;
                     }
                 }
                 let decided = co.decide(&self.cache, &cur.hits, &joined, &self.world);
@@ -463,10 +533,40 @@ impl<T> Controller<T> {
         Ok(out)
     }
 
+    /// Rank 0, where the ranks agree by reduction: notes since when each slot pending on some
+    /// rank has not been ready; one pending past half the stall threshold is dropped (next
+    /// cycle, on every rank), so that its names come to the coordinator in full and the stall
+    /// inspector learns which ranks have them.
+    fn note_stalled_slots(&mut self, pending: &[u64], hits: &[u32], stale: &[u64], now: Instant) {
+        let Some(period) = self.stalls.period() else {
+            self.stalled_slots.clear();
+            return;
+        };
+        let waiting: SmallVec<[u32; 16]> = bits(pending).filter(|s| !has_bit(stale, *s) && !hits.contains(s)).collect();
+        self.stalled_slots.retain(|s, _| waiting.contains(s));
+        for s in waiting {
+            self.stalled_slots.entry(s).or_insert(now);
+        }
+        self.drop_stalled_slots(now, period);
+    }
+
+    fn drop_stalled_slots(&mut self, now: Instant, period: Duration) {
+        let due: SmallVec<[u32; 8]> = self
+            .stalled_slots
+            .iter()
+            .filter(|(_, since)| now.saturating_duration_since(**since) >= period / 2)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in due {
+            self.stalled_slots.remove(&s);
+            self.invalidate.insert(s);
+        }
+    }
+
     /// Records when each rank was first seen with each pending name, but for the cache slots
     /// in `skip` (ascending).
-    fn note_seen(&mut self, states: &[State], now: Instant, skip: &[u32]) {
-        for (r, s) in states.iter().enumerate() {
+    fn note_seen(&mut self, states: &[(usize, State)], now: Instant, skip: &[u32]) {
+        for &(r, ref s) in states {
             for slot in bits(&s.pending).filter(|s| skip.binary_search(s).is_err()) {
                 if let Some((name, _)) = self.cache.at(slot) {
                     self.stalls.saw(name, r, now);
@@ -622,6 +722,9 @@ impl<T> Controller<T> {
     pub(crate) fn inspect_stalls(&mut self, now: Instant) -> Stalls {
         if self.rank != COORDINATOR {
             return Stalls::default();
+        }
+        if let Some(period) = self.stalls.period() {
+            self.drop_stalled_slots(now, period);
         }
         let (entries, coordinator, cache) = (&self.entries, &self.coordinator, &self.cache);
         let kind_of = |name: &str| {

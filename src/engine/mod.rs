@@ -112,6 +112,7 @@
 //! what users call and get back; `shared.rs` what their threads share with the background
 //! thread; `meta.rs` what every rank must agree on for a name.
 
+mod agree;
 mod api;
 mod background;
 mod cache;
@@ -145,3 +146,7 @@ pub use crate::types::Reduction;
 
 /// The tag of the engine's own messages (state messages and responses) on its context.
 pub(crate) const CONTROL_TAG: u32 = 0x4647_454e; // "FGEN"
+
+/// The tag of the states with names in full that ranks send to the coordinator beside the
+/// rounds of a cycle agreed by reduction (`agree.rs`).
+pub(crate) const REQUEST_TAG: u32 = 0x4647_4551; // "FGEQ"

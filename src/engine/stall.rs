@@ -91,7 +91,8 @@ impl StallInspector {
         (!self.seen.is_empty()).then(|| (check / 4).clamp(Duration::from_millis(10), Duration::from_secs(1)))
     }
 
-    fn period(&self) -> Option<Duration> {
+    /// The shorter threshold (`None`: the inspector never reports nor fails).
+    pub(crate) fn period(&self) -> Option<Duration> {
         [self.check, self.shutdown].into_iter().flatten().min()
     }
 

@@ -172,7 +172,11 @@ impl Codec for Response {
 
 /// Decodes a whole message from rank `peer` with `read`: a message that does not decode, or
 /// has bytes after its end, is [`Error::Protocol`] saying what is wrong and at which byte.
-fn decode_message<'a, T>(buf: &'a [u8], peer: usize, read: impl FnOnce(&mut Reader<'a>) -> Decoded<T>) -> Result<T> {
+pub(crate) fn decode_message<'a, T>(
+    buf: &'a [u8],
+    peer: usize,
+    read: impl FnOnce(&mut Reader<'a>) -> Decoded<T>,
+) -> Result<T> {
     let mut r = Reader::new(buf);
     let message = read(&mut r).and_then(|m| match r.remaining() {
         0 => Ok(m),
