@@ -133,7 +133,7 @@ struct Cycle {
     /// What every rank's state says together, where the ranks agreed by reduction
     /// ([`agreed`](Controller::agreed)): then `states` holds only this rank's and (on rank 0)
     /// those of the ranks that sent names in full.
-    summary: Option<Summary>,
+    summary: Option<Box<Summary>>,
 }
 
 /// One rank's negotiation state.
@@ -379,7 +379,7 @@ impl<T> Controller<T> {
                 detail: format!("engine: the ranks agreed on cycle {}, rank {me} is in cycle {cycle}", summary.cycle),
             });
         }
-        c.summary = Some(summary);
+        c.summary = Some(Box::new(summary));
         Ok(())
     }
 
@@ -448,7 +448,7 @@ impl<T> Controller<T> {
             states.push((p, s));
         }
         let all = match cur.summary.take() {
-            Some(sum) => sum,
+            Some(sum) => *sum,
             None => Summary::of_all(states.iter().map(|(r, s)| (*r, s)), self.cycle, words, n),
         };
         if all.pending_all.len() != words {
