@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 const SCENARIO_ENV: &str = "FERROGLOO_TEST_ENGINE";
 const TIMELINE_ENV: &str = "FERROGLOO_TEST_TIMELINE";
+/// Set where the ranks are told to agree by reduction (the engine's variable, which the
+/// workers read, is set beside it).
+const TREE_ENV: &str = "FERROGLOO_TEST_ENGINE_TREE";
 /// Deadline of the workers' contexts: a survivor of a killed rank must fail within it.
 const KILL_TIMEOUT: Duration = Duration::from_secs(8);
 
@@ -43,7 +46,11 @@ fn work(env: &RankEnv, scenario: &str) -> Result<()> {
     let dev = Device::with_transport(Transport::from_env()?, &TcpAttr::loopback())?;
     let ctx = Context::builder(env.rank, env.size).timeout(KILL_TIMEOUT).connect(&store, &dev)?;
     let timeline = std::env::var_os(TIMELINE_ENV).map(Into::into);
-    let engine = Engine::new(ctx, EngineConfig { timeline, stall_check: None, ..EngineConfig::default() })?;
+    // From the environment (the tests below set FERROGLOO_ENGINE_TREE_FROM for some runs).
+    let engine = Engine::new(ctx, EngineConfig { timeline, stall_check: None, ..EngineConfig::from_env()? })?;
+    if std::env::var_os(TREE_ENV).is_some() && !engine.agrees_by_reduction() {
+        return Err(Error::invalid("told to agree by reduction, the engine does not"));
+    }
     let (r, n) = (engine.rank(), engine.size());
     match scenario {
         "orders" => {
@@ -98,6 +105,13 @@ struct Job {
 }
 
 fn start(n: usize, scenario: &str, timeline: Option<&std::path::Path>) -> Job {
+    start_with(n, scenario, timeline, &[])
+}
+
+/// Ranks that agree by reduction, over TCP.
+const TREE: &[(&str, &str)] = &[("FERROGLOO_ENGINE_TREE_FROM", "2"), (TREE_ENV, "1"), ("FERROGLOO_TRANSPORT", "tcp")];
+
+fn start_with(n: usize, scenario: &str, timeline: Option<&std::path::Path>, env: &[(&str, &str)]) -> Job {
     let dir = tempfile::tempdir().expect("tempdir");
     let _ = FileStore::new(dir.path());
     let url = format!("file:{}", dir.path().display());
@@ -111,6 +125,7 @@ fn start(n: usize, scenario: &str, timeline: Option<&std::path::Path>) -> Job {
                 .env(STORE_ENV, &url)
                 .env(SCENARIO_ENV, scenario)
                 .env("FERROGLOO_TRANSPORT", "auto")
+                .envs(env.iter().copied())
                 .stdout(Stdio::piped());
             if let Some(t) = timeline {
                 cmd.env(TIMELINE_ENV, t);
@@ -169,9 +184,27 @@ fn processes_submitting_in_different_orders_get_the_sums() {
 }
 
 #[test]
+fn processes_agreeing_by_reduction_over_tcp_get_the_sums() {
+    for n in [3, 5] {
+        let job = start_with(n, "orders", None, TREE);
+        let lines = job.wait_for("DONE rank", &(0..n).collect::<Vec<_>>(), Instant::now() + Duration::from_secs(60));
+        assert!(!lines.iter().any(|(_, l)| l.contains("ERROR rank")), "{lines:?}");
+    }
+}
+
+#[test]
 fn a_rank_killed_with_sigkill_gives_every_survivor_an_error_naming_it() {
+    killed_rank_is_named(&[]);
+}
+
+#[test]
+fn a_rank_killed_while_the_ranks_agree_by_reduction_is_named_by_every_survivor() {
+    killed_rank_is_named(TREE);
+}
+
+fn killed_rank_is_named(env: &[(&str, &str)]) {
     let n = 4;
-    let mut job = start(n, "forever", None);
+    let mut job = start_with(n, "forever", None, env);
     job.wait_for("READY rank", &[0, 1, 2, 3], Instant::now() + Duration::from_secs(60));
     let killed = Instant::now();
     job.children[2].kill().expect("SIGKILL rank 2");
