@@ -8,7 +8,8 @@
 //! allreduce, submit → done: `warm` (the same name every time: a cache hit, one cycle of bits)
 //! and `cold` (an engine without a response cache: every round goes through the coordinator),
 //! beside `bare` (a plain `Context::allreduce` of 4 bytes on the same ranks, before the engines
-//! start). Prints one JSON line per measurement and a table of medians in microseconds.
+//! start); then what an engine left to choose (the default, `auto`) takes. Prints one JSON line
+//! per measurement and a table of medians in microseconds.
 
 use clap::Parser;
 use ferrogloo::device::{Device, ShmAttr, TcpAttr};
@@ -111,6 +112,13 @@ fn rank(r: usize, n: usize, args: &Args, store: &HashStore) -> Result<Vec<Measur
         out.push((format!("{way} warm"), warm.0, warm.1));
         out.push((format!("{way} cold"), cold.0, cold.1));
     }
+    // What an engine left to measure (the default) chooses here.
+    let ctx =
+        Context::builder(r, n).timeout(Duration::from_secs(120)).connect(&at("auto"), &device(&args.transport)?)?;
+    let e = Engine::new(ctx, EngineConfig { stall_check: None, ..EngineConfig::default() })?;
+    let mode = if e.agrees_by_reduction() { "auto: tree" } else { "auto: direct" };
+    e.shutdown()?;
+    out.push((mode.to_string(), Vec::new(), 0));
     Ok(out)
 }
 
@@ -142,6 +150,14 @@ fn main() -> ExitCode {
         let Some(measured) = first else { return ExitCode::FAILURE };
         let mut row = vec![n.to_string()];
         for (mode, samples, eager) in measured {
+            if let Some(chose) = mode.strip_prefix("auto: ") {
+                println!(
+                    "{{\"bench\":\"engine_negotiation\",\"transport\":\"{}\",\"ranks\":{n},\"mode\":\"auto\",\"chose\":\"{chose}\"}}",
+                    args.transport
+                );
+                row.push(chose.to_string());
+                continue;
+            }
             let [p50, p10, p90] = spread_us(samples);
             println!(
                 "{{\"bench\":\"engine_negotiation\",\"transport\":\"{}\",\"ranks\":{n},\"mode\":\"{mode}\",\"median_us\":{p50:.1},\"p10_us\":{p10:.1},\"p90_us\":{p90:.1},\"travelled\":{eager}}}",
@@ -151,7 +167,7 @@ fn main() -> ExitCode {
         }
         table.push(row);
     }
-    println!("# ranks | bare | direct warm | direct cold | tree warm | tree cold  (median µs, rank 0)");
+    println!("# ranks | bare | direct warm | direct cold | tree warm | tree cold (median µs, rank 0) | auto chose");
     for row in table {
         println!("# {}", row.join(" | "));
     }

@@ -1551,25 +1551,30 @@ fn a_stalled_cached_name_is_reported_naming_the_missing_rank_when_agreeing_by_re
 
 #[test]
 fn ranks_that_agree_differently_over_the_pairs_are_refused_at_start() {
-    let store = HashStore::new();
-    let r = common::run_ranks_on(
-        3,
-        &store,
-        &|| Ok(Device::in_process()),
-        |b| b,
-        |ctx: Context| {
-            let from = if ctx.rank() == 1 { 0 } else { 3 };
-            Engine::new(ctx, EngineConfig { tree_negotiation_from: Some(from), ..cfg() }).map(drop)
-        },
-    );
-    for (rank, r) in r.into_iter().enumerate() {
-        let e = r.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(
-            e.contains("by reduction")
-                && e.contains("each rank to every other")
-                && e.contains("FERROGLOO_ENGINE_TREE_FROM"),
-            "rank {rank}: {e}"
+    // Rank 1 agrees each rank to every other, the others by reduction (3 ranks), or would
+    // measure (8 ranks): refused in words, at once, before any rank measures.
+    for (n, others) in [(3usize, Some(3)), (8, None)] {
+        let store = HashStore::new();
+        let start = Instant::now();
+        let r = common::run_ranks_on(
+            n,
+            &store,
+            &|| Ok(Device::in_process()),
+            |b| b,
+            |ctx: Context| {
+                let from = if ctx.rank() == 1 { Some(0) } else { others };
+                Engine::new(ctx, EngineConfig { tree_negotiation_from: from, ..cfg() }).map(drop)
+            },
         );
+        let way = if others.is_some() { "over the pairs by reduction" } else { "by reduction or not as measured" };
+        for (rank, r) in r.into_iter().enumerate() {
+            let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(
+                e.contains(way) && e.contains("each rank to every other") && e.contains("FERROGLOO_ENGINE_TREE_FROM"),
+                "n={n} rank {rank}: {e}"
+            );
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "n={n}: refused after {:?}", start.elapsed());
     }
 }
 

@@ -283,7 +283,7 @@ const PROBE_REPS: usize = 7;
 /// How long one cycle's agreement takes the ranks of `ctx`, each rank sending its state to
 /// every other (`direct`) and by reduction (`reduced`), as this host and network measure it:
 /// exchanges of messages of a state's and a summary's size for a cache of `words` words, the
-/// median of [`PROBE_REPS`] on each rank, the slowest rank's. Every rank gets the same
+/// mean of [`PROBE_REPS`] back to back on each rank, the slowest rank's. Every rank gets the same
 /// figures (an allreduce of them), so every rank makes the same choice. A few exchanges of
 /// each: well under a millisecond on one host, `log2(n)` and `n` round trips across hosts.
 pub(crate) fn measure(ctx: &Context, words: usize) -> Result<Probe> {
@@ -319,22 +319,20 @@ pub(crate) fn measure(ctx: &Context, words: usize) -> Result<Probe> {
             Ok(())
         })
     };
-    let mut times = [Vec::with_capacity(PROBE_REPS), Vec::with_capacity(PROBE_REPS)];
-    for rep in 0..=PROBE_REPS {
-        for (way, run) in [&direct as &dyn Fn(&Context) -> Result<()>, &reduced].into_iter().enumerate() {
-            let t = Instant::now();
+    // Each way on its own, after one untimed exchange and a barrier (so that neither times the
+    // other's stragglers): the mean of back-to-back exchanges, as cycles follow each other.
+    let mut means = [0f64; 2];
+    for (way, run) in [&direct as &dyn Fn(&Context) -> Result<()>, &reduced].into_iter().enumerate() {
+        run(ctx)?;
+        ctx.barrier()?;
+        let t = Instant::now();
+        for _ in 0..PROBE_REPS {
             run(ctx)?;
-            if rep > 0 {
-                times[way].push(t.elapsed().as_secs_f64());
-            }
         }
+        means[way] = t.elapsed().as_secs_f64() / PROBE_REPS as f64;
     }
-    let mut medians = times.map(|mut v| {
-        v.sort_unstable_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    });
-    ctx.allreduce(&mut medians, Reduction::Max)?;
-    let [direct, reduced] = medians.map(|s| Duration::from_secs_f64(s.clamp(0.0, 1e6)));
+    ctx.allreduce(&mut means, Reduction::Max)?;
+    let [direct, reduced] = means.map(|s| Duration::from_secs_f64(s.clamp(0.0, 1e6)));
     Ok(Probe { direct, reduced })
 }
 

@@ -69,28 +69,15 @@ impl Engine {
         // Fusion decides the sequence of collectives, and the area setting how the cycles'
         // states travel: every rank must use the same.
         let area = background::exchange_area_of(&ctx, &config);
-        let tree = area.is_none()
-            && match config.tree_for(ctx.size()) {
-                Some(tree) => tree,
-                None => {
-                    let words = config.cache_capacity.div_ceil(64).clamp(1, 1 << 14);
-                    let probe = super::agree::measure(&ctx, words)?;
-                    tracing::debug!(
-                        rank = ctx.rank(),
-                        size = ctx.size(),
-                        ?probe,
-                        "engine: an agreement each rank to every other against one by reduction"
-                    );
-                    // Clearly faster, or not at all: the direct exchange also carries small
-                    // tensors, which the measurement does not count.
-                    probe.reduced.as_secs_f64() < 0.8 * probe.direct.as_secs_f64()
-                }
-            };
-        let mine = [
-            config.fusion_threshold as u64,
-            config.fusion_max_tensor as u64,
-            u64::from(area.is_some()) + 2 * u64::from(tree),
-        ];
+        // How the cycles' states travel: 0 each rank to every other, 1 through the area, 2 by
+        // reduction, 3 to be measured (by every rank together, once all agree to).
+        let how = match (&area, config.tree_for(ctx.size())) {
+            (Some(_), _) => 1,
+            (None, Some(false)) => 0,
+            (None, Some(true)) => 2,
+            (None, None) => 3,
+        };
+        let mine = [config.fusion_threshold as u64, config.fusion_max_tensor as u64, how];
         let mut all = vec![0u64; 3 * ctx.size()];
         ctx.allgather(&mine, &mut all, &crate::CollectiveOptions::default())?;
         if let Some(r) = (0..ctx.size()).find(|&r| all[3 * r..3 * r + 2] != mine[..2]) {
@@ -114,6 +101,7 @@ impl Engine {
             let say = |how: u64| match how {
                 1 => "through the shared-memory area",
                 2 => "over the pairs by reduction",
+                3 => "over the pairs, by reduction or not as measured",
                 _ => "over the pairs, each rank to every other",
             };
             return Err(Error::Mismatch {
@@ -129,6 +117,24 @@ impl Engine {
                 ),
             });
         }
+        let tree = match how {
+            2 => true,
+            3 => {
+                let words = config.cache_capacity.div_ceil(64).clamp(1, 1 << 14);
+                let probe = super::agree::measure(&ctx, words)?;
+                tracing::debug!(
+                    rank = ctx.rank(),
+                    size = ctx.size(),
+                    ?probe,
+                    "engine: an agreement each rank to every other against one by reduction"
+                );
+                // Clearly faster, or not at all: the direct exchange also carries small
+                // tensors, which the measurement does not count. (Every rank holds the same
+                // figures.)
+                probe.reduced.as_secs_f64() < 0.8 * probe.direct.as_secs_f64()
+            }
+            _ => false,
+        };
         let world = ctx.world_rank(ctx.rank()).unwrap_or(ctx.rank());
         let timeline = match &config.timeline {
             Some(p) if config.timeline_all_ranks => Some(timeline::rank_path(p, world)),
