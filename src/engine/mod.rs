@@ -48,6 +48,20 @@
 //!   a rank idle in its loop notices a peer's arrival, and one that sleeps says so in the area
 //!   and gets a one-byte nudge over its pair; a state too large for a slot goes over the pairs
 //!   for that cycle ([`EngineConfig::negotiate_through_area`]).
+//! - **Agreement by reduction.** Over the pairs the direct exchange costs each rank `n - 1`
+//!   messages a cycle. Instead, the ranks may combine their states as a reduction: a summary
+//!   (the cache's bits ANDed over every rank and over the ranks not joined, the pending and
+//!   invalidated bits ORed, a bit per rank for joined, shut down and names in full), by
+//!   recursive doubling in `ceil(log2 n)` rounds of one message each, after which every rank
+//!   holds the same summary; ranks with names in full send them to the coordinator beside the
+//!   rounds, and its responses go down a binomial tree. An idle rank joins when a round's
+//!   message reaches it (every rank that begins sends in every round). By default the ranks
+//!   time both ways as the engine starts, from 8 ranks, and take the reduction where it is at
+//!   least a fifth faster ([`EngineConfig::tree_negotiation_from`],
+//!   [`Engine::agrees_by_reduction`]). Rank 0 then learns only that *some* rank has a cached
+//!   name pending; past half the stall threshold it drops such a slot (on every rank, next
+//!   cycle), so that the name's submissions come to it in full and a stall report names the
+//!   ranks missing. Small tensors do not travel with the summaries.
 //! - **Small tensors travel with the negotiation.** A cached allreduce small enough, by the
 //!   context's [cost model](crate::cost), that sending it to every rank costs less than the
 //!   allreduce it replaces rides in this rank's state message. When a cycle finds it ready and
@@ -108,7 +122,8 @@
 //! (rank 0's table of requests) and `stall.rs` (the stall inspector). `background.rs` is the
 //! thread around it: idle waiting, the sends and receives through `comm`, running what a cycle
 //! decided (`exec.rs`: fusion, scaling, the collectives) and the timeline (`timeline.rs`).
-//! `wire.rs` encodes the messages; `api.rs`, `config.rs`, `handle.rs` and `tensor.rs` hold
+//! `agree.rs` holds the agreement by reduction (the summary, the rounds, the tree, the
+//! measurement that chooses it). `wire.rs` encodes the messages; `api.rs`, `config.rs`, `handle.rs` and `tensor.rs` hold
 //! what users call and get back; `shared.rs` what their threads share with the background
 //! thread; `meta.rs` what every rank must agree on for a name.
 
