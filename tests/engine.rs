@@ -1606,6 +1606,21 @@ fn ranks_that_measure_how_to_agree_all_take_the_same_way() {
             assert_eq!(way, want, "n={n}, tree_negotiation_from {from:?}");
         }
     }
+    // Ranks whose caches differ in size (only rank 0's decides where names go) measure with
+    // messages of different sizes, and start all the same.
+    let store = HashStore::new();
+    let r = common::run_ranks_on(
+        8,
+        &store,
+        &|| Ok(Device::in_process()),
+        |b| b,
+        |ctx| {
+            let cache_capacity = if ctx.rank() == 3 { 64 } else { 4096 };
+            let e = Engine::new(ctx, EngineConfig { cache_capacity, ..cfg() })?;
+            Ok(e.allreduce("x", vec![1u8; 2], Reduction::Sum)?.wait()?.data)
+        },
+    );
+    assert_eq!(all_ok(r), vec![vec![8u8; 2]; 8]);
     // Through a host's area there is nothing to choose.
     let store = HashStore::new();
     let r = common::run_ranks_on(

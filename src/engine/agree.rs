@@ -1,12 +1,11 @@
 //! A cycle's agreement as a reduction (Horovod's bitwise allreduce of the cache's bits): what
 //! the ranks' state messages say together, in a form that two partial results combine into
-//! one (ANDs and ORs of bit vectors), so that the ranks can agree in `log2(n)` rounds of one
-//! message each ([`Rounds`], recursive doubling) instead of each sending its state to every
-//! other rank. The coordinator keeps its role: ranks with names not in the cache send them to
+//! one (ANDs and ORs of bit vectors), so that the ranks can agree in `floor(log2 n)` rounds of
+//! one message each (recursive doubling, [`rounds`]; two more for the ranks paired up first
+//! where `n` is not a power of two) instead of each sending its state to every other rank. The coordinator keeps its role: ranks with names not in the cache send them to
 //! rank 0 in full, and rank 0's responses go down a binomial tree ([`tree_parent`],
 //! [`tree_children`]).
 
-use super::controller::COORDINATOR;
 use super::wire::{self, JOINED, REQUESTS, SHUTDOWN, State};
 use crate::Context;
 use crate::codec::{BufMutExt, DecodeError, Decoded, Reader};
@@ -40,6 +39,10 @@ pub(crate) struct Summary {
     /// Per rank: it sends names in full to the coordinator this cycle.
     pub(crate) requests: Bits,
 }
+
+/// The root of the responses' tree: the coordinator, rank 0 (`controller::COORDINATOR`, which
+/// this module does not import: the controller uses it).
+const ROOT: usize = 0;
 
 /// The message type of a summary (after the engine's [`wire`] types).
 const SUMMARY: u8 = 3;
@@ -265,7 +268,7 @@ pub(crate) fn rounds(me: usize, n: usize) -> Vec<Round> {
 /// The parent of rank `r` in the binomial tree rooted at the coordinator (rank 0): `r`
 /// without its highest set bit. `None` for the root.
 pub(crate) fn tree_parent(r: usize) -> Option<usize> {
-    (r != COORDINATOR).then(|| r & !(1usize << (usize::BITS - 1 - r.leading_zeros())))
+    (r != ROOT).then(|| r & !(1usize << (usize::BITS - 1 - r.leading_zeros())))
 }
 
 /// The children of rank `r` in that tree, of `n` ranks: `r` with one more bit set above its
@@ -297,7 +300,8 @@ pub(crate) fn measure(ctx: &Context, words: usize) -> Result<Probe> {
             let sends =
                 (0..n).filter(|&p| p != me).map(|p| s.isend(p, PROBE_TAG, &state)).collect::<Result<Vec<_>>>()?;
             for p in (0..n).filter(|&p| p != me) {
-                s.irecv_bytes(&[p], PROBE_TAG, state.len())?.wait()?;
+                // Bounded by any message, not this rank's size: the ranks' caches may differ.
+                s.irecv_bytes(&[p], PROBE_TAG, wire::MAX_MESSAGE)?.wait()?;
             }
             sends.into_iter().try_for_each(|s| s.wait())
         })
@@ -312,7 +316,7 @@ pub(crate) fn measure(ctx: &Context, words: usize) -> Result<Probe> {
                 };
                 let sent = sends.then(|| s.isend(peer, PROBE_TAG, &summary)).transpose()?;
                 if takes {
-                    s.irecv_bytes(&[peer], PROBE_TAG, summary.len())?.wait()?;
+                    s.irecv_bytes(&[peer], PROBE_TAG, wire::MAX_MESSAGE)?.wait()?;
                 }
                 sent.map_or(Ok(()), |s| s.wait())?;
             }
@@ -467,8 +471,6 @@ mod tests {
                     state(7, flags, pending, invalidate)
                 })
                 .collect();
-            let me = (order as usize) % n;
-            let _ = me;
             let all = Summary::of_all(states.iter().enumerate(), 7, words, n);
             // The same, combined pairwise in a shuffled order.
             let mut parts: Vec<Summary> = states.iter().enumerate().map(|(r, s)| Summary::of(s, r, n)).collect();

@@ -121,7 +121,9 @@ impl Engine {
             2 => true,
             3 => {
                 let words = config.cache_capacity.div_ceil(64).clamp(1, 1 << 14);
-                let probe = super::agree::measure(&ctx, words)?;
+                // A rank whose measurement fails tells the others (they would wait for its
+                // messages until their deadline).
+                let probe = super::agree::measure(&ctx, words).inspect_err(|e| ctx.comm().fail(e))?;
                 tracing::debug!(
                     rank = ctx.rank(),
                     size = ctx.size(),

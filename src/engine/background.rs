@@ -839,8 +839,16 @@ impl Core {
             });
         }
         self.ctl.agreed(acc)?;
-        for p in self.ctl.awaiting() {
-            let msg = ctx.scope(|s| Ok(s.irecv_bytes(&[p], REQUEST_TAG, wire::MAX_MESSAGE)?.wait()?.1))?;
+        // Rank 0: every sender's names at once (each read as it comes, not one after another).
+        let need = self.ctl.awaiting();
+        let got = ctx.scope(|s| {
+            let recvs = need
+                .iter()
+                .map(|&p| s.irecv_bytes(&[p], REQUEST_TAG, wire::MAX_MESSAGE).map(|r| (p, r)))
+                .collect::<Result<Vec<_>>>()?;
+            recvs.into_iter().map(|(p, r)| Ok((p, r.wait()?.1))).collect::<Result<Vec<_>>>()
+        })?;
+        for (p, msg) in got {
             self.take_state(p, msg)?;
         }
         Ok(())

@@ -52,9 +52,10 @@ pub struct EngineConfig {
     /// idle) instead of over the pairs. Default on; `FERROGLOO_ENGINE_AREA` (`0` for off).
     pub negotiate_through_area: bool,
     /// Where the cycles go over the pairs (not through a host's area), whether the ranks agree
-    /// each cycle by reduction: in `ceil(log2 n)` rounds of one message per rank (a bitwise
-    /// AND/OR reduction of the cache's bits and the ranks' flags, recursive doubling; names not
-    /// in the cache go to the coordinator in full, whose responses go down a binomial tree),
+    /// each cycle by reduction: in `log2 n` rounds of one message per rank, two more for the
+    /// ranks paired up first where `n` is not a power of two (a bitwise AND/OR reduction of
+    /// the cache's bits and the ranks' flags, recursive doubling; names not in the cache go to
+    /// the coordinator in full, whose responses go down a binomial tree),
     /// instead of every rank sending its state to every other (`n - 1` messages per rank and
     /// cycle, all at once). The second is one round trip but `n - 1` messages; the first
     /// `log2 n` round trips of one: which is faster depends on what a message costs against a

@@ -161,7 +161,7 @@ pub(crate) struct Controller<T> {
     /// on some rank but not ready (the reduction does not say on which ranks: past half the
     /// stall threshold the slot is dropped, so that its names come to the coordinator in full,
     /// which names the ranks missing).
-    stalled_slots: HashMap<u32, Instant>,
+    stalled_slots: HashMap<u32, (u64, Instant)>,
 }
 
 impl<T> Controller<T> {
@@ -534,27 +534,37 @@ impl<T> Controller<T> {
     }
 
     /// Rank 0, where the ranks agree by reduction: notes since when each slot pending on some
-    /// rank has not been ready; one pending past half the stall threshold is dropped (next
-    /// cycle, on every rank), so that its names come to the coordinator in full and the stall
-    /// inspector learns which ranks have them.
+    /// rank has not been ready (under the name it holds now: its version). One pending past
+    /// half the stall threshold is dropped after the cycle (by
+    /// [`inspect_stalls`](Self::inspect_stalls)), on every rank in the next cycle, so that its
+    /// names come to the coordinator in full and the stall inspector learns which ranks have
+    /// them.
     fn note_stalled_slots(&mut self, pending: &[u64], hits: &[u32], stale: &[u64], now: Instant) {
-        let Some(period) = self.stalls.period() else {
+        if self.stalls.period().is_none() {
             self.stalled_slots.clear();
             return;
-        };
-        let waiting: SmallVec<[u32; 16]> = bits(pending).filter(|s| !has_bit(stale, *s) && !hits.contains(s)).collect();
-        self.stalled_slots.retain(|s, _| waiting.contains(s));
-        for s in waiting {
-            self.stalled_slots.entry(s).or_insert(now);
         }
-        self.drop_stalled_slots(now, period);
+        let cache = &self.cache;
+        let waiting: SmallVec<[(u32, u64); 16]> = bits(pending)
+            .filter(|s| !has_bit(stale, *s) && !hits.contains(s))
+            .filter_map(|s| Some((s, cache.version(s)?)))
+            .collect();
+        self.stalled_slots.retain(|s, (v, _)| waiting.contains(&(*s, *v)));
+        for (s, v) in waiting {
+            self.stalled_slots.entry(s).or_insert((v, now));
+        }
     }
 
+    /// Drops the slots noted by [`note_stalled_slots`](Self::note_stalled_slots) that still
+    /// hold the same name and have waited half of `period` (100 ms at least, so that a
+    /// threshold of 0 does not drop every slot that a rank reaches a little late).
     fn drop_stalled_slots(&mut self, now: Instant, period: Duration) {
+        let after = (period / 2).max(Duration::from_millis(100));
+        let cache = &self.cache;
         let due: SmallVec<[u32; 8]> = self
             .stalled_slots
             .iter()
-            .filter(|(_, since)| now.saturating_duration_since(**since) >= period / 2)
+            .filter(|(s, (v, since))| cache.version(**s) == Some(*v) && now.saturating_duration_since(*since) >= after)
             .map(|(s, _)| *s)
             .collect();
         for s in due {

@@ -52,9 +52,10 @@
 //!   messages a cycle. Instead, the ranks may combine their states as a reduction: a summary
 //!   (the cache's bits ANDed over every rank and over the ranks not joined, the pending and
 //!   invalidated bits ORed, a bit per rank for joined, shut down and names in full), by
-//!   recursive doubling in `ceil(log2 n)` rounds of one message each, after which every rank
-//!   holds the same summary; ranks with names in full send them to the coordinator beside the
-//!   rounds, and its responses go down a binomial tree. An idle rank joins when a round's
+//!   recursive doubling in `log2 n` rounds of one message each (two more for some ranks
+//!   where `n` is not a power of two), after which every rank holds the same summary; ranks
+//!   with names in full send them to the coordinator beside the rounds, and its responses go
+//!   down a binomial tree. An idle rank joins when a round's
 //!   message reaches it (every rank that begins sends in every round). By default the ranks
 //!   time both ways as the engine starts, from 8 ranks, and take the reduction where it is at
 //!   least a fifth faster ([`EngineConfig::tree_negotiation_from`],
