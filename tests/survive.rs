@@ -681,12 +681,16 @@ fn survivors_of_a_rank_killed_while_the_mesh_forms_return_in_bounded_time() {
 #[test]
 fn engines_recover_on_the_live_members_after_one_leaves() {
     use ferrogloo::engine::{Engine, EngineConfig};
-    let cfg = EngineConfig { stall_check: None, ..EngineConfig::default() };
-    for (name, dev) in [("memory", memory as MakeDevice), ("tcp", tcp)] {
+    // Each rank to every other, and by reduction (before and after the recovery).
+    let direct = EngineConfig { stall_check: None, tree_negotiation_from: Some(0), ..EngineConfig::default() };
+    let tree = EngineConfig { tree_negotiation_from: Some(2), ..direct.clone() };
+    let runs = [("memory", memory as MakeDevice, &direct), ("tcp", tcp, &direct), ("tcp, by reduction", tcp, &tree)];
+    for (name, dev, cfg) in runs {
         let settled = std::sync::Barrier::new(3);
         let got = run(dev, 4, |ctx| {
             let me = ctx.rank();
             let mut engine = Engine::new(ctx, cfg.clone())?;
+            assert_eq!(engine.agrees_by_reduction(), cfg.tree_negotiation_from == Some(2), "{name}");
             let sum = |e: &Engine, tag: &str| -> Result<Vec<i64>> {
                 e.allreduce(tag, vec![me as i64 + 1; 100], Reduction::Sum)?.wait().map(|t| t.data)
             };
@@ -700,6 +704,7 @@ fn engines_recover_on_the_live_members_after_one_leaves() {
             assert_eq!(err.rank(), Some(2), "{name}: rank {me}: {err}");
             engine.recover()?;
             assert_eq!(engine.size(), 3, "{name}: rank {me}");
+            assert_eq!(engine.agrees_by_reduction(), cfg.tree_negotiation_from == Some(2), "{name}: after");
             assert_eq!(sum(&engine, "after")?, vec![1 + 2 + 4; 100], "{name}: rank {me}");
             // And once more, with nobody gone: the same members. (Recovering revokes the engine's
             // context: a member still finishing a submission would see it fail, as it should.)
