@@ -487,6 +487,7 @@ fn latency(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<En
     let warm_engine = job.engine("warm", |_| ())?;
     let warm = engine_rounds(&warm_engine, "latency.warm", iters, want)?;
     let (hits, eager) = (warm_engine.stats().cache_hits, warm_engine.stats().eager);
+    let reduction = warm_engine.agrees_by_reduction();
     let cold_engine = job.engine("cold", |c| c.cache_capacity = 0)?;
     let cold = engine_rounds(&cold_engine, "latency.cold", iters, want)?;
     let cold_stats = cold_engine.stats();
@@ -495,11 +496,19 @@ fn latency(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<En
     let b = Summary::percentiles(&bare);
     for (mode, samples, extra) in [
         ("bare", &bare, vec![]),
-        ("warm", &warm, vec![("cache_hits", json!(hits)), ("eager", json!(eager))]),
+        (
+            "warm",
+            &warm,
+            vec![("cache_hits", json!(hits)), ("eager", json!(eager)), ("agrees_by_reduction", json!(reduction))],
+        ),
         (
             "cold",
             &cold,
-            vec![("cache_hits", json!(cold_stats.cache_hits)), ("coordinated", json!(cold_stats.coordinated))],
+            vec![
+                ("cache_hits", json!(cold_stats.cache_hits)),
+                ("coordinated", json!(cold_stats.coordinated)),
+                ("agrees_by_reduction", json!(reduction)),
+            ],
         ),
     ] {
         let s = Summary::percentiles(samples);
