@@ -112,15 +112,7 @@ impl Summary {
     /// summaries of different cycles, or of caches of different sizes, are a protocol error
     /// naming rank `peer` (whose summary `other` came with).
     pub(crate) fn merge(&mut self, other: &Summary, me: usize, peer: usize) -> Result<()> {
-        if other.cycle != self.cycle {
-            return Err(Error::Protocol {
-                peer: Some(peer),
-                detail: format!(
-                    "engine: rank {peer} agrees on cycle {}, rank {me} on cycle {}",
-                    other.cycle, self.cycle
-                ),
-            });
-        }
+        self.same_cycle(other, me, peer)?;
         if other.pending_all.len() != self.pending_all.len() || other.joined.len() != self.joined.len() {
             return Err(Error::Protocol {
                 peer: Some(peer),
@@ -144,6 +136,21 @@ impl Summary {
         or(&mut self.shutdown, &other.shutdown);
         or(&mut self.requests, &other.requests);
         Ok(())
+    }
+
+    /// Whether `other` (rank `peer`'s) is of this summary's cycle: a protocol error naming
+    /// `peer` where it is not (rank `me` is this one).
+    pub(crate) fn same_cycle(&self, other: &Summary, me: usize, peer: usize) -> Result<()> {
+        match other.cycle == self.cycle {
+            true => Ok(()),
+            false => Err(Error::Protocol {
+                peer: Some(peer),
+                detail: format!(
+                    "engine: rank {peer} agrees on cycle {}, rank {me} on cycle {}",
+                    other.cycle, self.cycle
+                ),
+            }),
+        }
     }
 
     /// The states of all `n` ranks at once (the direct exchange: `(rank, state)`, each of

@@ -819,7 +819,10 @@ impl Core {
                 let theirs = got.map(|msg| Summary::decode(&msg, world[peer], n)).transpose()?;
                 match (round, theirs) {
                     (Round::Swap { merge: true, .. }, Some(theirs)) => acc.merge(&theirs, wme, world[peer])?,
-                    (Round::Take(_), Some(theirs)) => acc = theirs,
+                    (Round::Take(_), Some(theirs)) => {
+                        acc.same_cycle(&theirs, wme, world[peer])?;
+                        acc = theirs;
+                    }
                     _ => {}
                 }
                 if requests && after == Some(i) {
