@@ -2,10 +2,11 @@
 //! the ranks' state messages say together, in a form that two partial results combine into
 //! one (ANDs and ORs of bit vectors), so that the ranks can agree in `floor(log2 n)` rounds of
 //! one message each (recursive doubling, [`rounds`]; two more for the ranks paired up first
-//! where `n` is not a power of two) instead of each sending its state to every other rank. The coordinator keeps its role: ranks with names not in the cache send them to
-//! rank 0 in full, and rank 0's responses go down a binomial tree ([`tree_parent`],
-//! [`tree_children`]).
+//! where `n` is not a power of two) instead of each sending its state to every other rank.
+//! The coordinator keeps its role: ranks with names not in the cache send them to rank 0 in
+//! full, and rank 0's responses go down a binomial tree ([`tree_parent`], [`tree_children`]).
 
+use super::cache::set_index;
 use super::wire::{self, JOINED, REQUESTS, SHUTDOWN, State};
 use crate::Context;
 use crate::codec::{BufMutExt, DecodeError, Decoded, Reader};
@@ -51,17 +52,6 @@ fn rank_words(n: usize) -> usize {
     n.div_ceil(64)
 }
 
-fn set(bits: &mut [u64], i: usize) {
-    if let Some(w) = bits.get_mut(i / 64) {
-        *w |= 1 << (i % 64);
-    }
-}
-
-/// Whether bit `i` is set.
-pub(crate) fn is_set(bits: &[u64], i: usize) -> bool {
-    bits.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
-}
-
 impl Summary {
     /// Nothing yet, for `n` ranks and `words` words of cache bits: what combining with any
     /// summary leaves as that summary.
@@ -95,7 +85,7 @@ impl Summary {
         for (flag, bits) in [(JOINED, &mut self.joined), (SHUTDOWN, &mut self.shutdown), (REQUESTS, &mut self.requests)]
         {
             if s.flags & flag != 0 {
-                set(bits, rank);
+                set_index(bits, rank);
             }
         }
     }
@@ -235,6 +225,18 @@ pub(crate) enum Round {
     Take(usize),
 }
 
+impl Round {
+    /// The peer of this step, whether this rank sends to it, and whether it takes a message
+    /// from it.
+    pub(crate) fn parts(self) -> (usize, bool, bool) {
+        match self {
+            Round::Swap { peer, .. } => (peer, true, true),
+            Round::Give(peer) => (peer, true, false),
+            Round::Take(peer) => (peer, false, true),
+        }
+    }
+}
+
 /// Rank `me`'s rounds of the recursive doubling over `n` ranks: with `p` the largest power of
 /// two not above `n` and `e = n - p`, the first `2e` ranks pair up (each even one swaps with
 /// the next; the odd one goes on for both), the `p` left double (round k with the rank whose
@@ -316,11 +318,7 @@ pub(crate) fn measure(ctx: &Context, words: usize) -> Result<Probe> {
     let reduced = |ctx: &Context| -> Result<()> {
         ctx.scope(|s| {
             for &round in &rounds {
-                let (peer, sends, takes) = match round {
-                    Round::Swap { peer, .. } => (peer, true, true),
-                    Round::Give(peer) => (peer, true, false),
-                    Round::Take(peer) => (peer, false, true),
-                };
+                let (peer, sends, takes) = round.parts();
                 let sent = sends.then(|| s.isend(peer, PROBE_TAG, &summary)).transpose()?;
                 if takes {
                     s.irecv_bytes(&[peer], PROBE_TAG, wire::MAX_MESSAGE)?.wait()?;
@@ -358,6 +356,7 @@ pub(crate) struct Probe {
 
 #[cfg(test)]
 mod tests {
+    use super::super::cache::is_set;
     use super::*;
     use proptest::prelude::*;
 
@@ -368,7 +367,7 @@ mod tests {
         let mut have: Vec<Vec<u64>> = (0..n)
             .map(|r| {
                 let mut v = vec![0; rank_words(n)];
-                set(&mut v, r);
+                set_index(&mut v, r);
                 v
             })
             .collect();

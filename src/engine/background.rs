@@ -7,6 +7,7 @@
 //! when anything fails, fails every pending submission with the first cause.
 
 use super::agree::{self, Round, Summary};
+use super::cache::is_set;
 use super::config::EngineConfig;
 use super::controller::{COORDINATOR, Controller, Decision, Responses};
 use super::exec::{self, Item, Own, Span};
@@ -780,11 +781,8 @@ impl Core {
         // are taken once the rounds said who sent some. They leave after this rank's last
         // round message to the coordinator, if it has one: a large state stands on the
         // connection in front of what follows it until the coordinator takes it.
-        let requests = me != COORDINATOR && agree::is_set(&acc.requests, me);
-        let peer_of = |r: &Round| match *r {
-            Round::Swap { peer, .. } | Round::Give(peer) | Round::Take(peer) => peer,
-        };
-        let after = rounds.iter().rposition(|r| peer_of(r) == COORDINATOR);
+        let requests = me != COORDINATOR && is_set(&acc.requests, me);
+        let after = rounds.iter().rposition(|r| r.parts().0 == COORDINATOR);
         // A buffer per round that sends: each is sent while the next rounds run.
         let mut outs: Vec<Vec<u8>> = rounds.iter().map(|_| Vec::new()).collect();
         ctx.scope(|s| {
@@ -792,22 +790,12 @@ impl Core {
             if requests && after.is_none() {
                 request = Some(s.isend(COORDINATOR, REQUEST_TAG, to_coordinator)?);
             }
-            let mut outs = outs.iter_mut();
-            for (i, round) in rounds.into_iter().enumerate() {
-                let (peer, sends, takes) = match round {
-                    Round::Swap { peer, .. } => (peer, true, true),
-                    Round::Give(peer) => (peer, true, false),
-                    Round::Take(peer) => (peer, false, true),
-                };
-                let out: &Vec<u8> = match outs.next() {
-                    Some(out) => {
-                        if sends {
-                            *out = acc.encode();
-                        }
-                        out
-                    }
-                    None => return Err(Error::invalid("engine: a round without its buffer (a bug)")),
-                };
+            for (i, (round, out)) in rounds.into_iter().zip(outs.iter_mut()).enumerate() {
+                let (peer, sends, takes) = round.parts();
+                if sends {
+                    *out = acc.encode();
+                }
+                let out: &Vec<u8> = out;
                 let sent = sends.then(|| s.isend(peer, CONTROL_TAG, out)).transpose()?;
                 // The peer's message: the one that began the cycle, else the next to come.
                 let got = match takes.then(|| first.take_if(|(p, _)| *p == peer)).flatten() {

@@ -129,14 +129,24 @@ impl Cache {
 
 /// Sets `slot`'s bit (a slot beyond the words is ignored).
 pub(crate) fn set_bit(words: &mut [u64], slot: u32) {
-    if let Some(w) = words.get_mut(slot as usize / 64) {
-        *w |= 1 << (slot % 64);
-    }
+    set_index(words, slot as usize);
 }
 
 /// Whether `slot`'s bit is set.
 pub(crate) fn has_bit(words: &[u64], slot: u32) -> bool {
-    words.get(slot as usize / 64).is_some_and(|w| w & (1 << (slot % 64)) != 0)
+    is_set(words, slot as usize)
+}
+
+/// Sets bit `i` of a bit vector over slots or ranks (a bit beyond the words is ignored).
+pub(crate) fn set_index(words: &mut [u64], i: usize) {
+    if let Some(w) = words.get_mut(i / 64) {
+        *w |= 1 << (i % 64);
+    }
+}
+
+/// Whether bit `i` of a bit vector over slots or ranks is set.
+pub(crate) fn is_set(words: &[u64], i: usize) -> bool {
+    words.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
 }
 
 /// The slots whose bits are set, in order.

@@ -19,8 +19,8 @@
 //!
 //! [`inspect_stalls`](Controller::inspect_stalls) between and after cycles (rank 0).
 
-use super::agree::{Summary, is_set};
-use super::cache::{Cache, bits, has_bit, set_bit};
+use super::agree::Summary;
+use super::cache::{Cache, bits, has_bit, is_set, set_bit};
 use super::coordinator::Coordinator;
 use super::meta::{Kind, Meta};
 use super::stall::{StallInspector, Stalls};
