@@ -8,8 +8,10 @@
 //! together) of a barrier, an agreement and a shrink, and the agreement's ratio to the
 //! barrier.
 
+#[path = "common/threads.rs"]
+mod threads;
+
 use clap::Parser;
-use ferrogloo::device::{Device, ShmAttr, TcpAttr};
 use ferrogloo::rendezvous::HashStore;
 use ferrogloo::{Context, Error, Result};
 use std::process::ExitCode;
@@ -26,16 +28,6 @@ struct Args {
     /// Timed iterations of each operation.
     #[arg(long, default_value_t = 200)]
     iters: usize,
-}
-
-/// A device of `transport` for one rank.
-fn device(transport: &str) -> Result<Device> {
-    match transport {
-        "memory" => Ok(Device::in_process()),
-        "shm" => Ok(Device::shared_memory(&ShmAttr::default())),
-        "tcp" => Device::tcp(&TcpAttr::loopback()),
-        other => Err(Error::invalid(format!("--transport {other:?}: memory, shm or tcp"))),
-    }
 }
 
 /// The median of `samples`, in microseconds.
@@ -62,8 +54,9 @@ fn timed(ctx: &Context, iters: usize, mut op: impl FnMut(&Context) -> Result<()>
 
 /// One rank: its samples of a barrier, an agreement and a shrink.
 fn rank(r: usize, args: &Args, store: &HashStore) -> Result<[Vec<Duration>; 3]> {
-    let ctx =
-        Context::builder(r, args.threads).timeout(Duration::from_secs(60)).connect(store, &device(&args.transport)?)?;
+    let ctx = Context::builder(r, args.threads)
+        .timeout(Duration::from_secs(60))
+        .connect(store, &threads::device(&args.transport)?)?;
     let barrier = timed(&ctx, args.iters, |c| c.barrier())?;
     let agree = timed(&ctx, args.iters, |c| c.agree(!0).map(drop))?;
     let shrink = timed(&ctx, args.iters, |c| c.shrink().map(drop))?;

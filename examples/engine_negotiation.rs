@@ -11,8 +11,10 @@
 //! start); then what an engine left to choose (the default, `auto`) takes. Prints one JSON line
 //! per measurement and a table of medians in microseconds.
 
+#[path = "common/threads.rs"]
+mod threads;
+
 use clap::Parser;
-use ferrogloo::device::{Device, ShmAttr, TcpAttr};
 use ferrogloo::engine::{Engine, EngineConfig, Reduction};
 use ferrogloo::rendezvous::{HashStore, PrefixStore};
 use ferrogloo::{Context, Error, Result};
@@ -30,16 +32,6 @@ struct Args {
     /// Timed rounds of each measurement (after a tenth as many untimed).
     #[arg(long, default_value_t = 300)]
     iters: usize,
-}
-
-/// A device of `transport` for one rank.
-fn device(transport: &str) -> Result<Device> {
-    match transport {
-        "memory" => Ok(Device::in_process()),
-        "shm" => Ok(Device::shared_memory(&ShmAttr::default())),
-        "tcp" => Device::tcp(&TcpAttr::loopback()),
-        other => Err(Error::invalid(format!("--transport {other:?}: memory, shm or tcp"))),
-    }
 }
 
 /// The median and the 10th and 90th percentiles of `samples`, in microseconds.
@@ -74,7 +66,8 @@ fn engine_rounds(
     store: &PrefixStore<&HashStore>,
     cfg: EngineConfig,
 ) -> Result<(Vec<Duration>, u64)> {
-    let ctx = Context::builder(r, n).timeout(Duration::from_secs(120)).connect(store, &device(&args.transport)?)?;
+    let ctx =
+        Context::builder(r, n).timeout(Duration::from_secs(120)).connect(store, &threads::device(&args.transport)?)?;
     let e = Engine::new(ctx, cfg)?;
     let want = n as f32;
     let samples = timed(args.iters, || {
@@ -96,8 +89,9 @@ type Measured = (String, Vec<Duration>, u64);
 /// The measurements of one rank of `n`: bare, then warm and cold for each way of agreeing.
 fn rank(r: usize, n: usize, args: &Args, store: &HashStore) -> Result<Vec<Measured>> {
     let at = |p: &str| PrefixStore::new(format!("{n}/{p}"), store);
-    let ctx =
-        Context::builder(r, n).timeout(Duration::from_secs(120)).connect(&at("bare"), &device(&args.transport)?)?;
+    let ctx = Context::builder(r, n)
+        .timeout(Duration::from_secs(120))
+        .connect(&at("bare"), &threads::device(&args.transport)?)?;
     let mut one = [1f32];
     let bare = timed(args.iters, || {
         one[0] = 1.0;
@@ -113,8 +107,9 @@ fn rank(r: usize, n: usize, args: &Args, store: &HashStore) -> Result<Vec<Measur
         out.push((format!("{way} cold"), cold.0, cold.1));
     }
     // What an engine left to measure (the default) chooses here.
-    let ctx =
-        Context::builder(r, n).timeout(Duration::from_secs(120)).connect(&at("auto"), &device(&args.transport)?)?;
+    let ctx = Context::builder(r, n)
+        .timeout(Duration::from_secs(120))
+        .connect(&at("auto"), &threads::device(&args.transport)?)?;
     let e = Engine::new(ctx, EngineConfig { stall_check: None, ..EngineConfig::default() })?;
     let mode = if e.agrees_by_reduction() { "auto: tree" } else { "auto: direct" };
     e.shutdown()?;

@@ -35,6 +35,13 @@ fn new_engine(ctx: Context, cfg: EngineConfig) -> Result<Engine> {
     Engine::new(ctx, cfg)
 }
 
+/// Runs `f` on `n` ranks that are threads over in-process pairs, whatever [`DEVICE_ENV`] says
+/// (for tests that make their engines themselves, over the pairs).
+fn on_pairs<T: Send>(n: usize, f: impl Fn(Context) -> Result<T> + Sync) -> Vec<Result<T>> {
+    let store = HashStore::new();
+    common::run_ranks_on(n, &store, &|| Ok(Device::in_process()), |b| b, f)
+}
+
 /// Runs `f` on `n` ranks that are threads, each with its own engine (on [`device`]).
 fn engines<T: Send>(n: usize, cfg: EngineConfig, f: impl Fn(Engine) -> Result<T> + Sync) -> Vec<Result<T>> {
     let store = HashStore::new();
@@ -1442,56 +1449,49 @@ fn a_burst_submitted_while_nobody_waits_is_negotiated_together() {
 fn agreeing_by_reduction_gives_every_rank_the_result_at_any_size() {
     for n in [2usize, 3, 6, 9, 12] {
         let tree = EngineConfig { tree_negotiation_from: Some(2), ..cfg() };
-        let store = HashStore::new();
-        let results = common::run_ranks_on(
-            n,
-            &store,
-            &|| Ok(Device::in_process()),
-            |b| b,
-            |ctx| {
-                let e = Engine::new(ctx, tree.clone())?;
-                if !e.agrees_by_reduction() {
-                    return Err(Error::invalid("configured to agree by reduction, it does not"));
-                }
-                let r = e.rank();
-                let mut rng = Lcg(r as u64 * 31 + n as u64);
-                let tensors = 10;
-                for step in 0..3 {
-                    let mut order: Vec<usize> = (0..tensors).collect();
-                    rng.shuffle(&mut order);
-                    let hs: Vec<_> = order
-                        .iter()
-                        .map(|&t| {
-                            let v: Vec<i64> = (0..5 + t).map(|i| val(r, t, i) + step).collect();
-                            e.allreduce(&format!("t{t}"), v, Reduction::Sum).map(|h| (t, h))
-                        })
-                        .collect::<Result<_>>()?;
-                    for (t, h) in hs {
-                        let want: Vec<i64> = (0..5 + t).map(|i| (0..n).map(|q| val(q, t, i) + step).sum()).collect();
-                        let got = h.wait()?.data;
-                        if got != want {
-                            return Err(Error::invalid(format!("step {step} tensor {t}: {got:?}, want {want:?}")));
-                        }
+        let results = on_pairs(n, |ctx| {
+            let e = Engine::new(ctx, tree.clone())?;
+            if !e.agrees_by_reduction() {
+                return Err(Error::invalid("configured to agree by reduction, it does not"));
+            }
+            let r = e.rank();
+            let mut rng = Lcg(r as u64 * 31 + n as u64);
+            let tensors = 10;
+            for step in 0..3 {
+                let mut order: Vec<usize> = (0..tensors).collect();
+                rng.shuffle(&mut order);
+                let hs: Vec<_> = order
+                    .iter()
+                    .map(|&t| {
+                        let v: Vec<i64> = (0..5 + t).map(|i| val(r, t, i) + step).collect();
+                        e.allreduce(&format!("t{t}"), v, Reduction::Sum).map(|h| (t, h))
+                    })
+                    .collect::<Result<_>>()?;
+                for (t, h) in hs {
+                    let want: Vec<i64> = (0..5 + t).map(|i| (0..n).map(|q| val(q, t, i) + step).sum()).collect();
+                    let got = h.wait()?.data;
+                    if got != want {
+                        return Err(Error::invalid(format!("step {step} tensor {t}: {got:?}, want {want:?}")));
                     }
                 }
-                // The last rank joins; the others allreduce without it, and broadcast with it.
-                if r == n - 1 {
-                    let b = e.broadcast("bc", vec![0u8; 3], 0)?;
-                    let last = e.join()?.wait()?;
-                    let got = b.wait()?.data;
-                    Ok((e.stats(), got, Some(last)))
-                } else {
-                    let b = e.broadcast("bc", vec![r as u8 + 7; 3], 0)?;
-                    let s = e.allreduce("after", vec![1i32; 2], Reduction::Sum)?.wait()?.data;
-                    if n > 1 && s != [n as i32 - 1; 2] {
-                        return Err(Error::invalid(format!("without the joined rank: {s:?}")));
-                    }
-                    let got = b.wait()?.data;
-                    e.join()?.wait()?;
-                    Ok((e.stats(), got, None))
+            }
+            // The last rank joins; the others allreduce without it, and broadcast with it.
+            if r == n - 1 {
+                let b = e.broadcast("bc", vec![0u8; 3], 0)?;
+                let last = e.join()?.wait()?;
+                let got = b.wait()?.data;
+                Ok((e.stats(), got, Some(last)))
+            } else {
+                let b = e.broadcast("bc", vec![r as u8 + 7; 3], 0)?;
+                let s = e.allreduce("after", vec![1i32; 2], Reduction::Sum)?.wait()?.data;
+                if n > 1 && s != [n as i32 - 1; 2] {
+                    return Err(Error::invalid(format!("without the joined rank: {s:?}")));
                 }
-            },
-        );
+                let got = b.wait()?.data;
+                e.join()?.wait()?;
+                Ok((e.stats(), got, None))
+            }
+        });
         for (rank, (stats, bc, _)) in all_ok(results).into_iter().enumerate() {
             assert_eq!(bc, vec![7u8; 3], "n={n} rank {rank}: the broadcast");
             assert!(stats.cache_hits >= 20, "n={n} rank {rank}: the second and third steps hit the cache: {stats:?}");
@@ -1508,38 +1508,31 @@ fn a_stalled_cached_name_is_reported_naming_the_missing_rank_when_agreeing_by_re
     let check = Duration::from_millis(400);
     let go = Barrier::new(3);
     let cfg = EngineConfig { tree_negotiation_from: Some(2), stall_check: Some(check), ..EngineConfig::default() };
-    let store = HashStore::new();
-    let r = common::run_ranks_on(
-        3,
-        &store,
-        &|| Ok(Device::in_process()),
-        |b| b,
-        |ctx| {
-            let e = Engine::new(ctx, cfg.clone())?;
-            // Cached on every rank.
-            e.allreduce("late", vec![1f32; 2], Reduction::Sum)?.wait()?;
-            if e.rank() == 2 {
-                go.wait();
-                e.allreduce("late", vec![1f32; 2], Reduction::Sum)?.wait()?;
-                return Ok(None);
-            }
-            let h = e.allreduce("late", vec![1f32; 2], Reduction::Sum)?;
-            let start = Instant::now();
-            let report = loop {
-                if let Some(r) = e.stall_reports().into_iter().next() {
-                    break Some(r);
-                }
-                if e.rank() != 0 || start.elapsed() > check * 10 {
-                    break None;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            };
-            let after = start.elapsed();
+    let r = on_pairs(3, |ctx| {
+        let e = Engine::new(ctx, cfg.clone())?;
+        // Cached on every rank.
+        e.allreduce("late", vec![1f32; 2], Reduction::Sum)?.wait()?;
+        if e.rank() == 2 {
             go.wait();
-            let sum = h.wait()?.data;
-            Ok(Some((report, after, sum, e.stats())))
-        },
-    );
+            e.allreduce("late", vec![1f32; 2], Reduction::Sum)?.wait()?;
+            return Ok(None);
+        }
+        let h = e.allreduce("late", vec![1f32; 2], Reduction::Sum)?;
+        let start = Instant::now();
+        let report = loop {
+            if let Some(r) = e.stall_reports().into_iter().next() {
+                break Some(r);
+            }
+            if e.rank() != 0 || start.elapsed() > check * 10 {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let after = start.elapsed();
+        go.wait();
+        let sum = h.wait()?.data;
+        Ok(Some((report, after, sum, e.stats())))
+    });
     let r = all_ok(r);
     let (report, after, sum, stats) = r[0].clone().expect("rank 0");
     let report = report.expect("rank 0 reports the stall");
@@ -1554,18 +1547,11 @@ fn ranks_that_agree_differently_over_the_pairs_are_refused_at_start() {
     // Rank 1 agrees each rank to every other, the others by reduction (3 ranks), or would
     // measure (8 ranks): refused in words, at once, before any rank measures.
     for (n, others) in [(3usize, Some(3)), (8, None)] {
-        let store = HashStore::new();
         let start = Instant::now();
-        let r = common::run_ranks_on(
-            n,
-            &store,
-            &|| Ok(Device::in_process()),
-            |b| b,
-            |ctx: Context| {
-                let from = if ctx.rank() == 1 { Some(0) } else { others };
-                Engine::new(ctx, EngineConfig { tree_negotiation_from: from, ..cfg() }).map(drop)
-            },
-        );
+        let r = on_pairs(n, |ctx: Context| {
+            let from = if ctx.rank() == 1 { Some(0) } else { others };
+            Engine::new(ctx, EngineConfig { tree_negotiation_from: from, ..cfg() }).map(drop)
+        });
         let way = if others.is_some() { "over the pairs by reduction" } else { "by reduction or not as measured" };
         for (rank, r) in r.into_iter().enumerate() {
             let e = r.err().map(|e| e.to_string()).unwrap_or_default();
@@ -1584,18 +1570,11 @@ fn ranks_that_agree_differently_over_the_pairs_are_refused_at_start() {
 #[test]
 fn ranks_that_measure_how_to_agree_all_take_the_same_way() {
     for (n, from, want) in [(8usize, None, None), (9, None, None), (7, None, Some(false)), (9, Some(0), Some(false))] {
-        let store = HashStore::new();
-        let results = common::run_ranks_on(
-            n,
-            &store,
-            &|| Ok(Device::in_process()),
-            |b| b,
-            |ctx| {
-                let e = Engine::new(ctx, EngineConfig { tree_negotiation_from: from, ..cfg() })?;
-                let sum = e.allreduce("x", vec![e.rank() as u32; 3], Reduction::Sum)?.wait()?.data;
-                Ok((e.agrees_by_reduction(), sum))
-            },
-        );
+        let results = on_pairs(n, |ctx| {
+            let e = Engine::new(ctx, EngineConfig { tree_negotiation_from: from, ..cfg() })?;
+            let sum = e.allreduce("x", vec![e.rank() as u32; 3], Reduction::Sum)?.wait()?.data;
+            Ok((e.agrees_by_reduction(), sum))
+        });
         let results = all_ok(results);
         let way = results[0].0;
         for (rank, (tree, sum)) in results.into_iter().enumerate() {
@@ -1608,18 +1587,11 @@ fn ranks_that_measure_how_to_agree_all_take_the_same_way() {
     }
     // Ranks whose caches differ in size (only rank 0's decides where names go) measure with
     // messages of different sizes, and start all the same.
-    let store = HashStore::new();
-    let r = common::run_ranks_on(
-        8,
-        &store,
-        &|| Ok(Device::in_process()),
-        |b| b,
-        |ctx| {
-            let cache_capacity = if ctx.rank() == 3 { 64 } else { 4096 };
-            let e = Engine::new(ctx, EngineConfig { cache_capacity, ..cfg() })?;
-            Ok(e.allreduce("x", vec![1u8; 2], Reduction::Sum)?.wait()?.data)
-        },
-    );
+    let r = on_pairs(8, |ctx| {
+        let cache_capacity = if ctx.rank() == 3 { 64 } else { 4096 };
+        let e = Engine::new(ctx, EngineConfig { cache_capacity, ..cfg() })?;
+        Ok(e.allreduce("x", vec![1u8; 2], Reduction::Sum)?.wait()?.data)
+    });
     assert_eq!(all_ok(r), vec![vec![8u8; 2]; 8]);
     // Through a host's area there is nothing to choose.
     let store = HashStore::new();
