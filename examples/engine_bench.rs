@@ -13,7 +13,10 @@
 //!   `single` (no engine: one `Context::allreduce` of all the parameters in one buffer) and
 //!   `many` (no engine: one `Context::allreduce_many_alike` of the 161 tensors, what a fused
 //!   batch runs).
-//!   Median, minimum and maximum per step over `--steps`, after `--warmup` steps.
+//!   Median, minimum and maximum per step over `--steps`, after `--warmup` steps. The modes
+//!   take turns: every step runs each once, in an order of its own, so that what the machine
+//!   does meanwhile (other tenants, the clock's frequency) falls on every mode alike rather
+//!   than on whichever ran in that stretch.
 //! - **latency**: one 4 KiB tensor (1024 f32), submit → done, `--iters` times: `warm` (the
 //!   same name every time: response-cache hits), `cold` (an engine with `cache_capacity: 0`:
 //!   every round goes through the coordinator) and `bare` (a plain `Context::allreduce` of
@@ -69,7 +72,7 @@ struct Args {
     #[command(flatten)]
     job: common::JobArgs,
     /// Timed ResNet-50 steps per mode.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 20)]
     steps: usize,
     /// Untimed ResNet-50 steps before them.
     #[arg(long, default_value_t = 2)]
@@ -292,28 +295,45 @@ fn check_and_refill(mode: &str, grads: &mut [Vec<f32>], want: f32) -> Result<()>
     Ok(())
 }
 
-/// Runs `warmup` untimed then `steps` timed steps of a plain mode, each after a barrier:
-/// `step` runs one on `state`, `after` checks its results and readies `state` for the next
-/// (untimed). The timed steps' milliseconds.
-fn plain_steps<S>(
-    ctx: &Context,
-    (warmup, steps): (usize, usize),
-    state: &mut S,
-    step: impl Fn(&mut S) -> Result<()>,
-    after: impl Fn(&mut S) -> Result<()>,
-) -> Result<Vec<f64>> {
-    let mut t = Vec::with_capacity(steps);
-    for s in 0..warmup + steps {
-        ctx.barrier()?;
-        let start = Instant::now();
-        step(state)?;
-        let took = start.elapsed();
-        after(state)?;
-        if s >= warmup {
-            t.push(took.as_secs_f64() * 1e3);
-        }
+/// `0..n` in an order drawn from `seed` (Fisher-Yates over splitmix64): the same on every
+/// rank for the same seed.
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut x = seed;
+    let mut next = move || {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (next() % (i as u64 + 1)) as usize);
     }
-    Ok(t)
+    order
+}
+
+/// One step of a plain mode after a barrier: its milliseconds.
+fn plain_step(ctx: &Context, step: impl FnOnce() -> Result<()>) -> Result<f64> {
+    ctx.barrier()?;
+    let start = Instant::now();
+    step()?;
+    Ok(start.elapsed().as_secs_f64() * 1e3)
+}
+
+/// One step of an engine after an engine barrier: every tensor of `grads` submitted in reverse
+/// (backprop) order, then all waited for and put back. Its milliseconds.
+fn engine_step(e: &Engine, names: &[String], grads: &mut [Vec<f32>]) -> Result<f64> {
+    e.barrier()?.wait()?;
+    let start = Instant::now();
+    let mut handles = Vec::with_capacity(grads.len());
+    for i in (0..grads.len()).rev() {
+        handles.push((i, e.allreduce(&names[i], std::mem::take(&mut grads[i]), Reduction::Sum)?));
+    }
+    for (i, h) in handles {
+        grads[i] = h.wait()?.data;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3)
 }
 
 /// The members of a JSON line after bench, mode and np, in order.
@@ -336,88 +356,72 @@ fn per_step(after: &EngineStats, before: &EngineStats, steps: usize) -> Fields {
     ]
 }
 
-/// The ResNet-50 step in the four modes.
+/// The ResNet-50 step's modes, in the order the first step runs them.
+const RESNET_MODES: [&str; 5] = ["ordered", "single", "many", "fused", "unfused"];
+
+/// The ResNet-50 step in its modes, interleaved: every step runs each mode once, in an order of
+/// its own (shuffled, the same on every rank), so that whatever the machine does meanwhile (another
+/// tenant, the clock, the page cache) falls on every mode alike instead of on whichever ran in
+/// that stretch. Each mode's step begins after a barrier of its own kind and ends when this
+/// rank has all its results; checking and refilling them is not timed.
 fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()> {
     let sizes = resnet50();
     let total: usize = sizes.iter().sum();
     let want = job.size as f32; // every rank contributes ones
     let (warmup, steps) = (args.warmup, args.steps.max(1));
     let mut grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1f32; n]).collect();
-    let mut times: Vec<(&str, Vec<f64>, Fields)> = Vec::new();
-
-    // ordered: plain allreduces, one per tensor, in backprop order.
-    let t = plain_steps(
-        ctx,
-        (warmup, steps),
-        &mut grads,
-        |grads| grads.iter_mut().rev().try_for_each(|g| ctx.allreduce(g, Reduction::Sum)),
-        |grads| check_and_refill("ordered", grads, want),
-    )?;
-    times.push(("ordered", t, Vec::new()));
-
-    // single: all parameters in one buffer, one allreduce.
     let mut flat = vec![vec![1f32; total]];
-    let t = plain_steps(
-        ctx,
-        (warmup, steps),
-        &mut flat,
-        |flat| ctx.allreduce(&mut flat[0], Reduction::Sum),
-        |flat| check_and_refill("single", flat, want),
-    )?;
-    drop(flat);
-    times.push(("single", t, Vec::new()));
-
-    // many: every tensor in one plain call, `allreduce_many_alike` (what a fused batch runs,
-    // without the engine around it).
-    let t = plain_steps(
-        ctx,
-        (warmup, steps),
-        &mut grads,
-        |grads| {
-            let mut parts: Vec<&mut [f32]> = grads.iter_mut().rev().map(|g| g.as_mut_slice()).collect();
-            ctx.allreduce_many_alike(&mut parts, Reduction::Sum, &CollectiveOptions::default())
-        },
-        |grads| check_and_refill("many", grads, want),
-    )?;
-    times.push(("many", t, Vec::new()));
-
-    // fused and unfused: the engine, each on a context of its own.
     let names: Vec<String> = (0..sizes.len()).map(|i| format!("resnet50.param{i}.grad")).collect();
-    for mode in ["fused", "unfused"] {
-        let env_timeline = EngineConfig::from_env()?.timeline;
-        let e = job.engine(mode, |c| match mode {
-            "fused" => c.timeline = env_timeline,
-            _ => c.fusion_threshold = 0,
-        })?;
-        let mut t = Vec::with_capacity(steps);
-        let mut before = e.stats();
-        for s in 0..warmup + steps {
-            if s == warmup {
-                before = e.stats();
+    // fused and unfused: the engine, each on a context of its own.
+    let env_timeline = EngineConfig::from_env()?.timeline;
+    let fused = job.engine("fused", |c| c.timeline = env_timeline)?;
+    let unfused = job.engine("unfused", |c| c.fusion_threshold = 0)?;
+    let mut times: Vec<(&str, Vec<f64>, Fields)> =
+        RESNET_MODES.iter().map(|&m| (m, Vec::with_capacity(steps), Vec::new())).collect();
+    let mut before = [fused.stats(), unfused.stats()];
+    for s in 0..warmup + steps {
+        if s == warmup {
+            before = [fused.stats(), unfused.stats()];
+        }
+        for m in shuffled(RESNET_MODES.len(), s as u64) {
+            let mode = RESNET_MODES[m];
+            let took = match mode {
+                // ordered: plain allreduces, one per tensor, in backprop order.
+                "ordered" => {
+                    plain_step(ctx, || grads.iter_mut().rev().try_for_each(|g| ctx.allreduce(g, Reduction::Sum)))?
+                }
+                // single: all parameters in one buffer, one allreduce.
+                "single" => plain_step(ctx, || ctx.allreduce(&mut flat[0], Reduction::Sum))?,
+                // many: every tensor in one plain call, `allreduce_many_alike` (what a fused
+                // batch runs, without the engine around it).
+                "many" => plain_step(ctx, || {
+                    let mut parts: Vec<&mut [f32]> = grads.iter_mut().rev().map(|g| g.as_mut_slice()).collect();
+                    ctx.allreduce_many_alike(&mut parts, Reduction::Sum, &CollectiveOptions::default())
+                })?,
+                _ => engine_step(if mode == "fused" { &fused } else { &unfused }, &names, &mut grads)?,
+            };
+            if mode == "single" {
+                check_and_refill(mode, &mut flat, want)?;
+            } else {
+                check_and_refill(mode, &mut grads, want)?;
             }
-            e.barrier()?.wait()?;
-            let start = Instant::now();
-            let mut handles = Vec::with_capacity(grads.len());
-            for i in (0..grads.len()).rev() {
-                handles.push((i, e.allreduce(&names[i], std::mem::take(&mut grads[i]), Reduction::Sum)?));
-            }
-            for (i, h) in handles {
-                grads[i] = h.wait()?.data;
-            }
-            let took = start.elapsed();
-            check_and_refill(mode, &mut grads, want)?;
             if s >= warmup {
-                t.push(took.as_secs_f64() * 1e3);
+                times[m].1.push(took);
             }
         }
+    }
+    drop(flat);
+    let cfg = EngineConfig::from_env()?;
+    for (e, b, mode) in [(fused, &before[0], "fused"), (unfused, &before[1], "unfused")] {
         // Each timed step also ran one engine barrier (one cycle, one collective).
-        let mut counts = per_step(&e.stats(), &before, steps);
-        let cfg = EngineConfig::from_env()?;
+        let mut counts = per_step(&e.stats(), b, steps);
         let threshold = if mode == "fused" { cfg.fusion_threshold } else { 0 };
         counts.push(("fusion_threshold", json!(threshold)));
         counts.push(("fusion_max_tensor", json!(cfg.fusion_max_tensor)));
         e.shutdown()?;
-        times.push((mode, t, counts));
+        if let Some(t) = times.iter_mut().find(|t| t.0 == mode) {
+            t.2 = counts;
+        }
     }
 
     let median = |mode: &str| times.iter().find(|m| m.0 == mode).map_or(f64::NAN, |m| Summary::range(&m.1).median);
