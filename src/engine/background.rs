@@ -1070,18 +1070,20 @@ impl Core {
                 let msg =
                     self.ctx.scope(|s| Ok(s.irecv_bytes(&[parent], CONTROL_TAG, wire::MAX_MESSAGE)?.wait()?.1))?;
                 self.send_responses(&msg)?;
-                Some(msg)
+                // A broken message is blamed on the parent that sent it (it may have come
+                // from the coordinator broken, which the parent then reports too).
+                Some((msg, parent))
             }
             Responses::Receive => {
                 let mut nudged = 0;
                 let nudges = self.area.is_some();
                 let msg = self.ctx.scope(|s| recv_past_nudges(s, COORDINATOR, nudges, &mut nudged))?;
                 self.owed_nudges = self.owed_nudges.saturating_sub(nudged);
-                Some(msg)
+                Some((msg, COORDINATOR))
             }
         };
         let Decision { ready, from_coordinator, coordinated, contributors, join_done, shut_by } =
-            self.ctl.conclude(responses.as_deref())?;
+            self.ctl.conclude(responses.as_ref().map(|(msg, from)| (msg.as_slice(), *from)))?;
         let slots: SmallVec<[Option<u32>; 16]> = ready.iter().map(|r| r.slot).collect();
         let hits = ready.len() - from_coordinator;
         let mut items: Vec<Item> = ready.into_iter().map(|r| Item::new(r, now)).collect();

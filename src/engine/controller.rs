@@ -597,8 +597,9 @@ impl<T> Controller<T> {
     }
 
     /// Ends the cycle: `responses` is the coordinator's message when
-    /// [`exchanged`](Self::exchanged) said [`Responses::Receive`], else `None`.
-    pub(crate) fn conclude(&mut self, responses: Option<&[u8]>) -> Result<Decision<T>> {
+    /// [`exchanged`](Self::exchanged) said [`Responses::Receive`], with the rank it came from
+    /// (the coordinator, or this rank's parent in the tree that forwards it), else `None`.
+    pub(crate) fn conclude(&mut self, responses: Option<(&[u8], usize)>) -> Result<Decision<T>> {
         let Some(cur) = self.current.take().filter(|c| c.exchanged) else {
             return Err(self.bug("a decision before the exchange"));
         };
@@ -606,7 +607,7 @@ impl<T> Controller<T> {
         let n = self.size();
         let responses = match (decided, responses, coordinated) {
             (Some(d), None, _) => d,
-            (None, Some(msg), true) => wire::decode_responses(msg, self.w(COORDINATOR), self.cycle)?,
+            (None, Some((msg, from)), true) => wire::decode_responses(msg, self.w(from), self.cycle)?,
             (None, None, false) => Vec::new(),
             _ => return Err(self.bug("the coordinator's responses where none were due, or none where they were")),
         };

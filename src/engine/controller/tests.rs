@@ -56,7 +56,7 @@ impl Job {
             .iter_mut()
             .zip(rs)
             .map(|(c, r)| match r {
-                Responses::Receive => c.conclude(sent.as_deref()),
+                Responses::Receive => c.conclude(sent.as_deref().map(|m| (m, COORDINATOR))),
                 _ => c.conclude(None),
             })
             .collect::<Result<_>>()
@@ -248,7 +248,32 @@ fn malformed_and_out_of_turn_messages_are_protocol_errors_naming_the_peer() {
     let outs: Vec<Outbox> = job.ctls.iter_mut().map(|c| c.begin()).collect();
     job.ctls[1].receive_state(0, outs[0].to(1)).unwrap();
     assert!(matches!(job.ctls[1].exchanged(Instant::now(), false), Ok(Responses::None)));
-    assert!(job.ctls[1].conclude(Some(&[2])).is_err());
+    assert!(job.ctls[1].conclude(Some((&[2], COORDINATOR))).is_err());
+}
+
+/// A broken response message is blamed on the rank it came from: the coordinator, or the
+/// parent that forwarded it down the tree (not always the coordinator).
+#[test]
+fn a_broken_response_names_the_rank_it_came_from() {
+    let mut job = Job::new(4, 8);
+    for c in &mut job.ctls {
+        c.submit("a".into(), meta(4), 0);
+    }
+    let outs: Vec<Outbox> = job.ctls.iter_mut().map(|c| c.begin()).collect();
+    for (p, c) in job.ctls.iter_mut().enumerate() {
+        for q in c.awaiting() {
+            c.receive_state(q, outs[q].to(p)).unwrap();
+        }
+    }
+    let now = job.now;
+    for (r, c) in job.ctls.iter_mut().enumerate().skip(2) {
+        assert!(matches!(c.exchanged(now, false), Ok(Responses::Receive)), "rank {r} waits for responses");
+        let from = r - 1; // as if forwarded by its parent
+        match c.conclude(Some((&[0xff, 0, 1], from))) {
+            Err(Error::Protocol { peer, .. }) => assert_eq!(peer, Some(100 + from), "rank {r}"),
+            other => panic!("rank {r}: {:?}", other.map(|d| d.ready.len())),
+        }
+    }
 }
 
 #[test]
