@@ -10,9 +10,12 @@
 //!   them; one step submits all 161 and waits for all. Modes: `fused` (an engine configured as
 //!   by default, 64 MiB fusion buffer), `unfused` (an engine with `fusion_threshold: 0`),
 //!   `ordered` (no engine: one plain `Context::allreduce` per tensor, in the same order),
-//!   `single` (no engine: one `Context::allreduce` of all the parameters in one buffer) and
+//!   `single` (no engine: one `Context::allreduce` of all the parameters in one buffer),
 //!   `many` (no engine: one `Context::allreduce_many_alike` of the 161 tensors, what a fused
-//!   batch runs).
+//!   batch runs) and `carved` (`many`'s call on 161 tensors cut from `single`'s one buffer:
+//!   the same call as `many` on the same memory as `single`, so that `many` ÷ `carved` is what
+//!   the tensors' separate allocations cost and `carved` ÷ `single` what cutting the
+//!   collective at the tensors' ends costs).
 //!   Median, minimum and maximum per step over `--steps`, after `--warmup` steps. The modes
 //!   take turns: every step runs each once, in an order of its own, so that what the machine
 //!   does meanwhile (other tenants, the clock's frequency) falls on every mode alike rather
@@ -313,6 +316,19 @@ fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     order
 }
 
+/// `buf` cut into consecutive runs of `sizes` (which add up to at most its length), in order.
+fn carve<'b>(buf: &'b mut [f32], sizes: &[usize]) -> Vec<&'b mut [f32]> {
+    let mut rest = buf;
+    sizes
+        .iter()
+        .map(|&n| {
+            let (run, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            run
+        })
+        .collect()
+}
+
 /// One step of a plain mode after a barrier: its milliseconds.
 fn plain_step(ctx: &Context, step: impl FnOnce() -> Result<()>) -> Result<f64> {
     ctx.barrier()?;
@@ -357,7 +373,7 @@ fn per_step(after: &EngineStats, before: &EngineStats, steps: usize) -> Fields {
 }
 
 /// The ResNet-50 step's modes, in the order the first step runs them.
-const RESNET_MODES: [&str; 5] = ["ordered", "single", "many", "fused", "unfused"];
+const RESNET_MODES: [&str; 6] = ["ordered", "single", "many", "carved", "fused", "unfused"];
 
 /// The ResNet-50 step in its modes, interleaved: every step runs each mode once, in an order of
 /// its own (shuffled, the same on every rank), so that whatever the machine does meanwhile (another
@@ -398,9 +414,15 @@ fn resnet(args: &Args, job: &Job, ctx: &Context, rep: &mut Report) -> Result<()>
                     let mut parts: Vec<&mut [f32]> = grads.iter_mut().rev().map(|g| g.as_mut_slice()).collect();
                     ctx.allreduce_many_alike(&mut parts, Reduction::Sum, &CollectiveOptions::default())
                 })?,
+                // carved: `many` on tensors cut from the one buffer of `single`.
+                "carved" => plain_step(ctx, || {
+                    let mut parts = carve(&mut flat[0], &sizes);
+                    parts.reverse();
+                    ctx.allreduce_many_alike(&mut parts, Reduction::Sum, &CollectiveOptions::default())
+                })?,
                 _ => engine_step(if mode == "fused" { &fused } else { &unfused }, &names, &mut grads)?,
             };
-            if mode == "single" {
+            if mode == "single" || mode == "carved" {
                 check_and_refill(mode, &mut flat, want)?;
             } else {
                 check_and_refill(mode, &mut grads, want)?;
