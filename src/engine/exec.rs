@@ -480,8 +480,9 @@ fn single(
         }
         Kind::Allgather => {
             if items[i].dims.len() != n {
+                // The dimensions come in the coordinator's responses: named by its job rank.
                 return Err(Error::Protocol {
-                    peer: Some(0),
+                    peer: Some(ctx.world_rank(0).unwrap_or(0)),
                     detail: format!(
                         "engine: allgather '{name}' came with {} first dimensions for {n} ranks",
                         items[i].dims.len()

@@ -252,7 +252,7 @@ fn malformed_and_out_of_turn_messages_are_protocol_errors_naming_the_peer() {
 }
 
 /// A broken response message is blamed on the rank it came from: the coordinator, or the
-/// parent that forwarded it down the tree (not always the coordinator).
+/// parent that forwarded it down the tree (rank 3's is rank 1, not the coordinator).
 #[test]
 fn a_broken_response_names_the_rank_it_came_from() {
     let mut job = Job::new(4, 8);
@@ -268,7 +268,7 @@ fn a_broken_response_names_the_rank_it_came_from() {
     let now = job.now;
     for (r, c) in job.ctls.iter_mut().enumerate().skip(2) {
         assert!(matches!(c.exchanged(now, false), Ok(Responses::Receive)), "rank {r} waits for responses");
-        let from = r - 1; // as if forwarded by its parent
+        let from = crate::engine::agree::tree_parent(r).unwrap(); // forwarded by its parent
         match c.conclude(Some((&[0xff, 0, 1], from))) {
             Err(Error::Protocol { peer, .. }) => assert_eq!(peer, Some(100 + from), "rank {r}"),
             other => panic!("rank {r}: {:?}", other.map(|d| d.ready.len())),
