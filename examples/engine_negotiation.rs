@@ -86,8 +86,9 @@ fn engine_rounds(
 /// A measurement: its mode, its samples, and the rounds reduced from travelling tensors.
 type Measured = (String, Vec<Duration>, u64);
 
-/// The measurements of one rank of `n`: bare, then warm and cold for each way of agreeing.
-fn rank(r: usize, n: usize, args: &Args, store: &HashStore) -> Result<Vec<Measured>> {
+/// The measurements of one rank of `n` (bare, then warm and cold for each way of agreeing),
+/// and the way an engine left to measure (the default) chooses: `tree` or `direct`.
+fn rank(r: usize, n: usize, args: &Args, store: &HashStore) -> Result<(Vec<Measured>, &'static str)> {
     let at = |p: &str| PrefixStore::new(format!("{n}/{p}"), store);
     let ctx = Context::builder(r, n)
         .timeout(Duration::from_secs(120))
@@ -111,10 +112,9 @@ fn rank(r: usize, n: usize, args: &Args, store: &HashStore) -> Result<Vec<Measur
         .timeout(Duration::from_secs(120))
         .connect(&at("auto"), &threads::device(&args.transport)?)?;
     let e = Engine::new(ctx, EngineConfig { stall_check: None, ..EngineConfig::default() })?;
-    let mode = if e.agrees_by_reduction() { "auto: tree" } else { "auto: direct" };
+    let chose = if e.agrees_by_reduction() { "tree" } else { "direct" };
     e.shutdown()?;
-    out.push((mode.to_string(), Vec::new(), 0));
-    Ok(out)
+    Ok((out, chose))
 }
 
 fn main() -> ExitCode {
@@ -126,7 +126,7 @@ fn main() -> ExitCode {
     let mut table = Vec::new();
     for &n in &args.threads {
         let store = HashStore::new();
-        let results: Vec<Result<Vec<Measured>>> = std::thread::scope(|s| {
+        let results: Vec<Result<(Vec<Measured>, &str)>> = std::thread::scope(|s| {
             let (args, store) = (&args, &store);
             let handles: Vec<_> = (0..n).map(|r| s.spawn(move || rank(r, n, args, store))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("a rank panicked")))).collect()
@@ -142,17 +142,9 @@ fn main() -> ExitCode {
                 }
             }
         }
-        let Some(measured) = first else { return ExitCode::FAILURE };
+        let Some((measured, chose)) = first else { return ExitCode::FAILURE };
         let mut row = vec![n.to_string()];
         for (mode, samples, eager) in measured {
-            if let Some(chose) = mode.strip_prefix("auto: ") {
-                println!(
-                    "{{\"bench\":\"engine_negotiation\",\"transport\":\"{}\",\"ranks\":{n},\"mode\":\"auto\",\"chose\":\"{chose}\"}}",
-                    args.transport
-                );
-                row.push(chose.to_string());
-                continue;
-            }
             let [p50, p10, p90] = spread_us(samples);
             println!(
                 "{{\"bench\":\"engine_negotiation\",\"transport\":\"{}\",\"ranks\":{n},\"mode\":\"{mode}\",\"median_us\":{p50:.1},\"p10_us\":{p10:.1},\"p90_us\":{p90:.1},\"travelled\":{eager}}}",
@@ -160,6 +152,11 @@ fn main() -> ExitCode {
             );
             row.push(format!("{p50:.1}"));
         }
+        println!(
+            "{{\"bench\":\"engine_negotiation\",\"transport\":\"{}\",\"ranks\":{n},\"mode\":\"auto\",\"chose\":\"{chose}\"}}",
+            args.transport
+        );
+        row.push(chose.to_string());
         table.push(row);
     }
     println!("# ranks | bare | direct warm | direct cold | tree warm | tree cold (median µs, rank 0) | auto chose");

@@ -121,10 +121,11 @@
 //! `controller.rs` (one rank's cycle: the state message to send, the messages received, the
 //! names to run) over `cache.rs` (the response cache and its bit vectors), `coordinator.rs`
 //! (rank 0's table of requests) and `stall.rs` (the stall inspector). `background.rs` is the
-//! thread around it: idle waiting, the sends and receives through `comm`, running what a cycle
-//! decided (`exec.rs`: fusion, scaling, the collectives) and the timeline (`timeline.rs`).
-//! `agree.rs` holds the agreement by reduction (the summary, the rounds, the tree, the
-//! measurement that chooses it). `wire.rs` encodes the messages; `api.rs`, `config.rs`, `handle.rs` and `tensor.rs` hold
+//! thread around it: idle waiting, the sends and receives through `comm` (a cycle's exchange of
+//! states in `background/exchange.rs`), running what a cycle decided (`exec.rs`: fusion,
+//! scaling, the collectives) and the timeline (`timeline.rs`). `agree.rs` holds the agreement
+//! by reduction (the summary, the rounds, the tree, the measurement that chooses it).
+//! `wire.rs` encodes the messages; `api.rs`, `config.rs`, `handle.rs` and `tensor.rs` hold
 //! what users call and get back; `shared.rs` what their threads share with the background
 //! thread; `meta.rs` what every rank must agree on for a name.
 
